@@ -1,0 +1,3 @@
+from lightning_lora.cli import main
+
+main()

@@ -1,0 +1,126 @@
+"""Build the trainable model: load the frozen backbone, inject LoRA with peft, prepare it for training.
+
+The order matters and is fixed here, once:
+
+1. load the denoiser (transformer / UNet) in the base dtype, frozen (``requires_grad_(False)``);
+2. (quantize the base, when a quantized precision is chosen: before LoRA, so peft wraps the quantized layers and the
+   adapters themselves stay unquantized);
+3. inject LoRA with peft (``add_adapter``): only ``lora_A`` / ``lora_B`` require gradients;
+4. keep the LoRA parameters in float32 even when the base is bf16: the updates of a rank-16 adapter are tiny and
+   would be rounded away in bf16 (diffusers' ``cast_training_params`` does the same); autocast runs the matmuls in
+   bf16 anyway;
+5. gradient checkpointing, if asked: recompute each block's activations in the backward pass instead of storing them.
+
+Target modules are given as a preset name of the family (``attention``, ``attention_all``, ``all_linear``), a regular
+expression over module names, or a list of module-name suffixes (``to_q``, ``attn.to_out.0``). A list entry that
+matches nothing is an error: peft would silently ignore it, and the user would train fewer layers than they think.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+from lightning_lora.errors import ConfigError
+from lightning_lora.families.base import DiffusionFamily, ModelSource
+
+__all__ = ["LoraOptions", "build_lora_model", "resolve_targets", "trainable_parameters"]
+
+
+@dataclass
+class LoraOptions:
+    """LoRA adapter settings.
+
+    Args:
+        rank: the rank r of the update ``B @ A`` (A: r x in, B: out x r).
+        alpha: the update is scaled by ``alpha / rank``; null means alpha = rank (scale 1).
+        targets: a family preset (``attention``, ``attention_all``, ``all_linear``), a regular expression over module
+            names, or a list of module-name suffixes.
+        dropout: dropout on the LoRA input during training.
+        init: ``gaussian`` (A ~ N(0, 1/r), B = 0, as the diffusers scripts) or ``kaiming`` (peft's default).
+    """
+
+    rank: int = 16
+    alpha: float | None = None
+    targets: str | list[str] = "attention"
+    dropout: float = 0.0
+    init: Literal["gaussian", "kaiming"] = "gaussian"
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ConfigError(f"model.lora.rank: {self.rank} must be a positive integer (typical: 4 to 64).")
+        if self.alpha is not None and self.alpha <= 0:
+            raise ConfigError(f"model.lora.alpha: {self.alpha} must be positive, or null for alpha = rank.")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.lora.dropout: {self.dropout} must be in [0, 1).")
+
+    @property
+    def scale_alpha(self) -> float:
+        return float(self.alpha if self.alpha is not None else self.rank)
+
+
+def resolve_targets(targets: str | list[str], family: DiffusionFamily, model: nn.Module) -> str | list[str]:
+    """Turn the user's ``targets`` into a peft ``target_modules`` value, checking that each part matches a layer."""
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) or _is_quantized_linear(m)]
+    if isinstance(targets, str):
+        pattern = family.lora_presets.get(targets, targets)
+        try:
+            regex = re.compile(pattern)
+        except re.error as e:
+            raise ConfigError(
+                f"model.lora.targets: {targets!r} is neither a preset ({', '.join(family.lora_presets)}) nor a valid "
+                f"regular expression ({e})."
+            ) from e
+        if not any(regex.fullmatch(n) for n in names):
+            raise ConfigError(
+                f"model.lora.targets: {targets!r} matches no linear layer of the {family.name} model. Use a preset "
+                f"({', '.join(family.lora_presets)}) or a module-name pattern such as {names[len(names) // 2]!r}."
+            )
+        return pattern
+    unmatched = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    if unmatched or not targets:
+        example = sorted({n.rsplit(".", 1)[-1] for n in names})[:12]
+        raise ConfigError(
+            f"model.lora.targets: {unmatched or targets} match no linear layer of the {family.name} model. "
+            f"Layer names end in e.g. {example}; or use a preset ({', '.join(family.lora_presets)})."
+        )
+    return list(targets)
+
+
+def _is_quantized_linear(module: nn.Module) -> bool:
+    return type(module).__name__ in ("Linear4bit", "Linear8bitLt", "FP8Linear")
+
+
+def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def build_lora_model(
+    family: DiffusionFamily,
+    source: ModelSource,
+    lora: LoraOptions,
+    gradient_checkpointing: bool = False,
+) -> nn.Module:
+    """Load, freeze, inject LoRA, upcast LoRA to float32, enable checkpointing. Returns the denoiser in train mode."""
+    from peft import LoraConfig
+
+    denoiser = family.load_denoiser(source)
+    denoiser.requires_grad_(False)
+    target_modules = resolve_targets(lora.targets, family, denoiser)
+    config = LoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.scale_alpha,
+        lora_dropout=lora.dropout,
+        init_lora_weights="gaussian" if lora.init == "gaussian" else True,
+        target_modules=target_modules,
+    )
+    denoiser.add_adapter(config)
+    for p in trainable_parameters(denoiser):
+        p.data = p.data.to(torch.float32)
+    if gradient_checkpointing:
+        denoiser.enable_gradient_checkpointing()
+    return denoiser.train()

@@ -1,0 +1,166 @@
+"""Sample images during training: fixed prompts and seeds, every N steps, to TensorBoard and PNG files.
+
+What a user watches to know whether the LoRA is learning. The same prompts and seeds at every step make the images
+comparable over time. The images come from the family's diffusers pipeline around the training model itself, so they
+are what inference with the exported LoRA gives.
+
+Memory: the prompts are encoded once, through the text cache, before training starts; the text encoders are then
+freed (they are not needed while training). The VAE stays on the CPU between samples and moves to the GPU only for
+the decode (``offload_vae``). Generation runs under ``no_grad`` in eval mode, and training mode is restored after.
+Only global rank 0 generates and writes; the other ranks wait at a barrier.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.loggers import TensorBoardLogger
+from typing_extensions import override
+
+from lightning_lora.io import atomic_write
+
+__all__ = ["SampleImages"]
+
+log = logging.getLogger(__name__)
+
+
+class SampleImages(Callback):
+    """Generate sample images from fixed prompts and seeds.
+
+    Args:
+        prompts: the prompts to draw, one image each.
+        every_n_steps: draw every this many optimizer steps (0: only before and after training).
+        seed: image ``i`` uses seed ``seed + i``.
+        steps: denoising steps (28 is FLUX.1-dev's usual value).
+        guidance_scale: guidance for sampling (3.5 is FLUX.1-dev's usual value).
+        height: image height in pixels; null uses the data resolution.
+        width: image width in pixels; null uses the data resolution.
+        at_start: also draw before the first training step (the base model, for comparison).
+        offload_vae: keep the VAE on the CPU between samples.
+        dirname: folder under the run folder for the PNG files.
+    """
+
+    def __init__(
+        self,
+        prompts: list[str],
+        every_n_steps: int = 250,
+        seed: int = 0,
+        steps: int = 28,
+        guidance_scale: float = 3.5,
+        height: int | None = None,
+        width: int | None = None,
+        at_start: bool = True,
+        offload_vae: bool = True,
+        dirname: str = "samples",
+    ) -> None:
+        self.prompts = list(prompts)
+        self.every_n_steps = every_n_steps
+        self.seed = seed
+        self.steps = steps
+        self.guidance_scale = guidance_scale
+        self.height = height
+        self.width = width
+        self.at_start = at_start
+        self.offload_vae = offload_vae
+        self.dirname = dirname
+        self._embeddings: list[dict[str, torch.Tensor]] = []
+        self._vae: torch.nn.Module | None = None
+        self._last_step = -1
+        self.written: list[Path] = []
+
+    def folder(self, trainer: Trainer) -> Path:
+        return Path(trainer.default_root_dir) / self.dirname
+
+    def _size(self, trainer: Trainer) -> tuple[int, int]:
+        resolution = getattr(trainer.datamodule, "resolution", 512)  # type: ignore[attr-defined]
+        return self.height or resolution, self.width or resolution
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit" or not self.prompts:
+            return
+        height, width = self._size(trainer)
+        pl_module.family.check_resolution(height, width, "SampleImages height/width")  # type: ignore[attr-defined]
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.prompts and trainer.is_global_zero:
+            module: Any = pl_module
+            # Encode through the data's text cache (reuses cached prompts); the encoders are freed afterwards.
+            cache = trainer.datamodule.cache()  # type: ignore[attr-defined]
+            self._embeddings = [
+                {k: v.cpu() for k, v in e.items()} for e in cache.text_embeddings(self.prompts, pl_module.device)
+            ]
+            self._vae = module.family.load_vae(module.source)
+        if self.at_start and trainer.global_step == 0:
+            self.sample(trainer, pl_module)
+
+    @override
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        step = trainer.global_step
+        if self.every_n_steps > 0 and step % self.every_n_steps == 0 and step != self._last_step:
+            self.sample(trainer, pl_module)
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.global_step != self._last_step:
+            self.sample(trainer, pl_module)
+        self._vae = None
+
+    def sample(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Draw every prompt at the current step (rank 0), log and save the images."""
+        self._last_step = trainer.global_step
+        if self.prompts and trainer.is_global_zero:
+            images = self._generate(trainer, pl_module)
+            self._publish(trainer, images)
+        trainer.strategy.barrier("SampleImages")
+
+    @torch.no_grad()
+    def _generate(self, trainer: Trainer, pl_module: LightningModule) -> list[Any]:
+        module: Any = pl_module
+        assert self._vae is not None
+        vae = self._vae.to(pl_module.device)
+        height, width = self._size(trainer)
+        was_training = module.denoiser.training
+        module.denoiser.eval()
+        try:
+            pipe = module.family.pipeline(module.denoiser, vae, module.source)
+            images = []
+            with trainer.precision_plugin.forward_context():
+                for i, emb in enumerate(self._embeddings):
+                    images.append(
+                        module.family.generate(
+                            pipe,
+                            emb,
+                            seed=self.seed + i,
+                            height=height,
+                            width=width,
+                            steps=self.steps,
+                            guidance_scale=self.guidance_scale,
+                        )
+                    )
+        finally:
+            module.denoiser.train(was_training)
+            if self.offload_vae:
+                self._vae = vae.to("cpu")
+            if pl_module.device.type == "cuda":
+                torch.cuda.empty_cache()
+        return images
+
+    def _publish(self, trainer: Trainer, images: list[Any]) -> None:
+        step = trainer.global_step
+        folder = self.folder(trainer)
+        for i, (prompt, image) in enumerate(zip(self.prompts, images, strict=True)):
+            path = folder / f"step{step:06d}_{i:02d}.png"
+            atomic_write(path, lambda tmp, im=image: im.save(tmp, format="PNG"))
+            self.written.append(path)
+            for logger in trainer.loggers:
+                if isinstance(logger, TensorBoardLogger):
+                    chw = np.asarray(image.convert("RGB")).transpose(2, 0, 1)
+                    logger.experiment.add_image(f"samples/{i:02d} {prompt[:80]}", chw, step)
+        log.info("wrote %d sample images for step %d to %s", len(images), step, folder)

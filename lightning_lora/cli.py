@@ -1,0 +1,125 @@
+"""The ``lightning-lora`` command: Lightning's CLI with the run-folder conventions of a LoRA trainer.
+
+``lightning-lora fit --config X.yaml`` is ``LightningCLI(LoraModule, LatentDataModule)`` with these defaults:
+
+* **One run folder** (``trainer.default_root_dir``) holds everything: ``config.yaml`` (the resolved config),
+  TensorBoard event files, ``checkpoints/`` (``last.ckpt`` and step checkpoints), ``lora/`` (the exported LoRA) and
+  ``samples/``. The TensorBoard logger writes into the folder itself (no ``version_N`` subfolder), so
+  ``--ckpt_path last`` finds the previous run's ``last.ckpt`` instead of silently starting over.
+* A ``ModelCheckpoint`` that keeps ``last.ckpt`` is added unless the config has one; a :class:`LoraExport` and a
+  :class:`FixedEvalLoss` likewise.
+* The optimizer and scheduler are injected into the module and built over the LoRA parameters only
+  (``auto_configure_optimizers=False``).
+* ``config.yaml`` is overwritten on resume (Lightning refuses by default, LT#17115); the seed defaults to 42 so a
+  resumed run reuses it.
+* A :class:`~lightning_lora.errors.ConfigError` (wrong path, typo, impossible combination) is printed as one line
+  naming the option, with exit status 2.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.loggers import TensorBoardLogger
+
+from lightning_lora.callbacks.evaluation import FixedEvalLoss
+from lightning_lora.callbacks.lora_export import LoraExport
+from lightning_lora.callbacks.samples import SampleImages
+from lightning_lora.data.datamodule import LatentDataModule
+from lightning_lora.errors import ConfigError
+from lightning_lora.module import LoraModule
+
+__all__ = ["LoraCLI", "main"]
+
+DEFAULT_RUN_DIR = "runs/lora"
+DEFAULT_CHECKPOINT_EVERY = 250
+
+
+class LoraCLI(LightningCLI):
+    """LightningCLI for :class:`LoraModule` + :class:`LatentDataModule`; see the module docstring."""
+
+    def __init__(self, args: list[str] | None = None, run: bool = True) -> None:
+        super().__init__(
+            LoraModule,
+            LatentDataModule,
+            save_config_kwargs={"overwrite": True},
+            trainer_defaults={"default_root_dir": DEFAULT_RUN_DIR},
+            seed_everything_default=42,
+            auto_configure_optimizers=False,
+            parser_kwargs={"prog": "lightning-lora"},
+            args=args,
+            run=run,
+        )
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        config = self._get(self.config_init, "trainer", default={})
+        root = Path(config.get("default_root_dir") or DEFAULT_RUN_DIR)
+        if config.get("logger") in (None, True):
+            config["logger"] = TensorBoardLogger(save_dir=str(root), name="", version="", default_hp_metric=False)
+        callbacks = list(config.get("callbacks") or [])
+        checkpoints = [c for c in callbacks if isinstance(c, ModelCheckpoint)]
+        if not checkpoints and config.get("enable_checkpointing", True) is not False:
+            checkpoints.append(
+                ModelCheckpoint(
+                    filename="step{step:06d}",
+                    auto_insert_metric_name=False,
+                    every_n_train_steps=DEFAULT_CHECKPOINT_EVERY,
+                    save_last=True,
+                    save_top_k=-1,
+                )
+            )
+            callbacks.append(checkpoints[-1])
+        for cb in checkpoints:
+            if cb.dirpath is None:
+                cb.dirpath = os.path.realpath(root / "checkpoints")
+        if not any(isinstance(c, LoraExport) for c in callbacks):
+            callbacks.append(LoraExport())
+        if not any(isinstance(c, FixedEvalLoss) for c in callbacks):
+            callbacks.append(FixedEvalLoss())
+        config["callbacks"] = callbacks
+        return super().instantiate_trainer(**kwargs)
+
+    def after_fit(self) -> None:
+        if self.trainer.is_global_zero:
+            print(run_summary(self.trainer), flush=True)
+
+
+def run_summary(trainer: Trainer) -> str:
+    """Where a run wrote its outputs, and how to look at them."""
+    root = Path(trainer.default_root_dir)
+    lines = [f"\nRun folder: {root}  (step {trainer.global_step})"]
+    for cb in trainer.callbacks:  # type: ignore[attr-defined]
+        if isinstance(cb, LoraExport) and cb.last_path is not None:
+            lines.append(f"  LoRA (diffusers format):  {cb.last_path}")
+        elif isinstance(cb, ModelCheckpoint) and cb.dirpath:
+            lines.append(f"  checkpoints:              {cb.dirpath}  (resume: add --ckpt_path last)")
+        elif isinstance(cb, SampleImages) and cb.written:
+            lines.append(f"  sample images:            {cb.folder(trainer)}")
+        elif isinstance(cb, FixedEvalLoss) and len(cb.history) > 1:
+            (s0, a), (s1, b) = cb.history[0], cb.history[-1]
+            lines.append(f"  fixed eval loss:          {a:.4f} (step {s0}) -> {b:.4f} (step {s1})")
+    config = root / "config.yaml"
+    if config.is_file():
+        lines.append(f"  resolved config:          {config}")
+    if any(isinstance(lg, TensorBoardLogger) for lg in trainer.loggers):
+        lines.append(f"  TensorBoard:              tensorboard --logdir {root.parent}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the ``lightning-lora`` command."""
+    try:
+        LoraCLI(args=argv)
+    except ConfigError as e:
+        print(f"lightning-lora: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main()

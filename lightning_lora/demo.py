@@ -1,0 +1,72 @@
+"""Prepare the CPU demo: a tiny random FLUX pipeline and a folder of real captioned photos.
+
+``python -m lightning_lora.demo [--out .demo]`` writes::
+
+    .demo/tiny-flux/     a complete diffusers FluxPipeline folder (random weights, ~1 MB), loaded back by the trainer
+                         through the real ``from_pretrained`` path
+    .demo/photos/        photos that ship inside scikit-image (no download) as PNG, each with a .txt caption
+
+``configs/tiny_cpu.yaml`` trains on exactly these. Existing files are left as they are (the step is idempotent).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["PHOTOS", "prepare"]
+
+# scikit-image sample name -> caption. "sks" is the usual rare trigger token of DreamBooth-style LoRAs.
+PHOTOS: dict[str, str] = {
+    "astronaut": "a photo of sks astronaut in a white space suit with a flag",
+    "chelsea": "a photo of sks cat, a tabby cat looking to the side",
+    "coffee": "a photo of sks coffee cup on a saucer, top view",
+    "rocket": "a photo of sks rocket on the launch pad under a blue sky",
+    "hubble_deep_field": "a photo of sks galaxies in deep space",
+    "colorwheel": "a sks color wheel with all the hues of the rainbow",
+    "camera": "a black and white photo of sks man with a camera on a tripod",
+    "coins": "a black and white photo of sks coins on a table",
+}
+
+
+def _photo(name: str) -> np.ndarray:
+    try:
+        from skimage import data
+    except ImportError as e:  # pragma: no cover - the demo extra is part of `make demo`
+        raise SystemExit("the demo needs scikit-image: pip install 'lightning-lora[demo]'") from e
+    return np.asarray(getattr(data, name)())
+
+
+def prepare(out: Path) -> tuple[Path, Path]:
+    """Write the tiny pipeline and the photos under ``out``; return their folders."""
+    from PIL import Image
+
+    from lightning_lora.io import atomic_write, atomic_write_bytes
+    from lightning_lora.tiny import save_tiny_flux
+
+    model = save_tiny_flux(out / "tiny-flux", seed=0)
+    photos = out / "photos"
+    photos.mkdir(parents=True, exist_ok=True)
+    for name, caption in PHOTOS.items():
+        image_path = photos / f"{name}.png"
+        if not image_path.exists():
+            image = Image.fromarray(_photo(name))
+            atomic_write(image_path, lambda tmp, im=image: im.save(tmp, format="PNG"))
+        caption_path = photos / f"{name}.txt"
+        if not caption_path.exists():
+            atomic_write_bytes(caption_path, (caption + "\n").encode())
+    return model, photos
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path(".demo"), help="folder for the model and photos")
+    args = parser.parse_args()
+    model, photos = prepare(args.out)
+    print(f"demo model:  {model}\ndemo photos: {photos} ({len(PHOTOS)} images with captions)")
+
+
+if __name__ == "__main__":
+    main()

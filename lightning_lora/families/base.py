@@ -1,0 +1,234 @@
+"""What a model family must provide, and where the model comes from.
+
+A *family* (FLUX, SDXL, SD1.5) is everything that differs between diffusion models from the trainer's point of view:
+which classes to load from which subfolder, how prompts and images become tensors, how a noisy latent and a timestep
+become a prediction and a loss, which layers LoRA targets, and which diffusers pipeline draws sample images. The rest
+of lightning-lora (assembly, cache, module, callbacks) talks to a family only through :class:`DiffusionFamily`, so no
+code outside ``families/`` asks "is this FLUX?".
+
+Families are chosen in the YAML by class path, with their own typed options::
+
+    model:
+      family:
+        class_path: lightning_lora.families.Flux
+        init_args: {guidance: 1.0, timestep_sampling: flux_shift}
+
+:class:`ModelSource` says where the weights come from: a hub id or a local diffusers folder (``from_pretrained``),
+optionally with the denoiser replaced by a single ``.safetensors`` file (``from_single_file``, the format people
+download for ComfyUI). :func:`check_source` validates it before any heavy work, so a typo costs a second, not a
+twelve-gigabyte load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
+
+import torch
+from torch import nn
+
+from lightning_lora.errors import ConfigError
+
+__all__ = ["DiffusionFamily", "ModelSource", "check_source", "load_component", "FAMILIES"]
+
+FAMILIES: dict[str, type[DiffusionFamily]] = {}
+"""The registry: family name -> class. Filled by :meth:`DiffusionFamily.__init_subclass__`."""
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where the model's weights come from.
+
+    Args:
+        pretrained: a hub id (``black-forest-labs/FLUX.1-dev``) or a local diffusers folder (with ``model_index.json``).
+        denoiser_file: optional single ``.safetensors`` file that replaces the denoiser (transformer or UNet) of
+            ``pretrained``; the other components still come from ``pretrained``.
+        revision: hub revision (branch, tag or commit); ignored for local folders.
+        dtype: the dtype the frozen weights are loaded in.
+    """
+
+    pretrained: str
+    denoiser_file: str | None = None
+    revision: str | None = None
+    dtype: torch.dtype = torch.bfloat16
+
+    @property
+    def is_local(self) -> bool:
+        return Path(self.pretrained).expanduser().is_dir()
+
+    @property
+    def local_path(self) -> str:
+        return str(Path(self.pretrained).expanduser()) if self.is_local else self.pretrained
+
+    def identity(self, component: str) -> str:
+        """A string that changes when the weights of ``component`` change; cache keys are built from it.
+
+        For a local folder it includes the component's config and the size and modification time of its weight
+        files; for a hub id, the id and revision.
+        """
+        parts: list[str] = [self.pretrained, self.revision or "", str(self.dtype)]
+        if self.is_local:
+            folder = Path(self.local_path) / component
+            for f in sorted(folder.glob("*")) if folder.is_dir() else []:
+                stat = f.stat()
+                parts.append(f"{f.name}:{stat.st_size}:{int(stat.st_mtime)}")
+        return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def check_source(source: ModelSource, pipeline_classes: tuple[str, ...]) -> None:
+    """Validate a :class:`ModelSource` cheaply (no weights are read); raise :class:`ConfigError` with the fix."""
+    path = Path(source.pretrained).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ConfigError(
+                f"model.pretrained: {source.pretrained!r} is a file, not a diffusers folder. Put a folder with "
+                "model_index.json (or a hub id) in model.pretrained; a single .safetensors denoiser goes in "
+                "model.denoiser_file."
+            )
+        index = path / "model_index.json"
+        if not index.is_file():
+            raise ConfigError(
+                f"model.pretrained: {str(path)!r} is not a diffusers pipeline folder (no model_index.json). Point it "
+                "at the folder that holds model_index.json, transformer/, vae/, text_encoder/..., or use a hub id."
+            )
+        try:
+            class_name = json.loads(index.read_text()).get("_class_name", "")
+        except (OSError, json.JSONDecodeError) as e:
+            raise ConfigError(f"model.pretrained: cannot read {index}: {e}") from e
+        if class_name not in pipeline_classes:
+            raise ConfigError(
+                f"model.pretrained: {str(path)!r} holds a {class_name or 'unknown'} pipeline, but model.family "
+                f"expects one of {', '.join(pipeline_classes)}. Choose the matching model.family or another folder."
+            )
+    elif not _HUB_ID.match(source.pretrained):
+        raise ConfigError(
+            f"model.pretrained: {source.pretrained!r} does not exist as a local folder and is not a hub id "
+            "(like black-forest-labs/FLUX.1-dev). Check the path."
+        )
+    if source.denoiser_file is not None:
+        f = Path(source.denoiser_file).expanduser()
+        if not f.is_file():
+            raise ConfigError(f"model.denoiser_file: {source.denoiser_file!r} does not exist. Check the path.")
+        if f.suffix != ".safetensors":
+            raise ConfigError(
+                f"model.denoiser_file: {source.denoiser_file!r} is not a .safetensors file. Only safetensors weights "
+                "are loaded (pickled .ckpt/.pt/.bin files can run code); convert it or download the safetensors file."
+            )
+
+
+def load_component(load: Callable[..., T], source: ModelSource, subfolder: str, **kwargs: Any) -> T:
+    """Call a diffusers/transformers ``from_pretrained`` for one component and turn failures into a clear error."""
+    try:
+        return load(source.local_path, subfolder=subfolder, revision=source.revision, **kwargs)
+    except (OSError, ValueError) as e:
+        where = "local folder" if source.is_local else "hub repository (is it downloaded, or are you offline?)"
+        raise ConfigError(
+            f"model.pretrained: could not load {subfolder!r} from {source.pretrained!r} ({where}): {e}"
+        ) from e
+
+
+class DiffusionFamily(ABC):
+    """The seam between lightning-lora and one kind of diffusion model. See the module docstring.
+
+    Subclasses are registered by ``name``. Batches are dicts of tensors: ``latents`` (normalized VAE latents,
+    ``[B, C, h, w]``) plus whatever :meth:`encode_prompts` returns per prompt.
+    """
+
+    name: ClassVar[str]
+    pipeline_classes: ClassVar[tuple[str, ...]]
+    """``_class_name`` values of ``model_index.json`` this family can load."""
+    denoiser_subfolder: ClassVar[str]
+    latent_divisor: ClassVar[int]
+    """Image sides must be multiples of this many pixels (VAE downscale x latent patch size)."""
+    lora_presets: ClassVar[dict[str, str]]
+    """Named LoRA target sets: preset name -> regular expression over module names (peft ``target_modules``)."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "name" in cls.__dict__:
+            FAMILIES[cls.name] = cls
+
+    # -- loading -----------------------------------------------------------------------------------------------
+    def check_source(self, source: ModelSource) -> None:
+        check_source(source, self.pipeline_classes)
+
+    @abstractmethod
+    def load_denoiser(self, source: ModelSource) -> nn.Module:
+        """The trainable backbone (transformer or UNet) in ``source.dtype``, frozen, in eval mode."""
+
+    @abstractmethod
+    def load_vae(self, source: ModelSource) -> nn.Module:
+        """The VAE, frozen, in eval mode."""
+
+    @abstractmethod
+    def load_text_encoders(self, source: ModelSource) -> Any:
+        """Whatever :meth:`encode_prompts` needs (text encoders and tokenizers), frozen, in eval mode."""
+
+    # -- encoding (cache time) ---------------------------------------------------------------------------------
+    @abstractmethod
+    def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
+        """Encode prompts; every returned tensor has the batch as its first dimension."""
+
+    @abstractmethod
+    def encode_images(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+        """Encode images in [-1, 1], ``[B, 3, H, W]``, to normalized latents ``[B, C, H/8, W/8]`` (float32)."""
+
+    @abstractmethod
+    def text_cache_tag(self) -> str:
+        """The options that change prompt embeddings (e.g. the max token length); part of the text cache key."""
+
+    # -- training ----------------------------------------------------------------------------------------------
+    @abstractmethod
+    def sample_timesteps(self, latents: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Draw one timestep per sample of ``latents`` (on the CPU; the caller moves it)."""
+
+    @abstractmethod
+    def loss(
+        self, denoiser: nn.Module, batch: dict[str, torch.Tensor], noise: torch.Tensor, timesteps: torch.Tensor
+    ) -> torch.Tensor:
+        """The per-sample training loss ``[B]`` for given noise and timesteps."""
+
+    # -- sampling ----------------------------------------------------------------------------------------------
+    @abstractmethod
+    def pipeline(self, denoiser: nn.Module, vae: nn.Module, source: ModelSource) -> Any:
+        """A diffusers pipeline around the (LoRA-carrying) denoiser that generates from prompt embeddings."""
+
+    @abstractmethod
+    def generate(
+        self,
+        pipeline: Any,
+        embeddings: dict[str, torch.Tensor],
+        *,
+        seed: int,
+        height: int,
+        width: int,
+        steps: int,
+        guidance_scale: float,
+    ) -> Any:
+        """One image (PIL) for one prompt's embeddings (batch of 1), reproducible from ``seed``."""
+
+    # -- shared helpers ----------------------------------------------------------------------------------------
+    def check_resolution(self, height: int, width: int, option: str) -> None:
+        d = self.latent_divisor
+        if height % d or width % d or height <= 0 or width <= 0:
+            h, w = max(d, round(height / d) * d), max(d, round(width / d) * d)
+            raise ConfigError(
+                f"{option}: {height}x{width} is not a multiple of {d} pixels, which {self.name} needs "
+                f"(VAE downscale x latent packing). Use {h}x{w}."
+            )
+
+    @staticmethod
+    def seed_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+        g = torch.Generator(device=device)
+        g.manual_seed(seed)
+        return g

@@ -1,0 +1,252 @@
+"""FLUX.1 (dev and schnell): a rectified-flow transformer on packed VAE latents.
+
+Shapes, for an image of ``H x W`` pixels and a batch ``B``:
+
+* The VAE downsamples by 8 into 16 channels: latents ``[B, 16, H/8, W/8]``, normalized as
+  ``(z - shift_factor) * scaling_factor``.
+* The transformer sees 2x2 patches of those latents as tokens: *packing* turns ``[B, C, h, w]`` into
+  ``[B, (h/2)(w/2), 4C]`` (64 features per token for the real model). So image sides must be multiples of 16.
+* Each image token has an id ``(0, row, col)`` used by the rotary position embedding; text tokens have id ``(0, 0, 0)``.
+* Text: T5-XXL gives ``prompt_embeds [B, L, 4096]`` (L = ``max_sequence_length``, 512 for dev) and CLIP-L gives
+  ``pooled_prompt_embeds [B, 768]``.
+* FLUX.1-dev is guidance-distilled: the guidance scale is an *input* (``guidance``), embedded like the timestep.
+  Training with guidance 1.0 is the usual choice for LoRAs; samples use 3.5 as FLUX.1-dev does.
+* Timesteps are noise levels ``sigma`` in (0, 1); the model multiplies them by 1000 inside.
+
+The objective (rectified flow, timestep sampling) is in :mod:`lightning_lora.objectives`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from lightning_lora import objectives
+from lightning_lora.families.base import DiffusionFamily, ModelSource, load_component
+from lightning_lora.objectives import TimestepSampling
+
+__all__ = ["Flux", "pack_latents", "unpack_latents", "latent_image_ids"]
+
+_ATTENTION = r"attn\.(to_q|to_k|to_v|to_out\.0)"
+_TEXT_ATTENTION = r"attn\.(add_q_proj|add_k_proj|add_v_proj|to_add_out)"
+_MLP = r"(ff|ff_context)\.net\.(0\.proj|2)"
+_SINGLE = r"(proj_mlp|proj_out)"
+
+
+def pack_latents(latents: torch.Tensor) -> torch.Tensor:
+    """``[B, C, h, w]`` -> ``[B, (h/2)(w/2), 4C]``: each 2x2 latent patch becomes one token."""
+    b, c, h, w = latents.shape
+    x = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack_latents(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """Inverse of :func:`pack_latents` for a latent grid of ``h x w``."""
+    b, _, f = tokens.shape
+    x = tokens.view(b, h // 2, w // 2, f // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return x.reshape(b, f // 4, h, w)
+
+
+def latent_image_ids(h: int, w: int, device: torch.device | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Position ids ``[(h/2)(w/2), 3]`` = ``(0, row, col)`` of the packed tokens of an ``h x w`` latent grid."""
+    rows = torch.arange(h // 2, device=device).repeat_interleave(w // 2)
+    cols = torch.arange(w // 2, device=device).repeat(h // 2)
+    ids = torch.stack([torch.zeros_like(rows), rows, cols], dim=1)
+    return ids.to(dtype)
+
+
+def compute_dtype(module: nn.Module) -> torch.dtype:
+    """The dtype the frozen base computes in: that of its first floating-point, non-LoRA parameter."""
+    for name, p in module.named_parameters():
+        if p.is_floating_point() and "lora_" not in name:
+            return p.dtype
+    return torch.float32
+
+
+class Flux(DiffusionFamily):
+    """FLUX.1-dev / FLUX.1-schnell.
+
+    Args:
+        guidance: the guidance value fed to a guidance-distilled model (FLUX.1-dev) during training.
+        max_sequence_length: T5 tokens per prompt (512 for dev, 256 for schnell); longer prompts are truncated.
+        timestep_sampling: ``flux_shift`` (logit-normal, shifted by image size like FLUX's sampler), ``logit_normal``
+            (SD3) or ``uniform``.
+        logit_mean: mean of the logit-normal draw.
+        logit_std: standard deviation of the logit-normal draw.
+        shift: a fixed shift for ``flux_shift``; null means FLUX's resolution-dependent value.
+    """
+
+    name: ClassVar[str] = "flux"
+    pipeline_classes: ClassVar[tuple[str, ...]] = ("FluxPipeline",)
+    denoiser_subfolder: ClassVar[str] = "transformer"
+    latent_divisor: ClassVar[int] = 16
+    lora_presets: ClassVar[dict[str, str]] = {
+        # The set the public FLUX LoRA recipes (and our reference benchmark) use.
+        "attention": rf".*transformer_blocks\.\d+\.{_ATTENTION}",
+        # Plus the text stream's projections in the double blocks.
+        "attention_all": rf".*transformer_blocks\.\d+\.({_ATTENTION}|{_TEXT_ATTENTION})",
+        # Every linear layer inside the blocks (attention, feed-forward, single-block MLP and output).
+        "all_linear": rf".*(transformer_blocks\.\d+\.({_ATTENTION}|{_TEXT_ATTENTION}|{_MLP}|{_SINGLE}))",
+    }
+
+    def __init__(
+        self,
+        guidance: float = 1.0,
+        max_sequence_length: int = 512,
+        timestep_sampling: TimestepSampling = "flux_shift",
+        logit_mean: float = 0.0,
+        logit_std: float = 1.0,
+        shift: float | None = None,
+    ) -> None:
+        self.guidance = guidance
+        self.max_sequence_length = max_sequence_length
+        self.timestep_sampling = timestep_sampling
+        self.logit_mean = logit_mean
+        self.logit_std = logit_std
+        self.shift = shift
+
+    # -- loading -----------------------------------------------------------------------------------------------
+    def load_denoiser(self, source: ModelSource) -> nn.Module:
+        from diffusers import FluxTransformer2DModel
+
+        if source.denoiser_file is not None:
+            model = FluxTransformer2DModel.from_single_file(
+                source.denoiser_file,
+                config=source.local_path,
+                subfolder=self.denoiser_subfolder,
+                torch_dtype=source.dtype,
+                local_files_only=source.is_local,
+            )
+        else:
+            model = load_component(
+                FluxTransformer2DModel.from_pretrained, source, self.denoiser_subfolder, torch_dtype=source.dtype
+            )
+        return model.requires_grad_(False).eval()
+
+    def load_vae(self, source: ModelSource) -> nn.Module:
+        from diffusers import AutoencoderKL
+
+        return load_component(AutoencoderKL.from_pretrained, source, "vae", torch_dtype=source.dtype).requires_grad_(
+            False
+        ).eval()
+
+    def load_text_encoders(self, source: ModelSource) -> Any:
+        from diffusers import FluxPipeline
+        from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
+
+        te = load_component(CLIPTextModel.from_pretrained, source, "text_encoder", dtype=source.dtype)
+        te2 = load_component(T5EncoderModel.from_pretrained, source, "text_encoder_2", dtype=source.dtype)
+        # A pipeline with only its text parts: encode_prompt is then exactly what inference does.
+        return FluxPipeline(
+            scheduler=None,
+            vae=None,
+            text_encoder=te.requires_grad_(False).eval(),
+            tokenizer=load_component(CLIPTokenizer.from_pretrained, source, "tokenizer"),
+            text_encoder_2=te2.requires_grad_(False).eval(),
+            tokenizer_2=load_component(T5TokenizerFast.from_pretrained, source, "tokenizer_2"),
+            transformer=None,
+        )
+
+    # -- encoding ----------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
+        device = encoders.text_encoder_2.device
+        prompt_embeds, pooled, _ = encoders.encode_prompt(
+            prompt=prompts, prompt_2=prompts, device=device, max_sequence_length=self.max_sequence_length
+        )
+        return {"prompt_embeds": prompt_embeds, "pooled_prompt_embeds": pooled}
+
+    @torch.no_grad()
+    def encode_images(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+        posterior = vae.encode(pixels.to(device=vae.device, dtype=vae.dtype)).latent_dist
+        # The mean, not a sample: deterministic, so a content-hashed cache entry has one right value.
+        z = posterior.mode()
+        return ((z - vae.config.shift_factor) * vae.config.scaling_factor).float()
+
+    def text_cache_tag(self) -> str:
+        return f"flux-t5len{self.max_sequence_length}"
+
+    # -- training ----------------------------------------------------------------------------------------------
+    def sample_timesteps(self, latents: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        b, _, h, w = latents.shape
+        shift = self.shift if self.shift is not None else objectives.resolution_shift((h // 2) * (w // 2))
+        return objectives.sample_sigmas(
+            b,
+            self.timestep_sampling,
+            generator=generator,
+            logit_mean=self.logit_mean,
+            logit_std=self.logit_std,
+            shift=shift,
+        )
+
+    def loss(
+        self, denoiser: nn.Module, batch: dict[str, torch.Tensor], noise: torch.Tensor, timesteps: torch.Tensor
+    ) -> torch.Tensor:
+        x0 = batch["latents"]
+        b, _, h, w = x0.shape
+        dtype = compute_dtype(denoiser)
+        sigmas = timesteps.to(x0.device)
+        noisy = objectives.flow_match_noisy(x0.float(), noise.float(), sigmas)
+        text = batch["prompt_embeds"]
+        guidance = None
+        if getattr(denoiser.config, "guidance_embeds", False):
+            guidance = torch.full((b,), self.guidance, device=x0.device, dtype=dtype)
+        prediction = denoiser(
+            hidden_states=pack_latents(noisy).to(dtype),
+            timestep=sigmas.to(dtype),
+            guidance=guidance,
+            pooled_projections=batch["pooled_prompt_embeds"].to(dtype),
+            encoder_hidden_states=text.to(dtype),
+            txt_ids=torch.zeros(text.shape[1], 3, device=x0.device, dtype=dtype),
+            img_ids=latent_image_ids(h, w, device=x0.device, dtype=dtype),
+            return_dict=False,
+        )[0]
+        target = pack_latents(objectives.flow_match_target(x0.float(), noise.float()))
+        return objectives.per_sample_mse(prediction, target)
+
+    # -- sampling ----------------------------------------------------------------------------------------------
+    def pipeline(self, denoiser: nn.Module, vae: nn.Module, source: ModelSource) -> Any:
+        from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+
+        scheduler = load_component(FlowMatchEulerDiscreteScheduler.from_pretrained, source, "scheduler")
+        pipe = FluxPipeline(
+            scheduler=scheduler,
+            vae=vae,
+            text_encoder=None,
+            tokenizer=None,
+            text_encoder_2=None,
+            tokenizer_2=None,
+            transformer=denoiser,
+        )
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    def generate(
+        self,
+        pipeline: Any,
+        embeddings: dict[str, torch.Tensor],
+        *,
+        seed: int,
+        height: int,
+        width: int,
+        steps: int,
+        guidance_scale: float,
+    ) -> Any:
+        dtype = compute_dtype(pipeline.transformer)
+        device = pipeline.transformer.device
+        return pipeline(
+            prompt_embeds=embeddings["prompt_embeds"].to(device=device, dtype=dtype),
+            pooled_prompt_embeds=embeddings["pooled_prompt_embeds"].to(device=device, dtype=dtype),
+            height=height,
+            width=width,
+            num_inference_steps=steps,
+            guidance_scale=guidance_scale,
+            # A CPU generator draws the same starting noise on any device.
+            generator=self.seed_generator(seed),
+            output_type="pil",
+        ).images[0]

@@ -1,0 +1,54 @@
+"""Atomic file writes.
+
+Every file lightning-lora writes (cache entries, LoRA exports, sample images) goes through :func:`atomic_write`:
+the bytes are written to a temporary file in the same folder, flushed and fsynced, then renamed over the target.
+``os.replace`` is atomic on POSIX and Windows, so a crash or a full disk leaves either the old file or the new one,
+never half a file that a later run would load.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+from safetensors.torch import save
+
+__all__ = ["atomic_write", "atomic_write_bytes", "save_safetensors"]
+
+
+@contextlib.contextmanager
+def _temporary_sibling(path: Path) -> Iterator[Path]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        yield Path(tmp)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
+    """Call ``write(tmp_path)`` and move the finished file to ``path`` atomically."""
+    path = Path(path)
+    with _temporary_sibling(path) as tmp:
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    return path
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    """Write ``data`` to ``path`` atomically."""
+    return atomic_write(path, lambda tmp: Path(tmp).write_bytes(data))
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike, metadata: dict[str, str] | None = None) -> Path:
+    """Write tensors as a safetensors file, atomically. Tensors are made contiguous and moved to the CPU."""
+    cpu = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    return atomic_write_bytes(path, save(cpu, metadata=metadata))

@@ -1,0 +1,186 @@
+"""The LightningModule: a frozen diffusion backbone carrying a LoRA adapter.
+
+Lifecycle (Lightning calls these; see research/aesthetics-and-lightning.md B3 for the order):
+
+* ``__init__`` only stores and validates options (cheap): a wrong path fails here, before any weights load.
+* ``configure_model`` loads the backbone and injects LoRA (:mod:`lightning_lora.assembly`). It runs before a
+  checkpoint is restored and is idempotent, as Lightning requires.
+* ``training_step`` draws noise and timesteps and asks the family for the loss. Batches come from the latent cache:
+  no VAE or text encoder runs while training.
+* ``configure_optimizers`` builds the injected optimizer and scheduler over the *trainable* parameters only (the CLI
+  runs with ``auto_configure_optimizers=False`` because its automatic optimizer would be built before
+  ``configure_model``, over every parameter).
+* Checkpoints hold only the trainable tensors: ``on_save_checkpoint`` drops the frozen base, and
+  ``on_load_checkpoint`` checks that every LoRA tensor is present with the right shape, since the non-strict loading
+  that a partial checkpoint needs would otherwise hide a missing or mismatched key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+import torch
+from jsonargparse import lazy_instance
+from lightning.pytorch import LightningModule
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from typing_extensions import override
+
+from lightning_lora.assembly import LoraOptions, build_lora_model, trainable_parameters
+from lightning_lora.errors import ConfigError
+from lightning_lora.families.base import DiffusionFamily, ModelSource
+from lightning_lora.families.flux import Flux
+
+__all__ = ["LoraModule", "DTYPES"]
+
+DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _default_optimizer(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-4, weight_decay=1e-4)
+
+
+class LoraModule(LightningModule):
+    """Train a LoRA adapter on a frozen diffusion model.
+
+    Args:
+        pretrained: hub id (``black-forest-labs/FLUX.1-dev``) or local diffusers folder.
+        family: the model family and its objective options.
+        denoiser_file: a single ``.safetensors`` file that replaces the transformer/UNet of ``pretrained`` (e.g. a
+            ``flux1-dev.safetensors`` downloaded for ComfyUI).
+        revision: hub revision of ``pretrained``.
+        lora: LoRA rank, alpha, targets, dropout, init.
+        base_dtype: dtype of the frozen base weights. LoRA parameters are always float32.
+        gradient_checkpointing: recompute block activations in the backward pass (less memory, ~30% slower).
+        optimizer: built over the LoRA parameters only, e.g. ``torch.optim.AdamW`` or
+            ``bitsandbytes.optim.AdamW8bit``. Default: AdamW, lr 1e-4, weight decay 1e-4.
+        scheduler: optional learning-rate schedule, stepped every optimizer step, e.g.
+            ``lightning_lora.schedules.CosineWithWarmup``.
+    """
+
+    def __init__(
+        self,
+        pretrained: str,
+        family: DiffusionFamily = lazy_instance(Flux),
+        denoiser_file: str | None = None,
+        revision: str | None = None,
+        lora: LoraOptions = LoraOptions(),
+        base_dtype: Literal["bf16", "fp16", "fp32"] = "bf16",
+        gradient_checkpointing: bool = False,
+        optimizer: OptimizerCallable = _default_optimizer,
+        scheduler: LRSchedulerCallable | None = None,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters(ignore=["optimizer", "scheduler"])
+        self.family = family
+        self.source = ModelSource(pretrained, denoiser_file, revision, DTYPES[base_dtype])
+        self.lora = lora
+        self.gradient_checkpointing = gradient_checkpointing
+        self._optimizer_factory = optimizer
+        self._scheduler_factory = scheduler
+        self.denoiser: torch.nn.Module | None = None
+        # A partial checkpoint (LoRA only) must load into the full model; on_load_checkpoint does the strict check.
+        self.strict_loading = False
+        family.check_source(self.source)
+
+    # -- model -------------------------------------------------------------------------------------------------
+    @override
+    def configure_model(self) -> None:
+        if self.denoiser is not None:
+            return
+        self.denoiser = build_lora_model(self.family, self.source, self.lora, self.gradient_checkpointing)
+
+    def _require_model(self) -> torch.nn.Module:
+        if self.denoiser is None:
+            raise RuntimeError("LoraModule.configure_model() has not run yet")
+        return self.denoiser
+
+    @override
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        latents = batch["latents"]
+        noise = torch.randn_like(latents, dtype=torch.float32)
+        timesteps = self.family.sample_timesteps(latents).to(latents.device)
+        loss = self.family.loss(self._require_model(), batch, noise, timesteps).mean()
+        self.log("train/loss", loss, prog_bar=True, batch_size=latents.shape[0])
+        self.log("train/lr", self.optimizers().param_groups[0]["lr"], batch_size=latents.shape[0])  # type: ignore[union-attr]
+        return loss
+
+    @torch.no_grad()
+    def fixed_loss(self, batch: dict[str, torch.Tensor], generator: torch.Generator) -> torch.Tensor:
+        """The per-sample loss at (timestep, noise) pairs drawn from ``generator``: comparable across steps and runs.
+
+        Draws on the CPU so the pairs are the same on any device, and never touches the global RNG (a fixed
+        evaluation must not change the training run it observes).
+        """
+        latents = batch["latents"]
+        noise = torch.randn(latents.shape, generator=generator, dtype=torch.float32).to(latents.device)
+        timesteps = self.family.sample_timesteps(latents, generator=generator).to(latents.device)
+        return self.family.loss(self._require_model(), batch, noise, timesteps)
+
+    # -- optimization ------------------------------------------------------------------------------------------
+    @override
+    def configure_optimizers(self) -> Any:
+        params = trainable_parameters(self._require_model())
+        optimizer = self._optimizer_factory(params)
+        if self._scheduler_factory is None:
+            return optimizer
+        scheduler = self._scheduler_factory(optimizer)
+        if getattr(scheduler, "total_steps", 0) is None:
+            # Sized from max_steps, not trainer.estimated_stepping_batches (LT#20550: reading that here skips the
+            # restore of the dataloader state on resume).
+            if self.trainer.max_steps is None or self.trainer.max_steps < 1:
+                raise ConfigError(
+                    "model.scheduler: total_steps is null, which means trainer.max_steps, but trainer.max_steps is not "
+                    "set. Set trainer.max_steps (the run length in optimizer steps) or the scheduler's total_steps."
+                )
+            scheduler.total_steps = self.trainer.max_steps
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
+
+    # -- checkpoints -------------------------------------------------------------------------------------------
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        names = {f"denoiser.{n}" for n, p in self._require_model().named_parameters() if p.requires_grad}
+        return {k: v for k, v in self.state_dict().items() if k in names}
+
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        trainable = {n for n, p in self.named_parameters() if p.requires_grad}
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
+        checkpoint["hyper_parameters"] = _primitive(checkpoint.get("hyper_parameters", {}))
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        expected = {n: tuple(p.shape) for n, p in self.named_parameters() if p.requires_grad}
+        saved = checkpoint.get("state_dict", {})
+        missing = sorted(set(expected) - set(saved))
+        unexpected = sorted(k for k in saved if k not in expected)
+        wrong = sorted(k for k in expected if k in saved and tuple(saved[k].shape) != expected[k])
+        if missing or unexpected or wrong:
+            details = []
+            if wrong:
+                k = wrong[0]
+                details.append(f"{len(wrong)} with another shape (e.g. {k}: {tuple(saved[k].shape)} vs {expected[k]})")
+            if missing:
+                details.append(f"{len(missing)} missing (e.g. {missing[0]})")
+            if unexpected:
+                details.append(f"{len(unexpected)} unexpected (e.g. {unexpected[0]})")
+            raise ConfigError(
+                "--ckpt_path: the checkpoint's LoRA tensors do not fit this model: " + "; ".join(details) + ". "
+                "It was written with other model.lora.rank / model.lora.targets / model.pretrained settings: "
+                "resume with the settings of that run, or start a new run folder."
+            )
+
+
+def _primitive(value: Any) -> Any:
+    """Hyper-parameters as plain containers, so checkpoints load with ``torch.load(weights_only=True)``."""
+    if isinstance(value, dict):
+        return {str(k): _primitive(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_primitive(v) for v in value]
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return _primitive(dataclasses.asdict(value))
+    if isinstance(value, DiffusionFamily):
+        cls = type(value)
+        return {"class_path": f"{cls.__module__}.{cls.__qualname__}", "init_args": _primitive(vars(value))}
+    return str(value)
