@@ -1,0 +1,350 @@
+"""Tiny, randomly initialised diffusion pipelines, built offline and deterministically.
+
+Why this exists
+---------------
+The real FLUX.1-dev weights are 24 GB and live behind a model hub. Tests and the CPU demo need something with
+exactly the same *structure* (same classes, same config keys, same tokenizers, same scheduler settings) but small
+enough to build in milliseconds and with no download at all. This module builds such a pipeline from configs alone:
+
+* ``FluxTransformer2DModel`` with 2 double-stream and 2 single-stream blocks,
+* ``AutoencoderKL`` with four blocks (so, like the real VAE, a spatial scale factor of 8),
+* ``CLIPTextModel`` and ``T5EncoderModel`` with a couple of layers each,
+* hand-built CLIP (byte-level BPE) and T5 (Unigram) tokenizers,
+* ``FlowMatchEulerDiscreteScheduler`` with FLUX.1-dev's real scheduler config.
+
+Determinism
+-----------
+Two processes given the same seed produce bit-identical weights and identical token ids:
+
+* weights: each component is created under its own seed (``seed`` plus a fixed offset) inside
+  ``torch.random.fork_rng``, so the caller's global RNG is left alone and the order of construction does not matter;
+* tokenizers: the vocabularies are written out by hand from a fixed word list. We deliberately do *not* use the
+  ``tokenizers`` trainers: ``BpeTrainer``/``UnigramTrainer`` return the same merges/pieces in a different order on
+  every run, so token ids would change between processes.
+
+How the CLIP vocabulary is built
+--------------------------------
+CLIP uses byte-level BPE: every byte is mapped to a printable unicode character (GPT-2's ``bytes_to_unicode``), and
+the last character of every word carries a ``</w>`` suffix. Like the real ``openai/clip-vit-large-patch14`` vocab, ids
+``0..255`` are the 256 byte characters, ``256..511`` the same with ``</w>``, then one token per merge, and the two
+specials ``<|startoftext|>``/``<|endoftext|>`` come last. For each word of :data:`CAPTION_WORDS` we tokenize it with
+the merges made so far, then append merges that glue the resulting pieces together left to right
+(``c a t</w>`` -> ``ca t</w>`` -> ``cat</w>``). New merges always rank below all earlier ones, so they can never change
+how an earlier word is split: every word of the list ends up as one token.
+
+How the T5 vocabulary is built
+------------------------------
+T5 uses a SentencePiece Unigram model: ``<pad>``=0, ``</s>``=1, ``<unk>``=2, then ``▁`` (the word-start marker), single
+characters, and one ``▁word`` piece per caption word. Whole-word pieces get a much better log-probability than their
+spelling, so Viterbi picks them. A ``$A </s>`` post-processor appends the end-of-sequence token, as in real T5. We add
+no ``<extra_id_N>`` sentinels (``extra_ids=0``); FLUX never uses them.
+
+The ``dim64`` variant
+---------------------
+``dim64=True`` uses 16 latent channels (so the transformer's ``in_channels`` is 64, exactly like real FLUX) and sizes
+every ``nn.Linear`` of the transformer and both text encoders so that ``in_features`` is a multiple of 64. bitsandbytes'
+CPU 4-bit path crashes on layers with ``in_features < 64`` (see shared/research/cpu-feasibility.md, section 4).
+
+Gotcha: modules built from a config start in ``train()`` mode (``from_pretrained`` returns ``eval()``). With dropout
+that makes every call random, so every component is put in ``eval()`` and T5's ``dropout_rate`` is 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel, T5TokenizerFast
+
+__all__ = [
+    "CAPTION_WORDS",
+    "FLUX_DEV_SCHEDULER_CONFIG",
+    "build_clip_tokenizer",
+    "build_t5_tokenizer",
+    "build_tiny_flux",
+    "clip_vocab_and_merges",
+    "make_clip_tokenizer",
+    "make_t5_tokenizer",
+    "save_tiny_flux",
+    "t5_vocab",
+]
+
+#: Words that become single tokens in both tiny tokenizers (lower case: the CLIP tokenizer lower-cases its input).
+#: The order is part of the token ids: append new words at the end only.
+CAPTION_WORDS: tuple[str, ...] = (
+    "a", "an", "the", "photo", "of", "cat", "dog", "astronaut", "coffee", "cup", "rocket", "sks", "ohwx", "person",
+    "style", "in", "on", "with", "and", "at", "by", "is", "to", "for", "from", "picture", "image", "painting",
+    "drawing", "sketch", "portrait", "man", "woman", "face", "red", "blue", "green", "white", "black", "space",
+    "suit", "launch", "sky", "mug", "table", "wearing", "sitting", "standing", "holding", "looking", "close", "up",
+    "high", "quality", "detailed", "background", "tabby", "chelsea", "motorcycle", "color", "wheel", "logo", "moon",
+    "coins", "camera", "horse", "text", "page", "galaxy", "hubble", "retina", "art", "watercolor", "oil", "digital",
+    "render", "cinematic", "lighting", "night", "day", "city", "street", "forest", "beach", "mountain", "water",
+    "flower", "tree", "house", "car", "bird", "small", "large", "old", "young", "cute", "beautiful", "sunset", "snow",
+)  # fmt: skip
+
+#: The scheduler config of black-forest-labs/FLUX.1-dev (``scheduler/scheduler_config.json``).
+FLUX_DEV_SCHEDULER_CONFIG: dict[str, Any] = {
+    "num_train_timesteps": 1000,
+    "shift": 3.0,
+    "use_dynamic_shifting": True,
+    "base_shift": 0.5,
+    "max_shift": 1.15,
+    "base_image_seq_len": 256,
+    "max_image_seq_len": 4096,
+}
+
+CLIP_BOS = "<|startoftext|>"
+CLIP_EOS = "<|endoftext|>"
+CLIP_MAX_LENGTH = 77
+T5_MAX_LENGTH = 512
+END_OF_WORD = "</w>"
+METASPACE = "\u2581"  # "▁", SentencePiece's word-start marker
+
+_Module = TypeVar("_Module", bound=torch.nn.Module)
+
+# Fixed per-component seed offsets: the weights of one component do not depend on how the others are built.
+_SEED_OFFSETS = {"transformer": 0, "vae": 1, "text_encoder": 2, "text_encoder_2": 3}
+# Written into folders made by save_tiny_flux, so that a later call can recognise (and refuse to clobber) them.
+MARKER_FILE = "tiny_pipeline.json"
+
+
+# --------------------------------------------------------------------------------------------------- tokenizers
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2/CLIP's reversible byte -> printable character table; its order is CLIP's token-id order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {b: chr(b) for b in printable}
+    for extra, byte in enumerate(b for b in range(256) if b not in table):
+        table[byte] = chr(256 + extra)
+    return table
+
+
+def _bpe(word: str, ranks: dict[tuple[str, str], int]) -> list[str]:
+    """Split ``word`` (already byte-level characters) with BPE ``ranks``: repeatedly apply the best-ranked merge."""
+    symbols = [*word[:-1], word[-1] + END_OF_WORD]
+    while len(symbols) > 1:
+        pairs = zip(symbols[:-1], symbols[1:], strict=True)
+        rank, i = min((ranks.get(pair, len(ranks)), i) for i, pair in enumerate(pairs))
+        if rank == len(ranks):
+            break
+        symbols[i : i + 2] = [symbols[i] + symbols[i + 1]]
+    return symbols
+
+
+def clip_vocab_and_merges(words: Iterable[str] = CAPTION_WORDS) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """The byte-level BPE vocabulary and merge list of the tiny CLIP tokenizer (pure and deterministic)."""
+    byte_to_char = _bytes_to_unicode()
+    byte_chars = list(byte_to_char.values())
+    tokens = [*byte_chars, *(c + END_OF_WORD for c in byte_chars)]
+    known = set(tokens)
+    merges: list[tuple[str, str]] = []
+    ranks: dict[tuple[str, str], int] = {}
+    for word in dict.fromkeys(words):  # de-duplicated, order kept
+        pieces = _bpe("".join(byte_to_char[b] for b in word.lower().encode()), ranks)
+        while len(pieces) > 1:  # glue left to right: new merges rank below all older ones
+            pair = (pieces[0], pieces[1])
+            ranks[pair] = len(merges)
+            merges.append(pair)
+            pieces[:2] = [pair[0] + pair[1]]
+            if pieces[0] not in known:
+                known.add(pieces[0])
+                tokens.append(pieces[0])
+    tokens += [CLIP_BOS, CLIP_EOS]
+    return {token: i for i, token in enumerate(tokens)}, merges
+
+
+def t5_vocab(words: Iterable[str] = CAPTION_WORDS) -> list[tuple[str, float]]:
+    """The Unigram pieces and log-probabilities of the tiny T5 tokenizer (pure and deterministic)."""
+    chars = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~"
+    pieces: list[tuple[str, float]] = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), (METASPACE, -2.0)]
+    pieces += [(c, -5.0) for c in chars]
+    pieces += [(METASPACE + w, -1.0) for w in dict.fromkeys(words)]
+    return pieces
+
+
+def make_clip_tokenizer(words: Sequence[str] = CAPTION_WORDS) -> CLIPTokenizer:
+    """The tiny CLIP tokenizer, in memory (``model_max_length`` 77, pad = eos = ``<|endoftext|>``, like real CLIP)."""
+    vocab, merges = clip_vocab_and_merges(words)
+    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=CLIP_MAX_LENGTH)
+
+
+def make_t5_tokenizer(words: Sequence[str] = CAPTION_WORDS) -> T5TokenizerFast:
+    """The tiny T5 tokenizer, in memory (pad=0, eos=1, unk=2, no sentinels, ``model_max_length`` 512)."""
+    return T5TokenizerFast(vocab=t5_vocab(words), extra_ids=0, model_max_length=T5_MAX_LENGTH)
+
+
+def build_clip_tokenizer(folder: Path) -> CLIPTokenizer:
+    """Write the tiny CLIP tokenizer to ``folder`` and load it back from there (what a pipeline folder holds).
+
+    Besides transformers' ``tokenizer.json``/``tokenizer_config.json`` the folder gets the classic ``vocab.json`` +
+    ``merges.txt`` pair, which other tools (and transformers 4) read.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = make_clip_tokenizer()
+    tokenizer.save_pretrained(folder)
+    tokenizer.backend_tokenizer.model.save(str(folder))  # vocab.json + merges.txt
+    return CLIPTokenizer.from_pretrained(folder)
+
+
+def build_t5_tokenizer(folder: Path) -> T5TokenizerFast:
+    """Write the tiny T5 tokenizer (``tokenizer.json`` + config) to ``folder`` and load it back from there."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    make_t5_tokenizer().save_pretrained(folder)
+    return T5TokenizerFast.from_pretrained(folder)
+
+
+# --------------------------------------------------------------------------------------------------- models
+
+
+def _build(seed: int, component: str, factory: Callable[[], _Module]) -> _Module:
+    """Run ``factory`` under a per-component seed (leaving the caller's RNG alone); return it fp32 and in eval()."""
+    default_dtype = torch.get_default_dtype()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed * 1009 + _SEED_OFFSETS[component])
+        torch.set_default_dtype(torch.float32)
+        try:
+            module = factory()
+        finally:
+            torch.set_default_dtype(default_dtype)
+    return module.eval()
+
+
+def build_tiny_flux(seed: int = 0, dim64: bool = False, guidance_embeds: bool = True) -> FluxPipeline:
+    """A FLUX.1-dev-shaped ``FluxPipeline`` with tiny random weights (fp32, every component in ``eval()``).
+
+    Args:
+        seed: determines every weight; the same seed gives bit-identical weights in any process.
+        dim64: 16 latent channels (transformer ``in_channels`` 64, like real FLUX) and every Linear of the transformer
+            and text encoders with ``in_features`` a multiple of 64 (for bitsandbytes 4-bit on CPU). Otherwise 4
+            latent channels (``in_channels`` 16) and widths of 16/32.
+        guidance_embeds: True for a FLUX.1-dev-like model (distilled guidance input), False for schnell-like.
+    """
+    clip_tok = make_clip_tokenizer()
+    t5_tok = make_t5_tokenizer()
+    width = 64 if dim64 else 32  # text-encoder width = transformer's joint_attention_dim / pooled_projection_dim
+    ffn = 128 if dim64 else 37  # an odd size catches shape mix-ups in the small variant
+    latent_channels = 16 if dim64 else 4
+
+    transformer = _build(seed, "transformer", lambda: FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=4 * latent_channels,  # latents are packed 2x2 before the transformer
+        num_layers=2,
+        num_single_layers=2,
+        attention_head_dim=32 if dim64 else 16,
+        num_attention_heads=2,
+        joint_attention_dim=width,
+        pooled_projection_dim=width,
+        guidance_embeds=guidance_embeds,
+        axes_dims_rope=(8, 12, 12) if dim64 else (4, 4, 8),  # must sum to attention_head_dim
+    ))  # fmt: skip
+    vae = _build(seed, "vae", lambda: AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 4,  # 4 blocks -> 3 downsamplings -> scale factor 8
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(8, 8, 8, 8),
+        layers_per_block=1,
+        latent_channels=latent_channels,
+        norm_num_groups=4,
+        sample_size=64,
+        scaling_factor=0.3611,  # FLUX VAE values
+        shift_factor=0.1159,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    ))  # fmt: skip
+    text_encoder = _build(seed, "text_encoder", lambda: CLIPTextModel(CLIPTextConfig(
+        vocab_size=len(clip_tok),
+        hidden_size=width,
+        intermediate_size=ffn,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=CLIP_MAX_LENGTH,
+        projection_dim=width,
+        bos_token_id=clip_tok.bos_token_id,
+        eos_token_id=clip_tok.eos_token_id,
+        pad_token_id=clip_tok.pad_token_id,
+    )))  # fmt: skip
+    text_encoder_2 = _build(seed, "text_encoder_2", lambda: T5EncoderModel(T5Config(
+        vocab_size=len(t5_tok),
+        d_model=width,
+        d_kv=width // 4,
+        d_ff=ffn,
+        num_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        feed_forward_proj="gated-gelu",  # like T5 v1.1 XXL
+        dropout_rate=0.0,
+        pad_token_id=t5_tok.pad_token_id,
+        eos_token_id=t5_tok.eos_token_id,
+        decoder_start_token_id=0,
+    )))  # fmt: skip
+    scheduler = FlowMatchEulerDiscreteScheduler(**FLUX_DEV_SCHEDULER_CONFIG)
+    return FluxPipeline(
+        scheduler=scheduler,
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=clip_tok,
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=t5_tok,
+        transformer=transformer,
+    )
+
+
+def save_tiny_flux(folder: Path, seed: int = 0, dim64: bool = False) -> Path:
+    """Build the tiny FLUX pipeline and ``save_pretrained`` it to ``folder``; return ``folder``.
+
+    ``FluxPipeline.from_pretrained(folder)`` loads it back with identical weights. If ``folder`` already holds a
+    pipeline (``model_index.json``) it is returned untouched, unless it is a tiny pipeline made with other arguments
+    (``FileExistsError``). Any other non-empty folder is never overwritten (``FileExistsError``). The pipeline is
+    written to a temporary sibling folder first and renamed into place, so a crash never leaves a half-written
+    pipeline that looks complete.
+
+    Exactness: loaded with ``from_pretrained(folder, disable_mmap=True)`` the pipeline reproduces the in-memory one
+    bit for bit. With the default memory-mapped load the weights are equal but not 64-byte aligned, and CPU matmuls
+    then round differently (transformer outputs differ by ~4e-7).
+    """
+    folder = Path(folder)
+    wanted = {"seed": seed, "dim64": dim64, "guidance_embeds": True}
+    if (folder / "model_index.json").is_file():
+        _check_marker(folder, wanted)
+        return folder
+    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
+        raise FileExistsError(
+            f"{folder} exists and is not empty but holds no pipeline (no model_index.json); "
+            "refusing to write a tiny FLUX pipeline into it. Pick an empty or new folder."
+        )
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
+    try:
+        build_tiny_flux(seed=seed, dim64=dim64).save_pretrained(staging, safe_serialization=True)
+        (staging / MARKER_FILE).write_text(json.dumps(wanted, indent=2) + "\n")
+        if folder.exists():
+            folder.rmdir()  # empty (checked above)
+        os.replace(staging, folder)
+    except OSError:
+        if (folder / "model_index.json").is_file():  # another process won the race
+            _check_marker(folder, wanted)
+            return folder
+        raise
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return folder
+
+
+def _check_marker(folder: Path, wanted: dict[str, Any]) -> None:
+    marker = folder / MARKER_FILE
+    if marker.is_file():
+        found = json.loads(marker.read_text())
+        if found != wanted:
+            raise FileExistsError(f"{folder} holds a tiny FLUX pipeline built with {found}, not {wanted}")
