@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +86,12 @@ class LoraCLI(LightningCLI):
         config["callbacks"] = callbacks
         return super().instantiate_trainer(**kwargs)
 
+    def before_fit(self) -> None:
+        # Cross-object checks, before any weights load: the data resolution must suit the model family.
+        family = self.model.family
+        resolution = self.datamodule.resolution
+        family.check_resolution(resolution, resolution, "data.resolution")
+
     def after_fit(self) -> None:
         if self.trainer.is_global_zero:
             print(run_summary(self.trainer), flush=True)
@@ -112,8 +119,17 @@ def run_summary(trainer: Trainer) -> str:
     return "\n".join(lines)
 
 
+_NOISE = (
+    # Lightning: tiny data sets have fewer batches per epoch than the logging interval; logging still works.
+    r"The number of training batches .* is smaller than the logging interval",
+    r".*isinstance\(treespec, LeafSpec\)",
+)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``lightning-lora`` command."""
+    for pattern in _NOISE:
+        warnings.filterwarnings("ignore", message=pattern)
     try:
         LoraCLI(args=argv)
     except ConfigError as e:

@@ -1,0 +1,55 @@
+# The two commands of the README:
+#   make demo   create .venv, install, train a tiny LoRA end to end on CPU (a few minutes at most)
+#   make test   create .venv with the dev extras, run the test suite on CPU
+#
+# TORCH=cpu (default) pins the CPU build of torch through constraints-cpu.txt, so pip can never pull a multi-GB
+# CUDA build by accident. On a GPU machine use TORCH=keep: the venv then sees the torch already installed in the
+# system Python (CUDA or ROCm build) and pip keeps it. Set TORCH_INDEX to a wheel index (for example
+# https://download.pytorch.org/whl/cpu) where the pinned CPU wheel is not already available to pip.
+
+PYTHON ?= python3
+VENV ?= .venv
+TORCH ?= cpu
+TORCH_INDEX ?=
+DEMO_DIR ?= .demo
+
+BIN := $(VENV)/bin
+ifeq ($(TORCH),keep)
+VENV_FLAGS := --system-site-packages
+PIP_TORCH :=
+else
+VENV_FLAGS :=
+PIP_TORCH := -c constraints-cpu.txt torch
+endif
+ifneq ($(TORCH_INDEX),)
+PIP_TORCH += --extra-index-url $(TORCH_INDEX)
+endif
+
+export HF_HUB_OFFLINE ?= 1
+export TRANSFORMERS_OFFLINE ?= 1
+export PYTHONDONTWRITEBYTECODE := 1
+
+.PHONY: demo test install lint clean-demo
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
+
+$(VENV)/.installed: $(BIN)/python pyproject.toml constraints-cpu.txt
+	$(BIN)/python -m pip install --disable-pip-version-check -q $(PIP_TORCH) -e '.[dev]'
+	@touch $@
+
+install: $(VENV)/.installed
+
+demo: $(VENV)/.installed
+	$(BIN)/python -m lightning_lora.demo --out $(DEMO_DIR)
+	$(BIN)/lightning-lora fit --config configs/tiny_cpu.yaml \
+		--trainer.default_root_dir runs/demo/$$(date +%Y%m%d-%H%M%S)
+
+test: $(VENV)/.installed
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
+
+lint: $(VENV)/.installed
+	$(BIN)/ruff check lightning_lora tests tools
+
+clean-demo:
+	rm -rf $(DEMO_DIR) runs/demo

@@ -1,0 +1,280 @@
+"""The ``lightning-lora`` command end to end, in-process (fast) and once as a real subprocess.
+
+A short fit on a tiny FLUX and real photos must lower the fixed evaluation loss and leave the run folder complete;
+``--ckpt_path last`` must continue at the right step with the optimizer state; bad input must stop early with a
+message that names the option, and never modify the user's files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from lightning_lora.cli import LoraCLI, main
+
+CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
+
+
+def write_config(tmp_path: Path, model_dir: Path, photos: Path, **overrides: object) -> Path:
+    """A tiny-run config: 8 steps, checkpoints every 4, samples at start and end."""
+    config: dict = {
+        "seed_everything": 7,
+        "trainer": {
+            "default_root_dir": str(tmp_path / "run"),
+            "accelerator": "cpu",
+            "devices": 1,
+            "precision": "32-true",
+            "max_steps": 8,
+            "log_every_n_steps": 1,
+            "enable_progress_bar": False,
+            "enable_model_summary": False,
+            "callbacks": [
+                {
+                    "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                    "init_args": {"every_n_train_steps": 4, "save_last": True, "save_top_k": -1},
+                },
+                {
+                    "class_path": "lightning_lora.callbacks.SampleImages",
+                    "init_args": {"prompts": ["a photo of sks cat"], "every_n_steps": 0, "steps": 2, "height": 32, "width": 32},
+                },
+            ],
+        },
+        "model": {
+            "pretrained": str(model_dir),
+            "family": {"class_path": "lightning_lora.families.Flux", "init_args": {"max_sequence_length": 16}},
+            "base_dtype": "fp32",
+            "lora": {"rank": 4, "alpha": 8},
+            "optimizer": {"class_path": "torch.optim.AdamW", "init_args": {"lr": 0.01}},
+        },
+        "data": {"images": str(photos), "resolution": 32, "batch_size": 2, "cache_dir": str(tmp_path / "cache")},
+    }
+    for dotted, value in overrides.items():
+        node = config
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            node = node[key]
+        node[leaf] = value
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def tree_digest(folder: Path) -> str:
+    h = hashlib.sha256()
+    for p in sorted(folder.rglob("*")):
+        h.update(str(p.relative_to(folder)).encode())
+        if p.is_file():
+            h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def run_cli(args: list[str]) -> LoraCLI:
+    return LoraCLI(args=args)
+
+
+def test_fit_trains_and_writes_the_run_folder(tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path) -> None:
+    from lightning_lora.callbacks import FixedEvalLoss
+
+    before = tree_digest(tiny_flux_dir), tree_digest(photos_dir)
+    config = write_config(tmp_path, tiny_flux_dir, photos_dir, **{"trainer.max_steps": 30})
+    cli = run_cli(["fit", "--config", str(config)])
+    assert cli.trainer.global_step == 30
+    evals = next(cb for cb in cli.trainer.callbacks if isinstance(cb, FixedEvalLoss)).history
+    assert evals[0][0] == 0 and evals[-1][0] == 30
+    assert evals[-1][1] < evals[0][1], f"fixed eval loss did not go down: {evals}"
+
+    run = tmp_path / "run"
+    assert (run / "config.yaml").is_file()
+    assert list(run.glob("events.out.tfevents.*")), "no TensorBoard event file"
+    assert (run / "checkpoints" / "last.ckpt").is_file()
+    assert (run / "lora" / "lora.safetensors").is_file()
+    assert sorted(p.name for p in (run / "samples").iterdir()) == ["step000000_00.png", "step000030_00.png"]
+
+    # The checkpoint holds the LoRA tensors and optimizer state only, never the frozen base.
+    ckpt = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+    assert ckpt["state_dict"] and all(".lora_" in k for k in ckpt["state_dict"])
+    assert ckpt["optimizer_states"][0]["state"]
+    # TensorBoard got the loss, the learning rate and the images.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run), size_guidance={"images": 0}).Reload()
+    assert {"train/loss", "train/lr", "eval/loss"} <= set(events.Tags()["scalars"])
+    assert any(tag.startswith("samples/") for tag in events.Tags()["images"])
+    # The user's model and photos are untouched; the cache went to cache_dir.
+    assert (tree_digest(tiny_flux_dir), tree_digest(photos_dir)) == before
+    assert list((tmp_path / "cache" / "latents").glob("*.safetensors"))
+
+
+def test_exported_lora_loads_into_a_fresh_pipeline(tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path) -> None:
+    from diffusers import FluxPipeline
+
+    config = write_config(tmp_path, tiny_flux_dir, photos_dir, **{"trainer.max_steps": 4})
+    cli = run_cli(["fit", "--config", str(config)])
+    lora_file = tmp_path / "run" / "lora" / "lora.safetensors"
+
+    pipe = FluxPipeline.from_pretrained(tiny_flux_dir)
+    kwargs = {"prompt": "a photo of sks cat", "height": 32, "width": 32, "num_inference_steps": 2, "output_type": "pt"}
+    kwargs["max_sequence_length"] = 16
+    base = pipe(generator=torch.Generator().manual_seed(0), **kwargs).images
+    pipe.load_lora_weights(lora_file)
+    with_lora = pipe(generator=torch.Generator().manual_seed(0), **kwargs).images
+    assert not torch.allclose(base, with_lora, atol=1e-4), "the LoRA did not change the output"
+    # And the loaded LoRA is the trained one: same transformer output as the training model.
+    trained = cli.model.denoiser.eval()
+    x = {
+        "hidden_states": torch.randn(1, 4, 16),
+        "encoder_hidden_states": torch.randn(1, 16, trained.config.joint_attention_dim),
+        "pooled_projections": torch.randn(1, trained.config.pooled_projection_dim),
+        "timestep": torch.tensor([0.5]),
+        "guidance": torch.tensor([1.0]),
+        "img_ids": torch.zeros(4, 3),
+        "txt_ids": torch.zeros(16, 3),
+        "return_dict": False,
+    }
+    with torch.no_grad():
+        torch.testing.assert_close(pipe.transformer(**x)[0], trained(**x)[0], atol=1e-5, rtol=1e-4)
+
+
+def test_resume_from_last_continues_at_the_right_step(tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path) -> None:
+    config = write_config(tmp_path, tiny_flux_dir, photos_dir, **{"trainer.max_steps": 4})
+    first = run_cli(["fit", "--config", str(config)])
+    saved = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert saved["global_step"] == 4
+    lora_at_4 = {k: v.clone() for k, v in first.model.trainable_state_dict().items()}
+
+    second = run_cli(["fit", "--config", str(config), "--ckpt_path", "last", "--trainer.max_steps", "6"])
+    assert second.trainer.global_step == 6
+    # AdamW's step counter continued from the checkpoint (a fresh optimizer would be at 2).
+    state = second.trainer.optimizers[0].state
+    steps = {int(s["step"]) for s in state.values()}
+    assert steps == {6}
+    # It started from the saved LoRA, not from a new random init: the weights moved only a little.
+    resumed = second.model.trainable_state_dict()
+    assert resumed.keys() == lora_at_4.keys()
+    drift = max((resumed[k] - lora_at_4[k]).abs().max().item() for k in resumed)
+    fresh = first.model.trainable_state_dict()
+    assert drift < 0.1 and any(not torch.equal(resumed[k], fresh[k]) for k in resumed)
+
+
+def test_resume_with_another_rank_is_refused(tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path, capsys) -> None:
+    config = write_config(tmp_path, tiny_flux_dir, photos_dir, **{"trainer.max_steps": 4})
+    run_cli(["fit", "--config", str(config)])
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(config), "--ckpt_path", "last", "--model.lora.rank", "8"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "model.lora.rank" in err and "another shape" in err
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ({"model.pretrained": "/nonexistent/flux"}, "model.pretrained"),
+        ({"data.images": "/nonexistent/photos"}, "data.images"),
+        ({"data.resolution": 40}, "data.resolution"),
+        ({"model.lora.targets": ["to_q", "to_qq"]}, "model.lora.targets"),
+        ({"model.denoiser_file": "/nonexistent/flux1-dev.safetensors"}, "model.denoiser_file"),
+    ],
+)
+def test_bad_input_stops_with_a_message_naming_the_option(
+    tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path, capsys, override: dict, expected: str
+) -> None:
+    config = write_config(tmp_path, tiny_flux_dir, photos_dir, **override)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(config)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert expected in err, err
+    assert "Traceback" not in err
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_folder_that_is_not_a_pipeline_and_empty_image_folder(tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path, capsys) -> None:
+    not_a_pipeline = tmp_path / "some_folder"
+    not_a_pipeline.mkdir()
+    (not_a_pipeline / "weights.bin").write_bytes(b"x")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "notes.txt").write_text("no images here")
+    for override, expected in (({"model.pretrained": str(not_a_pipeline)}, "model_index.json"), ({"data.images": str(empty)}, "holds no images")):
+        config = write_config(tmp_path, tiny_flux_dir, photos_dir, **override)
+        with pytest.raises(SystemExit) as exit_info:
+            main(["fit", "--config", str(config)])
+        assert exit_info.value.code == 2
+        assert expected in capsys.readouterr().err
+    assert (not_a_pipeline / "weights.bin").read_bytes() == b"x"
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [({"model.lora.rnak": 4}, "rnak"), ({"model.lora.rank": "sixteen"}, "model.lora.rank"), ({"trainer.max_stepz": 3}, "max_stepz")],
+)
+def test_typos_and_wrong_types_are_named(tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path, capsys, override, expected) -> None:
+    config = write_config(tmp_path, tiny_flux_dir, photos_dir)
+    data = yaml.safe_load(config.read_text())
+    for dotted, value in override.items():
+        node = data
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            node = node[key]
+        node[leaf] = value
+    config.write_text(yaml.safe_dump(data))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(config)])
+    assert exit_info.value.code != 0
+    assert expected in capsys.readouterr().err
+
+
+def test_scheduler_without_length_is_refused(tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path, capsys) -> None:
+    config = write_config(
+        tmp_path,
+        tiny_flux_dir,
+        photos_dir,
+        **{"trainer.max_steps": -1, "trainer.max_epochs": 1, "model.scheduler": {"class_path": "lightning_lora.schedules.CosineWithWarmup"}},
+    )
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(config)])
+    assert exit_info.value.code == 2
+    assert "trainer.max_steps" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[c.name for c in CONFIGS])
+def test_shipped_configs_parse(config: Path, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(config), "--print_config"])
+    assert exit_info.value.code == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["model"]["pretrained"]
+    assert printed["trainer"]["default_root_dir"].startswith("runs/")
+
+
+def test_help_lists_our_options(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for option in ("--model.pretrained", "--model.lora.rank", "--model.denoiser_file", "--data.images", "--ckpt_path"):
+        assert option in out
+
+
+def test_console_script_fit_and_resume(tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path) -> None:
+    """The real command, as a user runs it: a separate process, then a resume in another one."""
+    config = write_config(tmp_path, tiny_flux_dir, photos_dir, **{"trainer.max_steps": 4})
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "lightning_lora", "fit", "--config", str(config)]
+    first = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "Run folder:" in first.stdout and "tensorboard --logdir" in first.stdout
+    second = subprocess.run(
+        [*command, "--ckpt_path", "last", "--trainer.max_steps", "6"], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "(step 6)" in second.stdout
+    assert torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 6

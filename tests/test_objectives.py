@@ -1,0 +1,233 @@
+"""Pure math: sigma sampling, shifting, rectified-flow noising/targets, per-sample loss, and LR schedules."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lightning_lora import objectives as obj
+from lightning_lora.schedules import ConstantWithWarmup, CosineWithWarmup, warmup_cosine_factor
+
+N = 20_000
+
+
+def _gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+# -- sample_sigmas -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["logit_normal", "uniform", "flux_shift"])
+def test_sample_sigmas_range_dtype_and_determinism(mode: str) -> None:
+    a = obj.sample_sigmas(N, mode, generator=_gen(1), shift=3.0)
+    b = obj.sample_sigmas(N, mode, generator=_gen(1), shift=3.0)
+    c = obj.sample_sigmas(N, mode, generator=_gen(2), shift=3.0)
+    assert a.shape == (N,) and a.dtype == torch.float32 and a.device.type == "cpu"
+    assert (a > 0).all() and (a < 1).all()
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+
+
+def test_sample_sigmas_extreme_draws_are_clamped_away_from_ends() -> None:
+    # A huge logit std puts many draws at sigmoid's saturated ends; they must still be strictly inside (0, 1).
+    s = obj.sample_sigmas(N, "logit_normal", generator=_gen(), logit_std=100.0)
+    assert s.min() >= 1e-4 and s.max() <= 1 - 1e-4
+    assert (s == s.min()).sum() > 1  # the clamp is actually hit
+
+
+def test_sample_sigmas_does_not_touch_global_rng_with_generator() -> None:
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    obj.sample_sigmas(100, "logit_normal", generator=_gen())
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_logit_normal_distribution() -> None:
+    s = obj.sample_sigmas(N, "logit_normal", generator=_gen())
+    assert abs(s.median().item() - 0.5) < 0.02
+    assert abs(s.mean().item() - 0.5) < 0.02
+    # Concentrated on the middle: fewer draws in the outer tenths than a uniform draw would give (20%).
+    outer = ((s < 0.1) | (s > 0.9)).float().mean().item()
+    assert outer < 0.1
+    # logit_mean moves the median to sigmoid(logit_mean).
+    shifted = obj.sample_sigmas(N, "logit_normal", generator=_gen(), logit_mean=1.0)
+    assert abs(shifted.median().item() - torch.sigmoid(torch.tensor(1.0)).item()) < 0.02
+
+
+def test_uniform_distribution() -> None:
+    s = obj.sample_sigmas(N, "uniform", generator=_gen())
+    assert abs(s.mean().item() - 0.5) < 0.02
+    assert abs(s.var().item() - 1 / 12) < 0.005
+    assert abs(((s < 0.1).float().mean().item()) - 0.1) < 0.02
+
+
+def test_flux_shift_moves_towards_noise() -> None:
+    base = obj.sample_sigmas(N, "logit_normal", generator=_gen())
+    shifted = obj.sample_sigmas(N, "flux_shift", generator=_gen(), shift=3.0)
+    assert shifted.mean() > base.mean() + 0.1
+    # Same underlying draws, shifted element by element.
+    torch.testing.assert_close(shifted, obj.shift_sigmas(base, 3.0).clamp(1e-4, 1 - 1e-4))
+    # shift = 1 is the identity.
+    torch.testing.assert_close(obj.sample_sigmas(N, "flux_shift", generator=_gen(), shift=1.0), base)
+
+
+def test_sample_sigmas_unknown_mode() -> None:
+    with pytest.raises(ValueError, match="unknown timestep sampling"):
+        obj.sample_sigmas(4, "cosine")  # type: ignore[arg-type]
+
+
+# -- shift / resolution --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shift", [0.3, 1.0, 3.0, 7.5])
+def test_shift_sigmas_fixes_ends_and_is_monotone(shift: float) -> None:
+    x = torch.linspace(0, 1, 1001, dtype=torch.float64)
+    y = obj.shift_sigmas(x, shift)
+    assert y[0].item() == 0.0
+    assert y[-1].item() == pytest.approx(1.0, abs=1e-12)
+    assert (y.diff() > 0).all()
+    mid = obj.shift_sigmas(torch.tensor(0.5, dtype=torch.float64), shift).item()
+    if shift > 1:
+        assert (y[1:-1] > x[1:-1]).all() and mid > 0.5
+    elif shift < 1:
+        assert (y[1:-1] < x[1:-1]).all() and mid < 0.5
+    else:
+        torch.testing.assert_close(y, x)
+
+
+def test_shift_sigmas_inverse() -> None:
+    x = torch.linspace(0.01, 0.99, 50, dtype=torch.float64)
+    torch.testing.assert_close(obj.shift_sigmas(obj.shift_sigmas(x, 3.0), 1 / 3.0), x)
+
+
+def test_resolution_shift() -> None:
+    assert obj.resolution_shift(256) == pytest.approx(math.exp(0.5))
+    assert obj.resolution_shift(4096) == pytest.approx(math.exp(1.15))
+    # Linear in tokens in between: 512x512 (1024 tokens).
+    mu = 0.5 + (1.15 - 0.5) * (1024 - 256) / (4096 - 256)
+    assert obj.resolution_shift(1024) == pytest.approx(math.exp(mu))
+    assert obj.resolution_shift(256) < obj.resolution_shift(1024) < obj.resolution_shift(4096)
+
+
+# -- noising, targets, loss ----------------------------------------------------------------------------------------
+
+
+def test_flow_match_noisy_endpoints_and_midpoint() -> None:
+    g = _gen()
+    x0 = torch.randn(3, 4, 8, 8, generator=g)
+    noise = torch.randn(3, 4, 8, 8, generator=g)
+    torch.testing.assert_close(obj.flow_match_noisy(x0, noise, torch.zeros(3)), x0)
+    torch.testing.assert_close(obj.flow_match_noisy(x0, noise, torch.ones(3)), noise)
+    torch.testing.assert_close(obj.flow_match_noisy(x0, noise, torch.full((3,), 1e-6)), x0, atol=1e-5, rtol=0)
+    # Per-sample sigma: sample i uses sigmas[i].
+    sig = torch.tensor([0.0, 0.5, 1.0])
+    out = obj.flow_match_noisy(x0, noise, sig)
+    torch.testing.assert_close(out[0], x0[0])
+    torch.testing.assert_close(out[1], 0.5 * (x0[1] + noise[1]))
+    torch.testing.assert_close(out[2], noise[2])
+
+
+def test_flow_match_noisy_keeps_dtype() -> None:
+    x0 = torch.randn(2, 4, 4, 4, dtype=torch.bfloat16)
+    out = obj.flow_match_noisy(x0, torch.randn_like(x0), torch.tensor([0.2, 0.7]))
+    assert out.dtype == torch.bfloat16 and out.shape == x0.shape
+
+
+def test_flow_match_target_is_the_velocity() -> None:
+    g = _gen()
+    x0 = torch.randn(2, 4, 8, 8, generator=g, dtype=torch.float64)
+    noise = torch.randn(2, 4, 8, 8, generator=g, dtype=torch.float64)
+    target = obj.flow_match_target(x0, noise)
+    torch.testing.assert_close(target, noise - x0)
+    # It is d x_sigma / d sigma: a finite difference along the path agrees.
+    s, h = torch.tensor([0.3, 0.6], dtype=torch.float64), 1e-4
+    fd = (obj.flow_match_noisy(x0, noise, s + h) - obj.flow_match_noisy(x0, noise, s - h)) / (2 * h)
+    torch.testing.assert_close(fd, target)
+
+
+def test_per_sample_mse() -> None:
+    pred = torch.zeros(3, 2, 4, 4)
+    target = torch.zeros(3, 2, 4, 4)
+    target[0] = 1.0
+    target[1, 0] = 2.0  # half the elements of sample 1 differ by 2
+    loss = obj.per_sample_mse(pred, target)
+    assert loss.shape == (3,) and loss.dtype == torch.float32
+    torch.testing.assert_close(loss, torch.tensor([1.0, 2.0, 0.0]))
+    a, b = torch.randn(2, 5, 7), torch.randn(2, 5, 7)
+    torch.testing.assert_close(obj.per_sample_mse(a, b).mean(), torch.nn.functional.mse_loss(a, b))
+
+
+def test_per_sample_mse_computes_in_float32() -> None:
+    pred = torch.randn(2, 16, 16).to(torch.bfloat16)
+    target = torch.randn(2, 16, 16).to(torch.bfloat16)
+    loss = obj.per_sample_mse(pred, target)
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, (pred.float() - target.float()).pow(2).flatten(1).mean(1))
+
+
+# -- schedules -----------------------------------------------------------------------------------------------------
+
+
+def test_warmup_is_linear_and_reaches_one() -> None:
+    factors = [warmup_cosine_factor(s, 10, 100) for s in range(10)]
+    assert factors[0] == pytest.approx(0.1)
+    assert factors[-1] == pytest.approx(1.0)
+    assert all(b - a == pytest.approx(0.1) for a, b in zip(factors, factors[1:], strict=False))
+    assert warmup_cosine_factor(10, 10, 100) == pytest.approx(1.0)
+
+
+def test_cosine_decay() -> None:
+    f = [warmup_cosine_factor(s, 10, 110, min_factor=0.1) for s in range(10, 111)]
+    assert f[0] == pytest.approx(1.0)
+    assert f[50] == pytest.approx(0.1 + 0.9 * 0.5)  # half way through the decay
+    assert f[-1] == pytest.approx(0.1)
+    assert all(b <= a for a, b in zip(f, f[1:], strict=False))
+    assert warmup_cosine_factor(500, 10, 110, min_factor=0.1) == pytest.approx(0.1)  # past the end: stays at min
+
+
+def test_constant_after_warmup_when_total_is_none() -> None:
+    assert warmup_cosine_factor(0, 4, None) == pytest.approx(0.25)
+    assert [warmup_cosine_factor(s, 4, None) for s in (4, 50, 10_000)] == [1.0, 1.0, 1.0]
+    assert warmup_cosine_factor(0, 0, None) == 1.0
+
+
+def _lrs(scheduler: torch.optim.lr_scheduler.LRScheduler, steps: int) -> list[float]:
+    out = []
+    for _ in range(steps):
+        out.append(scheduler.optimizer.param_groups[0]["lr"])
+        scheduler.optimizer.step()
+        scheduler.step()
+    return out
+
+
+def _sgd() -> torch.optim.Optimizer:
+    return torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2.0)
+
+
+def test_cosine_with_warmup_total_steps_filled_later() -> None:
+    sched = CosineWithWarmup(_sgd(), total_steps=None, warmup_steps=2)
+    assert sched.total_steps is None
+    sched.total_steps = 10  # what LoraModule.configure_optimizers does from trainer.max_steps
+    lrs = _lrs(sched, 11)
+    expected = [2.0 * warmup_cosine_factor(s, 2, 10) for s in range(11)]
+    assert lrs == pytest.approx(expected)
+    assert lrs[1] == pytest.approx(2.0) and lrs[-1] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_cosine_with_warmup_state_dict_resumes_the_curve() -> None:
+    a = CosineWithWarmup(_sgd(), total_steps=8)
+    _lrs(a, 3)
+    b = CosineWithWarmup(_sgd(), total_steps=8)
+    # As Lightning restores a checkpoint: the optimizer (holding the current lr), then the scheduler.
+    b.optimizer.load_state_dict(a.optimizer.state_dict())
+    b.load_state_dict(a.state_dict())
+    assert _lrs(b, 5) == pytest.approx(_lrs(a, 5))
+
+
+def test_constant_with_warmup() -> None:
+    lrs = _lrs(ConstantWithWarmup(_sgd(), warmup_steps=4), 8)
+    assert lrs == pytest.approx([0.5, 1.0, 1.5, 2.0, 2.0, 2.0, 2.0, 2.0])
