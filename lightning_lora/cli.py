@@ -24,6 +24,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
@@ -31,10 +32,12 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from lightning_lora.callbacks.evaluation import FixedEvalLoss
 from lightning_lora.callbacks.lora_export import LoraExport
+from lightning_lora.callbacks.resume import GracefulStop, RNGState
 from lightning_lora.callbacks.samples import SampleImages
+from lightning_lora.checkpoint import AtomicCheckpointIO, check_compatible, load_checkpoint, resolve_resume
 from lightning_lora.data.datamodule import LatentDataModule
 from lightning_lora.errors import ConfigError
-from lightning_lora.module import LoraModule
+from lightning_lora.module import LoraModule, primitive_hparams
 
 __all__ = ["LoraCLI", "main"]
 
@@ -50,7 +53,8 @@ class LoraCLI(LightningCLI):
             LoraModule,
             LatentDataModule,
             save_config_kwargs={"overwrite": True},
-            trainer_defaults={"default_root_dir": DEFAULT_RUN_DIR},
+            # Our bucket sampler shards batches across ranks itself; Lightning must not replace it.
+            trainer_defaults={"default_root_dir": DEFAULT_RUN_DIR, "use_distributed_sampler": False},
             seed_everything_default=42,
             auto_configure_optimizers=False,
             parser_kwargs={"prog": "lightning-lora"},
@@ -83,7 +87,14 @@ class LoraCLI(LightningCLI):
             callbacks.append(LoraExport())
         if not any(isinstance(c, FixedEvalLoss) for c in callbacks):
             callbacks.append(FixedEvalLoss())
+        for required in (RNGState, GracefulStop):
+            if not any(isinstance(c, required) for c in callbacks):
+                callbacks.append(required())
         config["callbacks"] = callbacks
+        plugins = config.get("plugins") or []
+        plugins = plugins if isinstance(plugins, list) else [plugins]
+        if not any(isinstance(p, CheckpointIO) for p in plugins):
+            config["plugins"] = [*plugins, AtomicCheckpointIO()]
         return super().instantiate_trainer(**kwargs)
 
     def before_fit(self) -> None:
@@ -91,6 +102,31 @@ class LoraCLI(LightningCLI):
         family = self.model.family
         resolution = self.datamodule.resolution
         family.check_resolution(resolution, resolution, "data.resolution")
+
+    def fit(
+        self, model: LoraModule, datamodule: LatentDataModule | None = None, ckpt_path: str | None = None, **kwargs: Any
+    ) -> None:
+        """``trainer.fit``, with ``--ckpt_path last`` resolved to the newest valid checkpoint of the run folder."""
+        checkpoint: dict[str, Any] | None = None
+        if ckpt_path == "last":
+            path, checkpoint = resolve_resume(self._checkpoint_dir())
+            ckpt_path = str(path) if path is not None else None
+        elif ckpt_path is not None:
+            if not Path(ckpt_path).is_file():
+                raise ConfigError(f"--ckpt_path: {ckpt_path} does not exist. Use a .ckpt file of a run, or 'last'.")
+            checkpoint = load_checkpoint(ckpt_path)
+        if checkpoint is not None:
+            check_compatible(
+                checkpoint.get("hyper_parameters", {}), primitive_hparams(dict(model.hparams)), ckpt_path or ""
+            )
+        kwargs["weights_only"] = True  # a checkpoint is data, never code
+        self.trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, **kwargs)
+
+    def _checkpoint_dir(self) -> Path:
+        for cb in self.trainer.checkpoint_callbacks:
+            if isinstance(cb, ModelCheckpoint) and cb.dirpath:
+                return Path(cb.dirpath)
+        return Path(self.trainer.default_root_dir) / "checkpoints"
 
     def after_fit(self) -> None:
         if self.trainer.is_global_zero:

@@ -17,7 +17,16 @@ from pathlib import Path
 import torch
 from safetensors.torch import save
 
-__all__ = ["atomic_write", "atomic_write_bytes", "save_safetensors"]
+__all__ = ["atomic_write", "atomic_write_bytes", "fsync_dir", "save_safetensors"]
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+_FILE_MODE = 0o666 & ~_umask()
 
 
 @contextlib.contextmanager
@@ -25,6 +34,8 @@ def _temporary_sibling(path: Path) -> Iterator[Path]:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
+    # mkstemp creates 0600; give the file the mode a plain open() would (shared caches, files written in Docker).
+    os.chmod(tmp, _FILE_MODE)
     try:
         yield Path(tmp)
     finally:
@@ -40,7 +51,22 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> Path
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    fsync_dir(path.parent)
     return path
+
+
+def fsync_dir(folder: Path) -> None:
+    """Make a rename in ``folder`` durable (a power loss could otherwise undo it)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # e.g. Windows cannot open folders; the rename is still atomic there
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
@@ -48,7 +74,9 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     return atomic_write(path, lambda tmp: Path(tmp).write_bytes(data))
 
 
-def save_safetensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike, metadata: dict[str, str] | None = None) -> Path:
+def save_safetensors(
+    tensors: dict[str, torch.Tensor], path: str | os.PathLike, metadata: dict[str, str] | None = None
+) -> Path:
     """Write tensors as a safetensors file, atomically. Tensors are made contiguous and moved to the CPU."""
     cpu = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
     return atomic_write_bytes(path, save(cpu, metadata=metadata))

@@ -31,7 +31,7 @@ from lightning_lora.errors import ConfigError
 from lightning_lora.families.base import DiffusionFamily, ModelSource
 from lightning_lora.families.flux import Flux
 
-__all__ = ["LoraModule", "DTYPES"]
+__all__ = ["DTYPES", "LoraModule", "primitive_hparams"]
 
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -145,7 +145,7 @@ class LoraModule(LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         trainable = {n for n, p in self.named_parameters() if p.requires_grad}
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
-        checkpoint["hyper_parameters"] = _primitive(checkpoint.get("hyper_parameters", {}))
+        checkpoint["hyper_parameters"] = primitive_hparams(checkpoint.get("hyper_parameters", {}))
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -170,17 +170,17 @@ class LoraModule(LightningModule):
             )
 
 
-def _primitive(value: Any) -> Any:
+def primitive_hparams(value: Any) -> Any:
     """Hyper-parameters as plain containers, so checkpoints load with ``torch.load(weights_only=True)``."""
     if isinstance(value, dict):
-        return {str(k): _primitive(v) for k, v in value.items()}
+        return {str(k): primitive_hparams(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_primitive(v) for v in value]
+        return [primitive_hparams(v) for v in value]
     if value is None or isinstance(value, str | int | float | bool):
         return value
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return _primitive(dataclasses.asdict(value))
+        return primitive_hparams(dataclasses.asdict(value))
     if isinstance(value, DiffusionFamily):
         cls = type(value)
-        return {"class_path": f"{cls.__module__}.{cls.__qualname__}", "init_args": _primitive(vars(value))}
+        return {"class_path": f"{cls.__module__}.{cls.__qualname__}", "init_args": primitive_hparams(vars(value))}
     return str(value)

@@ -46,7 +46,9 @@ def test_pack_unpack_agree_with_diffusers(shape: tuple[int, int, int, int]) -> N
     theirs = FluxPipeline._pack_latents(x, b, c, h, w)
     assert torch.equal(ours, theirs)
     vae_scale = 8  # diffusers' _unpack_latents takes the pixel size
-    assert torch.equal(unpack_latents(ours, h, w), FluxPipeline._unpack_latents(theirs, h * vae_scale, w * vae_scale, vae_scale))
+    assert torch.equal(
+        unpack_latents(ours, h, w), FluxPipeline._unpack_latents(theirs, h * vae_scale, w * vae_scale, vae_scale)
+    )
 
 
 @pytest.mark.parametrize("hw", [(2, 2), (8, 6), (4, 10), (64, 64)])
@@ -78,7 +80,7 @@ def _batch(transformer: torch.nn.Module, b: int = 2, h: int = 8, w: int = 8, seq
     }
 
 
-def test_flux_loss_and_lora_gradients(tiny_pipe: FluxPipeline) -> None:
+def test_flux_loss_and_lora_gradients() -> None:
     family = Flux()
     transformer = build_tiny_flux(seed=0).transformer.requires_grad_(False)
     batch = _batch(transformer, b=3)
@@ -92,7 +94,9 @@ def test_flux_loss_and_lora_gradients(tiny_pipe: FluxPipeline) -> None:
     assert torch.isfinite(loss).all() and (loss > 0).all()
     assert not loss.requires_grad  # frozen base, no adapter: nothing to differentiate
 
-    transformer.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian", target_modules=["to_q", "to_v"]))
+    transformer.add_adapter(
+        LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian", target_modules=["to_q", "to_v"])
+    )
     loss2 = family.loss(transformer, batch, noise, timesteps)
     torch.testing.assert_close(loss2, loss)  # lora_B = 0 at init: same function
     assert loss2.requires_grad
@@ -168,7 +172,9 @@ def test_lora_preset_attention(tiny_pipe: FluxPipeline) -> None:
 def test_lora_preset_attention_all(tiny_pipe: FluxPipeline) -> None:
     t = tiny_pipe.transformer
     text = {
-        f"transformer_blocks.{i}.attn.{p}" for i in range(2) for p in ("add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+        f"transformer_blocks.{i}.attn.{p}"
+        for i in range(2)
+        for p in ("add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
     }
     assert _preset_matches("attention_all", t) == _preset_matches("attention", t) | text
 
@@ -176,7 +182,9 @@ def test_lora_preset_attention_all(tiny_pipe: FluxPipeline) -> None:
 def test_lora_preset_all_linear(tiny_pipe: FluxPipeline) -> None:
     t = tiny_pipe.transformer
     got = _preset_matches("all_linear", t)
-    mlp = {f"transformer_blocks.{i}.{ff}.net.{p}" for i in range(2) for ff in ("ff", "ff_context") for p in ("0.proj", "2")}
+    mlp = {
+        f"transformer_blocks.{i}.{ff}.net.{p}" for i in range(2) for ff in ("ff", "ff_context") for p in ("0.proj", "2")
+    }
     single = {f"single_transformer_blocks.{i}.{p}" for i in range(2) for p in ("proj_mlp", "proj_out")}
     assert got == _preset_matches("attention_all", t) | mlp | single
     # Embedders, modulation (norm*.linear) and the final projection stay frozen.

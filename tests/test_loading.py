@@ -35,7 +35,9 @@ def test_local_folder_loads_every_component(tiny_flux_dir: Path) -> None:
 
 
 @pytest.mark.parametrize("layout", ["diffusers", "bfl", "comfy"])
-def test_single_file_transformer(tmp_path: Path, tiny_flux_dir: Path, monkeypatch: pytest.MonkeyPatch, layout: str) -> None:
+def test_single_file_transformer(
+    tmp_path: Path, tiny_flux_dir: Path, monkeypatch: pytest.MonkeyPatch, layout: str
+) -> None:
     reference = _reference(tiny_flux_dir)
     if layout == "diffusers":
         weights = reference
@@ -60,7 +62,9 @@ def test_single_file_transformer(tmp_path: Path, tiny_flux_dir: Path, monkeypatc
 def test_fit_with_a_single_file_transformer(tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path) -> None:
     file = tmp_path / "transformer.safetensors"
     save_file({k: v.contiguous() for k, v in _reference(tiny_flux_dir).items()}, file)
-    config = write_config(tmp_path, tiny_flux_dir, photos_dir, **{"trainer.max_steps": 2, "model.denoiser_file": str(file)})
+    config = write_config(
+        tmp_path, tiny_flux_dir, photos_dir, **{"trainer.max_steps": 2, "model.denoiser_file": str(file)}
+    )
     cli = run_cli(["fit", "--config", str(config)])
     assert cli.trainer.global_step == 2
     from lightning_lora.export import read_metadata

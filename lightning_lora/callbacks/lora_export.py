@@ -30,7 +30,11 @@ class LoraExport(Callback):
     """
 
     def __init__(
-        self, name: str = "lora", every_n_steps: int = 0, dtype: Literal["fp32", "bf16", "fp16"] = "fp32", dirname: str = "lora"
+        self,
+        name: str = "lora",
+        every_n_steps: int = 0,
+        dtype: Literal["fp32", "bf16", "fp16"] = "fp32",
+        dirname: str = "lora",
     ) -> None:
         self.name = name
         self.every_n_steps = every_n_steps

@@ -108,7 +108,8 @@ class SampleImages(Callback):
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if trainer.global_step != self._last_step:
+        stopped_by_signal = any(getattr(cb, "stopped_by_signal", False) for cb in trainer.callbacks)  # type: ignore[attr-defined]
+        if trainer.global_step != self._last_step and not stopped_by_signal:
             self.sample(trainer, pl_module)
         self._vae = None
 

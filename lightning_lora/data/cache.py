@@ -97,7 +97,7 @@ def find_samples(folders: Sequence[str], caption_ext: str = ".txt", default_capt
 
 
 def load_image(path: Path, resolution: int) -> torch.Tensor:
-    """Decode an image to ``[3, resolution, resolution]`` in [-1, 1]: EXIF rotation, RGB, short-side resize, center crop.
+    """Decode an image to ``[3, resolution, resolution]`` in [-1, 1]: EXIF rotation, RGB, resize, center crop.
 
     Transparent pixels are composited on white; grayscale, palette, CMYK and 16-bit images are converted to RGB.
     """
@@ -107,9 +107,10 @@ def load_image(path: Path, resolution: int) -> torch.Tensor:
             rgba = im.convert("RGBA")
             background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
             im = Image.alpha_composite(background, rgba)
-        elif im.mode == "I;16" or im.mode == "I":
+        elif im.mode.startswith("I"):  # 16-bit (I;16, I;16B, I;16L) or 32-bit integer grayscale
             arr = np.asarray(im, dtype=np.float64)
-            im = Image.fromarray((arr / max(arr.max(), 1) * 255).astype(np.uint8))
+            full_scale = 65535.0 if im.mode.startswith("I;16") or arr.max() <= 65535 else float(arr.max())
+            im = Image.fromarray(np.clip(arr / full_scale * 255.0, 0, 255).round().astype(np.uint8))
         im = im.convert("RGB")
         w, h = im.size
         scale = resolution / min(w, h)

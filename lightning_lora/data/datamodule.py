@@ -13,6 +13,7 @@ once in the YAML, under ``model``.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
+from lightning_lora.data.buckets import BucketBatchSampler, ResumableLoader
 from lightning_lora.data.cache import CacheEntry, LatentCache, find_samples
 from lightning_lora.errors import ConfigError
 
@@ -62,6 +64,7 @@ class LatentDataModule(LightningDataModule):
         num_workers: DataLoader worker processes.
         encode_batch_size: images / captions per encoder call while building the cache.
         eval_samples: how many images (the first, in file-name order) the fixed evaluation loss uses.
+        seed: seed of the batch order (epoch e shuffles with seed + e); null uses the run's ``seed_everything``.
     """
 
     def __init__(
@@ -75,6 +78,7 @@ class LatentDataModule(LightningDataModule):
         num_workers: int = 0,
         encode_batch_size: int = 4,
         eval_samples: int = 4,
+        seed: int | None = None,
     ) -> None:
         super().__init__()
         if batch_size < 1:
@@ -89,6 +93,7 @@ class LatentDataModule(LightningDataModule):
         self.num_workers = num_workers
         self.encode_batch_size = encode_batch_size
         self.eval_samples = eval_samples
+        self.seed = seed
         self.entries: list[CacheEntry] = []
         self._cache: LatentCache | None = None
 
@@ -110,8 +115,8 @@ class LatentDataModule(LightningDataModule):
         device = self.trainer.strategy.root_device
         _, stats = cache.build(self.samples, device, self.encode_batch_size)
         rank_zero_info(
-            f"Latent cache {cache.root}: {stats['images']} images, {stats['encoded']} encoded, {stats['reused']} reused, "
-            f"{stats['skipped']} skipped, {stats['captions_encoded']} captions encoded ({stats['seconds']} s)."
+            f"Latent cache {cache.root}: {stats['images']} images, {stats['encoded']} encoded, "
+            f"{stats['reused']} reused, {stats['skipped']} skipped, {stats['captions_encoded']} captions encoded ({stats['seconds']} s)."
         )
 
     @override
@@ -128,13 +133,21 @@ class LatentDataModule(LightningDataModule):
 
     @override
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(
-            CachedDataset(self.cache(), self.entries),
-            batch_size=self.batch_size,
-            shuffle=True,
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
+        assert self.trainer is not None
+        seed = self.seed if self.seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
+        sampler = BucketBatchSampler(
+            [0] * len(self.entries),  # one square resolution: a single bucket
+            self.batch_size,
+            seed=seed,
+            num_replicas=self.trainer.world_size,
+            rank=self.trainer.global_rank,
         )
+        if len(sampler) == 0:
+            raise ConfigError(
+                f"data: {len(self.entries)} images make no batch for {self.trainer.world_size} GPUs; add images or "
+                "lower data.batch_size."
+            )
+        return ResumableLoader(CachedDataset(self.cache(), self.entries), sampler, num_workers=self.num_workers)
 
     def eval_dataloader(self) -> DataLoader:
         """The first ``eval_samples`` cached images, in a fixed order: for the fixed evaluation loss."""

@@ -119,7 +119,7 @@ def check_source(source: ModelSource, pipeline_classes: tuple[str, ...]) -> None
         f = Path(source.denoiser_file).expanduser()
         if not f.is_file():
             raise ConfigError(f"model.denoiser_file: {source.denoiser_file!r} does not exist. Check the path.")
-        if f.suffix != ".safetensors":
+        if f.suffix.lower() != ".safetensors":
             raise ConfigError(
                 f"model.denoiser_file: {source.denoiser_file!r} is not a .safetensors file. Only safetensors weights "
                 "are loaded (pickled .ckpt/.pt/.bin files can run code); convert it or download the safetensors file."

@@ -49,7 +49,9 @@ def unpack_latents(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
     return x.reshape(b, f // 4, h, w)
 
 
-def latent_image_ids(h: int, w: int, device: torch.device | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def latent_image_ids(
+    h: int, w: int, device: torch.device | None = None, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """Position ids ``[(h/2)(w/2), 3]`` = ``(0, row, col)`` of the packed tokens of an ``h x w`` latent grid."""
     rows = torch.arange(h // 2, device=device).repeat_interleave(w // 2)
     cols = torch.arange(w // 2, device=device).repeat(h // 2)
@@ -128,9 +130,11 @@ class Flux(DiffusionFamily):
     def load_vae(self, source: ModelSource) -> nn.Module:
         from diffusers import AutoencoderKL
 
-        return load_component(AutoencoderKL.from_pretrained, source, "vae", torch_dtype=source.dtype).requires_grad_(
-            False
-        ).eval()
+        return (
+            load_component(AutoencoderKL.from_pretrained, source, "vae", torch_dtype=source.dtype)
+            .requires_grad_(False)
+            .eval()
+        )
 
     def load_text_encoders(self, source: ModelSource) -> Any:
         from diffusers import FluxPipeline

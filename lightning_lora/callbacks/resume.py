@@ -1,0 +1,148 @@
+"""Exact resume: the random state is saved in every checkpoint, and a signal stops the run at a step boundary.
+
+Lightning restores the model, optimizer, scheduler, loop counters and (for a stateful loader, see
+:mod:`lightning_lora.data.buckets`) the position in the epoch, but not the random number generators. The noise and
+timesteps of every step come from them, so a resumed run that starts with fresh generators follows another loss curve.
+:class:`RNGState` saves python, numpy, torch CPU and CUDA generator states (of each rank) with each checkpoint and puts
+them back right before the first training step after a resume: the latest possible moment, so that nothing that runs
+in between (model set-up, evaluation, sample images) can shift the sequence.
+
+:class:`GracefulStop` turns SIGTERM (a cluster's preemption notice, ``kill``) and Ctrl-C into "finish this optimizer
+step, write ``last.ckpt``, stop": a checkpoint taken in the middle of a step could not be resumed exactly. A second
+Ctrl-C or SIGTERM exits at once, as users expect.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_info
+from typing_extensions import override
+
+__all__ = ["GracefulStop", "RNGState", "capture_rng", "restore_rng"]
+
+
+def capture_rng() -> dict[str, Any]:
+    """All generator states of this process, as tensors and plain values (loadable with ``weights_only=True``)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "gauss": float(gauss),
+        },
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    """Put back what :func:`capture_rng` returned."""
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class RNGState(Callback):
+    """Save the random state of every rank in checkpoints and restore it on resume."""
+
+    def __init__(self) -> None:
+        self._pending: dict[str, Any] | None = None
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return "RNGState"
+
+    @override
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        states = trainer.strategy.all_gather_object(capture_rng()) if trainer.world_size > 1 else [capture_rng()]
+        checkpoint["rng_states"] = states
+
+    @override
+    def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        states = checkpoint.get("rng_states")
+        if states:
+            self._pending = states[trainer.global_rank] if trainer.global_rank < len(states) else states[0]
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._pending is not None:
+            restore_rng(self._pending)
+            self._pending = None
+
+
+class GracefulStop(Callback):
+    """On SIGTERM or Ctrl-C: finish the optimizer step, save ``last.ckpt``, stop. A second signal exits at once."""
+
+    def __init__(self) -> None:
+        self.requested: int | None = None
+        self.stopped_by_signal = False
+        self._previous: dict[int, Any] = {}
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        self.requested = signum
+        # A second signal gets the original behaviour (KeyboardInterrupt / termination).
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        name = signal.Signals(signum).name
+        print(
+            f"\n{name} received: saving a checkpoint after this step. Press Ctrl-C again to exit at once.", flush=True
+        )
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        try:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.getsignal(sig)
+                signal.signal(sig, self._handler)
+        except ValueError:  # not the main thread (e.g. a notebook worker): keep the default behaviour
+            self._previous.clear()
+
+    @override
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        requested = trainer.strategy.reduce_boolean_decision(self.requested is not None, all=False)
+        if not requested:
+            return
+        # Only at an optimizer-step boundary: mid-accumulation state is not what a checkpoint restores.
+        epoch_loop = trainer.fit_loop.epoch_loop
+        if not epoch_loop._should_accumulate() or epoch_loop.batch_progress.is_last_batch:  # noqa: SLF001
+            path = _last_path(trainer)
+            if path is not None:
+                trainer.save_checkpoint(path)
+                rank_zero_info(f"Saved {path} at step {trainer.global_step}; resume with --ckpt_path last.")
+            self.stopped_by_signal = True
+            trainer.should_stop = True
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        for sig, previous in self._previous.items():
+            try:
+                signal.signal(sig, previous)
+            except ValueError:
+                pass
+        self._previous.clear()
+
+
+def _last_path(trainer: Trainer) -> str | None:
+    for cb in trainer.checkpoint_callbacks:
+        if isinstance(cb, ModelCheckpoint) and cb.dirpath:
+            return os.path.join(cb.dirpath, cb.CHECKPOINT_NAME_LAST + cb.FILE_EXTENSION)
+    return str(Path(trainer.default_root_dir) / "checkpoints" / "last.ckpt") if trainer.default_root_dir else None

@@ -1,0 +1,153 @@
+"""build_lora_model on a saved tiny FLUX folder: what is trainable, in which dtype, how many parameters, validation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from diffusers import FluxTransformer2DModel
+
+from lightning_lora.assembly import LoraOptions, build_lora_model, resolve_targets, trainable_parameters
+from lightning_lora.errors import ConfigError
+from lightning_lora.families.base import ModelSource
+from lightning_lora.families.flux import Flux
+
+ATTENTION_SUFFIXES = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0")
+
+
+def _build(folder: Path, dtype: torch.dtype = torch.float32, **lora: object) -> torch.nn.Module:
+    return build_lora_model(Flux(), ModelSource(pretrained=str(folder), dtype=dtype), LoraOptions(**lora))  # type: ignore[arg-type]
+
+
+def _base_linears(folder: Path) -> dict[str, torch.nn.Linear]:
+    base = FluxTransformer2DModel.from_pretrained(folder, subfolder="transformer")
+    return {n: m for n, m in base.named_modules() if isinstance(m, torch.nn.Linear)}
+
+
+def test_only_lora_params_train(tiny_flux_dir: Path) -> None:
+    model = _build(tiny_flux_dir, rank=4)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable
+    assert all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    assert {n for n in (n for n, _ in model.named_parameters()) if "lora_" in n} == trainable
+    assert model.training
+    assert [id(p) for p in trainable_parameters(model)] == [id(p) for p in model.parameters() if p.requires_grad]
+
+
+@pytest.mark.parametrize("rank", [2, 4])
+def test_trainable_count_matches_attention_preset(tiny_flux_dir: Path, rank: int) -> None:
+    linears = _base_linears(tiny_flux_dir)
+    targeted = {n: m for n, m in linears.items() if "transformer_blocks." in n and n.endswith(ATTENTION_SUFFIXES)}
+    # Double blocks: 4 projections each; single blocks: to_q/k/v (they have no to_out).
+    assert len(targeted) == 2 * 4 + 2 * 3
+    expected = sum(rank * (m.in_features + m.out_features) for m in targeted.values())
+    model = _build(tiny_flux_dir, rank=rank, targets="attention")
+    assert sum(p.numel() for p in trainable_parameters(model)) == expected
+    wrapped = {n for n, m in model.named_modules() if hasattr(m, "base_layer") and hasattr(m, "lora_A")}
+    assert wrapped == set(targeted)
+
+
+def test_trainable_count_with_suffix_list(tiny_flux_dir: Path) -> None:
+    linears = _base_linears(tiny_flux_dir)
+    targeted = [m for n, m in linears.items() if n.endswith((".proj_mlp", ".ff.net.2"))]
+    assert len(targeted) == 4
+    model = _build(tiny_flux_dir, rank=3, targets=["proj_mlp", "ff.net.2"])
+    assert sum(p.numel() for p in trainable_parameters(model)) == sum(
+        3 * (m.in_features + m.out_features) for m in targeted
+    )
+
+
+def test_lora_params_are_float32_on_a_bf16_base(tiny_flux_dir: Path) -> None:
+    model = _build(tiny_flux_dir, dtype=torch.bfloat16, rank=4)
+    lora = {n: p for n, p in model.named_parameters() if "lora_" in n}
+    base = {n: p for n, p in model.named_parameters() if "lora_" not in n}
+    assert lora and all(p.dtype == torch.float32 for p in lora.values())
+    assert all(p.dtype == torch.bfloat16 for p in base.values() if p.is_floating_point())
+    # Gaussian init (the default): B starts at zero, A does not.
+    assert all(p.abs().sum() == 0 for n, p in lora.items() if "lora_B" in n)
+    assert all(p.abs().sum() > 0 for n, p in lora.items() if "lora_A" in n)
+
+
+@pytest.mark.parametrize(("rank", "alpha", "scale"), [(4, 8.0, 2.0), (4, None, 1.0), (8, 4.0, 0.5)])
+def test_alpha_is_passed_through(tiny_flux_dir: Path, rank: int, alpha: float | None, scale: float) -> None:
+    model = _build(tiny_flux_dir, rank=rank, alpha=alpha)
+    layers = [m for m in model.modules() if hasattr(m, "scaling") and hasattr(m, "lora_A")]
+    assert layers
+    for layer in layers:
+        assert layer.r["default"] == rank
+        assert layer.scaling["default"] == pytest.approx(scale)
+    assert model.peft_config["default"].lora_alpha == (alpha if alpha is not None else rank)
+
+
+def test_dropout_is_passed_through(tiny_flux_dir: Path) -> None:
+    model = _build(tiny_flux_dir, rank=2, dropout=0.25)
+    drops = [m.lora_dropout["default"] for m in model.modules() if hasattr(m, "lora_dropout") and hasattr(m, "lora_A")]
+    assert drops and all(isinstance(d, torch.nn.Dropout) and d.p == 0.25 for d in drops)
+
+
+def test_gradient_checkpointing_flag(tiny_flux_dir: Path) -> None:
+    assert _build(tiny_flux_dir, rank=2).gradient_checkpointing is False
+    assert (
+        build_lora_model(
+            Flux(),
+            ModelSource(str(tiny_flux_dir), dtype=torch.float32),
+            LoraOptions(rank=2),
+            gradient_checkpointing=True,
+        ).gradient_checkpointing
+        is True
+    )
+
+
+def test_suffix_list_with_a_typo(tiny_flux_dir: Path) -> None:
+    with pytest.raises(ConfigError, match=r"model\.lora\.targets.*to_kk") as e:
+        _build(tiny_flux_dir, targets=["to_q", "to_kk"])
+    assert "['to_kk'] match no" in str(e.value)  # only the unmatched entry is named
+
+
+def test_regex_and_preset_targets() -> None:
+    model = torch.nn.Module()
+    model.block = torch.nn.Module()
+    model.block.to_q = torch.nn.Linear(4, 4)
+    model.block.other = torch.nn.Conv2d(1, 1, 1)
+    family = Flux()
+    assert resolve_targets("attention", family, _TinyAttn()) == Flux.lora_presets["attention"]
+    assert resolve_targets(r".*to_q", family, model) == r".*to_q"
+    with pytest.raises(ConfigError, match=r"model\.lora\.targets.*matches no linear layer"):
+        resolve_targets(r".*other", family, model)  # a Conv2d is not a linear layer
+    with pytest.raises(ConfigError, match=r"model\.lora\.targets.*neither a preset.*regular expression"):
+        resolve_targets("to_q(", family, model)
+    with pytest.raises(ConfigError, match=r"model\.lora\.targets"):
+        resolve_targets([], family, model)
+
+
+class _TinyAttn(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.transformer_blocks = torch.nn.ModuleList([torch.nn.Module()])
+        self.transformer_blocks[0].attn = torch.nn.Module()
+        self.transformer_blocks[0].attn.to_q = torch.nn.Linear(2, 2)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "option"),
+    [
+        ({"rank": 0}, "model.lora.rank"),
+        ({"rank": -3}, "model.lora.rank"),
+        ({"alpha": -1.0}, "model.lora.alpha"),
+        ({"alpha": 0.0}, "model.lora.alpha"),
+        ({"dropout": 1.0}, "model.lora.dropout"),
+        ({"dropout": -0.1}, "model.lora.dropout"),
+    ],
+)
+def test_lora_options_validation(kwargs: dict[str, float], option: str) -> None:
+    with pytest.raises(ConfigError, match=option.replace(".", r"\.")):
+        LoraOptions(**kwargs)  # type: ignore[arg-type]
+
+
+def test_lora_options_defaults() -> None:
+    opts = LoraOptions(rank=8)
+    assert opts.scale_alpha == 8.0
+    assert LoraOptions(rank=8, alpha=16).scale_alpha == 16.0
+    LoraOptions(dropout=0.0)
+    LoraOptions(dropout=0.99)
