@@ -116,7 +116,8 @@ class LatentDataModule(LightningDataModule):
         _, stats = cache.build(self.samples, device, self.encode_batch_size)
         rank_zero_info(
             f"Latent cache {cache.root}: {stats['images']} images, {stats['encoded']} encoded, "
-            f"{stats['reused']} reused, {stats['skipped']} skipped, {stats['captions_encoded']} captions encoded ({stats['seconds']} s)."
+            f"{stats['reused']} reused, {stats['skipped']} skipped, {stats['captions_encoded']} captions encoded "
+            f"({stats['seconds']} s)."
         )
 
     @override
