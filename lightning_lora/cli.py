@@ -76,7 +76,9 @@ class LoraCLI(LightningCLI):
                     auto_insert_metric_name=False,
                     every_n_train_steps=DEFAULT_CHECKPOINT_EVERY,
                     save_last=True,
-                    save_top_k=-1,
+                    save_top_k=3,  # the three newest: "best" by step number
+                    monitor="step",
+                    mode="max",
                 )
             )
             callbacks.append(checkpoints[-1])
@@ -140,6 +142,7 @@ def run_summary(trainer: Trainer) -> str:
     for cb in trainer.callbacks:  # type: ignore[attr-defined]
         if isinstance(cb, LoraExport) and cb.last_path is not None:
             lines.append(f"  LoRA (diffusers format):  {cb.last_path}")
+            lines.extend(f"  LoRA ({p.name.split('.', 1)[1]}):  {p}" for p in cb.written[-len(cb.formats) :][1:])
         elif isinstance(cb, ModelCheckpoint) and cb.dirpath:
             lines.append(f"  checkpoints:              {cb.dirpath}  (resume: add --ckpt_path last)")
         elif isinstance(cb, SampleImages) and cb.written:
@@ -163,7 +166,12 @@ _NOISE = (
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point of the ``lightning-lora`` command."""
+    """Entry point of the ``lightning-lora`` command: ``export`` is ours, everything else is LightningCLI's."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    if args[:1] == ["export"]:
+        from lightning_lora.export_cli import main as export_main
+
+        raise SystemExit(export_main(args[1:]))
     for pattern in _NOISE:
         warnings.filterwarnings("ignore", message=pattern)
     try:

@@ -90,6 +90,10 @@ def test_fit_trains_and_writes_the_run_folder(tmp_path: Path, tiny_flux_dir: Pat
 
     before = tree_digest(tiny_flux_dir), tree_digest(photos_dir)
     config = write_config(tmp_path, tiny_flux_dir, photos_dir, **{"trainer.max_steps": 30})
+    data = yaml.safe_load(config.read_text())
+    export = {"class_path": "lightning_lora.callbacks.LoraExport", "init_args": {"formats": ["diffusers", "kohya"]}}
+    data["trainer"]["callbacks"].append(export)
+    config.write_text(yaml.safe_dump(data))
     cli = run_cli(["fit", "--config", str(config)])
     assert cli.trainer.global_step == 30
     evals = next(cb for cb in cli.trainer.callbacks if isinstance(cb, FixedEvalLoss)).history
@@ -101,6 +105,7 @@ def test_fit_trains_and_writes_the_run_folder(tmp_path: Path, tiny_flux_dir: Pat
     assert list(run.glob("events.out.tfevents.*")), "no TensorBoard event file"
     assert (run / "checkpoints" / "last.ckpt").is_file()
     assert (run / "lora" / "lora.safetensors").is_file()
+    assert (run / "lora" / "lora.kohya.safetensors").is_file()
     assert sorted(p.name for p in (run / "samples").iterdir()) == ["step000000_00.png", "step000030_00.png"]
 
     # The checkpoint holds the LoRA tensors and optimizer state only, never the frozen base.

@@ -11,7 +11,7 @@ from diffusers import FluxPipeline
 from safetensors import safe_open
 
 from lightning_lora.assembly import LoraOptions, build_lora_model
-from lightning_lora.export import lora_state_dict, read_metadata, save_lora
+from lightning_lora.export import read_metadata, save_lora
 from lightning_lora.families.base import ModelSource
 from lightning_lora.families.flux import Flux, latent_image_ids
 
@@ -54,7 +54,13 @@ def exported(
             if "lora_B" in name:
                 p.copy_(0.2 * torch.randn(p.shape, generator=g))
     path = tmp_path_factory.mktemp("export") / "lora.safetensors"
-    save_lora(model, path, prefix="transformer", info={"family": "flux", "base_model": str(tiny_flux_dir), "steps": 7})
+    save_lora(
+        model,
+        path,
+        family="flux",
+        lora={"rank": RANK, "alpha": ALPHA},
+        info={"family": "flux", "base_model": str(tiny_flux_dir), "steps": 7},
+    )
     return path, _forward(model, _inputs(model)), model
 
 
@@ -105,16 +111,10 @@ def test_lora_file_metadata(tiny_flux_dir: Path, exported: tuple[Path, torch.Ten
     assert all(k.startswith("transformer.") for k in adapter)
 
 
-def test_lora_state_dict_dtype_cast(exported: tuple[Path, torch.Tensor, torch.nn.Module]) -> None:
-    _, _, model = exported
-    sd = lora_state_dict(model, "transformer", torch.bfloat16)
-    assert sd and all(v.dtype == torch.bfloat16 for v in sd.values())
-    assert all(p.dtype == torch.float32 for n, p in model.named_parameters() if "lora_" in n)  # model untouched
-
-
 def test_save_lora_bf16_file(tmp_path: Path, exported: tuple[Path, torch.Tensor, torch.nn.Module]) -> None:
     path32, _, model = exported
-    path16 = save_lora(model, tmp_path / "lora16.safetensors", prefix="transformer", info={}, dtype=torch.bfloat16)
+    lora = {"rank": RANK, "alpha": ALPHA}
+    path16 = save_lora(model, tmp_path / "lora16.safetensors", family="flux", lora=lora, info={}, dtype=torch.bfloat16)
     with safe_open(str(path16), framework="pt") as f16, safe_open(str(path32), framework="pt") as f32:
         assert set(f16.keys()) == set(f32.keys())
         for k in f16.keys():

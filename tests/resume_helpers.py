@@ -1,0 +1,38 @@
+"""Callbacks that simulate crashes, for the resume tests (loaded by class path in a subprocess's config)."""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+
+class KillAt(Callback):
+    """SIGKILL this process when the training loop is about to run global batch ``batch`` (0-based, all epochs).
+
+    Nothing runs after a SIGKILL (no ``finally``, no ``atexit``): it is a power cut from the process's point of view.
+    With gradient accumulation, a ``batch`` that is not a multiple of the accumulation lands between micro-batches.
+    """
+
+    def __init__(self, batch: int) -> None:
+        self.batch = batch
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if trainer.fit_loop.total_batch_idx >= self.batch:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class InterruptAt(Callback):
+    """Send ``signal_name`` (SIGINT is Ctrl-C) to this process at global batch ``batch``, ``times`` times."""
+
+    def __init__(self, batch: int, times: int = 1, signal_name: str = "SIGINT") -> None:
+        self.batch = batch
+        self.times = times
+        self.signal = signal.Signals[signal_name]
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if trainer.fit_loop.total_batch_idx == self.batch:
+            for _ in range(self.times):
+                os.kill(os.getpid(), self.signal)

@@ -1,0 +1,417 @@
+"""kohya / ComfyUI export: the fused BFL-layout LoRA is the same function as the peft LoRA it came from.
+
+Three independent witnesses:
+
+* diffusers' own kohya converter (``pipe.load_lora_weights`` on the kohya file) must give the transformer output of
+  the in-memory peft model and of the diffusers-format file;
+* merging the kohya file into the BFL weights the way ComfyUI does (``W += alpha / R * up @ down`` on the module named
+  by ``lora_unet_<key with _>``), then converting back with :mod:`lightning_lora.families.flux_bfl`, must give the
+  same output too (this also covers the global layers that diffusers' converter drops, see below);
+* the math on small random tensors.
+
+diffusers quirks (0.42.1) the tests work around, each scoped to the test that needs it:
+
+* ``_convert_kohya_flux_lora_to_diffusers`` splits ``single_blocks.i.linear1``'s ``lora_up`` with the hard-coded
+  FLUX.1 widths ``dims=[3072, 3072, 3072, 12288]`` and asserts they add up to its rows, so any narrower model fails.
+  Everything else in it is width-agnostic (the qkv split is in thirds). :func:`_diffusers_kohya_for_width` rebuilds
+  that function from diffusers' own source with only that literal replaced by the tiny widths.
+* It maps the non-block layers (``img_in``, ``txt_in``, ``time_in``, ``vector_in``, ``guidance_in``, ``final_layer``)
+  to keys without the ``transformer.`` prefix, so they are silently not loaded (and ``final_layer`` ignores alpha).
+  Our presets never target those layers; a test that does uses the BFL merge as witness instead of diffusers.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from diffusers import FluxPipeline
+from peft.utils import get_peft_model_state_dict
+from safetensors.torch import load_file
+
+from lightning_lora.assembly import LoraOptions, build_lora_model
+from lightning_lora.export import checkpoint_lora, export_lora, read_metadata
+from lightning_lora.export_cli import main as export_main
+from lightning_lora.export_kohya import flux_lora_dims, flux_to_kohya, kohya_name, split_lora_state
+from lightning_lora.families.base import ModelSource
+from lightning_lora.families.flux import Flux, latent_image_ids
+from lightning_lora.families.flux_bfl import FluxDims, bfl_to_diffusers, diffusers_to_bfl
+
+RANK, ALPHA = 4, 8.0
+INFO = {"family": "flux", "base_model": "tiny", "steps": 3}
+INNER, MLP = 32, 128  # the tiny FLUX of lightning_lora.tiny (dim64=False)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> None:
+    torch.set_num_threads(1)
+
+
+def _diffusers_kohya_for_width(monkeypatch: pytest.MonkeyPatch, dims: FluxDims) -> None:
+    """Let diffusers' kohya FLUX converter handle a model narrower than FLUX.1 (see the module docstring)."""
+    from diffusers.loaders import lora_conversion_utils, lora_pipeline
+
+    original = lora_conversion_utils._convert_kohya_flux_lora_to_diffusers
+    source = inspect.getsource(original)
+    literal = "dims=[3072, 3072, 3072, 12288]"
+    assert source.count(literal) == 1, "diffusers' kohya converter changed: revisit this workaround"
+    namespace = dict(vars(lora_conversion_utils))
+    tiny = f"dims={[dims.inner_dim] * 3 + [dims.mlp_hidden_dim]}"
+    exec(compile(source.replace(literal, tiny), inspect.getsourcefile(original) or "<diffusers>", "exec"), namespace)
+    monkeypatch.setattr(lora_pipeline, original.__name__, namespace[original.__name__])
+
+
+def _lora_model(model_dir: Path, targets: str | list[str], seed: int = 0) -> torch.nn.Module:
+    """The tiny FLUX with a rank-4, alpha-8 LoRA whose B matrices are random (a fresh LoRA would be a no-op)."""
+    model = build_lora_model(
+        Flux(), ModelSource(str(model_dir), dtype=torch.float32), LoraOptions(rank=RANK, alpha=ALPHA, targets=targets)
+    ).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def _inputs(config: object) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "hidden_states": torch.randn(1, 16, config.in_channels, generator=g),  # type: ignore[attr-defined]
+        "encoder_hidden_states": torch.randn(1, 5, config.joint_attention_dim, generator=g),  # type: ignore[attr-defined]
+        "pooled_projections": torch.randn(1, config.pooled_projection_dim, generator=g),  # type: ignore[attr-defined]
+        "timestep": torch.tensor([0.6]),
+        "guidance": torch.tensor([3.5]),
+        "txt_ids": torch.zeros(5, 3),
+        "img_ids": latent_image_ids(8, 8),
+    }
+
+
+@torch.no_grad()
+def _forward(transformer: torch.nn.Module) -> torch.Tensor:
+    return transformer(**_inputs(transformer.config), return_dict=False)[0]
+
+
+def _export_both(model: torch.nn.Module, folder: Path, targets: object) -> tuple[Path, Path]:
+    state = get_peft_model_state_dict(model)
+    lora = {"rank": RANK, "alpha": ALPHA, "targets": targets}
+    diffusers_file = export_lora(state, folder / "d.safetensors", format="diffusers", lora=lora, info=INFO)
+    kohya_file = export_lora(state, folder / "k.safetensors", format="kohya", lora=lora, info=INFO)
+    return diffusers_file, kohya_file
+
+
+def _loaded(model_dir: Path, lora_file: Path | None) -> FluxPipeline:
+    pipe = FluxPipeline.from_pretrained(model_dir)
+    if lora_file is not None:
+        pipe.load_lora_weights(lora_file)
+    return pipe
+
+
+# ------------------------------------------------------------------------------------------------ the math
+
+
+def _delta(pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], module: str, alpha: float) -> torch.Tensor:
+    a, b = pairs[module]
+    return alpha / a.shape[0] * b @ a
+
+
+def test_fused_lora_is_the_same_delta_as_the_parts() -> None:
+    g = torch.Generator().manual_seed(0)
+    inner, mlp, alpha = 8, 20, 3.0
+    dims = FluxDims(inner, mlp)
+
+    def pair(rank: int, out: int, fan_in: int = inner) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(rank, fan_in, generator=g), torch.randn(out, rank, generator=g)
+
+    pairs = {
+        "transformer_blocks.0.attn.to_q": pair(2, inner),
+        "transformer_blocks.0.attn.to_v": pair(2, inner),  # k has no LoRA: zero rows in the middle
+        "transformer_blocks.0.attn.add_k_proj": pair(2, inner),
+        "single_transformer_blocks.1.proj_mlp": pair(2, mlp),  # only the MLP part of linear1
+        "single_transformer_blocks.1.attn.to_k": pair(4, inner),  # another rank: its scale folds into B
+        "norm_out.linear": pair(2, 2 * inner),
+        "transformer_blocks.0.ff.net.2": pair(2, inner, 4 * inner),
+    }
+    state = {f"{m}.lora_{p}.weight": t for m, (a, b) in pairs.items() for p, t in (("A", a), ("B", b))}
+    assert flux_lora_dims(split_lora_state(state)) == dims
+    kohya = flux_to_kohya(state, alpha)
+
+    def fused(name: str) -> torch.Tensor:
+        down, up = kohya[f"{name}.lora_down.weight"], kohya[f"{name}.lora_up.weight"]
+        return kohya[f"{name}.alpha"] / down.shape[0] * up @ down
+
+    zeros = torch.zeros(inner, inner)
+    qkv = torch.cat(
+        [
+            _delta(pairs, "transformer_blocks.0.attn.to_q", alpha),
+            zeros,
+            _delta(pairs, "transformer_blocks.0.attn.to_v", alpha),
+        ]
+    )
+    torch.testing.assert_close(fused("lora_unet_double_blocks_0_img_attn_qkv"), qkv)
+    assert kohya["lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight"].shape == (4, inner)
+    assert kohya["lora_unet_double_blocks_0_img_attn_qkv.alpha"].item() == 2 * alpha  # alpha / r kept at 3 / 2
+    txt = torch.cat([zeros, _delta(pairs, "transformer_blocks.0.attn.add_k_proj", alpha), zeros])
+    torch.testing.assert_close(fused("lora_unet_double_blocks_0_txt_attn_qkv"), txt)
+    linear1 = torch.cat(
+        [
+            zeros,
+            _delta(pairs, "single_transformer_blocks.1.attn.to_k", alpha),
+            zeros,
+            _delta(pairs, "single_transformer_blocks.1.proj_mlp", alpha),
+        ]
+    )
+    torch.testing.assert_close(fused("lora_unet_single_blocks_1_linear1"), linear1)
+    assert kohya["lora_unet_single_blocks_1_linear1.lora_up.weight"].shape == (3 * inner + mlp, 6)
+    # Unfused layers map one to one; the final modulation's output halves swap (BFL: shift, scale).
+    torch.testing.assert_close(
+        fused("lora_unet_double_blocks_0_img_mlp_2"), _delta(pairs, "transformer_blocks.0.ff.net.2", alpha)
+    )
+    norm = _delta(pairs, "norm_out.linear", alpha)
+    torch.testing.assert_close(
+        fused("lora_unet_final_layer_adaLN_modulation_1"), torch.cat([norm[inner:], norm[:inner]])
+    )
+    assert all(kohya[k].ndim == 0 and kohya[k].dtype == torch.float32 for k in kohya if k.endswith(".alpha"))
+    assert set(kohya) == {
+        f"{n}.{s}" for n in {k.split(".")[0] for k in kohya} for s in ("lora_down.weight", "lora_up.weight", "alpha")
+    }
+
+    # bf16 weights are the float32 ones rounded (the fusing only copies values); alpha stays exact.
+    half = flux_to_kohya(state, alpha, dtype=torch.bfloat16)
+    for key, value in kohya.items():
+        expected = value if key.endswith(".alpha") else value.to(torch.bfloat16)
+        assert half[key].dtype == expected.dtype and torch.equal(half[key], expected), key
+
+
+def test_what_cannot_be_exported_is_named() -> None:
+    a, b = torch.zeros(2, 8), torch.zeros(8, 2)
+    with pytest.raises(ValueError, match="lora_magnitude_vector"):
+        split_lora_state(
+            {"x_embedder.lora_A.weight": a, "x_embedder.lora_B.weight": b, "x_embedder.lora_magnitude_vector": a}
+        )
+    with pytest.raises(ValueError, match="not both"):
+        split_lora_state({"x_embedder.lora_A.weight": a})
+    with pytest.raises(ValueError, match="do not form"):
+        split_lora_state({"x_embedder.lora_A.weight": a, "x_embedder.lora_B.weight": a})
+    with pytest.raises(ValueError, match="no kohya/ComfyUI name"):
+        flux_to_kohya(
+            {"transformer_blocks.0.attn.to_qq.lora_A.weight": a, "transformer_blocks.0.attn.to_qq.lora_B.weight": b},
+            2.0,
+        )
+    state = {"x_embedder.lora_A.weight": a, "x_embedder.lora_B.weight": b}
+    with pytest.raises(ValueError, match="rank 2 but the LoRA options say rank 4"):
+        export_lora(state, "/nonexistent/x.safetensors", format="kohya", lora={"rank": 4}, info={})
+    with pytest.raises(ValueError, match="sdxx"):
+        export_lora(state, "/nonexistent/x.safetensors", format="kohya", lora={"rank": 2}, info={}, family="sdxx")
+
+
+# ------------------------------------------------------------------------------------------ against diffusers
+
+
+@pytest.fixture(scope="module")
+def all_linear(tiny_flux_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, Path, Path]:
+    """The all_linear LoRA, exported in both formats."""
+    model = _lora_model(tiny_flux_dir, "all_linear")
+    return (model, *_export_both(model, tmp_path_factory.mktemp("all_linear"), "all_linear"))
+
+
+def test_kohya_file_keys_and_metadata(all_linear: tuple[torch.nn.Module, Path, Path]) -> None:
+    _, diffusers_file, kohya_file = all_linear
+    tensors = load_file(kohya_file)
+    names = {k.split(".")[0] for k in tensors}
+    per_double = (
+        "img_attn_qkv",
+        "img_attn_proj",
+        "txt_attn_qkv",
+        "txt_attn_proj",
+        "img_mlp_0",
+        "img_mlp_2",
+        "txt_mlp_0",
+        "txt_mlp_2",
+    )
+    expected = {f"lora_unet_double_blocks_{i}_{m}" for i in range(2) for m in per_double}
+    expected |= {f"lora_unet_single_blocks_{i}_{m}" for i in range(2) for m in ("linear1", "linear2")}
+    assert names == expected
+    qkv = "lora_unet_double_blocks_1_img_attn_qkv"
+    assert tensors[f"{qkv}.lora_down.weight"].shape == (3 * RANK, INNER)
+    assert tensors[f"{qkv}.lora_up.weight"].shape == (3 * INNER, 3 * RANK)
+    assert tensors[f"{qkv}.alpha"].item() == 3 * ALPHA
+    up = tensors["lora_unet_single_blocks_0_linear1.lora_up.weight"]
+    assert up.shape == (3 * INNER + MLP, 4 * RANK)
+    assert not up[:INNER, RANK:].any() and not up[3 * INNER :, : 3 * RANK].any()  # block-diagonal
+    assert tensors["lora_unet_single_blocks_0_linear2.lora_down.weight"].shape == (RANK, INNER + MLP)
+    assert tensors["lora_unet_single_blocks_0_linear2.alpha"].item() == ALPHA
+
+    meta = read_metadata(kohya_file)
+    assert meta["ss_network_module"] == "networks.lora_flux"
+    assert (meta["ss_network_dim"], float(meta["ss_network_alpha"])) == (str(RANK), ALPHA)
+    assert meta["ss_base_model_version"] == "flux1"
+    assert meta["modelspec.architecture"] == "flux-1-dev/lora"
+    assert meta["lightning_lora.format"] == "kohya" and json.loads(meta["lightning_lora.steps"]) == 3
+    assert "lora_adapter_metadata" not in meta  # diffusers would apply alpha a second time
+    adapter = json.loads(read_metadata(diffusers_file)["lora_adapter_metadata"])
+    assert (adapter["transformer.r"], adapter["transformer.lora_alpha"]) == (RANK, ALPHA)
+
+
+@pytest.mark.parametrize(
+    "targets",
+    [
+        "all_linear",
+        "attention",
+        ["to_q", "to_k"],
+        ["add_v_proj", "proj_mlp", "to_add_out", "norm1_context.linear", "norm.linear"],
+    ],
+    ids=["all_linear", "attention", "q_k_only", "mixed"],
+)
+def test_kohya_and_diffusers_files_load_the_same_lora(
+    tiny_flux_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, targets: str | list[str], all_linear: tuple
+) -> None:
+    if targets == "all_linear":
+        model, diffusers_file, kohya_file = all_linear
+    else:
+        model = _lora_model(tiny_flux_dir, targets, seed=1)
+        diffusers_file, kohya_file = _export_both(model, tmp_path, targets)
+    expected = _forward(model)
+    base = _forward(_loaded(tiny_flux_dir, None).transformer)
+    assert (expected - base).abs().max() > 1e-2  # a wrong scale or a dropped layer would show
+    from_diffusers = _forward(_loaded(tiny_flux_dir, diffusers_file).transformer)
+    torch.testing.assert_close(from_diffusers, expected, atol=1e-5, rtol=1e-5)
+    _diffusers_kohya_for_width(monkeypatch, FluxDims(INNER, MLP))
+    from_kohya = _forward(_loaded(tiny_flux_dir, kohya_file).transformer)
+    torch.testing.assert_close(from_kohya, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_two_step_images_agree(
+    tiny_flux_dir: Path, monkeypatch: pytest.MonkeyPatch, all_linear: tuple[torch.nn.Module, Path, Path]
+) -> None:
+    _, diffusers_file, kohya_file = all_linear
+    _diffusers_kohya_for_width(monkeypatch, FluxDims(INNER, MLP))
+    kwargs = {"prompt": "a photo of sks cat", "height": 32, "width": 32, "num_inference_steps": 2, "output_type": "pt"}
+    images = [
+        _loaded(tiny_flux_dir, f)(generator=torch.Generator().manual_seed(0), max_sequence_length=16, **kwargs).images
+        for f in (None, diffusers_file, kohya_file)
+    ]
+    base, from_diffusers, from_kohya = images
+    torch.testing.assert_close(from_kohya, from_diffusers, atol=1e-5, rtol=1e-5)
+    assert (from_kohya - base).abs().max() > 1e-3
+
+
+def test_kohya_file_merged_into_bfl_weights(tiny_flux_dir: Path, tmp_path: Path) -> None:
+    """Apply the file the way ComfyUI does, on the BFL layout; this also covers layers diffusers' loader drops."""
+    targets = [
+        "x_embedder",
+        "context_embedder",
+        "guidance_embedder.linear_2",
+        "norm_out.linear",
+        "proj_out",
+        "to_v",
+        "proj_mlp",
+    ]
+    model = _lora_model(tiny_flux_dir, targets, seed=2)
+    _, kohya_file = _export_both(model, tmp_path, targets)
+    base = FluxPipeline.from_pretrained(tiny_flux_dir).transformer
+    bfl = diffusers_to_bfl(base.state_dict())
+    by_kohya_name = {kohya_name(k.removesuffix(".weight")): k for k in bfl if k.endswith(".weight")}
+    tensors = load_file(kohya_file)
+    for name in {k.split(".")[0] for k in tensors}:
+        down, up, alpha = (tensors[f"{name}.{s}"] for s in ("lora_down.weight", "lora_up.weight", "alpha"))
+        bfl[by_kohya_name[name]] = bfl[by_kohya_name[name]] + alpha / down.shape[0] * up @ down
+    assert "lora_unet_final_layer_adaLN_modulation_1" in {k.split(".")[0] for k in tensors}
+    base.load_state_dict(bfl_to_diffusers(bfl))
+    torch.testing.assert_close(_forward(base), _forward(model), atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------ the command
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_flux_dir: Path, photos_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny 2-step fit's last.ckpt (the LoraExport callback also wrote run/lora/lora.safetensors)."""
+    from test_cli import run_cli, write_config
+
+    tmp = tmp_path_factory.mktemp("fit")
+    callbacks = [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": {"save_last": True}}]
+    config = write_config(tmp, tiny_flux_dir, photos_dir, **{"trainer.max_steps": 2, "trainer.callbacks": callbacks})
+    run_cli(["fit", "--config", str(config)])
+    return tmp / "run" / "checkpoints" / "last.ckpt"
+
+
+def test_checkpoint_lora_reads_only_the_lora(checkpoint: Path) -> None:
+    state, lora, info = checkpoint_lora(checkpoint)
+    assert state and all(k.endswith((".lora_A.weight", ".lora_B.weight")) and ".default" not in k for k in state)
+    assert lora == {"rank": 4, "alpha": 8.0, "targets": "attention", "dropout": 0.0, "init": "gaussian"}
+    assert info["family"] == "flux" and info["steps"] == 2 and info["checkpoint"] == "last.ckpt"
+    # The same tensors the training run exported at its end.
+    trained = load_file(checkpoint.parent.parent / "lora" / "lora.safetensors")
+    assert {f"transformer.{k}" for k in state} == set(trained)
+    assert all(torch.equal(trained[f"transformer.{k}"], v) for k, v in state.items())
+
+
+def test_export_command_both_formats(
+    tiny_flux_dir: Path, checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    out = {fmt: tmp_path / f"lora_{fmt}.safetensors" for fmt in ("diffusers", "kohya")}
+    for fmt, path in out.items():
+        assert export_main([str(checkpoint), "--format", fmt, "--out", str(path)]) == 0
+        assert str(path) in capsys.readouterr().out
+    assert read_metadata(out["kohya"])["lightning_lora.checkpoint"] == "last.ckpt"
+    trained = _loaded(tiny_flux_dir, checkpoint.parent.parent / "lora" / "lora.safetensors").transformer
+    _diffusers_kohya_for_width(monkeypatch, FluxDims(INNER, MLP))
+    for path in out.values():
+        torch.testing.assert_close(
+            _forward(_loaded(tiny_flux_dir, path).transformer), _forward(trained), atol=1e-5, rtol=1e-5
+        )
+
+    assert (
+        export_main(
+            [str(checkpoint), "--format", "kohya", "--out", str(tmp_path / "half.safetensors"), "--dtype", "bf16"]
+        )
+        == 0
+    )
+    half = load_file(tmp_path / "half.safetensors")
+    assert {v.dtype for k, v in half.items() if not k.endswith(".alpha")} == {torch.bfloat16}
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "half.safetensors",
+        "lora_diffusers.safetensors",
+        "lora_kohya.safetensors",
+    ]
+
+
+def test_export_command_never_overwrites_silently(checkpoint: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "mine.safetensors"
+    out.write_bytes(b"the user's own file")
+    assert export_main([str(checkpoint), "--format", "kohya", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert str(out) in err and "--overwrite" in err and "Traceback" not in err
+    assert out.read_bytes() == b"the user's own file"
+    assert export_main([str(checkpoint), "--format", "kohya", "--out", str(out), "--overwrite"]) == 0
+    assert "lora_unet_double_blocks_0_img_attn_qkv.alpha" in load_file(out)
+    assert [p.name for p in tmp_path.iterdir()] == ["mine.safetensors"]
+
+
+def test_export_command_bad_input(checkpoint: Path, tmp_path: Path, capsys) -> None:
+    corrupt = tmp_path / "corrupt.ckpt"
+    corrupt.write_bytes(checkpoint.read_bytes()[: checkpoint.stat().st_size // 2])
+    out = tmp_path / "out.safetensors"
+    cases = [
+        ([str(corrupt), "--format", "kohya", "--out", str(out)], [str(corrupt), "damaged"]),
+        (
+            [str(tmp_path / "missing.ckpt"), "--format", "kohya", "--out", str(out)],
+            ["missing.ckpt", "no such checkpoint"],
+        ),
+        ([str(checkpoint), "--format", "kohya", "--out", str(tmp_path / "lora.pt")], ["lora.pt", ".safetensors"]),
+        ([str(checkpoint), "--format", "comfy", "--out", str(out)], ["--format", "kohya"]),
+    ]
+    for argv, expected in cases:
+        assert export_main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert all(e in err for e in expected), err
+        assert "Traceback" not in err
+    not_a_checkpoint = tmp_path / "plain.ckpt"
+    torch.save({"state_dict": {"w": torch.zeros(1)}}, not_a_checkpoint)
+    assert export_main([str(not_a_checkpoint), "--format", "diffusers", "--out", str(out)]) == 2
+    assert "holds no LoRA tensors" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corrupt.ckpt", "plain.ckpt"]

@@ -1,0 +1,314 @@
+"""Exact resume: a run that is stopped or killed and resumed ends with the same LoRA, bit for bit, as one that never
+stopped, and logs the same loss curve after the resume.
+
+Run A trains N steps uninterrupted. Run B stops (``max_steps``), or is killed with SIGKILL from inside at a random
+batch (also between the micro-batches of gradient accumulation), or gets Ctrl-C, and is resumed with
+``--ckpt_path last``. Four photos in batches of two make two batches per epoch, so every run crosses epoch
+boundaries. Checkpoints are written every optimizer step.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+from test_cli import run_cli, write_config
+
+STEPS = 10
+
+
+def resume_config(tmp_path: Path, model_dir: Path, photos: Path, name: str, accumulate: int = 1, **extra) -> Path:
+    folder = tmp_path / name
+    folder.mkdir()
+    callbacks = [
+        {
+            "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+            "init_args": {
+                "filename": "step{step:04d}",
+                "auto_insert_metric_name": False,
+                "every_n_train_steps": 1,
+                "save_last": True,
+                "save_top_k": -1,
+            },
+        },
+        *extra.pop("callbacks", []),
+    ]
+    overrides = {
+        "trainer.max_steps": STEPS,
+        "trainer.callbacks": callbacks,
+        "trainer.accumulate_grad_batches": accumulate,
+        "model.lora.dropout": 0.1,  # draws from the RNG in every step: a lost RNG state would show
+        "model.scheduler": {
+            "class_path": "lightning_lora.schedules.CosineWithWarmup",
+            "init_args": {"total_steps": STEPS, "warmup_steps": 2},
+        },
+        **extra,
+    }
+    config = write_config(folder, model_dir, photos, **overrides)
+    data = yaml.safe_load(config.read_text())
+    data["data"]["cache_dir"] = str(tmp_path / "cache")  # one shared cache: encoding is not what is tested
+    config.write_text(yaml.safe_dump(data))
+    return config
+
+
+def final_lora(config: Path) -> dict[str, torch.Tensor]:
+    return load_file(config.parent / "run" / "lora" / "lora.safetensors")
+
+
+def loss_curve(config: Path) -> dict[int, float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(config.parent / "run")).Reload()
+    return {e.step: e.value for e in events.Scalars("train/loss")}
+
+
+def assert_same_run(a: Path, b: Path, after_step: int) -> None:
+    lora_a, lora_b = final_lora(a), final_lora(b)
+    assert lora_a.keys() == lora_b.keys()
+    differing = [k for k in lora_a if not torch.equal(lora_a[k], lora_b[k])]
+    assert not differing, f"{len(differing)} LoRA tensors differ after resume, e.g. {differing[:2]}"
+    curve_a, curve_b = loss_curve(a), loss_curve(b)
+    later = sorted(s for s in curve_a if s >= after_step)
+    assert later, "no loss logged after the resume point"
+    assert [curve_b.get(s) for s in later] == [curve_a[s] for s in later]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory, tiny_flux_dir: Path, photos_dir: Path) -> dict[int, Path]:
+    """Run A, with and without gradient accumulation: the references."""
+    root = tmp_path_factory.mktemp("reference")
+    runs = {}
+    for accumulate in (1, 2):
+        config = resume_config(root, tiny_flux_dir, photos_dir, f"a{accumulate}", accumulate=accumulate)
+        cli = run_cli(["fit", "--config", str(config)])
+        assert cli.trainer.global_step == STEPS
+        runs[accumulate] = config
+    return runs
+
+
+def test_stop_and_resume_twice_is_exact(tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path, uninterrupted) -> None:
+    config = resume_config(tmp_path, tiny_flux_dir, photos_dir, "b")
+    run_cli(["fit", "--config", str(config), "--trainer.max_steps", "3"])  # ends inside epoch 1 (2 batches/epoch)
+    run_cli(["fit", "--config", str(config), "--ckpt_path", "last", "--trainer.max_steps", "6"])
+    cli = run_cli(["fit", "--config", str(config), "--ckpt_path", "last"])
+    assert cli.trainer.global_step == STEPS
+    assert_same_run(uninterrupted[1], config, after_step=3)
+
+
+def test_the_control_would_fail_without_rng_restore(
+    tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path, uninterrupted, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The exactness above is not an accident: without the RNG restore the resumed run diverges."""
+    from lightning_lora.callbacks import resume
+
+    config = resume_config(tmp_path, tiny_flux_dir, photos_dir, "b")
+    run_cli(["fit", "--config", str(config), "--trainer.max_steps", "3"])
+    monkeypatch.setattr(resume, "restore_rng", lambda state: None)
+    run_cli(["fit", "--config", str(config), "--ckpt_path", "last"])
+    with pytest.raises(AssertionError, match="LoRA tensors differ"):
+        assert_same_run(uninterrupted[1], config, after_step=3)
+
+
+def _killed_then_resumed(tmp_path: Path, model_dir: Path, photos: Path, name: str, accumulate: int, batch: int) -> Path:
+    kill = {"class_path": "resume_helpers.KillAt", "init_args": {"batch": batch}}
+    config = resume_config(tmp_path, model_dir, photos, name, accumulate=accumulate, callbacks=[kill])
+    tests_dir = str(Path(__file__).parent)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": tests_dir}
+    killed = subprocess.run(
+        [sys.executable, "-m", "lightning_lora", "fit", "--config", str(config)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert killed.returncode == -9, f"expected SIGKILL, got {killed.returncode}: {killed.stderr[-2000:]}"
+    assert not (config.parent / "run" / "lora" / "lora.safetensors").exists()
+    # Resume with the same config minus the kill switch, as a user would after a crash.
+    data = yaml.safe_load(config.read_text())
+    data["trainer"]["callbacks"] = [c for c in data["trainer"]["callbacks"] if "KillAt" not in c["class_path"]]
+    config.write_text(yaml.safe_dump(data))
+    cli = run_cli(["fit", "--config", str(config), "--ckpt_path", "last"])
+    assert cli.trainer.global_step == STEPS
+    return config
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_sigkill_at_a_random_batch_then_resume_is_exact(
+    tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path, uninterrupted, accumulate: int
+) -> None:
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    total_batches = STEPS * accumulate
+    if accumulate == 1:
+        batch = rng.randrange(2, total_batches)
+    else:  # land between the two micro-batches of an optimizer step
+        batch = 2 * rng.randrange(1, STEPS) + 1
+    config = _killed_then_resumed(tmp_path, tiny_flux_dir, photos_dir, "b", accumulate, batch)
+    try:
+        assert_same_run(uninterrupted[accumulate], config, after_step=batch // accumulate)
+    except AssertionError as e:
+        raise AssertionError(f"kill at batch {batch} (seed {seed}): {e}") from e
+
+
+def test_corrupt_last_checkpoint_falls_back_to_the_previous_one(
+    tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path, uninterrupted, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = resume_config(tmp_path, tiny_flux_dir, photos_dir, "b")
+    run_cli(["fit", "--config", str(config), "--trainer.max_steps", "5"])
+    checkpoints = config.parent / "run" / "checkpoints"
+    last = checkpoints / "last.ckpt"
+    last.write_bytes(last.read_bytes()[: last.stat().st_size // 2])  # a write cut short
+    newest = checkpoints / "step0005.ckpt"
+    newest.write_bytes(b"")  # and a zero-byte file, as after a power cut on some file systems
+    with pytest.warns(UserWarning, match=r"last\.ckpt, step0005\.ckpt .* truncated or corrupt; resuming from step0004"):
+        cli = run_cli(["fit", "--config", str(config), "--ckpt_path", "last"])
+    assert cli.trainer.global_step == STEPS
+    assert_same_run(uninterrupted[1], config, after_step=4)
+
+
+def test_no_valid_checkpoint_is_a_clear_error(tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path, capsys) -> None:
+    from lightning_lora.cli import main
+
+    config = resume_config(tmp_path, tiny_flux_dir, photos_dir, "b")
+    checkpoints = config.parent / "run" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    (checkpoints / "last.ckpt").write_bytes(b"not a checkpoint")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(config), "--ckpt_path", "last"])
+    assert exit_info.value.code == 2
+    assert "none of the checkpoints" in capsys.readouterr().err
+    assert (checkpoints / "last.ckpt").read_bytes() == b"not a checkpoint"  # left for the user to inspect
+
+
+def test_last_without_checkpoints_starts_fresh(tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path, caplog) -> None:
+    config = resume_config(tmp_path, tiny_flux_dir, photos_dir, "b", **{"trainer.max_steps": 2})
+    with caplog.at_level("INFO"):
+        cli = run_cli(["fit", "--config", str(config), "--ckpt_path", "last"])
+    assert cli.trainer.global_step == 2
+    assert "no checkpoint in" in caplog.text and "starting a new run" in caplog.text
+
+
+def test_safe_changes_are_allowed_and_unsafe_ones_named(
+    tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path, capsys
+) -> None:
+    from lightning_lora.cli import main
+
+    config = resume_config(tmp_path, tiny_flux_dir, photos_dir, "b", **{"trainer.max_steps": 2})
+    run_cli(["fit", "--config", str(config)])
+    for option, value in (("--model.lora.alpha", "2"), ("--model.lora.targets", "all_linear")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["fit", "--config", str(config), "--ckpt_path", "last", option, value])
+        assert exit_info.value.code == 2
+        assert option[2:] in capsys.readouterr().err
+    # Learning rate, length and logging may change.
+    cli = run_cli(
+        [
+            "fit",
+            "--config",
+            str(config),
+            "--ckpt_path",
+            "last",
+            "--trainer.max_steps",
+            "3",
+            "--trainer.log_every_n_steps",
+            "2",
+        ]
+    )
+    assert cli.trainer.global_step == 3
+
+
+@pytest.mark.parametrize("signal_name", ["SIGINT", "SIGTERM"])
+def test_ctrl_c_saves_at_a_step_boundary_and_resume_is_exact(
+    tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path, uninterrupted, signal_name: str
+) -> None:
+    interrupt = {"class_path": "resume_helpers.InterruptAt", "init_args": {"batch": 5, "signal_name": signal_name}}
+    config = resume_config(tmp_path, tiny_flux_dir, photos_dir, "b", accumulate=2, callbacks=[interrupt])
+    cli = run_cli(["fit", "--config", str(config)])
+    # Batch 5 is the second micro-batch of step 3: the step completes, last.ckpt is written, the run stops.
+    assert cli.trainer.global_step == 3
+    assert torch.load(config.parent / "run" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 3
+    data = yaml.safe_load(config.read_text())
+    data["trainer"]["callbacks"] = [c for c in data["trainer"]["callbacks"] if "InterruptAt" not in c["class_path"]]
+    config.write_text(yaml.safe_dump(data))
+    run_cli(["fit", "--config", str(config), "--ckpt_path", "last"])
+    assert_same_run(uninterrupted[2], config, after_step=3)
+
+
+def test_checkpoint_holds_only_the_adapter(uninterrupted) -> None:
+    path = uninterrupted[1].parent / "run" / "checkpoints" / "last.ckpt"
+    ckpt = torch.load(path, weights_only=True)
+    lora_bytes = sum(v.numel() * v.element_size() for v in ckpt["state_dict"].values())
+    assert all(".lora_A." in k or ".lora_B." in k for k in ckpt["state_dict"])
+    assert {"rng_states", "loops", "optimizer_states", "lr_schedulers"} <= ckpt.keys()
+    assert ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"], "the sampler position is not saved"
+    # LoRA + two AdamW moments + small state: a few times the adapter, far below the 0.5 MB frozen base.
+    assert path.stat().st_size < 4 * lora_bytes + 64_000
+
+
+def test_second_ctrl_c_exits_at_once(tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path) -> None:
+    import signal
+
+    interrupt = {"class_path": "resume_helpers.InterruptAt", "init_args": {"batch": 3, "times": 2}}
+    config = resume_config(tmp_path, tiny_flux_dir, photos_dir, "b", callbacks=[interrupt])
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        with pytest.raises(SystemExit) as exit_info:  # Lightning turns the KeyboardInterrupt into exit status 1
+            run_cli(["fit", "--config", str(config)])
+    finally:
+        signal.signal(signal.SIGINT, previous)  # Lightning ignores SIGINT while it shuts down
+    assert exit_info.value.code == 1
+    last = torch.load(config.parent / "run" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert last["global_step"] == 3  # the step checkpoints before the interrupt are intact; no step was added
+
+
+def test_keep_last_k_checkpoints(tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path) -> None:
+    keep = {
+        "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+        "init_args": {
+            "filename": "step{step:04d}",
+            "auto_insert_metric_name": False,
+            "every_n_train_steps": 1,
+            "save_last": True,
+            "save_top_k": 2,
+            "monitor": "step",
+            "mode": "max",
+        },
+    }
+    config = resume_config(tmp_path, tiny_flux_dir, photos_dir, "b", **{"trainer.max_steps": 5})
+    data = yaml.safe_load(config.read_text())
+    data["trainer"]["callbacks"] = [keep]
+    config.write_text(yaml.safe_dump(data))
+    run_cli(["fit", "--config", str(config)])
+    names = sorted(p.name for p in (config.parent / "run" / "checkpoints").iterdir())
+    assert names == ["last.ckpt", "step0004.ckpt", "step0005.ckpt"]
+
+
+def test_failed_checkpoint_write_keeps_the_previous_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full disk (ENOSPC) in the middle of a save leaves the previous checkpoint as it was."""
+    import errno
+
+    from lightning_lora import io
+    from lightning_lora.checkpoint import AtomicCheckpointIO, load_checkpoint
+
+    plugin, path = AtomicCheckpointIO(), tmp_path / "last.ckpt"
+    plugin.save_checkpoint({"global_step": 1, "state_dict": {"w": torch.ones(3)}}, path)
+    before = path.read_bytes()
+
+    def disk_full(target: Path, data: bytes) -> None:
+        with open(target, "wb") as f:
+            f.write(data[: len(data) // 3])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(io.Path, "write_bytes", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        plugin.save_checkpoint({"global_step": 2, "state_dict": {"w": torch.zeros(3)}}, path)
+    monkeypatch.undo()
+    assert path.read_bytes() == before and load_checkpoint(path)["global_step"] == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
