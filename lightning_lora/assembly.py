@@ -9,7 +9,8 @@ The order matters and is fixed here, once:
 4. keep the LoRA parameters in float32 even when the base is bf16: the updates of a rank-16 adapter are tiny and
    would be rounded away in bf16 (diffusers' ``cast_training_params`` does the same); autocast runs the matmuls in
    bf16 anyway;
-5. gradient checkpointing, if asked: recompute each block's activations in the backward pass instead of storing them.
+5. gradient checkpointing, if asked: recompute each block's activations in the backward pass instead of storing them;
+6. the attention backend, and regional compilation of the repeated blocks, if asked.
 
 Target modules are given as a preset name of the family (``attention``, ``attention_all``, ``all_linear``), a regular
 expression over module names, or a list of module-name suffixes (``to_q``, ``attn.to_out.0``). A list entry that
@@ -27,8 +28,17 @@ from torch import nn
 
 from lightning_lora.errors import ConfigError
 from lightning_lora.families.base import DiffusionFamily, ModelSource
+from lightning_lora.quant import QuantOptions, quantize_base
 
-__all__ = ["LoraOptions", "build_lora_model", "resolve_targets", "trainable_parameters"]
+__all__ = [
+    "AttentionBackend",
+    "LoraOptions",
+    "build_lora_model",
+    "compile_repeated_blocks",
+    "configure_attention",
+    "resolve_targets",
+    "trainable_parameters",
+]
 
 
 @dataclass
@@ -104,13 +114,23 @@ def build_lora_model(
     source: ModelSource,
     lora: LoraOptions,
     gradient_checkpointing: bool = False,
+    quantization: QuantOptions | None = None,
+    device: torch.device | None = None,
+    attention: AttentionBackend = "auto",
+    compile_blocks: bool = False,
 ) -> nn.Module:
-    """Load, freeze, inject LoRA, upcast LoRA to float32, enable checkpointing. Returns the denoiser in train mode."""
+    """Load, freeze, quantize, inject LoRA, upcast LoRA to float32, checkpointing, attention, compile.
+
+    ``device`` is where quantized layers are created (the training device); the rest of the model is moved there by
+    Lightning afterwards. Returns the denoiser in train mode.
+    """
     from peft import LoraConfig
 
     denoiser = family.load_denoiser(source)
     denoiser.requires_grad_(False)
     target_modules = resolve_targets(lora.targets, family, denoiser)
+    if quantization is not None:
+        quantize_base(denoiser, quantization, device or torch.device("cpu"), compute_dtype=source.dtype)
     config = LoraConfig(
         r=lora.rank,
         lora_alpha=lora.scale_alpha,
@@ -123,4 +143,55 @@ def build_lora_model(
         p.data = p.data.to(torch.float32)
     if gradient_checkpointing:
         denoiser.enable_gradient_checkpointing()
+    configure_attention(denoiser, attention, device or torch.device("cpu"))
+    if compile_blocks:
+        compile_repeated_blocks(denoiser)
     return denoiser.train()
+
+
+AttentionBackend = Literal["auto", "flash", "efficient", "cudnn", "math", "xformers"]
+
+
+def configure_attention(denoiser: nn.Module, backend: AttentionBackend, device: torch.device) -> None:
+    """Choose the attention kernel.
+
+    ``auto`` lets PyTorch's SDPA pick among flash, memory-efficient and math, with cuDNN's SDPA backend switched
+    off: it crashed in the backward pass of full-size FLUX in bf16 on an H200 with torch 2.11 (illegal memory access
+    in ``mha_graph.execute``). ``flash`` / ``efficient`` / ``cudnn`` / ``math`` allow only that SDPA backend (the
+    process-wide ``torch.backends.cuda`` switches); ``xformers`` uses diffusers' xformers processors (CUDA only).
+    """
+    if backend == "xformers":
+        if device.type != "cuda":
+            raise ConfigError(
+                "model.attention: xformers has no kernels for the CPU (and none for ROCm builds); use auto."
+            )
+        try:
+            import xformers  # noqa: F401
+        except ImportError as e:
+            raise ConfigError(
+                "model.attention: xformers is not installed: pip install 'lightning-lora[xformers]'"
+            ) from e
+        denoiser.enable_xformers_memory_efficient_attention()
+        return
+    if not torch.cuda.is_available():
+        return
+    cuda = torch.backends.cuda
+    if backend == "auto":
+        cuda.enable_cudnn_sdp(False)
+        return
+    cuda.enable_flash_sdp(backend == "flash")
+    cuda.enable_mem_efficient_sdp(backend == "efficient")
+    cuda.enable_cudnn_sdp(backend == "cudnn")
+    cuda.enable_math_sdp(backend == "math")
+
+
+def compile_repeated_blocks(denoiser: nn.Module) -> None:
+    """Regional compilation: compile each repeated transformer block in place (diffusers' ``compile_repeated_blocks``).
+
+    Compiling the whole 12B model did not finish in 150 s on an H200; the blocks compile once and are reused by
+    every layer, and parameter names stay unchanged (no ``_orig_mod.`` prefix in checkpoints).
+    """
+    compile_fn = getattr(denoiser, "compile_repeated_blocks", None)
+    if compile_fn is None or not getattr(denoiser, "_repeated_blocks", None):
+        raise ConfigError(f"model.compile_blocks: {type(denoiser).__name__} declares no repeated blocks to compile.")
+    compile_fn(fullgraph=False)

@@ -26,10 +26,11 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from typing_extensions import override
 
-from lightning_lora.assembly import LoraOptions, build_lora_model, trainable_parameters
+from lightning_lora.assembly import AttentionBackend, LoraOptions, build_lora_model, trainable_parameters
 from lightning_lora.errors import ConfigError
 from lightning_lora.families.base import DiffusionFamily, ModelSource
 from lightning_lora.families.flux import Flux
+from lightning_lora.quant import QuantOptions
 
 __all__ = ["DTYPES", "LoraModule", "primitive_hparams"]
 
@@ -50,8 +51,14 @@ class LoraModule(LightningModule):
             ``flux1-dev.safetensors`` downloaded for ComfyUI).
         revision: hub revision of ``pretrained``.
         lora: LoRA rank, alpha, targets, dropout, init.
-        base_dtype: dtype of the frozen base weights. LoRA parameters are always float32.
+        base_dtype: dtype of the frozen base weights (and the compute dtype of quantized layers). LoRA parameters
+            are always float32.
+        quantization: store the base's linear layers in NF4 or FP8 (see :class:`QuantOptions`).
         gradient_checkpointing: recompute block activations in the backward pass (less memory, ~30% slower).
+        attention: attention kernel: ``auto`` (PyTorch SDPA without its cuDNN backend, which crashed in FLUX's
+            backward), ``flash``, ``efficient``, ``cudnn``, ``math``, or ``xformers`` (CUDA, optional extra).
+        compile_blocks: ``torch.compile`` each repeated transformer block (regional compilation): faster steps after
+            a compile of a minute or two at the start.
         optimizer: built over the LoRA parameters only, e.g. ``torch.optim.AdamW`` or
             ``bitsandbytes.optim.AdamW8bit``. Default: AdamW, lr 1e-4, weight decay 1e-4.
         scheduler: optional learning-rate schedule, stepped every optimizer step, e.g.
@@ -66,7 +73,10 @@ class LoraModule(LightningModule):
         revision: str | None = None,
         lora: LoraOptions = LoraOptions(),
         base_dtype: Literal["bf16", "fp16", "fp32"] = "bf16",
+        quantization: QuantOptions = QuantOptions(),
         gradient_checkpointing: bool = False,
+        attention: AttentionBackend = "auto",
+        compile_blocks: bool = False,
         optimizer: OptimizerCallable = _default_optimizer,
         scheduler: LRSchedulerCallable | None = None,
     ) -> None:
@@ -76,6 +86,9 @@ class LoraModule(LightningModule):
         self.source = ModelSource(pretrained, denoiser_file, revision, DTYPES[base_dtype])
         self.lora = lora
         self.gradient_checkpointing = gradient_checkpointing
+        self.quantization = quantization
+        self.attention = attention
+        self.compile_blocks = compile_blocks
         self._optimizer_factory = optimizer
         self._scheduler_factory = scheduler
         self.denoiser: torch.nn.Module | None = None
@@ -88,7 +101,17 @@ class LoraModule(LightningModule):
     def configure_model(self) -> None:
         if self.denoiser is not None:
             return
-        self.denoiser = build_lora_model(self.family, self.source, self.lora, self.gradient_checkpointing)
+        device = self.trainer.strategy.root_device if self._trainer is not None else torch.device("cpu")
+        self.denoiser = build_lora_model(
+            self.family,
+            self.source,
+            self.lora,
+            gradient_checkpointing=self.gradient_checkpointing,
+            quantization=self.quantization,
+            device=device,
+            attention=self.attention,
+            compile_blocks=self.compile_blocks,
+        )
 
     def _require_model(self) -> torch.nn.Module:
         if self.denoiser is None:

@@ -1,0 +1,163 @@
+"""FP8 base weights: half the memory of bf16 ("storage"), and optionally FP8 matmuls ("compute").
+
+Both store each frozen weight ``W [out, in]`` as ``float8_e4m3fn`` with one float32 scale per output channel
+(``s[o] = max|W[o, :]| / 448``, 448 being e4m3's largest value), so ``W ~ s[:, None] * W8``. e4m3 keeps 3 mantissa
+bits: about 4% relative error per element, which a frozen, pretrained weight tolerates well in practice (musubi-tuner
+and SimpleTuner ship the same idea).
+
+**Storage** dequantizes ``W8`` to bf16 inside the matmul and multiplies in bf16. Any GPU (and the CPU) can do it. A
+custom autograd function keeps only ``W8`` for the backward pass and dequantizes again there; plain autograd would keep
+the bf16 copy of every layer alive until the backward, which is the bf16 model again.
+
+**Compute** multiplies in FP8 with ``torch._scaled_mm`` and row-wise scales, on FP8 matrix units (compute capability
+8.9+: RTX 40xx, L4, H100/H200; AMD MI300):
+
+* forward ``y = x W^T``: ``x`` is quantized per row (token), ``W8`` per output channel, and
+  ``_scaled_mm(x8, W8^T, s_x, s_W)`` applies both scales in the epilogue;
+* input gradient ``gx = gy W``: the contraction now runs over ``out``, where ``W``'s scale lives, so the scale is
+  folded into ``gy`` first (``gy * s_W``), then ``gy`` is quantized per row and multiplied with ``W8`` (no weight
+  scale left). The weight gradient is never needed: the base is frozen, and the LoRA path runs in bf16 beside it.
+
+Quantizing the activations is a separate pass over memory (max, divide, cast). Done as separate eager kernels it
+costs more than FP8 saves (measured 0.72x of bf16 on FLUX shapes); fused by ``torch.compile`` into one kernel it
+gives 1.30x, and the matmul alone 1.66x (shared/bench/REFERENCE.md). So the quantizer is compiled on CUDA.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_lora.quant.options import QuantOptions, linear_layers
+
+__all__ = ["FP8Linear", "fp8_compute_supported", "quantize_fp8", "quantize_rowwise"]
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+
+
+def quantize_rowwise(t: torch.Tensor, dtype: torch.dtype = E4M3) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t [rows, cols]`` -> (``t8``, ``scale [rows, 1]`` float32) with ``t ~ scale * t8``."""
+    amax = t.abs().amax(dim=1, keepdim=True).float()
+    scale = amax.clamp(min=1e-12) / torch.finfo(dtype).max
+    return (t.float() / scale).to(dtype), scale
+
+
+@functools.lru_cache(maxsize=2)
+def _quantizer(device_type: str) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    # One fused kernel (amax, divide, cast) on CUDA instead of three passes over memory; eager elsewhere.
+    if device_type == "cuda":
+        return torch.compile(quantize_rowwise, dynamic=True)
+    return quantize_rowwise
+
+
+def fp8_compute_supported(device: torch.device) -> tuple[bool, str]:
+    """Whether ``device`` has FP8 matrix units, and why not."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False, f"device {device.type} has none"
+    if torch.version.hip is not None:
+        name = torch.cuda.get_device_properties(device).gcnArchName
+        return ("gfx94" in name or "gfx95" in name), f"AMD {name} (needs MI300 / gfx94x or newer)"
+    major, minor = torch.cuda.get_device_capability(device)
+    return (major, minor) >= (8, 9), f"compute capability {major}.{minor} (needs 8.9 or newer)"
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    device_type = x.device.type
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+
+
+class _StorageMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        ctx.save_for_backward(w8, scale)
+        ctx.dtype = dtype
+        w = w8.to(dtype) * scale.to(dtype)[:, None]
+        return x.to(dtype) @ w.t()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        w8, scale = ctx.saved_tensors
+        w = w8.to(ctx.dtype) * scale.to(ctx.dtype)[:, None]
+        return grad.to(ctx.dtype) @ w, None, None, None
+
+
+class _ScaledMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        quantize = _quantizer(x.device.type)
+        shape = x.shape
+        x8, x_scale = quantize(x.reshape(-1, shape[-1]))
+        y = torch._scaled_mm(x8, w8.t(), scale_a=x_scale, scale_b=scale[None, :], out_dtype=dtype)
+        ctx.save_for_backward(w8, scale)
+        ctx.dtype = dtype
+        return y.reshape(*shape[:-1], w8.shape[0])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        w8, scale = ctx.saved_tensors
+        quantize = _quantizer(grad.device.type)
+        shape = grad.shape
+        g8, g_scale = quantize(grad.reshape(-1, shape[-1]).float() * scale[None, :])
+        # _scaled_mm wants its second operand column-major: a transposed copy of W8 (1 byte per weight, transient).
+        w8_cm = w8.t().contiguous().t()
+        ones = torch.ones(1, w8.shape[1], device=grad.device, dtype=torch.float32)
+        gx = torch._scaled_mm(g8, w8_cm, scale_a=g_scale, scale_b=ones, out_dtype=ctx.dtype)
+        return gx.reshape(*shape[:-1], w8.shape[1]), None, None, None
+
+
+class FP8Linear(nn.Linear):
+    """A frozen ``nn.Linear`` whose weight is stored as float8 e4m3 with a per-output-channel scale.
+
+    It stays an ``nn.Linear`` subclass so peft wraps it like any linear layer. ``weight`` (float8) and
+    ``weight_scale`` are buffers, not parameters, so nothing mistakes them for trainable or float weights (optimizers,
+    dtype probes). ``compute_dtype`` is what peft reads (as for bitsandbytes layers) to decide the adapter's dtype:
+    float32, not the weight's float8.
+    """
+
+    compute_dtype = torch.float32
+
+    def __init__(self, linear: nn.Linear, compute: bool = False) -> None:
+        nn.Module.__init__(self)
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.compute = compute
+        w = linear.weight.data
+        w8, scale = quantize_rowwise(w)
+        self.register_buffer("weight", w8)
+        self.register_buffer("weight_scale", scale.squeeze(1).contiguous())
+        self.bias = linear.bias  # frozen with the rest of the base
+
+    def dequantized(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return self.weight.to(dtype) * self.weight_scale.to(dtype)[:, None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = _compute_dtype(x)
+        if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            dtype = torch.bfloat16
+        if self.compute and x.device.type == "cuda" and dtype != torch.float32:
+            y = _ScaledMatmul.apply(x, self.weight, self.weight_scale, dtype)
+        else:
+            y = _StorageMatmul.apply(x, self.weight, self.weight_scale, dtype)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def extra_repr(self) -> str:
+        mode = "compute" if self.compute else "storage"
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8={mode}"
+
+
+def quantize_fp8(model: nn.Module, options: QuantOptions, device: torch.device, compute: bool) -> int:
+    count = 0
+    for parent, name, _, linear in linear_layers(model, options.skip):
+        linear.to(device)
+        layer = FP8Linear(linear, compute=compute)
+        setattr(parent, name, layer)
+        del linear
+        count += 1
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return count

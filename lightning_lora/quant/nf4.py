@@ -1,0 +1,73 @@
+"""NF4 (QLoRA) base weights through bitsandbytes.
+
+Each frozen ``nn.Linear`` becomes a ``bnb.nn.Linear4bit``: weights in 4-bit NormalFloat with one absmax per block of
+64 (itself quantized to 8 bits with ``double_quant``), about 0.53 bytes per weight instead of 2. The matmul
+dequantizes to ``compute_dtype`` (bf16) on the fly, so a step costs more than bf16 but the 12B FLUX transformer fits in
+about 6 GB. The layers are quantized directly on the training device, one at a time, so the full bf16 model never has
+to fit there.
+
+bitsandbytes quantizes in blocks of 64 along the input dimension; a layer whose ``in_features`` is not a multiple of 64
+is left in the base dtype (real FLUX has none; tiny test models might). On the CPU (tests) bitsandbytes works in
+train mode; its CPU inference fast path is switched off (see below).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_lora.errors import ConfigError
+from lightning_lora.quant.options import QuantOptions, linear_layers
+
+__all__ = ["quantize_nf4", "require_bitsandbytes"]
+
+
+@functools.lru_cache(maxsize=1)
+def require_bitsandbytes() -> Any:
+    try:
+        import bitsandbytes
+    except ImportError as e:
+        raise ConfigError("model.quantization.mode: nf4 needs bitsandbytes: pip install 'lightning-lora[bnb]'") from e
+    return bitsandbytes
+
+
+def quantize_nf4(model: nn.Module, options: QuantOptions, device: torch.device, compute_dtype: torch.dtype) -> int:
+    bnb = require_bitsandbytes()
+    count = 0
+    for parent, name, _, linear in linear_layers(model, options.skip):
+        if linear.in_features % 64:
+            continue
+        layer = bnb.nn.Linear4bit(
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            compute_dtype=compute_dtype,
+            compress_statistics=options.double_quant,
+            quant_type="nf4",
+            device="meta",
+        )
+        layer.weight = bnb.nn.Params4bit(
+            linear.weight.data,
+            requires_grad=False,
+            compress_statistics=options.double_quant,
+            quant_type="nf4",
+            module=layer,
+        )._quantize(device)
+        if linear.bias is not None:
+            layer.bias = nn.Parameter(linear.bias.data.to(device), requires_grad=False)
+        # bitsandbytes 0.50 repacks weights for an AVX512-BF16 CPU fast path in eval mode; that path breaks on the
+        # bias add and never goes back. It is an inference optimisation for CPUs: a trainer does not need it.
+        layer.support_avx512bf16_for_cpu = False
+        setattr(parent, name, layer)
+        count += 1
+        del linear
+    if options.upcast_small_params:
+        for p in model.parameters():
+            if p.dtype in (torch.float16, torch.bfloat16) and not isinstance(p, bnb.nn.Params4bit):
+                p.data = p.data.float()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return count

@@ -1,0 +1,156 @@
+"""Quantized bases on CPU: FP8 storage and compute math, NF4 (bitsandbytes) on a tiny FLUX with 64-multiple dims,
+and short fits through the CLI with each backend. Speed and memory are measured on the GPU (tools/bench.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_cli import run_cli, write_config
+from torch import nn
+
+from lightning_lora.assembly import LoraOptions, build_lora_model, configure_attention
+from lightning_lora.errors import ConfigError
+from lightning_lora.families import Flux, ModelSource
+from lightning_lora.quant import QuantOptions, quantize_base
+from lightning_lora.quant.fp8 import FP8Linear, _ScaledMatmul, quantize_rowwise
+
+
+@pytest.fixture(scope="module")
+def tiny_flux64_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny FLUX whose linear layers all have in_features % 64 == 0 (bitsandbytes' block size)."""
+    from lightning_lora.tiny import save_tiny_flux
+
+    return save_tiny_flux(tmp_path_factory.mktemp("models") / "tiny-flux64", seed=0, dim64=True)
+
+
+def _linear(seed: int = 0, n_in: int = 128, n_out: int = 96) -> nn.Linear:
+    torch.manual_seed(seed)
+    layer = nn.Linear(n_in, n_out)
+    layer.requires_grad_(False)
+    return layer
+
+
+def test_rowwise_quantization_error_is_small() -> None:
+    w = torch.randn(64, 256)
+    w8, scale = quantize_rowwise(w)
+    assert w8.dtype == torch.float8_e4m3fn and scale.shape == (64, 1)
+    relative = ((w8.float() * scale - w).norm() / w.norm()).item()
+    assert relative < 0.05  # e4m3 keeps 3 mantissa bits: a few percent
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_storage_forward_and_input_gradient(dtype: torch.dtype) -> None:
+    ref = _linear()
+    fp8 = FP8Linear(ref)
+    assert fp8.weight.dtype == torch.float8_e4m3fn and [n for n, _ in fp8.named_parameters()] == ["bias"]
+    x = torch.randn(5, 7, 128, dtype=dtype, requires_grad=True)
+    y = fp8(x)
+    y_ref = ref.to(dtype)(x)
+    assert y.dtype == dtype
+    assert ((y - y_ref).norm() / y_ref.norm()).item() < 0.06
+    (gx,) = torch.autograd.grad(y.float().sum(), x)
+    (gx_ref,) = torch.autograd.grad(y_ref.float().sum(), x)
+    assert ((gx - gx_ref).norm() / gx_ref.norm()).item() < 0.06
+
+
+def test_fp8_storage_keeps_no_dequantized_weight_for_backward() -> None:
+    """The backward keeps the 1-byte weight, not a dequantized copy (which would cost the bf16 model again)."""
+    fp8 = FP8Linear(_linear(n_in=256, n_out=512))
+    saved: list[torch.Tensor] = []
+    x = torch.randn(4, 256, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        fp8(x).sum().backward()
+    big = [t for t in saved if t.numel() >= 256 * 512]
+    assert big and all(t.dtype == torch.float8_e4m3fn for t in big), [(t.dtype, t.shape) for t in big]
+
+
+def test_fp8_compute_matmul_matches_reference_on_cpu() -> None:
+    """torch._scaled_mm with row-wise scales also runs on the CPU: the math of the GPU path, checked here."""
+    ref = _linear(n_in=128, n_out=64)
+    fp8 = FP8Linear(ref, compute=True)
+    x = torch.randn(32, 128, requires_grad=True)
+    y = _ScaledMatmul.apply(x, fp8.weight, fp8.weight_scale, torch.bfloat16)
+    y_ref = x @ ref.weight.t()
+    assert ((y.float() - y_ref).norm() / y_ref.norm()).item() < 0.08
+    g = torch.randn_like(y_ref)
+    (gx,) = torch.autograd.grad(y, x, g.to(y.dtype))
+    gx_ref = g @ ref.weight
+    assert ((gx.float() - gx_ref).norm() / gx_ref.norm()).item() < 0.08
+
+
+def test_fp8_compute_falls_back_to_storage_without_fp8_units() -> None:
+    model = nn.Sequential(_linear(), nn.ReLU(), _linear(n_in=96, n_out=32))
+    with pytest.warns(UserWarning, match="fp8_compute needs FP8 matrix units"):
+        n = quantize_base(model, QuantOptions(mode="fp8_compute"), torch.device("cpu"), torch.bfloat16)
+    assert n == 2 and all(isinstance(m, FP8Linear) and not m.compute for m in model if isinstance(m, nn.Linear))
+
+
+def test_skip_patterns_leave_layers_unquantized() -> None:
+    model = nn.Sequential()
+    model.add_module("keep", _linear())
+    model.add_module("quant", _linear(n_in=96, n_out=64))
+    quantize_base(model, QuantOptions(mode="fp8", skip=["keep"]), torch.device("cpu"), torch.bfloat16)
+    assert type(model.keep) is nn.Linear and isinstance(model.quant, FP8Linear)
+    with pytest.raises(ConfigError, match="model.quantization.skip"):
+        quantize_base(model, QuantOptions(mode="fp8", skip=["("]), torch.device("cpu"), torch.bfloat16)
+
+
+@pytest.mark.parametrize("mode", ["nf4", "fp8"])
+def test_lora_on_a_quantized_tiny_flux(tiny_flux64_dir: Path, mode: str) -> None:
+    import bitsandbytes as bnb
+
+    model = build_lora_model(
+        Flux(max_sequence_length=8),
+        ModelSource(str(tiny_flux64_dir), dtype=torch.bfloat16),
+        LoraOptions(rank=4, targets="all_linear"),
+        quantization=QuantOptions(mode=mode),
+    )
+    quantized = bnb.nn.Linear4bit if mode == "nf4" else FP8Linear
+    base_layers = [m.base_layer for n, m in model.named_modules() if hasattr(m, "base_layer") and "lora" not in n]
+    assert base_layers and all(isinstance(b, quantized) for b in base_layers)
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n and p.dtype == torch.float32 for n, p in trainable)
+    # A training step: finite loss, gradients reach the LoRA.
+    c = model.config
+    batch = {
+        "latents": torch.randn(2, c.in_channels // 4, 8, 8),
+        "prompt_embeds": torch.randn(2, 8, c.joint_attention_dim),
+        "pooled_prompt_embeds": torch.randn(2, c.pooled_projection_dim),
+    }
+    family = Flux()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = family.loss(model, batch, torch.randn_like(batch["latents"]), torch.tensor([0.3, 0.8])).mean()
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert all(p.grad is not None for _, p in trainable)
+    assert any(p.grad.abs().sum() > 0 for n, p in trainable if "lora_B" in n)
+
+
+@pytest.mark.parametrize("mode", ["nf4", "fp8"])
+def test_fit_and_resume_with_a_quantized_base(
+    tmp_path: Path, tiny_flux64_dir: Path, photos_dir: Path, mode: str
+) -> None:
+    config = write_config(
+        tmp_path,
+        tiny_flux64_dir,
+        photos_dir,
+        **{
+            "trainer.max_steps": 3,
+            "trainer.precision": "bf16-mixed",
+            "model.base_dtype": "bf16",
+            "model.quantization": {"mode": mode},
+            "trainer.callbacks": [],
+        },
+    )
+    run_cli(["fit", "--config", str(config)])
+    ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert ckpt["state_dict"] and all(".lora_" in k for k in ckpt["state_dict"])  # no quantized base inside
+    cli = run_cli(["fit", "--config", str(config), "--ckpt_path", "last", "--trainer.max_steps", "5"])
+    assert cli.trainer.global_step == 5
+
+
+def test_xformers_on_cpu_is_refused_with_the_option_name() -> None:
+    with pytest.raises(ConfigError, match="model.attention: xformers"):
+        configure_attention(nn.Linear(2, 2), "xformers", torch.device("cpu"))
