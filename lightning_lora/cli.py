@@ -24,11 +24,13 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_lora.callbacks.evaluation import FixedEvalLoss
 from lightning_lora.callbacks.lora_export import LoraExport
@@ -104,6 +106,8 @@ class LoraCLI(LightningCLI):
         family = self.model.family
         resolution = self.datamodule.resolution
         family.check_resolution(resolution, resolution, "data.resolution")
+        if torch.cuda.is_available() and self.trainer.strategy.root_device.type == "cuda":
+            warn_if_too_big(self.model, self.datamodule, self.trainer.strategy.root_device)
 
     def fit(
         self, model: LoraModule, datamodule: LatentDataModule | None = None, ckpt_path: str | None = None, **kwargs: Any
@@ -133,6 +137,27 @@ class LoraCLI(LightningCLI):
     def after_fit(self) -> None:
         if self.trainer.is_global_zero:
             print(run_summary(self.trainer), flush=True)
+
+
+def warn_if_too_big(model: LoraModule, datamodule: LatentDataModule, device: torch.device) -> None:
+    """Run the memory planner at start and warn before an out-of-memory crash (never blocks the run)."""
+    from lightning_lora.plan_cli import plan_for
+
+    try:
+        plan = plan_for(model, datamodule)
+    except (ConfigError, NotImplementedError, OSError) as e:
+        rank_zero_info(f"memory planner skipped: {e}")
+        return
+    total = torch.cuda.get_device_properties(device).total_memory / 2**30
+    need = max(plan.peak_gib, plan.sampling_peak)
+    message = f"predicted peak GPU memory {need:.1f} GiB of {total:.1f} GiB ({device})"
+    if need > total * 0.95:
+        rank_zero_warn(
+            f"{message}: this will probably run out of memory. Run `lightning-lora plan --config ... "
+            f"--vram {total:.0f}` for options that fit."
+        )
+    else:
+        rank_zero_info(message)
 
 
 def run_summary(trainer: Trainer) -> str:
@@ -172,6 +197,10 @@ def main(argv: list[str] | None = None) -> None:
         from lightning_lora.export_cli import main as export_main
 
         raise SystemExit(export_main(args[1:]))
+    if args[:1] == ["plan"]:
+        from lightning_lora.plan_cli import main as plan_main
+
+        raise SystemExit(plan_main(args[1:]))
     for pattern in _NOISE:
         warnings.filterwarnings("ignore", message=pattern)
     try:

@@ -214,8 +214,32 @@ class DiffusionFamily(ABC):
         width: int,
         steps: int,
         guidance_scale: float,
+        negative: dict[str, torch.Tensor] | None = None,
     ) -> Any:
-        """One image (PIL) for one prompt's embeddings (batch of 1), reproducible from ``seed``."""
+        """One image (PIL) for one prompt's embeddings (batch of 1), reproducible from ``seed``.
+
+        ``negative`` holds the empty prompt's embeddings (same keys), the negative side of classifier-free guidance
+        for the families that use it; a family without CFG (FLUX.1-dev) ignores it.
+        """
+
+    # -- memory planning (lightning_lora.plan) -------------------------------------------------------------------
+    def denoiser_skeleton(self, source: ModelSource) -> nn.Module:
+        """The denoiser built from its config on the ``meta`` device: real shapes, no memory, no weights."""
+        raise NotImplementedError(f"the memory planner does not support the {self.name} family yet")
+
+    def example_inputs(
+        self, model: nn.Module, batch: int, height: int, width: int, text_len: int, device: str, dtype: torch.dtype
+    ) -> dict[str, Any]:
+        """Keyword arguments of one forward pass of ``model`` at this image size, batch and text length."""
+        raise NotImplementedError(f"the memory planner does not support the {self.name} family yet")
+
+    def block_count(self, model: nn.Module) -> int:
+        """Number of repeated blocks (the unit of gradient checkpointing)."""
+        raise NotImplementedError(f"the memory planner does not support the {self.name} family yet")
+
+    def sampling_bytes(self, model: nn.Module, height: int, width: int, text_len: int) -> float:
+        """Activation bytes of one inference forward pass (plus the VAE decode) at this size."""
+        raise NotImplementedError(f"the memory planner does not support the {self.name} family yet")
 
     # -- shared helpers ----------------------------------------------------------------------------------------
     def check_resolution(self, height: int, width: int, option: str) -> None:

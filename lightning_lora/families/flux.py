@@ -240,6 +240,7 @@ class Flux(DiffusionFamily):
         width: int,
         steps: int,
         guidance_scale: float,
+        negative: dict[str, torch.Tensor] | None = None,  # FLUX.1-dev has distilled guidance, no negative prompt
     ) -> Any:
         dtype = compute_dtype(pipeline.transformer)
         device = pipeline.transformer.device
@@ -254,3 +255,50 @@ class Flux(DiffusionFamily):
             generator=self.seed_generator(seed),
             output_type="pil",
         ).images[0]
+
+    # -- memory planning ---------------------------------------------------------------------------------------
+    def denoiser_skeleton(self, source: ModelSource) -> nn.Module:
+        from diffusers import FluxTransformer2DModel
+
+        config = load_component(FluxTransformer2DModel.load_config, source, self.denoiser_subfolder)
+        return _on_meta(FluxTransformer2DModel, config, source.dtype)
+
+    def example_inputs(
+        self, model: nn.Module, batch: int, height: int, width: int, text_len: int, device: str, dtype: torch.dtype
+    ) -> dict[str, Any]:
+        c = model.config
+        h, w = height // 8, width // 8
+        tokens = (h // 2) * (w // 2)
+        return {
+            "hidden_states": torch.empty(batch, tokens, c.in_channels, device=device, dtype=dtype),
+            "encoder_hidden_states": torch.empty(batch, text_len, c.joint_attention_dim, device=device, dtype=dtype),
+            "pooled_projections": torch.empty(batch, c.pooled_projection_dim, device=device, dtype=dtype),
+            "timestep": torch.empty(batch, device=device, dtype=dtype),
+            "guidance": torch.empty(batch, device=device, dtype=dtype) if c.guidance_embeds else None,
+            "img_ids": torch.empty(tokens, 3, device=device, dtype=dtype),
+            "txt_ids": torch.empty(text_len, 3, device=device, dtype=dtype),
+            "return_dict": False,
+        }
+
+    def block_count(self, model: nn.Module) -> int:
+        return model.config.num_layers + model.config.num_single_layers
+
+    def sampling_bytes(self, model: nn.Module, height: int, width: int, text_len: int) -> float:
+        c = model.config
+        tokens = (height // 16) * (width // 16) + text_len
+        inner = c.num_attention_heads * c.attention_head_dim
+        # The widest intermediates of a single block (qkv + 4x MLP, bf16) and the VAE decode at full resolution
+        # (128 channels at full size, a few buffers).
+        block = tokens * (3 * inner + 4 * inner + inner) * 2 * 2
+        vae = height * width * 128 * 2 * 4
+        return float(block + vae + 84e6 * 2)
+
+
+def _on_meta(cls: Any, config: dict[str, Any], dtype: torch.dtype) -> nn.Module:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            return cls.from_config(config)
+    finally:
+        torch.set_default_dtype(previous)

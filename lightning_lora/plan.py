@@ -1,0 +1,231 @@
+"""Memory planner: the peak GPU memory of a training run, predicted from the model's config before any weight loads.
+
+The peak of a LoRA step is the sum of
+
+* **static** memory: the frozen weights in their storage format (bf16: 2 bytes per weight; FP8: 1 byte plus a scale
+  per row; NF4: half a byte plus one absmax per 64 weights, itself 8-bit with double quantization), the LoRA
+  parameters (float32), their gradients (float32) and the optimizer state (AdamW: two float32 moments; AdamW8bit: two
+  8-bit moments; Adafactor: factored second moments, a few percent);
+* **saved activations**: what the forward pass keeps for the backward. They are *counted*, not estimated: the real
+  model is built on PyTorch's ``meta`` device (shapes, no memory, no weights) with the real LoRA injected and the
+  real checkpointing setting, and one forward pass at the configured resolution, batch and text length runs under a
+  ``saved_tensors_hooks`` that adds up every tensor autograd keeps. Attention is counted as the flash / memory-
+  efficient kernels store it (output and log-sum-exp, not the full attention matrix);
+* **transient** memory during the backward: gradients flowing through a block, recomputed activations of one block
+  under checkpointing, kernel workspaces, allocator rounding. This part is calibrated against GPU measurements
+  (BENCHMARKS.md) as a multiple of the largest per-block activation.
+
+Sampling needs the frozen weights, the VAE and one forward pass's largest intermediates, with no saved activations.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_lora.quant import QuantOptions
+from lightning_lora.quant.options import linear_layers
+
+__all__ = ["MemoryPlan", "optimizer_bytes_per_param", "plan_training", "saved_activation_bytes", "weight_bytes"]
+
+GIB = 2**30
+
+# Transient memory in the backward pass, as multiples of the largest activation saved by one block (calibrated on an
+# H200 against tools/bench.py; see BENCHMARKS.md), plus a fixed CUDA context / allocator allowance.
+TRANSIENT_BLOCKS = 3.0
+FIXED_OVERHEAD_GIB = 0.35
+
+_OPTIMIZER_BYTES = {
+    "AdamW": 8.0,
+    "Adam": 8.0,
+    "AdamW8bit": 2.05,
+    "Adam8bit": 2.05,
+    "PagedAdamW8bit": 2.05,
+    "Adafactor": 0.5,
+    "SGD": 0.0,
+    "Prodigy": 16.0,
+    "Lion": 4.0,
+    "Lion8bit": 1.05,
+}
+
+
+def optimizer_bytes_per_param(name: str) -> float:
+    """Optimizer state bytes per trainable parameter (AdamW: two float32 moments = 8)."""
+    return _OPTIMIZER_BYTES.get(name, 8.0)
+
+
+@dataclass
+class MemoryPlan:
+    """Predicted GPU memory of a training step, in GiB, by component."""
+
+    weights: float
+    lora: float
+    gradients: float
+    optimizer: float
+    activations: float
+    transient: float
+    overhead: float = FIXED_OVERHEAD_GIB
+    sampling_peak: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def static(self) -> float:
+        return self.weights + self.lora + self.gradients + self.optimizer
+
+    @property
+    def peak_gib(self) -> float:
+        return self.static + self.activations + self.transient + self.overhead
+
+    def report(self, vram_gib: float | None = None) -> str:
+        rows = [
+            ("frozen weights", self.weights),
+            ("LoRA parameters (fp32)", self.lora),
+            ("LoRA gradients (fp32)", self.gradients),
+            ("optimizer state", self.optimizer),
+            ("saved activations", self.activations),
+            ("backward transient", self.transient),
+            ("CUDA context / allocator", self.overhead),
+        ]
+        lines = [f"  {name:<28}{value:8.2f} GiB" for name, value in rows]
+        lines.append(f"  {'training peak':<28}{self.peak_gib:8.2f} GiB")
+        if self.sampling_peak:
+            lines.append(f"  {'sample images peak':<28}{self.sampling_peak:8.2f} GiB")
+        if vram_gib is not None:
+            need = max(self.peak_gib, self.sampling_peak)
+            verdict = "fits" if need <= vram_gib * 0.95 else "does NOT fit"
+            lines.append(f"  -> {verdict} in {vram_gib:g} GiB (keeping 5% headroom)")
+        lines.extend(f"  note: {n}" for n in self.notes)
+        return "\n".join(lines)
+
+
+def weight_bytes(model: nn.Module, quantization: QuantOptions, dtype: torch.dtype) -> float:
+    """Bytes of the frozen base in its storage format (``model`` may live on the meta device)."""
+    base = 2 if dtype in (torch.bfloat16, torch.float16) else 4
+    quantized: dict[int, nn.Linear] = {}
+    if quantization.mode != "none":
+        quantized = {id(layer): layer for *_, layer in linear_layers(model, quantization.skip)}
+        if quantization.mode == "nf4":
+            quantized = {k: v for k, v in quantized.items() if v.in_features % 64 == 0}
+    total = 0.0
+    for module in model.modules():
+        own = list(module.parameters(recurse=False))
+        if id(module) in quantized:
+            n = module.weight.numel()
+            if quantization.mode == "nf4":
+                absmax = n / 64 * (1 + 4 / 256) if quantization.double_quant else n / 64 * 4
+                total += n / 2 + absmax
+            else:
+                total += n + module.out_features * 4
+            own = [p for p in own if p is not module.weight]
+        small = 4 if quantization.mode == "nf4" and quantization.upcast_small_params else base
+        total += sum(p.numel() * (small if quantization.mode == "nf4" else base) for p in own)
+    return total
+
+
+@contextlib.contextmanager
+def _flash_like_attention() -> Iterator[None]:
+    """Make SDPA keep what flash / memory-efficient attention keeps for its backward: q, k, v, out, log-sum-exp."""
+
+    class _SDPA(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
+            lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+            ctx.save_for_backward(q, k, v, out, lse)
+            return out
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            q, k, v, _, _ = ctx.saved_tensors
+            return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    original = torch.nn.functional.scaled_dot_product_attention
+
+    def sdpa(*args: Any, **kwargs: Any) -> torch.Tensor:
+        q, k, v = (list(args) + [kwargs.get(n) for n in ("query", "key", "value")[len(args) :]])[:3]
+        return _SDPA.apply(q, k, v)
+
+    torch.nn.functional.scaled_dot_product_attention = sdpa
+    try:
+        yield
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = original
+
+
+def saved_activation_bytes(model: nn.Module, inputs: dict[str, Any]) -> tuple[float, float]:
+    """Bytes autograd keeps from one forward pass of ``model`` (on the meta device), and the largest single tensor.
+
+    Parameters and buffers are not counted (they are static memory); tensors sharing storage are counted once.
+    """
+    static = {p.untyped_storage()._cdata for p in model.parameters()}
+    static |= {b.untyped_storage()._cdata for b in model.buffers()}
+    seen: set[int] = set()
+    sizes: list[int] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = t.untyped_storage()._cdata
+        if key not in static and key not in seen:
+            seen.add(key)
+            sizes.append(t.untyped_storage().nbytes())
+        return t
+
+    with _flash_like_attention(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(**inputs)
+    return float(sum(sizes)), float(max(sizes, default=0))
+
+
+def plan_training(
+    module: Any,
+    height: int,
+    width: int,
+    batch: int,
+    text_len: int,
+    optimizer: str = "AdamW",
+    sample_size: tuple[int, int] | None = None,
+) -> MemoryPlan:
+    """Predict the training peak of a :class:`~lightning_lora.module.LoraModule` configuration."""
+    from peft import LoraConfig
+
+    from lightning_lora.assembly import resolve_targets
+
+    family, source = module.family, module.source
+    model = family.denoiser_skeleton(source)  # meta device: shapes only
+    model.requires_grad_(False)
+    weights = weight_bytes(model, module.quantization, source.dtype)
+    targets = resolve_targets(module.lora.targets, family, model)
+    model.add_adapter(LoraConfig(r=module.lora.rank, lora_alpha=module.lora.scale_alpha, target_modules=targets))
+    lora_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    for p in model.parameters():  # autocast computes the LoRA path in the base dtype
+        if p.requires_grad:
+            p.data = p.data.to(source.dtype)
+    if module.gradient_checkpointing:
+        model.enable_gradient_checkpointing()
+    model.train()
+    model.train()
+    inputs = family.example_inputs(model, batch, height, width, text_len, device="meta", dtype=source.dtype)
+    saved, largest = saved_activation_bytes(model, inputs)
+    per_block = saved / max(family.block_count(model), 1)
+    transient = TRANSIENT_BLOCKS * per_block
+    if module.gradient_checkpointing:
+        # Only block inputs stay saved; in the backward one block's activations are recomputed at a time.
+        model.enable_gradient_checkpointing()
+        saved, largest = saved_activation_bytes(model, inputs)
+        transient += per_block
+    plan = MemoryPlan(
+        weights=weights / GIB,
+        lora=lora_params * 4 / GIB,
+        gradients=lora_params * 4 / GIB,
+        optimizer=lora_params * optimizer_bytes_per_param(optimizer) / GIB,
+        activations=saved / GIB,
+        transient=(transient + largest) / GIB,
+    )
+    sh, sw = sample_size or (height, width)
+    plan.sampling_peak = (
+        weights / GIB + plan.lora + family.sampling_bytes(model, sh, sw, text_len) / GIB + plan.overhead
+    )
+    return plan

@@ -1,0 +1,260 @@
+"""GPU benchmark: lightning-lora's own training step on a randomly initialised model of the real size.
+
+Runs the real thing, not a copy: ``LoraModule`` (assembly, quantization, attention, compile options) inside a Lightning
+``Trainer`` with ``bf16-mixed`` precision, on synthetic cached-latent batches of the right shapes. Random weights
+have the real compute and memory. Prints one JSON line per run: seconds per step (mean over ``--steps`` after
+``--warm`` warm-up steps), peak allocated / reserved GiB over the timed steps, the static footprint after set-up,
+and the memory planner's prediction for the same settings.
+
+Compare with shared/bench/ref_recipe.py run in the same GPU call on the same shapes (REFERENCE.md): a time on a
+shared machine is only meaningful as a ratio.
+
+    python tools/bench.py --quant nf4 --rank 4 --gc 1          # FLUX.1-dev, 512x768, T5 length 512
+    python tools/bench.py --tiny --steps 2 --warm 1             # a CPU smoke run of the same code
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from lightning.pytorch import Callback, LightningDataModule, Trainer  # noqa: E402
+from torch.utils.data import DataLoader, Dataset  # noqa: E402
+
+from lightning_lora.assembly import LoraOptions  # noqa: E402
+from lightning_lora.families.base import ModelSource  # noqa: E402
+from lightning_lora.families.flux import Flux  # noqa: E402
+from lightning_lora.module import LoraModule  # noqa: E402
+from lightning_lora.quant import QuantOptions  # noqa: E402
+
+FLUX_DEV = dict(
+    patch_size=1,
+    in_channels=64,
+    num_layers=19,
+    num_single_layers=38,
+    attention_head_dim=128,
+    num_attention_heads=24,
+    joint_attention_dim=4096,
+    pooled_projection_dim=768,
+    guidance_embeds=True,
+    axes_dims_rope=(16, 56, 56),
+)
+FLUX_TINY = dict(
+    FLUX_DEV,
+    num_layers=1,
+    num_single_layers=1,
+    attention_head_dim=32,
+    num_attention_heads=2,
+    joint_attention_dim=64,
+    pooled_projection_dim=64,
+    axes_dims_rope=(8, 12, 12),
+)
+
+
+class RandomFlux(Flux):
+    """FLUX built from its config with random weights, straight on the training device (no download, no disk)."""
+
+    def __init__(self, config: dict[str, Any], device: str, max_sequence_length: int = 512) -> None:
+        super().__init__(max_sequence_length=max_sequence_length)
+        self.config = config
+        self.device = device
+
+    def check_source(self, source: ModelSource) -> None:  # nothing to check: no files
+        pass
+
+    def denoiser_skeleton(self, source: ModelSource) -> torch.nn.Module:
+        from diffusers import FluxTransformer2DModel
+
+        from lightning_lora.families.flux import _on_meta
+
+        return _on_meta(FluxTransformer2DModel, dict(self.config), source.dtype)
+
+    def load_denoiser(self, source: ModelSource) -> torch.nn.Module:
+        from diffusers import FluxTransformer2DModel
+
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(source.dtype)
+        try:
+            with torch.device(self.device):
+                model = FluxTransformer2DModel(**self.config)
+        finally:
+            torch.set_default_dtype(previous)
+        return model.requires_grad_(False).eval()
+
+
+class Synthetic(Dataset):
+    """Cached-latent batches of FLUX's shapes (what the latent cache serves)."""
+
+    def __init__(self, config: dict[str, Any], height: int, width: int, tlen: int, n: int = 64) -> None:
+        g = torch.Generator().manual_seed(0)
+        channels = config["in_channels"] // 4
+        self.items = [
+            {
+                "latents": torch.randn(channels, height // 8, width // 8, generator=g),
+                "prompt_embeds": torch.randn(tlen, config["joint_attention_dim"], generator=g).bfloat16(),
+                "pooled_prompt_embeds": torch.randn(config["pooled_projection_dim"], generator=g).bfloat16(),
+            }
+            for _ in range(4)
+        ]
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return self.items[i % len(self.items)]
+
+
+class SyntheticData(LightningDataModule):
+    def __init__(self, dataset: Dataset, batch_size: int) -> None:
+        super().__init__()
+        self.dataset, self.batch_size = dataset, batch_size
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.dataset, batch_size=self.batch_size, shuffle=False, pin_memory=torch.cuda.is_available())
+
+
+class StepTimer(Callback):
+    """Times the optimizer steps after the warm-up; peak memory over the same window."""
+
+    def __init__(self, warm: int, steps: int) -> None:
+        self.warm, self.steps = warm, steps
+        self.result: dict[str, Any] = {}
+        self._t0 = 0.0
+
+    def _sync(self) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    def on_train_start(self, trainer: Trainer, pl_module: Any) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+            self.result["static_GiB"] = round(torch.cuda.memory_allocated() / 2**30, 2)
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == self.warm and not self._t0:
+            self._sync()
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
+            self._t0 = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == self.warm + self.steps:
+            self._sync()
+            self.result["s_per_step"] = round((time.perf_counter() - self._t0) / self.steps, 4)
+            self.result["loss"] = round(float(outputs["loss"]), 4)
+            if torch.cuda.is_available():
+                self.result["peak_alloc_GiB"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+                self.result["peak_reserved_GiB"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
+
+
+def make_optimizer(name: str):
+    def build(params: Any) -> torch.optim.Optimizer:
+        if name == "adamw8bit":
+            import bitsandbytes as bnb
+
+            return bnb.optim.AdamW8bit(params, lr=1e-4)
+        if name == "adafactor":
+            from transformers.optimization import Adafactor
+
+            return Adafactor(params, lr=1e-4, scale_parameter=False, relative_step=False, warmup_init=False)
+        return torch.optim.AdamW(params, lr=1e-4)
+
+    return build
+
+
+def run(a: argparse.Namespace) -> dict[str, Any]:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    config = FLUX_TINY if a.tiny else FLUX_DEV
+    out: dict[str, Any] = {
+        "tool": "lightning-lora",
+        "family": "flux",
+        "quant": a.quant,
+        "rank": a.rank,
+        "gc": a.gc,
+        "h": a.h,
+        "w": a.w,
+        "tlen": a.tlen,
+        "batch": a.batch,
+        "opt": a.opt,
+        "compile": a.compile,
+        "attention": a.attention,
+        "targets": a.targets,
+    }
+    module = LoraModule(
+        pretrained="random-init",
+        family=RandomFlux(config, device, max_sequence_length=a.tlen),
+        lora=LoraOptions(rank=a.rank, alpha=a.rank, targets=a.targets),
+        base_dtype="bf16",
+        quantization=QuantOptions(mode=a.quant),
+        gradient_checkpointing=bool(a.gc),
+        attention=a.attention,
+        compile_blocks=bool(a.compile),
+        optimizer=make_optimizer(a.opt),
+    )
+    timer = StepTimer(a.warm, a.steps)
+    trainer = Trainer(
+        accelerator="gpu" if device == "cuda" else "cpu",
+        devices=1,
+        precision="bf16-mixed",
+        max_steps=a.warm + a.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[timer],
+    )
+    data = SyntheticData(Synthetic(config, a.h, a.w, a.tlen), a.batch)
+    t0 = time.perf_counter()
+    trainer.fit(module, datamodule=data)
+    out["wall_s"] = round(time.perf_counter() - t0, 1)
+    out.update(timer.result)
+    assert module.denoiser is not None
+    out["lora_params_M"] = round(sum(p.numel() for p in module.denoiser.parameters() if p.requires_grad) / 1e6, 3)
+    if a.plan:
+        from lightning_lora.plan import plan_training
+
+        names = {"adamw8bit": "AdamW8bit", "adafactor": "Adafactor", "adamw": "AdamW"}
+        plan = plan_training(module, a.h, a.w, a.batch, a.tlen, optimizer=names[a.opt])
+        out["planned_peak_GiB"] = round(plan.peak_gib, 2)
+        out["planned"] = {k: round(v, 3) for k, v in vars(plan).items() if isinstance(v, float)}
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quant", default="none", choices=["none", "nf4", "fp8", "fp8_compute"])
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--targets", default="attention")
+    p.add_argument("--gc", type=int, default=0)
+    p.add_argument("--h", type=int, default=512)
+    p.add_argument("--w", type=int, default=768)
+    p.add_argument("--tlen", type=int, default=512)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warm", type=int, default=3)
+    p.add_argument("--opt", default="adamw8bit", choices=["adamw8bit", "adamw", "adafactor"])
+    p.add_argument("--compile", type=int, default=0)
+    p.add_argument("--attention", default="auto")
+    p.add_argument("--plan", type=int, default=1)
+    p.add_argument("--tiny", action="store_true")
+    a = p.parse_args()
+    try:
+        out = run(a)
+    except Exception as e:  # one JSON line per configuration, also when it fails
+        traceback.print_exc()
+        out = {"quant": a.quant, "rank": a.rank, "gc": a.gc, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()
