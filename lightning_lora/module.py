@@ -122,7 +122,7 @@ class LoraModule(LightningModule):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         latents = batch["latents"]
         noise = torch.randn_like(latents, dtype=torch.float32)
-        timesteps = self.family.sample_timesteps(latents).to(latents.device)
+        timesteps = _to_device(self.family.sample_timesteps(latents), latents.device)
         loss = self.family.loss(self._require_model(), batch, noise, timesteps).mean()
         self.log("train/loss", loss, prog_bar=True, batch_size=latents.shape[0])
         self.log("train/lr", self.optimizers().param_groups[0]["lr"], batch_size=latents.shape[0])  # type: ignore[union-attr]
@@ -191,6 +191,14 @@ class LoraModule(LightningModule):
                 "It was written with other model.lora.rank / model.lora.targets / model.pretrained settings: "
                 "resume with the settings of that run, or start a new run folder."
             )
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy a small CPU tensor to the GPU without a stream synchronisation (a blocking copy would make the CPU wait
+    for every queued kernel each step, and the GPU then idles while Python prepares the next one)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def primitive_hparams(value: Any) -> Any:

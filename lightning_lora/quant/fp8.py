@@ -47,12 +47,22 @@ def quantize_rowwise(t: torch.Tensor, dtype: torch.dtype = E4M3) -> tuple[torch.
     return (t.float() / scale).to(dtype), scale
 
 
-@functools.lru_cache(maxsize=2)
-def _quantizer(device_type: str) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
-    # One fused kernel (amax, divide, cast) on CUDA instead of three passes over memory; eager elsewhere.
+def dequantize(w8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``W8 [out, in]`` and ``scale [out]`` -> ``W`` in ``dtype``."""
+    return w8.to(dtype) * scale.to(dtype)[:, None]
+
+
+def quantize_scaled_rowwise(t: torch.Tensor, column_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_rowwise` of ``t * column_scale[None, :]`` (the input gradient's pre-scaling), in one pass."""
+    return quantize_rowwise(t.float() * column_scale[None, :])
+
+
+@functools.lru_cache(maxsize=8)
+def _fused(fn: Callable[..., Any], device_type: str) -> Callable[..., Any]:
+    # One fused kernel per function on CUDA (one pass over memory instead of three or four); eager elsewhere.
     if device_type == "cuda":
-        return torch.compile(quantize_rowwise, dynamic=True)
-    return quantize_rowwise
+        return torch.compile(fn, dynamic=True)
+    return fn
 
 
 def fp8_compute_supported(device: torch.device) -> tuple[bool, str]:
@@ -76,20 +86,20 @@ class _StorageMatmul(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         ctx.save_for_backward(w8, scale)
         ctx.dtype = dtype
-        w = w8.to(dtype) * scale.to(dtype)[:, None]
+        w = _fused(dequantize, x.device.type)(w8, scale, dtype)
         return x.to(dtype) @ w.t()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         w8, scale = ctx.saved_tensors
-        w = w8.to(ctx.dtype) * scale.to(ctx.dtype)[:, None]
+        w = _fused(dequantize, grad.device.type)(w8, scale, ctx.dtype)
         return grad.to(ctx.dtype) @ w, None, None, None
 
 
 class _ScaledMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        quantize = _quantizer(x.device.type)
+        quantize = _fused(quantize_rowwise, x.device.type)
         shape = x.shape
         x8, x_scale = quantize(x.reshape(-1, shape[-1]))
         y = torch._scaled_mm(x8, w8.t(), scale_a=x_scale, scale_b=scale[None, :], out_dtype=dtype)
@@ -100,9 +110,8 @@ class _ScaledMatmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         w8, scale = ctx.saved_tensors
-        quantize = _quantizer(grad.device.type)
         shape = grad.shape
-        g8, g_scale = quantize(grad.reshape(-1, shape[-1]).float() * scale[None, :])
+        g8, g_scale = _fused(quantize_scaled_rowwise, grad.device.type)(grad.reshape(-1, shape[-1]), scale)
         # _scaled_mm wants its second operand column-major: a transposed copy of W8 (1 byte per weight, transient).
         w8_cm = w8.t().contiguous().t()
         ones = torch.ones(1, w8.shape[1], device=grad.device, dtype=torch.float32)
@@ -133,7 +142,7 @@ class FP8Linear(nn.Linear):
         self.bias = linear.bias  # frozen with the rest of the base
 
     def dequantized(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        return self.weight.to(dtype) * self.weight_scale.to(dtype)[:, None]
+        return dequantize(self.weight, self.weight_scale, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = _compute_dtype(x)
