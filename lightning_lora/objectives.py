@@ -13,6 +13,24 @@ sampler *shifts* its schedule towards noise for large images: ``sigma' = shift *
 with ``shift = exp(mu)`` and ``mu`` growing linearly with the number of image tokens (0.5 at 256 tokens, 1.15 at
 4096). Training with the same shift ("flux_shift") matches what the model sees at inference.
 
+SDXL and SD1.5 are trained as *discrete DDPM* models. A noise schedule of ``T`` (usually 1000) betas gives
+``alpha_bar_t = prod_{s <= t} (1 - beta_s)``, and at an integer timestep ``t``::
+
+    x_t = sqrt(alpha_bar_t) * x0 + sqrt(1 - alpha_bar_t) * eps        # noising (diffusers' ``add_noise``)
+    target = eps                                                      # "epsilon" prediction (SD1.5, SDXL)
+    target = sqrt(alpha_bar_t) * eps - sqrt(1 - alpha_bar_t) * x0     # "v_prediction" (SD2-768, v-pred finetunes)
+
+The signal-to-noise ratio is ``SNR_t = alpha_bar_t / (1 - alpha_bar_t)``. Three refinements, each opt-in:
+
+* **min-SNR-gamma** (Hang et al. 2023): low-noise timesteps have a huge SNR and dominate the gradient; weighting
+  the MSE by ``min(SNR, gamma) / SNR`` (epsilon) or ``min(SNR, gamma) / (SNR + 1)`` (v) balances them (gamma 5).
+* **noise offset** (Guttenberg 2023): adding ``offset * N(0, 1)`` per sample and channel (constant over the image)
+  to the noise lets the model learn to change the mean brightness, so it can draw very dark or bright images.
+* **zero terminal SNR** (Lin et al. 2023, "Common Diffusion Noise Schedules and Sample Steps are Flawed"): the
+  usual schedules leave some signal at ``t = T - 1``, which inference never sees; rescaling the betas makes the last
+  step pure noise. The last step then has nothing to predict for epsilon, so it needs v-prediction (and, at
+  inference, a scheduler with ``rescale_betas_zero_snr`` and ``timestep_spacing="trailing"``).
+
 Every function takes its randomness as an argument or a ``torch.Generator`` so that evaluation can reuse fixed
 (timestep, noise) pairs and resume can reproduce a run exactly.
 """
@@ -25,7 +43,14 @@ from typing import Literal
 import torch
 
 __all__ = [
+    "BetaSchedule",
+    "PredictionType",
     "TimestepSampling",
+    "alphas_cumprod",
+    "beta_schedule",
+    "ddpm_noisy",
+    "ddpm_target",
+    "discrete_timesteps",
     "flow_match_noisy",
     "flow_match_target",
     "per_sample_mse",
@@ -35,6 +60,8 @@ __all__ = [
 ]
 
 TimestepSampling = Literal["logit_normal", "uniform", "flux_shift"]
+PredictionType = Literal["epsilon", "v_prediction"]
+BetaSchedule = Literal["linear", "scaled_linear", "squaredcos_cap_v2"]
 
 
 def shift_sigmas(sigmas: torch.Tensor, shift: float) -> torch.Tensor:
@@ -105,3 +132,124 @@ def per_sample_mse(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tens
     """Mean squared error per sample, computed in float32; shape ``[batch]``."""
     diff = prediction.float() - target.float()
     return diff.pow(2).flatten(1).mean(dim=1)
+
+
+# --------------------------------------------------------------------------------------------- discrete DDPM (UNets)
+
+
+def beta_schedule(
+    kind: BetaSchedule, num_train_timesteps: int = 1000, beta_start: float = 0.00085, beta_end: float = 0.012
+) -> torch.Tensor:
+    """The betas ``[T]`` (float32) of a scheduler config, exactly as diffusers' schedulers compute them.
+
+    ``scaled_linear`` (SD1.x, SDXL: linear in sqrt(beta)), ``linear``, or ``squaredcos_cap_v2`` (the cosine schedule
+    of Nichol & Dhariwal, capped at 0.999).
+    """
+    t = num_train_timesteps
+    if kind == "scaled_linear":
+        return torch.linspace(beta_start**0.5, beta_end**0.5, t, dtype=torch.float32) ** 2
+    if kind == "linear":
+        return torch.linspace(beta_start, beta_end, t, dtype=torch.float32)
+    if kind == "squaredcos_cap_v2":
+
+        def alpha_bar(x: float) -> float:
+            return math.cos((x + 0.008) / 1.008 * math.pi / 2) ** 2
+
+        betas = [min(1 - alpha_bar((i + 1) / t) / alpha_bar(i / t), 0.999) for i in range(t)]
+        return torch.tensor(betas, dtype=torch.float32)
+    raise ValueError(f"unknown beta schedule {kind!r}; use scaled_linear, linear or squaredcos_cap_v2")
+
+
+def rescale_zero_terminal_snr(betas: torch.Tensor) -> torch.Tensor:
+    """Rescale ``betas`` so that the last timestep has zero SNR (Lin et al. 2023, Algorithm 1).
+
+    ``sqrt(alpha_bar)`` is shifted so its last value is 0 and scaled so its first value is unchanged.
+    """
+    sqrt_ab = torch.cumprod(1.0 - betas, dim=0).sqrt()
+    first, last = sqrt_ab[0].clone(), sqrt_ab[-1].clone()
+    sqrt_ab = (sqrt_ab - last) * (first / (first - last))
+    ab = sqrt_ab**2
+    alphas = torch.cat([ab[:1], ab[1:] / ab[:-1]])
+    return 1 - alphas
+
+
+def alphas_cumprod(betas: torch.Tensor) -> torch.Tensor:
+    """``alpha_bar_t = prod_{s <= t} (1 - beta_s)``, shape ``[T]``."""
+    return torch.cumprod(1.0 - betas, dim=0)
+
+
+def discrete_timesteps(
+    fractions: torch.Tensor, num_train_timesteps: int, min_timestep: int = 0, max_timestep: int | None = None
+) -> torch.Tensor:
+    """Map draws ``u`` in [0, 1) to integer timesteps uniform in ``[min_timestep, max_timestep)`` (int64).
+
+    The draws are made without knowing ``T`` (it comes with the model), so families sample ``u`` and map it here.
+    """
+    high = num_train_timesteps if max_timestep is None else max_timestep
+    if not 0 <= min_timestep < high <= num_train_timesteps:
+        raise ValueError(f"timestep range [{min_timestep}, {high}) is empty or outside [0, {num_train_timesteps})")
+    t = min_timestep + torch.floor(fractions.double() * (high - min_timestep)).long()
+    return t.clamp(min_timestep, high - 1)
+
+
+def _gather(values: torch.Tensor, timesteps: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    picked = values.to(like.device)[timesteps.to(like.device).long()]
+    return picked.to(like.dtype).view(-1, *([1] * (like.ndim - 1)))
+
+
+def ddpm_noisy(
+    x0: torch.Tensor, noise: torch.Tensor, alphas_cumprod: torch.Tensor, timesteps: torch.Tensor
+) -> torch.Tensor:
+    """``sqrt(alpha_bar_t) * x0 + sqrt(1 - alpha_bar_t) * noise`` per sample (diffusers' ``add_noise``)."""
+    ab = _gather(alphas_cumprod, timesteps, x0)
+    return ab.sqrt() * x0 + (1 - ab).sqrt() * noise
+
+
+def ddpm_target(
+    x0: torch.Tensor,
+    noise: torch.Tensor,
+    alphas_cumprod: torch.Tensor,
+    timesteps: torch.Tensor,
+    prediction_type: PredictionType,
+) -> torch.Tensor:
+    """What the UNet predicts: ``noise`` (epsilon) or ``sqrt(ab) * noise - sqrt(1 - ab) * x0`` (v_prediction)."""
+    if prediction_type == "epsilon":
+        return noise
+    if prediction_type == "v_prediction":
+        ab = _gather(alphas_cumprod, timesteps, x0)
+        return ab.sqrt() * noise - (1 - ab).sqrt() * x0
+    raise ValueError(f"unknown prediction type {prediction_type!r}; use epsilon or v_prediction")
+
+
+def snr(alphas_cumprod: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
+    """Signal-to-noise ratio ``alpha_bar_t / (1 - alpha_bar_t)`` at ``timesteps``, float32, shape ``[batch]``."""
+    ab = alphas_cumprod.to(timesteps.device, torch.float32)[timesteps.long()]
+    return ab / (1 - ab)
+
+
+def min_snr_weights(snr_values: torch.Tensor, gamma: float, prediction_type: PredictionType) -> torch.Tensor:
+    """Min-SNR-gamma loss weights ``[batch]``: ``min(SNR, gamma) / SNR`` (epsilon), ``/ (SNR + 1)`` (v).
+
+    Both make the effective target the same: the x0 error weighted by ``min(SNR, gamma)``. A zero SNR (the last step
+    of a zero-terminal-SNR schedule) gets weight 0 for v-prediction; epsilon cannot train there (see the module
+    docstring) and raises.
+    """
+    clipped = snr_values.clamp(max=gamma)
+    if prediction_type == "epsilon":
+        if (snr_values <= 0).any():
+            raise ValueError("min-SNR weighting with epsilon prediction needs SNR > 0 (no zero-terminal-SNR step)")
+        return clipped / snr_values
+    if prediction_type == "v_prediction":
+        return clipped / (snr_values + 1)
+    raise ValueError(f"unknown prediction type {prediction_type!r}; use epsilon or v_prediction")
+
+
+def offset_noise(noise: torch.Tensor, offset: float, per_channel: torch.Tensor) -> torch.Tensor:
+    """``noise + offset * per_channel``: ``per_channel`` is N(0, 1) of shape ``[B, C, 1, 1]``, constant over the image.
+
+    The draw is an argument (not made here) so that the caller decides which random stream it comes from.
+    """
+    if per_channel.shape != (*noise.shape[:2], *([1] * (noise.ndim - 2))):
+        shape, expected = tuple(per_channel.shape), tuple(noise.shape)
+        raise ValueError(f"per-channel draw of shape {shape} does not fit noise {expected}")
+    return noise + offset * per_channel.to(noise.dtype)
