@@ -45,6 +45,15 @@ The ``dim64`` variant
 every ``nn.Linear`` of the transformer and both text encoders so that ``in_features`` is a multiple of 64. bitsandbytes'
 CPU 4-bit path crashes on layers with ``in_features < 64`` (see shared/research/cpu-feasibility.md, section 4).
 
+SDXL and SD1.5
+--------------
+:func:`build_tiny_sdxl` keeps SDXL's real UNet *layout* (three levels: no attention, then two with attention;
+two ResNets per level; the LDM/kohya block numbering depends on that) at tiny widths, with two CLIP text encoders of
+different widths (the UNet's cross-attention width is their sum; the pooled embedding is the second's projection)
+and SDXL's real scheduler (``EulerDiscreteScheduler``, scaled-linear betas). :func:`build_tiny_sd15` is an SD1.5-like
+pipeline: attention at the high-resolution level, 1x1-convolution ``proj_in``/``proj_out`` as in SD1.5, one CLIP
+encoder, ``PNDMScheduler`` as shipped with SD1.5 (``prediction_type="v_prediction"`` makes an SD2-768-like one).
+
 Gotcha: modules built from a config start in ``train()`` mode (``from_pretrained`` returns ``eval()``). With dropout
 that makes every call random, so every component is put in ``eval()`` and T5's ``dropout_rate`` is 0.
 """
@@ -60,19 +69,43 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
-from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel, T5TokenizerFast
+from diffusers import (
+    AutoencoderKL,
+    EulerDiscreteScheduler,
+    FlowMatchEulerDiscreteScheduler,
+    FluxPipeline,
+    FluxTransformer2DModel,
+    PNDMScheduler,
+    StableDiffusionPipeline,
+    StableDiffusionXLPipeline,
+    UNet2DConditionModel,
+)
+from transformers import (
+    CLIPTextConfig,
+    CLIPTextModel,
+    CLIPTextModelWithProjection,
+    CLIPTokenizer,
+    T5Config,
+    T5EncoderModel,
+    T5TokenizerFast,
+)
 
 __all__ = [
     "CAPTION_WORDS",
     "FLUX_DEV_SCHEDULER_CONFIG",
+    "SD15_SCHEDULER_CONFIG",
+    "SDXL_SCHEDULER_CONFIG",
     "build_clip_tokenizer",
     "build_t5_tokenizer",
     "build_tiny_flux",
+    "build_tiny_sd15",
+    "build_tiny_sdxl",
     "clip_vocab_and_merges",
     "make_clip_tokenizer",
     "make_t5_tokenizer",
     "save_tiny_flux",
+    "save_tiny_sd15",
+    "save_tiny_sdxl",
     "t5_vocab",
 ]
 
@@ -100,6 +133,31 @@ FLUX_DEV_SCHEDULER_CONFIG: dict[str, Any] = {
     "max_image_seq_len": 4096,
 }
 
+#: The scheduler config of stabilityai/stable-diffusion-xl-base-1.0 (``scheduler/scheduler_config.json``).
+SDXL_SCHEDULER_CONFIG: dict[str, Any] = {
+    "num_train_timesteps": 1000,
+    "beta_start": 0.00085,
+    "beta_end": 0.012,
+    "beta_schedule": "scaled_linear",
+    "prediction_type": "epsilon",
+    "interpolation_type": "linear",
+    "timestep_spacing": "leading",
+    "steps_offset": 1,
+    "use_karras_sigmas": False,
+}
+
+#: The scheduler config of the SD1.5 release (``scheduler/scheduler_config.json``: PNDM, scaled-linear betas).
+SD15_SCHEDULER_CONFIG: dict[str, Any] = {
+    "num_train_timesteps": 1000,
+    "beta_start": 0.00085,
+    "beta_end": 0.012,
+    "beta_schedule": "scaled_linear",
+    "prediction_type": "epsilon",
+    "set_alpha_to_one": False,
+    "skip_prk_steps": True,
+    "steps_offset": 1,
+}
+
 CLIP_BOS = "<|startoftext|>"
 CLIP_EOS = "<|endoftext|>"
 CLIP_MAX_LENGTH = 77
@@ -110,7 +168,7 @@ METASPACE = "\u2581"  # "▁", SentencePiece's word-start marker
 _Module = TypeVar("_Module", bound=torch.nn.Module)
 
 # Fixed per-component seed offsets: the weights of one component do not depend on how the others are built.
-_SEED_OFFSETS = {"transformer": 0, "vae": 1, "text_encoder": 2, "text_encoder_2": 3}
+_SEED_OFFSETS = {"transformer": 0, "vae": 1, "text_encoder": 2, "text_encoder_2": 3, "unet": 4}
 # Written into folders made by save_tiny_flux, so that a later call can recognise (and refuse to clobber) them.
 MARKER_FILE = "tiny_pipeline.json"
 
@@ -170,10 +228,13 @@ def t5_vocab(words: Iterable[str] = CAPTION_WORDS) -> list[tuple[str, float]]:
     return pieces
 
 
-def make_clip_tokenizer(words: Sequence[str] = CAPTION_WORDS) -> CLIPTokenizer:
-    """The tiny CLIP tokenizer, in memory (``model_max_length`` 77, pad = eos = ``<|endoftext|>``, like real CLIP)."""
+def make_clip_tokenizer(words: Sequence[str] = CAPTION_WORDS, pad_token: str = CLIP_EOS) -> CLIPTokenizer:
+    """The tiny CLIP tokenizer, in memory (``model_max_length`` 77, pad = eos = ``<|endoftext|>``, like real CLIP).
+
+    ``pad_token="!"`` gives SDXL's second tokenizer (OpenCLIP-G pads with ``!``, token id 0).
+    """
     vocab, merges = clip_vocab_and_merges(words)
-    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=CLIP_MAX_LENGTH)
+    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=CLIP_MAX_LENGTH, pad_token=pad_token)
 
 
 def make_t5_tokenizer(words: Sequence[str] = CAPTION_WORDS) -> T5TokenizerFast:
@@ -313,20 +374,24 @@ def save_tiny_flux(folder: Path, seed: int = 0, dim64: bool = False) -> Path:
     bit for bit. With the default memory-mapped load the weights are equal but not 64-byte aligned, and CPU matmuls
     then round differently (transformer outputs differ by ~4e-7).
     """
-    folder = Path(folder)
     wanted = {"seed": seed, "dim64": dim64, "guidance_embeds": True}
+    return _save_tiny(Path(folder), wanted, lambda: build_tiny_flux(seed=seed, dim64=dim64), "FLUX")
+
+
+def _save_tiny(folder: Path, wanted: dict[str, Any], build: Callable[[], Any], what: str) -> Path:
+    """Save ``build()`` to ``folder`` atomically unless it already holds that pipeline (see :func:`save_tiny_flux`)."""
     if (folder / "model_index.json").is_file():
         _check_marker(folder, wanted)
         return folder
     if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
         raise FileExistsError(
             f"{folder} exists and is not empty but holds no pipeline (no model_index.json); "
-            "refusing to write a tiny FLUX pipeline into it. Pick an empty or new folder."
+            f"refusing to write a tiny {what} pipeline into it. Pick an empty or new folder."
         )
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
     try:
-        build_tiny_flux(seed=seed, dim64=dim64).save_pretrained(staging, safe_serialization=True)
+        build().save_pretrained(staging, safe_serialization=True)
         (staging / MARKER_FILE).write_text(json.dumps(wanted, indent=2) + "\n")
         if folder.exists():
             folder.rmdir()  # empty (checked above)
@@ -347,4 +412,130 @@ def _check_marker(folder: Path, wanted: dict[str, Any]) -> None:
     if marker.is_file():
         found = json.loads(marker.read_text())
         if found != wanted:
-            raise FileExistsError(f"{folder} holds a tiny FLUX pipeline built with {found}, not {wanted}")
+            raise FileExistsError(f"{folder} holds a tiny pipeline built with {found}, not {wanted}")
+
+
+# --------------------------------------------------------------------------------------------------- SDXL, SD1.5
+
+
+def _tiny_sd_vae(seed: int, scaling_factor: float, force_upcast: bool) -> AutoencoderKL:
+    """A 4-channel SD/SDXL-style VAE (scale factor 8, with quant convs, no shift)."""
+    return _build(seed, "vae", lambda: AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(8, 8, 8, 8),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=4,
+        sample_size=64,
+        scaling_factor=scaling_factor,
+        force_upcast=force_upcast,
+    ))  # fmt: skip
+
+
+def _tiny_clip_config(tokenizer: CLIPTokenizer, width: int, **extra: Any) -> CLIPTextConfig:
+    return CLIPTextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=width,
+        intermediate_size=37,
+        num_hidden_layers=3,  # SDXL reads the penultimate layer: keep more than two
+        num_attention_heads=4,
+        max_position_embeddings=CLIP_MAX_LENGTH,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **extra,
+    )
+
+
+def build_tiny_sdxl(seed: int = 0) -> StableDiffusionXLPipeline:
+    """An SDXL-shaped ``StableDiffusionXLPipeline`` with tiny random weights (fp32, every component in ``eval()``).
+
+    The UNet has SDXL's block layout (see the module docstring); the text encoders are 32 (CLIP-L's place) and 48
+    (OpenCLIP-G's place, with a 32-wide projection for the pooled embedding) wide, so the cross-attention width is
+    80 and the added-embedding input is ``6 * 8`` (time ids) ``+ 32`` (pooled) = 80.
+    """
+    tok = make_clip_tokenizer()
+    tok_2 = make_clip_tokenizer(pad_token="!")
+    te_width, te2_width, pooled = 32, 48, 32
+    time_dim = 8
+    unet = _build(seed, "unet", lambda: UNet2DConditionModel(
+        sample_size=16,
+        in_channels=4,
+        out_channels=4,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+        block_out_channels=(16, 32, 32),
+        layers_per_block=2,
+        attention_head_dim=(2, 4, 4),
+        transformer_layers_per_block=(1, 1, 2),
+        use_linear_projection=True,
+        cross_attention_dim=te_width + te2_width,
+        addition_embed_type="text_time",
+        addition_time_embed_dim=time_dim,
+        projection_class_embeddings_input_dim=6 * time_dim + pooled,
+        norm_num_groups=8,
+    ))  # fmt: skip
+    text_encoder = _build(seed, "text_encoder", lambda: CLIPTextModel(_tiny_clip_config(tok, te_width)))
+    text_encoder_2 = _build(seed, "text_encoder_2", lambda: CLIPTextModelWithProjection(
+        _tiny_clip_config(tok_2, te2_width, projection_dim=pooled, hidden_act="gelu")
+    ))  # fmt: skip
+    return StableDiffusionXLPipeline(
+        vae=_tiny_sd_vae(seed, scaling_factor=0.13025, force_upcast=True),
+        text_encoder=text_encoder,
+        text_encoder_2=text_encoder_2,
+        tokenizer=tok,
+        tokenizer_2=tok_2,
+        unet=unet,
+        scheduler=EulerDiscreteScheduler(**SDXL_SCHEDULER_CONFIG),
+        force_zeros_for_empty_prompt=True,
+        add_watermarker=False,
+    )
+
+
+def build_tiny_sd15(seed: int = 0, prediction_type: str = "epsilon") -> StableDiffusionPipeline:
+    """An SD1.5-shaped ``StableDiffusionPipeline`` with tiny random weights (fp32, every component in ``eval()``).
+
+    Args:
+        seed: determines every weight.
+        prediction_type: written into the scheduler config; ``v_prediction`` makes an SD2-768-like model.
+    """
+    tok = make_clip_tokenizer()
+    width = 32
+    unet = _build(seed, "unet", lambda: UNet2DConditionModel(
+        sample_size=16,
+        in_channels=4,
+        out_channels=4,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        block_out_channels=(16, 32),
+        layers_per_block=2,
+        attention_head_dim=4,
+        use_linear_projection=False,  # SD1.5's proj_in / proj_out are 1x1 convolutions
+        cross_attention_dim=width,
+        norm_num_groups=8,
+    ))  # fmt: skip
+    text_encoder = _build(seed, "text_encoder", lambda: CLIPTextModel(_tiny_clip_config(tok, width)))
+    return StableDiffusionPipeline(
+        vae=_tiny_sd_vae(seed, scaling_factor=0.18215, force_upcast=False),
+        text_encoder=text_encoder,
+        tokenizer=tok,
+        unet=unet,
+        scheduler=PNDMScheduler(**{**SD15_SCHEDULER_CONFIG, "prediction_type": prediction_type}),
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+
+
+def save_tiny_sdxl(folder: Path, seed: int = 0) -> Path:
+    """Build the tiny SDXL pipeline and save it to ``folder`` (atomically, idempotent; see :func:`save_tiny_flux`)."""
+    return _save_tiny(Path(folder), {"family": "sdxl", "seed": seed}, lambda: build_tiny_sdxl(seed=seed), "SDXL")
+
+
+def save_tiny_sd15(folder: Path, seed: int = 0, prediction_type: str = "epsilon") -> Path:
+    """Build the tiny SD1.5 pipeline and save it to ``folder`` (atomically, idempotent; see :func:`save_tiny_flux`)."""
+    wanted = {"family": "sd15", "seed": seed, "prediction_type": prediction_type}
+    return _save_tiny(Path(folder), wanted, lambda: build_tiny_sd15(seed, prediction_type), "SD1.5")

@@ -39,3 +39,19 @@ def photos_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         Image.fromarray(_photo(name)).save(folder / f"{name}.png")
         (folder / f"{name}.txt").write_text(PHOTOS[name])
     return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_sdxl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A saved tiny SDXL pipeline folder (SDXL's UNet layout, two CLIP text encoders, Euler scheduler)."""
+    from lightning_lora.tiny import save_tiny_sdxl
+
+    return save_tiny_sdxl(tmp_path_factory.mktemp("models") / "tiny-sdxl", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_sd15_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A saved tiny SD1.5-like pipeline folder (one CLIP text encoder, PNDM scheduler, epsilon prediction)."""
+    from lightning_lora.tiny import save_tiny_sd15
+
+    return save_tiny_sd15(tmp_path_factory.mktemp("models") / "tiny-sd15", seed=0)
