@@ -16,9 +16,10 @@ Two ways in, one way out
 ------------------------
 :func:`save_lora` writes from the live peft model (the end-of-training callback). :func:`export_lora` writes from a
 plain peft-style state dict (``<module>.lora_A.weight``, no prefix, no adapter name) in either format: ``diffusers``
-(above) or ``kohya`` (BFL module names with fused q/k/v, for ComfyUI, Forge and sd-scripts; see
-:mod:`lightning_lora.export_kohya`). :func:`checkpoint_lora` gets that state dict, the LoRA options and the step from
-a Lightning checkpoint without loading the base model, so ``lightning-lora export`` takes a second, not a 24 GB load.
+(above) or ``kohya`` (for ComfyUI, Forge and sd-scripts: BFL module names with fused q/k/v for FLUX, the original
+SGM names for SDXL, diffusers names for SD1.5; see :mod:`lightning_lora.export_kohya`). :func:`checkpoint_lora` gets
+that state dict, the LoRA options and the step from a Lightning checkpoint without loading the base model, so
+``lightning-lora export`` takes a second, not a 24 GB load.
 """
 
 from __future__ import annotations
@@ -36,7 +37,15 @@ from torch import nn
 
 from lightning_lora import __version__
 from lightning_lora.errors import ConfigError
-from lightning_lora.export_kohya import flux_to_kohya, kohya_flux_metadata, split_lora_state
+from lightning_lora.export_kohya import (
+    flux_to_kohya,
+    kohya_flux_metadata,
+    kohya_sd15_metadata,
+    kohya_sdxl_metadata,
+    sd15_to_kohya,
+    sdxl_to_kohya,
+    split_lora_state,
+)
 from lightning_lora.io import save_safetensors
 
 __all__ = ["FORMATS", "checkpoint_lora", "export_lora", "read_metadata", "save_lora"]
@@ -75,8 +84,16 @@ def read_metadata(path: str | Path) -> dict[str, str]:
 # --------------------------------------------------------------------------------------------- from a state dict
 
 # family name -> (peft state, alpha, dtype) -> kohya tensors. The one place that knows which family has a kohya layout.
-_KOHYA_CONVERTERS: dict[str, Callable[..., dict[str, torch.Tensor]]] = {"flux": flux_to_kohya}
-_KOHYA_METADATA: dict[str, Callable[..., dict[str, str]]] = {"flux": kohya_flux_metadata}
+_KOHYA_CONVERTERS: dict[str, Callable[..., dict[str, torch.Tensor]]] = {
+    "flux": flux_to_kohya,
+    "sdxl": sdxl_to_kohya,
+    "sd15": sd15_to_kohya,
+}
+_KOHYA_METADATA: dict[str, Callable[..., dict[str, str]]] = {
+    "flux": kohya_flux_metadata,
+    "sdxl": kohya_sdxl_metadata,
+    "sd15": kohya_sd15_metadata,
+}
 
 
 def export_lora(
@@ -95,8 +112,9 @@ def export_lora(
         state: ``{"<module>.lora_A.weight": [r, in], "<module>.lora_B.weight": [out, r]}``, module names of the
             denoiser without prefix or adapter name (what :func:`checkpoint_lora` returns).
         path: the ``.safetensors`` file to write (replaced atomically if it exists: callers decide about overwriting).
-        format: ``diffusers`` (peft keys under ``transformer.``, with ``lora_adapter_metadata``) or ``kohya``
-            (``lora_unet_<BFL module>`` keys with ``.alpha``; FLUX only).
+        format: ``diffusers`` (peft keys under the family's ``denoiser_subfolder``, ``transformer.`` or ``unet.``,
+            with ``lora_adapter_metadata``) or ``kohya`` (``lora_unet_<module>`` keys with ``.alpha``; module names
+            as sd-scripts has them for the family, see :mod:`lightning_lora.export_kohya`).
         lora: the LoRA options: ``rank``, ``alpha`` (None means rank), optionally ``targets``, ``dropout``, ``init``.
         info: our metadata (base model, steps...), stored as ``lightning_lora.<key>`` strings.
         family: the model family's registry name.

@@ -39,6 +39,21 @@ The file carries kohya's ``ss_*`` keys and the ``modelspec.*`` architecture that
 diffusers' ``lora_adapter_metadata``: diffusers converts a kohya file to peft keys with alpha already folded into the
 weights and would then apply that config's ``lora_alpha`` a second time.
 
+SDXL and SD1.5
+--------------
+UNet LoRAs need no fusing: every peft module becomes one kohya module with the same ``lora_down`` / ``lora_up`` and
+``alpha`` (so ``alpha / rank`` is unchanged). Only the names differ, and they differ per family as in sd-scripts:
+
+* SD1.x: sd-scripts trains on a diffusers-structured UNet, so the names are the diffusers ones with ``_``
+  (``lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q``); diffusers' own
+  ``convert_state_dict_to_kohya`` gives the same keys (but writes ``alpha = rank`` whatever the LoRA's alpha was);
+* SDXL: sd-scripts trains on Stability AI's original UNet, so the names are the original (SGM) ones
+  (``lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q``, see :mod:`lightning_lora.families.unet_ldm`).
+
+ComfyUI accepts both namings for both families; diffusers' ``load_lora_weights`` converts both. Convolution LoRAs
+(the ``locon`` preset) keep their 4-D shapes (``lora_down [r, in, k, k]``, ``lora_up [out, r, 1, 1]``), as kohya's
+LoCon files have them.
+
 This module is pure tensor code (torch only); :func:`lightning_lora.export.export_lora` writes the file.
 """
 
@@ -51,8 +66,21 @@ import torch
 from torch import Tensor
 
 from lightning_lora.families.flux_bfl import BflSlice, FluxDims, bfl_slice, swap_halves
+from lightning_lora.families.unet_ldm import SDXL_LAYOUT, UNetLayout, diffusers_to_ldm
 
-__all__ = ["KOHYA_PREFIX", "flux_lora_dims", "flux_to_kohya", "kohya_flux_metadata", "kohya_name", "split_lora_state"]
+__all__ = [
+    "KOHYA_PREFIX",
+    "flux_lora_dims",
+    "flux_to_kohya",
+    "kohya_flux_metadata",
+    "kohya_name",
+    "kohya_sd15_metadata",
+    "kohya_sdxl_metadata",
+    "sd15_to_kohya",
+    "sdxl_to_kohya",
+    "split_lora_state",
+    "unet_to_kohya",
+]
 
 #: Prefix of the denoiser's LoRA keys in kohya / ComfyUI files (text encoders use ``lora_te1_`` / ``lora_te2_``).
 KOHYA_PREFIX = "lora_unet_"
@@ -65,8 +93,9 @@ _FUSED_PART = re.compile(r"(^|\.)(attn\.(to_[qkv]|add_[qkv]_proj)|proj_mlp)$")
 def split_lora_state(state: Mapping[str, Tensor]) -> dict[str, tuple[Tensor, Tensor]]:
     """``{module: (lora_A [r, in], lora_B [out, r])}`` from a peft state dict (``<module>.lora_A.weight`` keys).
 
-    Raises ``ValueError`` for keys that are not plain LoRA weights (DoRA magnitudes, LoRA biases, adapter names) and
-    for modules that lack one of the two matrices or whose shapes do not chain.
+    A convolution's LoRA is 4-D (``lora_A [r, in, k, k]``, ``lora_B [out, r, 1, 1]``). Raises ``ValueError`` for keys
+    that are not plain LoRA weights (DoRA magnitudes, LoRA biases, adapter names) and for modules that lack one of the
+    two matrices or whose shapes do not chain.
     """
     found: dict[str, dict[str, Tensor]] = {}
     for key, tensor in state.items():
@@ -82,7 +111,8 @@ def split_lora_state(state: Mapping[str, Tensor]) -> dict[str, tuple[Tensor, Ten
         if set(parts) != {"A", "B"}:
             raise ValueError(f"{module}: has lora_{''.join(parts)} but not both lora_A and lora_B")
         a, b = parts["A"], parts["B"]
-        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
+        chained = a.ndim == b.ndim and a.shape[0] == b.shape[1] and (a.ndim == 2 or b.shape[2:] == (1, 1))
+        if a.ndim not in (2, 4) or not chained:
             raise ValueError(f"{module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not form B @ A")
         pairs[module] = (a, b)
     return pairs
@@ -124,6 +154,8 @@ def flux_to_kohya(
     dims = dims or flux_lora_dims(pairs)
     groups: dict[str, list[tuple[BflSlice, Tensor, Tensor]]] = {}
     for module, (a, b) in pairs.items():
+        if a.ndim != 2:
+            raise ValueError(f"{module}: a convolution LoRA; the FLUX transformer has no convolutions")
         try:
             where = bfl_slice(module, dims)
         except KeyError:
@@ -182,4 +214,76 @@ def kohya_flux_metadata(rank: int, alpha: float, title: str = "") -> dict[str, s
     }
     if title:
         meta["modelspec.title"] = title
+    return meta
+
+
+# --------------------------------------------------------------------------------------------- SDXL, SD1.5
+
+
+def unet_to_kohya(
+    state: Mapping[str, Tensor], alpha: float, layout: UNetLayout | None, dtype: torch.dtype | None = None
+) -> dict[str, Tensor]:
+    """Convert a UNet LoRA from peft keys to kohya / ComfyUI keys (see the module docstring).
+
+    Args:
+        state: peft keys without prefix or adapter name: ``down_blocks.1.attentions.0.proj_in.lora_A.weight``.
+        alpha: the LoRA alpha, written as every module's ``.alpha`` (float32).
+        layout: name modules by the original (SGM/LDM) UNet of this layout (SDXL); ``None`` keeps the diffusers
+            names (SD1.x).
+        dtype: dtype of ``lora_down`` / ``lora_up`` (default: as given).
+    """
+    out: dict[str, Tensor] = {}
+    for module, (a, b) in split_lora_state(state).items():
+        if layout is None:
+            name = module
+        else:
+            try:
+                name = diffusers_to_ldm(module, layout)
+            except KeyError as e:
+                raise ValueError(
+                    f"{module}: not a layer of a UNet with the SDXL layout, so it has no kohya name ({e.args[0]}). "
+                    "Export in the diffusers format instead (--format diffusers)."
+                ) from None
+        name = kohya_name(name)
+        out[f"{name}.lora_down.weight"] = a if dtype is None else a.to(dtype)
+        out[f"{name}.lora_up.weight"] = b if dtype is None else b.to(dtype)
+        out[f"{name}.alpha"] = torch.tensor(float(alpha), dtype=torch.float32)
+    return out
+
+
+def sdxl_to_kohya(state: Mapping[str, Tensor], alpha: float, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+    """An SDXL UNet LoRA in sd-scripts' SDXL names (the original SGM UNet's modules)."""
+    return unet_to_kohya(state, alpha, SDXL_LAYOUT, dtype=dtype)
+
+
+def sd15_to_kohya(state: Mapping[str, Tensor], alpha: float, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+    """An SD1.x UNet LoRA in sd-scripts' SD1 names (the diffusers modules with ``_``)."""
+    return unet_to_kohya(state, alpha, None, dtype=dtype)
+
+
+def _kohya_unet_metadata(rank: int, alpha: float, title: str, base: str, architecture: str) -> dict[str, str]:
+    meta = {
+        "ss_network_module": "networks.lora",
+        "ss_network_dim": str(rank),
+        "ss_network_alpha": str(float(alpha)),
+        "ss_base_model_version": base,
+        "ss_network_train_unet_only": "True",
+        "modelspec.sai_model_spec": "1.0.0",
+        "modelspec.architecture": architecture,
+        "modelspec.implementation": "https://github.com/Stability-AI/generative-models",
+    }
+    if title:
+        meta["modelspec.title"] = title
+    return meta
+
+
+def kohya_sdxl_metadata(rank: int, alpha: float, title: str = "") -> dict[str, str]:
+    """kohya sd-scripts / modelspec header keys for an SDXL LoRA."""
+    return _kohya_unet_metadata(rank, alpha, title, "sdxl_base_v1-0", "stable-diffusion-xl-v1-base/lora")
+
+
+def kohya_sd15_metadata(rank: int, alpha: float, title: str = "") -> dict[str, str]:
+    """kohya sd-scripts / modelspec header keys for an SD1.x LoRA."""
+    meta = _kohya_unet_metadata(rank, alpha, title, "sd_v1", "stable-diffusion-v1/lora")
+    meta["modelspec.implementation"] = "https://github.com/CompVis/stable-diffusion"
     return meta

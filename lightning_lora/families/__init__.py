@@ -2,5 +2,7 @@
 
 from lightning_lora.families.base import FAMILIES, DiffusionFamily, ModelSource
 from lightning_lora.families.flux import Flux
+from lightning_lora.families.sd15 import SD15
+from lightning_lora.families.sdxl import SDXL
 
-__all__ = ["FAMILIES", "DiffusionFamily", "Flux", "ModelSource"]
+__all__ = ["FAMILIES", "SD15", "SDXL", "DiffusionFamily", "Flux", "ModelSource"]

@@ -1,0 +1,121 @@
+"""SD1.5 (and SD1.x / SD2.x models of the same pipeline class): a UNet conditioned on one CLIP text encoder.
+
+Shapes, for a batch ``B``: CLIP-L's last hidden state (after its final layer norm; with ``clip_skip`` an earlier
+layer's) is ``prompt_embeds [B, 77, 768]`` (1024 for SD2's OpenCLIP-H), the UNet's cross-attention context. There is
+no pooled embedding and no size conditioning. SD2-768 models predict ``v``; their scheduler config says so and is read.
+
+Classifier-free guidance at sampling time uses the embedding of the empty prompt ``""`` as the negative, exactly like
+``StableDiffusionPipeline`` with no negative prompt. The objective and LoRA presets are in
+:mod:`lightning_lora.families.unet`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from lightning_lora.families.base import ModelSource, load_component
+from lightning_lora.families.unet import UNetFamily
+
+__all__ = ["SD15"]
+
+
+class SD15(UNetFamily):
+    """Stable Diffusion 1.5 and models of its pipeline class (SD1.x fine-tunes, SD2.x): UNet-only LoRA.
+
+    See :class:`~lightning_lora.families.unet.UNetFamily` for the options (prediction type, noise offset, min-SNR,
+    zero terminal SNR, timestep range, clip skip) and the LoRA presets (``attention``, ``attention_ff``, ``locon``).
+    """
+
+    name: ClassVar[str] = "sd15"
+    pipeline_classes: ClassVar[tuple[str, ...]] = ("StableDiffusionPipeline",)
+
+    # -- loading -----------------------------------------------------------------------------------------------
+    def load_text_encoders(self, source: ModelSource) -> Any:
+        from diffusers import StableDiffusionPipeline
+        from transformers import CLIPTextModel, CLIPTokenizer
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
+        te = load_component(CLIPTextModel.from_pretrained, source, "text_encoder", dtype=source.dtype)
+        return StableDiffusionPipeline(
+            vae=None,
+            text_encoder=te.requires_grad_(False).eval(),
+            tokenizer=load_component(CLIPTokenizer.from_pretrained, source, "tokenizer"),
+            unet=None,
+            scheduler=None,
+            safety_checker=None,
+            feature_extractor=None,
+            requires_safety_checker=False,
+        )
+
+    # -- encoding ----------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
+        te = encoders.text_encoder
+        if self.clip_skip is None:
+            prompt_embeds, _ = encoders.encode_prompt(
+                prompts, te.device, num_images_per_prompt=1, do_classifier_free_guidance=False
+            )
+            return {"prompt_embeds": prompt_embeds}
+        # What StableDiffusionPipeline.encode_prompt(clip_skip=k) computes: the hidden state k layers before the last,
+        # through the final layer norm. (diffusers 0.42 reaches that norm as text_encoder.text_model.final_layer_norm,
+        # which transformers 5 no longer has, so the pipeline's own path fails there.)
+        tok = encoders.tokenizer
+        ids = tok(prompts, padding="max_length", max_length=tok.model_max_length, truncation=True, return_tensors="pt")
+        hidden = te(ids.input_ids.to(te.device), output_hidden_states=True).hidden_states[-(self.clip_skip + 1)]
+        final_layer_norm = getattr(te, "text_model", te).final_layer_norm
+        return {"prompt_embeds": final_layer_norm(hidden).to(te.dtype)}
+
+    def text_cache_tag(self) -> str:
+        return f"sd15-{self._clip_tag()}"
+
+    # -- training ----------------------------------------------------------------------------------------------
+    def unet_conditions(
+        self, batch: dict[str, torch.Tensor], latents: torch.Tensor, dtype: torch.dtype
+    ) -> dict[str, Any]:
+        return {"encoder_hidden_states": batch["prompt_embeds"].to(dtype)}
+
+    # -- sampling ----------------------------------------------------------------------------------------------
+    def pipeline(self, denoiser: torch.nn.Module, vae: torch.nn.Module, source: ModelSource) -> Any:
+        from diffusers import StableDiffusionPipeline
+
+        pipe = StableDiffusionPipeline(
+            vae=vae,
+            text_encoder=None,
+            tokenizer=None,
+            unet=denoiser,
+            scheduler=self.sampling_scheduler(source),
+            safety_checker=None,
+            feature_extractor=None,
+            requires_safety_checker=False,
+        )
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    def generate(
+        self,
+        pipeline: Any,
+        embeddings: dict[str, torch.Tensor],
+        *,
+        seed: int,
+        height: int,
+        width: int,
+        steps: int,
+        guidance_scale: float,
+        negative: dict[str, torch.Tensor] | None = None,
+    ) -> Any:
+        self._require_negative(negative, guidance_scale)
+        device, dtype = self._device_dtype(pipeline)
+        negative_embeds = None if negative is None else negative["prompt_embeds"].to(device=device, dtype=dtype)
+        return pipeline(
+            prompt_embeds=embeddings["prompt_embeds"].to(device=device, dtype=dtype),
+            negative_prompt_embeds=negative_embeds,
+            height=height,
+            width=width,
+            num_inference_steps=steps,
+            guidance_scale=guidance_scale,
+            generator=self.seed_generator(seed),  # CPU: the same starting noise on any device
+            output_type="pil",
+        ).images[0]

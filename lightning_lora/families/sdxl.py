@@ -1,0 +1,165 @@
+"""SDXL (stable-diffusion-xl-base-1.0 and the models of its architecture): a UNet with two text encoders and size
+conditioning.
+
+Shapes, for a batch ``B`` (``D1``/``D2`` the text encoders' widths, 768 and 1280 for SDXL):
+
+* Text: CLIP-L and OpenCLIP-G each encode the prompt (77 tokens); their *penultimate* hidden states are concatenated
+  into ``prompt_embeds [B, 77, D1 + D2]`` (2048), the UNet's cross-attention context. OpenCLIP-G's projected pooled
+  output is ``pooled_prompt_embeds [B, P]`` (1280).
+* Micro-conditioning ("add_time_ids", SDXL paper section 2.2): six numbers per image, ``original_size (h, w)``,
+  ``crop_top_left (top, left)`` and ``target_size (h, w)``, in pixels. Each is embedded like a timestep
+  (``addition_time_embed_dim`` = 256 features), concatenated with the pooled text embedding (6 x 256 + 1280 = 2816)
+  and added to the timestep embedding. Training on crops and small images with their true sizes lets inference ask
+  for "an uncropped image at full size": ``(H, W), (0, 0), (H, W)``, what the diffusers pipeline passes by default.
+* The batch carries ``original_size``, ``crop_top_left`` and ``target_size`` (int64 ``[B, 2]``) from the cache's
+  bucket/crop records; a batch without them (an older cache) is treated as uncropped at the latent's size.
+
+Classifier-free guidance at sampling time uses zeros as the negative embedding when the model's pipeline config says
+``force_zeros_for_empty_prompt`` (SDXL base does), exactly like ``StableDiffusionXLPipeline`` with no negative prompt.
+The objective and LoRA presets are in :mod:`lightning_lora.families.unet`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from lightning_lora.families.base import ModelSource, load_component
+from lightning_lora.families.unet import UNetFamily
+
+__all__ = ["SDXL", "sdxl_time_ids"]
+
+SIZE_KEYS = ("original_size", "crop_top_left", "target_size")
+
+
+def sdxl_time_ids(original_size: torch.Tensor, crop_top_left: torch.Tensor, target_size: torch.Tensor) -> torch.Tensor:
+    """SDXL's ``add_time_ids`` ``[B, 6]`` (float32): ``(orig_h, orig_w, crop_top, crop_left, target_h, target_w)``.
+
+    Each argument is ``[B, 2]`` (or ``[2]`` for one image), in pixels.
+    """
+    parts = [torch.as_tensor(x).reshape(-1, 2).to(torch.float32) for x in (original_size, crop_top_left, target_size)]
+    batch = max(p.shape[0] for p in parts)
+    return torch.cat([p.expand(batch, 2) for p in parts], dim=1)
+
+
+def default_size_conditioning(latents: torch.Tensor, vae_scale_factor: int = 8) -> dict[str, torch.Tensor]:
+    """The size conditioning of uncropped images at the latents' size: ``(H, W), (0, 0), (H, W)`` per sample."""
+    b, _, h, w = latents.shape
+    size = torch.tensor([h * vae_scale_factor, w * vae_scale_factor], dtype=torch.int64, device=latents.device)
+    return {
+        "original_size": size.expand(b, 2),
+        "crop_top_left": torch.zeros(b, 2, dtype=torch.int64, device=latents.device),
+        "target_size": size.expand(b, 2),
+    }
+
+
+class SDXL(UNetFamily):
+    """SDXL base 1.0 and fine-tunes of its architecture (Pony, Illustrious, ...): UNet-only LoRA.
+
+    See :class:`~lightning_lora.families.unet.UNetFamily` for the options (prediction type, noise offset, min-SNR,
+    zero terminal SNR, timestep range, clip skip) and the LoRA presets (``attention``, ``attention_ff``, ``locon``).
+    """
+
+    name: ClassVar[str] = "sdxl"
+    pipeline_classes: ClassVar[tuple[str, ...]] = ("StableDiffusionXLPipeline",)
+
+    # -- loading -----------------------------------------------------------------------------------------------
+    def load_text_encoders(self, source: ModelSource) -> Any:
+        from diffusers import StableDiffusionXLPipeline
+        from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
+        te = load_component(CLIPTextModel.from_pretrained, source, "text_encoder", dtype=source.dtype)
+        te2 = load_component(CLIPTextModelWithProjection.from_pretrained, source, "text_encoder_2", dtype=source.dtype)
+        # A pipeline with only its text parts: encode_prompt is then exactly what inference does.
+        return StableDiffusionXLPipeline(
+            vae=None,
+            text_encoder=te.requires_grad_(False).eval(),
+            text_encoder_2=te2.requires_grad_(False).eval(),
+            tokenizer=load_component(CLIPTokenizer.from_pretrained, source, "tokenizer"),
+            tokenizer_2=load_component(CLIPTokenizer.from_pretrained, source, "tokenizer_2"),
+            unet=None,
+            scheduler=None,
+            add_watermarker=False,
+        )
+
+    # -- encoding ----------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
+        prompt_embeds, _, pooled, _ = encoders.encode_prompt(
+            prompt=prompts,
+            prompt_2=prompts,
+            device=encoders.text_encoder_2.device,
+            num_images_per_prompt=1,
+            do_classifier_free_guidance=False,
+            clip_skip=self.clip_skip,
+        )
+        return {"prompt_embeds": prompt_embeds, "pooled_prompt_embeds": pooled}
+
+    def text_cache_tag(self) -> str:
+        return f"sdxl-{self._clip_tag()}"
+
+    # -- training ----------------------------------------------------------------------------------------------
+    def unet_conditions(
+        self, batch: dict[str, torch.Tensor], latents: torch.Tensor, dtype: torch.dtype
+    ) -> dict[str, Any]:
+        sizes = default_size_conditioning(latents, self.vae_scale_factor)
+        sizes.update({k: batch[k] for k in SIZE_KEYS if k in batch})
+        time_ids = sdxl_time_ids(*(sizes[k] for k in SIZE_KEYS)).to(latents.device)
+        pooled = batch["pooled_prompt_embeds"].to(dtype)
+        return {
+            "encoder_hidden_states": batch["prompt_embeds"].to(dtype),
+            "added_cond_kwargs": {"text_embeds": pooled, "time_ids": time_ids.to(dtype)},
+        }
+
+    # -- sampling ----------------------------------------------------------------------------------------------
+    def pipeline(self, denoiser: torch.nn.Module, vae: torch.nn.Module, source: ModelSource) -> Any:
+        from diffusers import StableDiffusionXLPipeline
+
+        index = load_component(StableDiffusionXLPipeline.load_config, source, "")
+        pipe = StableDiffusionXLPipeline(
+            vae=vae,
+            text_encoder=None,
+            text_encoder_2=None,
+            tokenizer=None,
+            tokenizer_2=None,
+            unet=denoiser,
+            scheduler=self.sampling_scheduler(source),
+            force_zeros_for_empty_prompt=bool(index.get("force_zeros_for_empty_prompt", True)),
+        )
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    def generate(
+        self,
+        pipeline: Any,
+        embeddings: dict[str, torch.Tensor],
+        *,
+        seed: int,
+        height: int,
+        width: int,
+        steps: int,
+        guidance_scale: float,
+        negative: dict[str, torch.Tensor] | None = None,
+    ) -> Any:
+        device, dtype = self._device_dtype(pipeline)
+        prompt = {k: v.to(device=device, dtype=dtype) for k, v in embeddings.items()}
+        if pipeline.config.force_zeros_for_empty_prompt:
+            # What the pipeline does for "no negative prompt" with this model.
+            negative = {k: torch.zeros_like(v) for k, v in prompt.items()}
+        self._require_negative(negative, guidance_scale)
+        negative = {k: v.to(device=device, dtype=dtype) for k, v in (negative or {}).items()}
+        return pipeline(
+            prompt_embeds=prompt["prompt_embeds"],
+            pooled_prompt_embeds=prompt["pooled_prompt_embeds"],
+            negative_prompt_embeds=negative.get("prompt_embeds"),
+            negative_pooled_prompt_embeds=negative.get("pooled_prompt_embeds"),
+            height=height,
+            width=width,
+            num_inference_steps=steps,
+            guidance_scale=guidance_scale,
+            generator=self.seed_generator(seed),  # CPU: the same starting noise on any device
+            output_type="pil",
+        ).images[0]
