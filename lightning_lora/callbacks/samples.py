@@ -4,10 +4,11 @@ What a user watches to know whether the LoRA is learning. The same prompts and s
 comparable over time. The images come from the family's diffusers pipeline around the training model itself, so they
 are what inference with the exported LoRA gives.
 
-Memory: the prompts are encoded once, through the text cache, before training starts; the text encoders are then
-freed (they are not needed while training). The VAE stays on the CPU between samples and moves to the GPU only for
-the decode (``offload_vae``). Generation runs under ``no_grad`` in eval mode, and training mode is restored after.
-Only global rank 0 generates and writes; the other ranks wait at a barrier.
+Memory: the prompts (and the empty prompt, the negative side of classifier-free guidance for SDXL and SD1.5) are
+encoded once, through the text cache, before training starts; the text encoders are then freed (they are not needed
+while training). The VAE stays on the CPU between samples and moves to the GPU only for the decode
+(``offload_vae``). Generation runs under ``no_grad`` in eval mode, and training mode is restored after. Only global
+rank 0 generates and writes; the other ranks wait at a barrier.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ class SampleImages(Callback):
         self.offload_vae = offload_vae
         self.dirname = dirname
         self._embeddings: list[dict[str, torch.Tensor]] = []
+        self._negative: dict[str, torch.Tensor] | None = None
         self._vae: torch.nn.Module | None = None
         self._last_step = -1
         self.written: list[Path] = []
@@ -93,9 +95,9 @@ class SampleImages(Callback):
             module: Any = pl_module
             # Encode through the data's text cache (reuses cached prompts); the encoders are freed afterwards.
             cache = trainer.datamodule.cache()  # type: ignore[attr-defined]
-            self._embeddings = [
-                {k: v.cpu() for k, v in e.items()} for e in cache.text_embeddings(self.prompts, pl_module.device)
-            ]
+            *prompts, negative = cache.text_embeddings([*self.prompts, ""], pl_module.device)
+            self._embeddings = [{k: v.cpu() for k, v in e.items()} for e in prompts]
+            self._negative = {k: v.cpu() for k, v in negative.items()}
             self._vae = module.family.load_vae(module.source)
         if self.at_start and trainer.global_step == 0:
             self.sample(trainer, pl_module)
@@ -143,6 +145,7 @@ class SampleImages(Callback):
                             width=width,
                             steps=self.steps,
                             guidance_scale=self.guidance_scale,
+                            negative=self._negative,
                         )
                     )
         finally:
