@@ -91,17 +91,87 @@ class RandomFlux(Flux):
         return model.requires_grad_(False).eval()
 
 
-class Synthetic(Dataset):
-    """Cached-latent batches of FLUX's shapes (what the latent cache serves)."""
+SDXL_BASE = dict(
+    sample_size=128,
+    in_channels=4,
+    out_channels=4,
+    down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+    up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+    block_out_channels=(320, 640, 1280),
+    layers_per_block=2,
+    transformer_layers_per_block=(1, 2, 10),
+    attention_head_dim=(5, 10, 20),
+    cross_attention_dim=2048,
+    use_linear_projection=True,
+    addition_embed_type="text_time",
+    addition_time_embed_dim=256,
+    projection_class_embeddings_input_dim=2816,
+)
+SDXL_TINY = dict(
+    SDXL_BASE,
+    block_out_channels=(32, 64, 64),
+    transformer_layers_per_block=(1, 1, 1),
+    attention_head_dim=(2, 4, 4),
+    cross_attention_dim=64,
+    addition_time_embed_dim=32,
+    projection_class_embeddings_input_dim=64 + 6 * 32,
+)
 
-    def __init__(self, config: dict[str, Any], height: int, width: int, tlen: int, n: int = 64) -> None:
+
+def _build(cls: Any, config: dict[str, Any], device: str, dtype: torch.dtype) -> torch.nn.Module:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return cls(**config)
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def random_sdxl_family(config: dict[str, Any], device: str) -> Any:
+    """SDXL (lightning_lora.families.sdxl) with a random-init UNet of the real size and SDXL's noise schedule."""
+    from lightning_lora import objectives
+    from lightning_lora.families.sdxl import SDXL
+    from lightning_lora.families.unet import NoiseSchedule
+
+    class RandomSDXL(SDXL):
+        def check_source(self, source: ModelSource) -> None:
+            pass
+
+        def load_denoiser(self, source: ModelSource) -> torch.nn.Module:
+            from diffusers import UNet2DConditionModel
+
+            unet = _build(UNet2DConditionModel, config, device, source.dtype)
+            betas = objectives.beta_schedule("scaled_linear", 1000, 0.00085, 0.012)
+            unet.noise_schedule = NoiseSchedule(objectives.alphas_cumprod(betas), "epsilon")
+            return unet.requires_grad_(False).eval()
+
+    return RandomSDXL()
+
+
+class Synthetic(Dataset):
+    """Cached-latent batches of the family's shapes (what the latent cache serves)."""
+
+    def __init__(self, family: str, config: dict[str, Any], height: int, width: int, tlen: int, n: int = 64) -> None:
         g = torch.Generator().manual_seed(0)
-        channels = config["in_channels"] // 4
+        if family == "flux":
+            channels, text_dim, pooled_dim = (
+                config["in_channels"] // 4,
+                config["joint_attention_dim"],
+                config["pooled_projection_dim"],
+            )
+        else:
+            channels, text_dim, tlen = config["in_channels"], config["cross_attention_dim"], 77
+            pooled_dim = config["projection_class_embeddings_input_dim"] - 6 * config["addition_time_embed_dim"]
+        size = torch.tensor([height, width])
         self.items = [
             {
                 "latents": torch.randn(channels, height // 8, width // 8, generator=g),
-                "prompt_embeds": torch.randn(tlen, config["joint_attention_dim"], generator=g).bfloat16(),
-                "pooled_prompt_embeds": torch.randn(config["pooled_projection_dim"], generator=g).bfloat16(),
+                "prompt_embeds": torch.randn(tlen, text_dim, generator=g).bfloat16(),
+                "pooled_prompt_embeds": torch.randn(pooled_dim, generator=g).bfloat16(),
+                "original_size": size,
+                "crop_top_left": torch.zeros(2, dtype=torch.int64),
+                "target_size": size,
             }
             for _ in range(4)
         ]
@@ -174,10 +244,15 @@ def make_optimizer(name: str):
 
 def run(a: argparse.Namespace) -> dict[str, Any]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    config = FLUX_TINY if a.tiny else FLUX_DEV
+    if a.family == "flux":
+        config = FLUX_TINY if a.tiny else FLUX_DEV
+        family = RandomFlux(config, device, max_sequence_length=a.tlen)
+    else:
+        config = SDXL_TINY if a.tiny else SDXL_BASE
+        family = random_sdxl_family(config, device)
     out: dict[str, Any] = {
         "tool": "lightning-lora",
-        "family": "flux",
+        "family": a.family,
         "quant": a.quant,
         "rank": a.rank,
         "gc": a.gc,
@@ -192,7 +267,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     }
     module = LoraModule(
         pretrained="random-init",
-        family=RandomFlux(config, device, max_sequence_length=a.tlen),
+        family=family,
         lora=LoraOptions(rank=a.rank, alpha=a.rank, targets=a.targets),
         base_dtype="bf16",
         quantization=QuantOptions(mode=a.quant),
@@ -213,14 +288,14 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         enable_model_summary=False,
         callbacks=[timer],
     )
-    data = SyntheticData(Synthetic(config, a.h, a.w, a.tlen), a.batch)
+    data = SyntheticData(Synthetic(a.family, config, a.h, a.w, a.tlen), a.batch)
     t0 = time.perf_counter()
     trainer.fit(module, datamodule=data)
     out["wall_s"] = round(time.perf_counter() - t0, 1)
     out.update(timer.result)
     assert module.denoiser is not None
     out["lora_params_M"] = round(sum(p.numel() for p in module.denoiser.parameters() if p.requires_grad) / 1e6, 3)
-    if a.plan:
+    if a.plan and a.family == "flux":
         from lightning_lora.plan import plan_training
 
         names = {"adamw8bit": "AdamW8bit", "adafactor": "Adafactor", "adamw": "AdamW"}
@@ -232,6 +307,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--family", default="flux", choices=["flux", "sdxl"])
     p.add_argument("--quant", default="none", choices=["none", "nf4", "fp8", "fp8_compute"])
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--targets", default="attention")

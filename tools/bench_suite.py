@@ -18,25 +18,29 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-CASE = re.compile(r"^(flux)-(bf16|nf4|fp8|fp8c)-r(\d+)((?:-gc)?)((?:-\d+x\d+)?)((?:-compile)?)$")
+CASE = re.compile(r"^(flux|sdxl)-(bf16|nf4|fp8|fp8c)-r(\d+)((?:-gc)?)((?:-\d+x\d+)?)((?:-compile)?)((?:-adafactor)?)$")
 
 
 def commands(case: str, ref: str | None, steps: int, warm: int) -> list[tuple[str, list[str]]]:
     m = CASE.match(case)
     if not m:
         raise SystemExit(f"bad case {case!r}: expected e.g. flux-nf4-r4-gc-1024x1024")
-    family, quant, rank, gc, size, compile_ = m.groups()
-    h, w = (512, 768) if not size else map(int, size[1:].split("x"))
+    family, quant, rank, gc, size, compile_, adafactor = m.groups()
+    h, w = ((512, 768) if family == "flux" else (1024, 1024)) if not size else map(int, size[1:].split("x"))
     ours_quant = {"bf16": "none", "nf4": "nf4", "fp8": "fp8", "fp8c": "fp8_compute"}[quant]
     common = ["--rank", rank, "--gc", "1" if gc else "0", "--h", str(h), "--w", str(w), "--steps", str(steps)]
     common += ["--warm", str(warm)]
-    ours = [sys.executable, str(HERE / "bench.py"), "--quant", ours_quant, *common]
+    if adafactor:
+        common += ["--opt", "adafactor"]
+    ours = [sys.executable, str(HERE / "bench.py"), "--family", family, "--quant", ours_quant, *common]
     if compile_:
         ours += ["--compile", "1"]
     runs = [("ours", ours)]
     ref_mode = {"bf16": "bf16", "nf4": "nf4"}.get(quant)  # FP8 rows compare with the bf16 reference
     if ref and ref_mode and not compile_:
-        reference = [sys.executable, ref, f"{family}-{ref_mode}", *common, "--sdp", "nocudnn"]
+        # FLUX's default SDPA crashes in the reference (REFERENCE.md); SDXL's default works and is faster there.
+        sdp = ["--sdp", "nocudnn"] if family == "flux" else []
+        reference = [sys.executable, ref, f"{family}-{ref_mode}", *common, *sdp]
         runs.append(("ref", reference))
     return runs
 

@@ -26,6 +26,26 @@ __all__ = ["quantize_nf4", "require_bitsandbytes"]
 
 
 @functools.lru_cache(maxsize=1)
+def _autocast_linear4bit() -> type:
+    """``bnb.nn.Linear4bit`` that returns the autocast dtype, like ``nn.Linear`` under autocast.
+
+    bitsandbytes casts its output back to the *input's* dtype. Under autocast the input of a linear layer is often
+    float32 (a norm's output), so every quantized layer would hand float32 activations to the next op: a third more
+    activation memory than the bf16 model for the same graph (measured on FLUX: +4.3 GiB at rank 16 without
+    checkpointing). Casting the input to the compute dtype first keeps activations in bf16, as ``nn.Linear`` does.
+    """
+    bnb = require_bitsandbytes()
+
+    class AutocastLinear4bit(bnb.nn.Linear4bit):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if torch.is_autocast_enabled(x.device.type) and self.compute_dtype is not None:
+                x = x.to(self.compute_dtype)
+            return super().forward(x)
+
+    return AutocastLinear4bit
+
+
+@functools.lru_cache(maxsize=1)
 def require_bitsandbytes() -> Any:
     try:
         import bitsandbytes
@@ -40,7 +60,7 @@ def quantize_nf4(model: nn.Module, options: QuantOptions, device: torch.device, 
     for parent, name, _, linear in linear_layers(model, options.skip):
         if linear.in_features % 64:
             continue
-        layer = bnb.nn.Linear4bit(
+        layer = _autocast_linear4bit()(
             linear.in_features,
             linear.out_features,
             bias=linear.bias is not None,
