@@ -164,6 +164,20 @@ def test_zero_terminal_snr(source: ModelSource) -> None:
     assert sampler.config.prediction_type == "v_prediction"
 
 
+def test_option_conflict_with_the_model_stops_the_cli_early(
+    tmp_path: Path, tiny_sdxl_dir: Path, photos_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from lightning_lora.cli import main
+
+    config = family_config(tmp_path, tiny_sdxl_dir, photos_dir, "SDXL", {"zero_terminal_snr": True})
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(config)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "zero_terminal_snr" in err and "v_prediction" in err and "Traceback" not in err
+    assert not (tmp_path / "cache").exists()  # nothing was encoded
+
+
 def test_options_are_validated() -> None:
     for kwargs, option in (
         ({"noise_offset": -0.1}, "noise_offset"),

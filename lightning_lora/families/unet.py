@@ -133,6 +133,11 @@ class UNetFamily(DiffusionFamily):
         self.clip_skip = clip_skip
 
     # -- loading -----------------------------------------------------------------------------------------------
+    def check_source(self, source: ModelSource) -> None:
+        super().check_source(source)
+        if source.is_local:  # a small local JSON: the options are checked against the model before any heavy work
+            self.noise_schedule(source)
+
     def scheduler_config(self, source: ModelSource) -> dict[str, Any]:
         """The model's ``scheduler/scheduler_config.json`` (a small file; no weights are read)."""
         from diffusers import DDPMScheduler  # any scheduler class reads any scheduler_config.json
