@@ -1,12 +1,15 @@
-"""Prepare the CPU demo: a tiny random FLUX pipeline and a folder of real captioned photos.
+"""Prepare the CPU demo: tiny random FLUX, SDXL and SD1.5 pipelines and a folder of real captioned photos.
 
 ``python -m lightning_lora.demo [--out .demo]`` writes::
 
     .demo/tiny-flux/     a complete diffusers FluxPipeline folder (random weights, ~1 MB), loaded back by the trainer
                          through the real ``from_pretrained`` path
+    .demo/tiny-sdxl/     a StableDiffusionXLPipeline folder with SDXL's UNet layout (~4 MB)
+    .demo/tiny-sd15/     a StableDiffusionPipeline folder (~2 MB)
     .demo/photos/        photos that ship inside scikit-image (no download) as PNG, each with a .txt caption
 
-``configs/tiny_cpu.yaml`` trains on exactly these. Existing files are left as they are (the step is idempotent).
+``configs/tiny_cpu.yaml`` (FLUX, what ``make demo`` trains), ``configs/tiny_sdxl_cpu.yaml`` and
+``configs/tiny_sd15_cpu.yaml`` train on exactly these. Existing files are left as they are (the step is idempotent).
 """
 
 from __future__ import annotations
@@ -16,7 +19,14 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["PHOTOS", "prepare"]
+__all__ = ["PHOTOS", "TINY_MODELS", "prepare"]
+
+#: Folder name under the demo folder -> name of the lightning_lora.tiny function that writes it.
+TINY_MODELS: dict[str, str] = {
+    "tiny-flux": "save_tiny_flux",
+    "tiny-sdxl": "save_tiny_sdxl",
+    "tiny-sd15": "save_tiny_sd15",
+}
 
 # scikit-image sample name -> caption. "sks" is the usual rare trigger token of DreamBooth-style LoRAs.
 PHOTOS: dict[str, str] = {
@@ -40,13 +50,14 @@ def _photo(name: str) -> np.ndarray:
 
 
 def prepare(out: Path) -> tuple[Path, Path]:
-    """Write the tiny pipeline and the photos under ``out``; return their folders."""
+    """Write the tiny pipelines (:data:`TINY_MODELS`) and the photos under ``out``; return tiny-flux/ and photos/."""
     from PIL import Image
 
+    from lightning_lora import tiny
     from lightning_lora.io import atomic_write, atomic_write_bytes
-    from lightning_lora.tiny import save_tiny_flux
 
-    model = save_tiny_flux(out / "tiny-flux", seed=0)
+    models = {name: getattr(tiny, save)(out / name, seed=0) for name, save in TINY_MODELS.items()}
+    model = models["tiny-flux"]
     photos = out / "photos"
     photos.mkdir(parents=True, exist_ok=True)
     for name, caption in PHOTOS.items():
@@ -65,7 +76,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(".demo"), help="folder for the model and photos")
     args = parser.parse_args()
     model, photos = prepare(args.out)
-    print(f"demo model:  {model}\ndemo photos: {photos} ({len(PHOTOS)} images with captions)")
+    others = ", ".join(str(args.out / name) for name in TINY_MODELS if name != model.name)
+    print(f"demo model:  {model} (also {others})\ndemo photos: {photos} ({len(PHOTOS)} images with captions)")
 
 
 if __name__ == "__main__":
