@@ -1,9 +1,18 @@
-"""The latent cache: finding captioned images, decoding them robustly, and content-keyed incremental encoding."""
+"""The latent cache on a tiny FLUX: correct (content keys, never stale, atomic, corrupt files rebuilt), incremental
+(one edit -> one re-encode; a killed build resumes to the same result), robust to bad input, and fast (pipelined)."""
 
 from __future__ import annotations
 
+import gc
+import hashlib
+import json
 import logging
+import os
 import shutil
+import subprocess
+import sys
+import time
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +21,11 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from lightning_lora.data.cache import LatentCache, Sample, find_samples, load_image
+from lightning_lora.data.buckets import BucketSpec
+from lightning_lora.data.build import CacheReport, DataSpec, build
+from lightning_lora.data.cache import LatentCache
+from lightning_lora.data.images import decode
+from lightning_lora.data.sources import ImageFolder, scan
 from lightning_lora.errors import ConfigError
 from lightning_lora.families.base import ModelSource
 from lightning_lora.families.flux import Flux
@@ -31,289 +44,389 @@ def _noise_image(path: Path, seed: int, size: tuple[int, int] = (40, 48), mode: 
 def _dataset(folder: Path, n: int = 3) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     for i in range(n):
-        _noise_image(folder / f"img{i}.png", seed=i)
-        (folder / f"img{i}.txt").write_text(f"a photo of sks {['cat', 'dog', 'cup', 'car', 'bird'][i]}\n")
+        _noise_image(folder / f"img{i}.png", seed=i, size=[(40, 48), (64, 32), (48, 48), (32, 64), (50, 40)][i % 5])
+        (folder / f"img{i}.txt").write_text(f"a photo of sks {['cat', 'dog', 'cup', 'car', 'bird'][i % 5]}\n")
     return folder
 
 
-# -- find_samples --------------------------------------------------------------------------------------------------
+def _cache(root: Path, model: Path, t5_len: int = 16, dtype: torch.dtype = torch.float32) -> LatentCache:
+    return LatentCache(root, Flux(max_sequence_length=t5_len), ModelSource(str(model), dtype=dtype))
 
 
-def test_find_samples_sorted_with_captions(tmp_path: Path) -> None:
-    for name in ["b.png", "a.jpg", "c.JPEG", "notes.md", "d.webp.txt"]:
-        (tmp_path / name).write_bytes(b"")
-    (tmp_path / "sub.png").mkdir()  # a folder named like an image is not an image
-    (tmp_path / "a.txt").write_text("  caption a \n")
-    (tmp_path / "b.txt").write_text("caption b")
-    (tmp_path / "c.txt").write_text("caption c")
-    samples = find_samples([str(tmp_path)])
-    assert [s.image.name for s in samples] == ["a.jpg", "b.png", "c.JPEG"]
-    assert [s.caption for s in samples] == ["caption a", "caption b", "caption c"]
+def _spec(res: int = RES, **kwargs) -> DataSpec:
+    bucket_options = {k: kwargs.pop(k) for k in ("max_upscale", "min_resolution", "small_images") if k in kwargs}
+    bucket_options.setdefault("min_resolution", 16)
+    # Max aspect 3 gives a 32 px resolution three buckets: 16x48, 32x32 and 48x16.
+    return DataSpec(BucketSpec((res,), 16, max_aspect=3.0, **bucket_options), **kwargs)
 
 
-def test_find_samples_several_folders_and_caption_ext(tmp_path: Path) -> None:
-    one, two = tmp_path / "one", tmp_path / "two"
-    one.mkdir()
-    two.mkdir()
-    (one / "x.png").write_bytes(b"")
-    (one / "x.caption").write_text("from one")
-    (two / "y.png").write_bytes(b"")
-    (two / "y.caption").write_text("from two")
-    samples = find_samples([str(one), str(two)], caption_ext=".caption")
-    assert samples == [Sample(one / "x.png", "from one"), Sample(two / "y.png", "from two")]
+def _build(cache: LatentCache, *folders: Path, spec: DataSpec | None = None, **kwargs) -> CacheReport:
+    scan_options = {k: kwargs.pop(k) for k in ("default_caption", "trigger") if k in kwargs}
+    items, skips = scan([ImageFolder(str(f)) for f in folders], **scan_options)
+    return build(cache, items, [], spec or _spec(), CPU, scan_skips=skips, **kwargs)
 
 
-def test_find_samples_default_caption(tmp_path: Path) -> None:
-    (tmp_path / "a.png").write_bytes(b"")
-    (tmp_path / "b.png").write_bytes(b"")
-    (tmp_path / "b.txt").write_text("own caption")
-    samples = find_samples([str(tmp_path)], default_caption="sks style")
-    assert [s.caption for s in samples] == ["sks style", "own caption"]
+def _files(root: Path) -> dict[str, dict[str, torch.Tensor]]:
+    return {p.relative_to(root).as_posix(): load_file(p) for p in sorted(root.rglob("*.safetensors"))}
 
 
-def test_find_samples_errors(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"data\.images.*does not exist"):
-        find_samples([str(tmp_path / "missing")])
-    (tmp_path / "readme.txt").write_text("no images here")
-    with pytest.raises(ConfigError, match=r"data\.images.*holds no images"):
-        find_samples([str(tmp_path)])
-    (tmp_path / "lonely.png").write_bytes(b"")
-    with pytest.raises(ConfigError, match=r"lonely\.png.*lonely\.txt.*data\.default_caption"):
-        find_samples([str(tmp_path)])
+def tree_digest(folder: Path) -> str:
+    h = hashlib.sha256()
+    for p in sorted(folder.rglob("*")):
+        h.update(str(p.relative_to(folder)).encode())
+        if p.is_file():
+            h.update(p.read_bytes())
+    return h.hexdigest()
 
 
-# -- load_image ----------------------------------------------------------------------------------------------------
-
-
-def _check_pixels(x: torch.Tensor, res: int = RES) -> None:
-    assert x.shape == (3, res, res) and x.dtype == torch.float32
-    assert x.min() >= -1.0 and x.max() <= 1.0
-
-
-def test_load_image_shape_range_and_crop(tmp_path: Path) -> None:
-    # 144 wide x 48 tall: left third red, middle green, right third blue. Short side -> 32 (96 x 32), and the
-    # center crop is exactly the green third.
-    arr = np.zeros((48, 144, 3), dtype=np.uint8)
-    arr[:, :48, 0] = 255
-    arr[:, 48:96, 1] = 255
-    arr[:, 96:, 2] = 255
-    Image.fromarray(arr).save(tmp_path / "wide.png")
-    x = load_image(tmp_path / "wide.png", RES)
-    _check_pixels(x)
-    center = x[:, 4:-4, 4:-4]
-    torch.testing.assert_close(center[1], torch.ones_like(center[1]), atol=0.05, rtol=0)
-    torch.testing.assert_close(center[0], -torch.ones_like(center[0]), atol=0.05, rtol=0)
-    # Full range maps to [-1, 1] exactly.
-    Image.new("RGB", (RES, RES), (0, 255, 0)).save(tmp_path / "flat.png")
-    flat = load_image(tmp_path / "flat.png", RES)
-    assert flat[0].eq(-1).all() and flat[1].eq(1).all()
-
-
-def test_load_image_upscales_small_images(tmp_path: Path) -> None:
-    _noise_image(tmp_path / "small.png", seed=0, size=(10, 20))
-    _check_pixels(load_image(tmp_path / "small.png", 64), 64)
-
-
-def test_load_image_rgba_composited_on_white(tmp_path: Path) -> None:
-    Image.new("RGBA", (RES, RES), (0, 0, 0, 0)).save(tmp_path / "clear.png")  # fully transparent black
-    x = load_image(tmp_path / "clear.png", RES)
-    _check_pixels(x)
-    assert x.eq(1).all()  # white, not black
-    Image.new("RGBA", (RES, RES), (255, 0, 0, 255)).save(tmp_path / "opaque.png")
-    y = load_image(tmp_path / "opaque.png", RES)
-    assert y[0].eq(1).all() and y[1].eq(-1).all()
-
-
-def test_load_image_grayscale_and_palette(tmp_path: Path) -> None:
-    Image.fromarray(np.tile(np.arange(0, 256, 8, dtype=np.uint8), (32, 1)), "L").save(tmp_path / "gray.png")
-    x = load_image(tmp_path / "gray.png", RES)
-    _check_pixels(x)
-    assert torch.equal(x[0], x[1]) and torch.equal(x[1], x[2])
-    assert x[0, :, -1].mean() > x[0, :, 0].mean()  # the ramp survives
-    la = Image.new("LA", (RES, RES), (0, 0))
-    la.save(tmp_path / "la.png")
-    assert load_image(tmp_path / "la.png", RES).eq(1).all()
-    pal = Image.new("RGB", (RES, RES), (0, 0, 255)).convert("P")
-    pal.save(tmp_path / "pal.png")
-    p = load_image(tmp_path / "pal.png", RES)
-    _check_pixels(p)
-    assert p[2].gt(0.9).all() and p[0].lt(-0.9).all()
-
-
-def test_load_image_16bit(tmp_path: Path) -> None:
-    ramp = np.tile(np.linspace(0, 65535, 64).astype(np.uint16), (64, 1))
-    Image.fromarray(ramp).save(tmp_path / "deep.png")
-    assert Image.open(tmp_path / "deep.png").mode.startswith("I")
-    x = load_image(tmp_path / "deep.png", 64)
-    _check_pixels(x, 64)
-    # A naive convert("RGB") clips everything above 255 to white; the ramp must survive as a ramp.
-    row = x[0, 32]
-    assert row[0] < -0.9 and row[-1] > 0.9
-    assert (row.diff() >= -1e-6).all()
-    assert torch.equal(x[0], x[1]) and torch.equal(x[1], x[2])
-
-
-def test_load_image_16bit_keeps_absolute_brightness(tmp_path: Path) -> None:
-    Image.fromarray(np.full((RES, RES), 1000, dtype=np.uint16)).save(tmp_path / "dark.png")  # ~1.5% grey
-    x = load_image(tmp_path / "dark.png", RES)
-    assert x.max() < -0.9  # near black, not stretched to white
-
-
-def test_load_image_cmyk(tmp_path: Path) -> None:
-    Image.new("CMYK", (40, 40), (0, 255, 255, 0)).save(tmp_path / "cmyk.jpg")
-    assert Image.open(tmp_path / "cmyk.jpg").mode == "CMYK"
-    x = load_image(tmp_path / "cmyk.jpg", RES)
-    _check_pixels(x)
-    assert x[0].mean() > 0.8 and x[1].mean() < -0.8 and x[2].mean() < -0.8  # red
-
-
-def test_load_image_respects_exif_rotation(tmp_path: Path) -> None:
-    # Stored 64 wide x 32 tall, left half red, right half blue; orientation 6 = "rotate 90 degrees clockwise to view".
-    arr = np.zeros((32, 64, 3), dtype=np.uint8)
-    arr[:, :32, 0] = 255
-    arr[:, 32:, 2] = 255
-    exif = Image.Exif()
-    exif[0x0112] = 6
-    Image.fromarray(arr).save(tmp_path / "rotated.jpg", quality=95, exif=exif)
-    Image.fromarray(arr).save(tmp_path / "plain.jpg", quality=95)
-    rotated = load_image(tmp_path / "rotated.jpg", RES)
-    plain = load_image(tmp_path / "plain.jpg", RES)
-    _check_pixels(rotated)
-    # Viewed upright the image is 32 x 64 with red on top and blue below.
-    assert rotated[0, 4:12].mean() > 0.8 and rotated[2, 4:12].mean() < -0.8
-    assert rotated[2, -12:-4].mean() > 0.8 and rotated[0, -12:-4].mean() < -0.8
-    # Without the tag: red on the left, blue on the right.
-    assert plain[0, :, 4:12].mean() > 0.8 and plain[2, :, -12:-4].mean() > 0.8
-
-
-def test_load_image_real_photo(photos_dir: Path) -> None:
-    path = sorted(photos_dir.glob("*.png"))[0]
-    x = load_image(path, 64)
-    _check_pixels(x, 64)
-    assert x.std() > 0.1
-
-
-# -- LatentCache ---------------------------------------------------------------------------------------------------
-
-
-def _cache(root: Path, model: Path, res: int = RES, t5_len: int = 16) -> LatentCache:
-    return LatentCache(root, Flux(max_sequence_length=t5_len), ModelSource(str(model), dtype=torch.float32), res)
-
-
-def test_cache_build_then_reuse(tmp_path: Path, tiny_flux_dir: Path) -> None:
+def test_build_then_reuse(tmp_path: Path, tiny_flux_dir: Path) -> None:
     data = _dataset(tmp_path / "data", n=3)
     (data / "img2.txt").write_text((data / "img0.txt").read_text())  # two images share one caption
-    samples = find_samples([str(data)])
     cache = _cache(tmp_path / "cache", tiny_flux_dir)
-
-    entries, stats = cache.build(samples, CPU, batch_size=2)
-    assert [e.sample for e in entries] == samples
-    assert (stats["images"], stats["encoded"], stats["reused"], stats["skipped"]) == (3, 3, 0, 0)
-    assert stats["captions_encoded"] == 2
+    report = _build(cache, data, batch_size=2)
+    assert [e.image.name for e in report.train] == ["img0.png", "img1.png", "img2.png"]
+    assert (report.images, report.latents_encoded, report.latents_reused, len(report.skipped)) == (3, 3, 0, 0)
+    assert report.texts_encoded == 3  # two captions and the empty prompt (for caption dropout)
     assert len(list((tmp_path / "cache" / "latents").glob("*.safetensors"))) == 3
-    assert len(list((tmp_path / "cache" / "text").glob("*.safetensors"))) == 2
     assert not list((tmp_path / "cache").rglob("*.tmp"))
+    # Buckets by aspect ratio: 40x48 and 48x48 -> 32x32; 64x32 (2:1) -> 48x16 (3:1 is nearer than 1:1 in log space).
+    assert {e.image.name: e.bucket for e in report.train} == {
+        "img0.png": (32, 32),
+        "img1.png": (48, 16),
+        "img2.png": (32, 32),
+    }
 
-    # What is cached is what the family computes (center-cropped image -> normalized VAE mean).
-    lat = cache.load_latents(entries[1].latent_key)
-    assert lat.shape == (4, RES // 8, RES // 8) and lat.dtype == torch.float32
+    # What is cached is what the family computes from the decoded bucket pixels, plus the SDXL size records.
+    e = report.train[1]
+    stored = cache.load_latents(e.latent_key)
+    assert stored["latents"].shape == (4, 16 // 8, 48 // 8) and stored["latents"].dtype == torch.float32
     vae = cache.family.load_vae(cache.source)
-    direct = cache.family.encode_images(vae, load_image(samples[1].image, RES)[None])[0]
-    torch.testing.assert_close(lat, direct, atol=1e-5, rtol=1e-5)
-    text = cache.load_text(entries[0].text_key)
-    assert set(text) == {"prompt_embeds", "pooled_prompt_embeds"}
-    assert text["prompt_embeds"].shape == (16, 32) and text["pooled_prompt_embeds"].shape == (32,)
+    pixels = torch.from_numpy(decode(e.image, e.placement.source_box(), e.bucket)).permute(2, 0, 1)[None]
+    direct = cache.family.encode_images(vae, pixels.float() / 127.5 - 1.0)[0]
+    torch.testing.assert_close(stored["latents"], direct, atol=1e-5, rtol=1e-5)
+    assert stored["original_size"].tolist() == [32, 64] and stored["target_size"].tolist() == [16, 48]
+    assert e.placement.resized == (48, 24) and stored["crop_top_left"].tolist() == [4, 0]  # (top, left)
+    assert all(stored[k].dtype == torch.int64 for k in ("original_size", "crop_top_left", "target_size"))
+    text = cache.load_text(e.text_keys[0])
+    assert set(text) == {"prompt_embeds", "pooled_prompt_embeds"} and text["prompt_embeds"].shape == (16, 32)
 
-    again, stats2 = _cache(tmp_path / "cache", tiny_flux_dir).build(samples, CPU)
-    assert again == entries
-    assert (stats2["encoded"], stats2["reused"], stats2["captions_encoded"], stats2["skipped"]) == (0, 3, 0, 0)
+    again = _build(_cache(tmp_path / "cache", tiny_flux_dir), data)
+    assert again.train == report.train
+    assert (again.latents_encoded, again.latents_reused, again.texts_encoded, again.texts_reused) == (0, 3, 0, 3)
+    summary = again.format()
+    assert "images found:    3" in summary and "0 encoded, 3 reused" in summary and "32x32: 2" in summary
 
 
-def test_cache_edit_caption_reencodes_only_that_caption(tmp_path: Path, tiny_flux_dir: Path) -> None:
-    data = _dataset(tmp_path / "data", n=3)
+def test_edit_one_image_reencodes_exactly_that_entry(tmp_path: Path, tiny_flux_dir: Path) -> None:
+    data = _dataset(tmp_path / "data", n=4)
     cache = _cache(tmp_path / "cache", tiny_flux_dir)
-    before, _ = cache.build(find_samples([str(data)]), CPU)
-    (data / "img1.txt").write_text("a painting of sks dog")
-    after, stats = cache.build(find_samples([str(data)]), CPU)
-    assert (stats["captions_encoded"], stats["encoded"], stats["reused"]) == (1, 0, 3)
-    assert after[1].text_key != before[1].text_key
-    assert [a.text_key for a in after[::2]] == [b.text_key for b in before[::2]]
-    assert not torch.equal(
-        cache.load_text(after[1].text_key)["prompt_embeds"], cache.load_text(before[1].text_key)["prompt_embeds"]
+    spec = _spec(flip=True)
+    before = _build(cache, data, spec=spec)
+    assert before.latents_encoded == 8  # each image and its mirror
+    _noise_image(data / "img2.png", seed=99, size=(48, 48))  # same name and size, new bytes
+    after = _build(cache, data, spec=spec)
+    assert (after.latents_encoded, after.latents_reused, after.texts_encoded) == (2, 6, 0)  # img2 and its mirror
+    changed = [
+        (a.latent_key, a.flip_key) != (b.latent_key, b.flip_key) for a, b in zip(after.train, before.train, strict=True)
+    ]
+    assert changed == [False, False, True, False]
+    new = cache.load_latents(after.train[2].latent_key)["latents"]
+    assert not torch.equal(new, cache.load_latents(before.train[2].latent_key)["latents"])
+
+
+def test_edit_with_the_same_size_and_a_restored_mtime_is_still_seen(tmp_path: Path, tiny_flux_dir: Path) -> None:
+    """The hash memo keys on size, mtime, ctime and inode: a tool that restores the modification time cannot hide
+    an edit (ctime cannot be set back)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(2):
+        Image.new("RGB", (32, 32), (10 * i, 0, 0)).save(data / f"img{i}.bmp")  # BMP: same size, same file size
+    cache = _cache(tmp_path / "cache", tiny_flux_dir)
+    first = _build(cache, data, default_caption="x")
+    memo = json.loads((tmp_path / "cache" / "images.json").read_text())
+    memo["written_ns"] = time.time_ns() + 10**10  # as if written long after the files: its records are trusted
+    (tmp_path / "cache" / "images.json").write_text(json.dumps(memo))
+    path = data / "img0.bmp"
+    stat = path.stat()
+    Image.new("RGB", (32, 32), (0, 200, 0)).save(path)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert (path.stat().st_size, path.stat().st_mtime_ns, path.stat().st_ino) == (
+        stat.st_size,
+        stat.st_mtime_ns,
+        stat.st_ino,
     )
+    second = _build(cache, data, default_caption="x")
+    assert (second.latents_encoded, second.latents_reused) == (1, 1)
+    assert second.train[0].latent_key != first.train[0].latent_key and second.train[1] == first.train[1]
 
 
-def test_cache_changed_image_reencodes_one_latent(tmp_path: Path, tiny_flux_dir: Path) -> None:
+def test_edit_caption_reencodes_only_that_caption(tmp_path: Path, tiny_flux_dir: Path) -> None:
     data = _dataset(tmp_path / "data", n=3)
     cache = _cache(tmp_path / "cache", tiny_flux_dir)
-    before, _ = cache.build(find_samples([str(data)]), CPU)
-    _noise_image(data / "img0.png", seed=99)  # same name, new bytes
-    after, stats = cache.build(find_samples([str(data)]), CPU)
-    assert (stats["encoded"], stats["reused"], stats["captions_encoded"]) == (1, 2, 0)
-    assert after[0].latent_key != before[0].latent_key
-    assert not torch.equal(cache.load_latents(after[0].latent_key), cache.load_latents(before[0].latent_key))
+    before = _build(cache, data)
+    (data / "img1.txt").write_text("a painting of sks dog")
+    after = _build(cache, data)
+    assert (after.texts_encoded, after.latents_encoded, after.latents_reused) == (1, 0, 3)
+    assert after.train[1].text_keys != before.train[1].text_keys
+    assert [a.text_keys for a in after.train[::2]] == [b.text_keys for b in before.train[::2]]
 
 
-def test_cache_keys_depend_on_resolution_and_text_options(tmp_path: Path, tiny_flux_dir: Path) -> None:
+def test_keys_follow_resolution_model_and_text_options(tmp_path: Path, tiny_flux_dir: Path) -> None:
     data = _dataset(tmp_path / "data", n=2)
-    samples = find_samples([str(data)])
-    _cache(tmp_path / "cache", tiny_flux_dir).build(samples, CPU)
-    _, stats = _cache(tmp_path / "cache", tiny_flux_dir, res=48).build(samples, CPU)
-    assert (stats["encoded"], stats["captions_encoded"]) == (2, 0)
-    _, stats = _cache(tmp_path / "cache", tiny_flux_dir, t5_len=8).build(samples, CPU)
-    assert (stats["encoded"], stats["captions_encoded"]) == (0, 2)
+    _build(_cache(tmp_path / "cache", tiny_flux_dir), data)
+    report = _build(_cache(tmp_path / "cache", tiny_flux_dir), data, spec=_spec(res=16))
+    assert (report.latents_encoded, report.texts_encoded) == (2, 0)
+    # At 48 px the 64x32 image gets a new bucket (64x32); the 40x48 one is too small for 48x48 and steps down to
+    # the same 32x32 placement as before: its entry is reused.
+    report = _build(_cache(tmp_path / "cache", tiny_flux_dir), data, spec=_spec(res=48))
+    assert (report.latents_encoded, report.latents_reused) == (1, 1)
+    assert [e.bucket for e in report.train] == [(32, 32), (64, 32)]
+    report = _build(_cache(tmp_path / "cache", tiny_flux_dir, t5_len=8), data)
+    assert (report.latents_encoded, report.texts_encoded) == (0, 3)
+    report = _build(_cache(tmp_path / "cache", tiny_flux_dir, dtype=torch.bfloat16), data)
+    assert (report.latents_encoded, report.texts_encoded) == (2, 3)  # another dtype is another model
+    other = tmp_path / "other-model"
+    shutil.copytree(tiny_flux_dir, other)
+    report = _build(_cache(tmp_path / "cache", other), data)
+    assert (report.latents_encoded, report.texts_encoded) == (2, 3)
+    report = _build(_cache(tmp_path / "cache", tiny_flux_dir), data, spec=_spec(background=(0, 0, 0)))
+    assert report.latents_encoded == 2 and report.texts_encoded == 0
 
 
-def test_cache_rebuilds_truncated_files(tmp_path: Path, tiny_flux_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_truncated_cache_files_are_detected_and_rebuilt(
+    tmp_path: Path, tiny_flux_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     data = _dataset(tmp_path / "data", n=3)
-    samples = find_samples([str(data)])
     cache = _cache(tmp_path / "cache", tiny_flux_dir)
-    entries, _ = cache.build(samples, CPU)
-    good = cache.load_latents(entries[2].latent_key).clone()  # load_file memory-maps: copy before truncating
-    for path in (cache.latent_path(entries[2].latent_key), cache.text_path(entries[0].text_key)):
+    entries = _build(cache, data).train
+    good = cache.load_latents(entries[2].latent_key)["latents"].clone()
+    for path in (cache.latent_path(entries[2].latent_key), cache.text_path(entries[0].text_keys[0])):
         raw = path.read_bytes()
         path.write_bytes(raw[: len(raw) // 2])
     with caplog.at_level(logging.WARNING, logger="lightning_lora.data.cache"):
-        _, stats = cache.build(samples, CPU)
-    assert (stats["encoded"], stats["reused"], stats["captions_encoded"]) == (1, 2, 1)
+        report = _build(cache, data)
+    assert (report.latents_encoded, report.latents_reused, report.texts_encoded) == (1, 2, 1)
     assert "unreadable" in caplog.text
-    torch.testing.assert_close(cache.load_latents(entries[2].latent_key), good)
-    assert load_file(cache.text_path(entries[0].text_key))  # readable again
+    torch.testing.assert_close(cache.load_latents(entries[2].latent_key)["latents"], good)
 
 
-def test_cache_skips_corrupt_images(tmp_path: Path, tiny_flux_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_bad_inputs_are_skipped_counted_and_named(
+    tmp_path: Path, tiny_flux_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     data = _dataset(tmp_path / "data", n=2)
     (data / "noise.png").write_bytes(np.random.default_rng(0).integers(0, 256, 500, dtype=np.uint8).tobytes())
     (data / "empty.jpg").write_bytes(b"")
+    (data / "notes.webp").write_text("I am a text file with an image extension")
     good = (data / "img0.png").read_bytes()
     (data / "half.png").write_bytes(good[: len(good) // 2])  # a valid header, truncated pixel data
-    samples = find_samples([str(data)], default_caption="a photo")
-    assert len(samples) == 5
+    _noise_image(data / "tiny.png", seed=5, size=(12, 12))  # smaller than the smallest bucket (16 px)
+    _noise_image(data / "latin1.png", seed=6)
+    (data / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    _noise_image(data / "blank.png", seed=7)
+    (data / "blank.txt").write_text("")
+    empty_folder = tmp_path / "empty"
+    empty_folder.mkdir()
+    for name in ("noise", "empty", "notes", "half", "tiny"):
+        (data / f"{name}.txt").write_text("a photo")
+    before = tree_digest(data), tree_digest(empty_folder)
+    with caplog.at_level(logging.WARNING, logger="lightning_lora.data.build"):
+        report = _build(_cache(tmp_path / "cache", tiny_flux_dir), data, empty_folder, batch_size=2)
+    assert [e.image.name for e in report.train] == ["img0.png", "img1.png"]
+    reasons = {s.path.name: (s.kind, s.reason) for s in report.skipped}
+    assert reasons["noise.png"][0] == "not an image" and reasons["notes.webp"][0] == "not an image"
+    assert reasons["empty.jpg"] == ("empty file", "empty file (0 bytes)")
+    assert reasons["half.png"][0] == "cannot decode"
+    assert reasons["tiny.png"][0] == "too small" and "data.small_images: upscale" in reasons["tiny.png"][1]
+    assert reasons["latin1.png"][0] == "caption" and "not UTF-8" in reasons["latin1.png"][1]
+    assert reasons["blank.png"][0] == "caption" and "is empty" in reasons["blank.png"][1]
+    assert reasons["empty"][0] == "empty folder"
+    # One warning line per skipped file, naming it and the reason; the summary counts them by kind.
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("skipped ")]
+    assert len(lines) == 8 and all("\n" not in line for line in lines)
+    assert any(str(data / "half.png") in line and "cannot decode" in line for line in lines)
+    summary = report.format()
+    assert "skipped:         8 (1 cannot decode, 2 caption, 1 empty file, 1 empty folder, 2 not an image" in summary
+    assert "images found:    9" in summary
+    # Nothing in the user's folders was created or modified.
+    assert (tree_digest(data), tree_digest(empty_folder)) == before
+    # The option that upscales small images brings tiny.png back, and says nothing about it.
+    upscaled = _build(_cache(tmp_path / "cache", tiny_flux_dir), data, spec=_spec(small_images="upscale"))
+    assert "tiny.png" in {e.image.name for e in upscaled.train}
+
+
+def test_on_bad_file_error_stops_before_any_model_loads(tmp_path: Path, tiny_flux_dir: Path, monkeypatch) -> None:
+    data = _dataset(tmp_path / "data", n=2)
+    (data / "broken.png").write_bytes(b"not a png")
+    (data / "broken.txt").write_text("x")
     cache = _cache(tmp_path / "cache", tiny_flux_dir)
-    with caplog.at_level(logging.WARNING, logger="lightning_lora.data.cache"):
-        entries, stats = cache.build(samples, CPU, batch_size=2)
-    assert [e.sample.image.name for e in entries] == ["img0.png", "img1.png"]
-    assert (stats["images"], stats["encoded"], stats["skipped"]) == (5, 2, 3)
-    for name in ("noise.png", "empty.jpg", "half.png"):
-        assert name in caplog.text
-    assert len(list((tmp_path / "cache" / "latents").glob("*.safetensors"))) == 2
+    monkeypatch.setattr(Flux, "load_vae", lambda *a: pytest.fail("the VAE was loaded"))
+    with pytest.raises(ConfigError, match=r"(?s)on_bad_file is 'error'.*broken\.png: not an image.*on_bad_file: skip"):
+        _build(cache, data, on_bad_file="error")
+    # A file that only fails when its pixels are decoded is fatal too (after the others are cached).
+    monkeypatch.undo()
+    (data / "broken.png").unlink()
+    good = (data / "img0.png").read_bytes()
+    (data / "broken.png").write_bytes(good[: len(good) // 2])
+    with pytest.raises(ConfigError, match=r"broken\.png: cannot decode"):
+        _build(cache, data, on_bad_file="error")
 
 
-def test_cache_all_images_bad(tmp_path: Path, tiny_flux_dir: Path) -> None:
+def test_all_bad_is_a_clear_error(tmp_path: Path, tiny_flux_dir: Path) -> None:
     data = tmp_path / "data"
     data.mkdir()
     (data / "a.png").write_bytes(b"not a png at all")
     (data / "b.jpg").write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"data\.images: none of the images can be used.*1 empty file, 1 not an"):
+        _build(_cache(tmp_path / "cache", tiny_flux_dir), data, default_caption="x")
+
+
+def test_odd_valid_images_are_all_cached(tmp_path: Path, tiny_flux_dir: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    Image.new("CMYK", (40, 40), (0, 255, 255, 0)).save(data / "cmyk.jpg")
+    Image.fromarray(np.tile(np.linspace(0, 65535, 40).astype(np.uint16), (40, 1))).save(data / "deep.png")
+    Image.new("RGB", (40, 40), (0, 0, 255)).convert("P").save(data / "palette.png")
+    _noise_image(data / "alpha.png", seed=1, mode="RGBA")
+    Image.new("L", (40, 40), 128).save(data / "gray.webp")
+    Image.new("RGB", (40, 40), (1, 2, 3)).save(data / "plain.bmp")
+    exif = Image.Exif()
+    exif[0x0112] = 6  # stored landscape, viewed portrait
+    Image.fromarray(np.zeros((32, 64, 3), dtype=np.uint8)).save(data / "rotated.jpg", exif=exif)
+    report = _build(_cache(tmp_path / "cache", tiny_flux_dir), data, default_caption="a photo")
+    assert not report.skipped and report.latents_encoded == 7
+    assert {e.image.name: e.bucket for e in report.train}["rotated.jpg"] == (16, 48)  # portrait bucket
+
+
+def test_flipped_entry_is_the_mirrored_image(tmp_path: Path, tiny_flux_dir: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    _noise_image(data / "wide.png", seed=3, size=(110, 32))  # resized to 55x16, cropped to 48x16 at left 3
     cache = _cache(tmp_path / "cache", tiny_flux_dir)
-    with pytest.raises(ConfigError, match=r"data\.images"):
-        cache.build(find_samples([str(data)], default_caption="x"), CPU)
+    e = _build(cache, data, spec=_spec(flip=True), default_caption="x").train[0]
+    plain, mirrored = cache.load_latents(e.latent_key), cache.load_latents(e.flip_key)
+    vae = cache.family.load_vae(cache.source)
+    pixels = torch.from_numpy(decode(e.image, e.placement.source_box(), e.bucket)).permute(2, 0, 1)[None]
+    expected = cache.family.encode_images(vae, pixels.flip(-1).float() / 127.5 - 1.0)[0]
+    torch.testing.assert_close(mirrored["latents"], expected, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(plain["latents"], mirrored["latents"])
+    assert (e.placement.resized, e.placement.crop) == ((55, 16), (3, 0))
+    assert plain["crop_top_left"].tolist() == [0, 3]
+    assert mirrored["crop_top_left"].tolist() == [0, 55 - 3 - 48]  # the crop's left edge in the mirrored image
 
 
-def test_cache_real_photos(tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path) -> None:
-    data = tmp_path / "photos"
-    shutil.copytree(photos_dir, data)
-    samples = find_samples([str(data)])
-    entries, stats = _cache(tmp_path / "cache", tiny_flux_dir, res=64).build(samples, CPU)
-    assert stats["encoded"] == len(samples) == len(entries) and stats["skipped"] == 0
-    keys = {e.latent_key for e in entries}
-    assert len(keys) == len(samples)
+_KILLED_BUILD = """
+import json, os, signal, sys
+import torch
+torch.set_num_threads(1)
+from lightning_lora.data.build import DataSpec, build
+from lightning_lora.data.buckets import BucketSpec
+from lightning_lora.data.cache import LatentCache
+from lightning_lora.data.sources import ImageFolder, scan
+from lightning_lora.families.base import ModelSource
+from lightning_lora.families.flux import Flux
+
+model, data, root, kill_at = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+replace, count = os.replace, [0]
+
+def dying_replace(src, dst):  # the power goes after a temporary file is written, before its rename
+    if str(dst).endswith(".safetensors"):
+        count[0] += 1
+        if count[0] >= kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+    replace(src, dst)
+
+os.replace = dying_replace
+cache = LatentCache(root, Flux(max_sequence_length=16), ModelSource(model, dtype=torch.float32))
+items, _ = scan([ImageFolder(data)])
+spec = DataSpec(BucketSpec((32,), 16, max_aspect=3.0, min_resolution=16), flip=True)
+build(cache, items, [], spec, torch.device("cpu"), batch_size=3)
+"""
+
+
+def test_killed_build_resumes_to_the_same_result_as_a_clean_build(tmp_path: Path, tiny_flux_dir: Path) -> None:
+    data = _dataset(tmp_path / "data", n=5)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    killed = subprocess.run(
+        [sys.executable, "-c", _KILLED_BUILD, str(tiny_flux_dir), str(data), str(tmp_path / "a"), "5"],
+        env=env,
+        cwd=Path(__file__).parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    written = list((tmp_path / "a" / "latents").glob("*.safetensors"))
+    assert len(written) == 4 and list((tmp_path / "a" / "latents").glob(".*.tmp"))  # a temporary file was left
+    resumed = _build(_cache(tmp_path / "a", tiny_flux_dir), data, spec=_spec(flip=True), batch_size=2)
+    assert (resumed.latents_encoded, resumed.latents_reused) == (6, 4)
+    _build(_cache(tmp_path / "b", tiny_flux_dir), data, spec=_spec(flip=True), batch_size=3)
+    a, b = _files(tmp_path / "a"), _files(tmp_path / "b")
+    assert a.keys() == b.keys() and len(a) == 10 + 6  # 5 images x 2, 5 captions + the empty prompt
+    for name in a:
+        for key in a[name]:
+            assert torch.equal(a[name][key], b[name][key]), (name, key)
+
+
+def test_pipeline_workers_rng_and_freed_encoders(tmp_path: Path, tiny_flux_dir: Path, monkeypatch) -> None:
+    """Decoding in worker processes gives the same cache as in-process; building draws nothing from the global
+    random state; the VAE and text encoders are gone afterwards."""
+    data = _dataset(tmp_path / "data", n=5)
+    in_process = _build(_cache(tmp_path / "a", tiny_flux_dir), data, spec=_spec(flip=True), workers=0)
+
+    loaded: list[weakref.ref] = []
+    real_vae, real_text = Flux.load_vae, Flux.load_text_encoders
+
+    def track(load):
+        def wrapper(self, source):
+            model = load(self, source)
+            loaded.append(weakref.ref(model))
+            return model
+
+        return wrapper
+
+    monkeypatch.setattr(Flux, "load_vae", track(real_vae))
+    monkeypatch.setattr(Flux, "load_text_encoders", track(real_text))
+    torch.manual_seed(123)
+    rng = torch.get_rng_state()
+    in_workers = _build(_cache(tmp_path / "b", tiny_flux_dir), data, spec=_spec(flip=True), workers=2)
+    assert torch.equal(torch.get_rng_state(), rng), "building the cache changed the global random state"
+    gc.collect()
+    assert len(loaded) == 2 and all(ref() is None for ref in loaded), "an encoder is still referenced"
+    assert in_workers.latents_encoded == in_process.latents_encoded == 10
+    a, b = _files(tmp_path / "a"), _files(tmp_path / "b")
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[n][k], b[n][k]) for n in a for k in a[n])
+
+
+def test_stale_temporaries_are_removed(tmp_path: Path, tiny_flux_dir: Path) -> None:
+    cache = _cache(tmp_path / "cache", tiny_flux_dir)
+    (tmp_path / "cache" / "latents").mkdir(parents=True)
+    old, new = tmp_path / "cache" / "latents" / ".x.safetensors.old.tmp", tmp_path / "cache" / "latents" / ".y.tmp"
+    old.write_bytes(b"half")
+    new.write_bytes(b"half")
+    os.utime(old, (time.time() - 7200, time.time() - 7200))
+    assert cache.remove_stale_temporaries() == 1
+    assert not old.exists() and new.exists()  # a recent one may belong to a build running right now
+
+
+def test_caching_throughput_on_cpu(tmp_path: Path, tiny_flux_dir: Path) -> None:
+    """Images per second through the whole pipeline on CPU with the tiny VAE (printed; not asserted)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(32):
+        small = rng.integers(0, 256, (12, 16, 3), dtype=np.uint8)
+        Image.fromarray(small).resize((640, 480), Image.Resampling.BICUBIC).save(data / f"{i:02d}.jpg", quality=90)
+    report = _build(
+        _cache(tmp_path / "cache", tiny_flux_dir),
+        data,
+        default_caption="a photo",
+        workers=2,
+        batch_size=8,
+        spec=_spec(res=64),
+    )
+    assert report.images_encoded == 32
+    print(
+        f"\nCPU caching throughput (tiny VAE, 640x480 JPEG -> 64 px buckets, 2 workers): "
+        f"{report.images_per_second:.1f} images/s"
+    )

@@ -1,9 +1,31 @@
-"""Batches of one bucket each, in an order that depends only on (seed, epoch), and a loader that can resume mid-epoch.
+"""Aspect-ratio buckets, and a stateful, distributed sampler whose batches each hold one bucket.
 
+Buckets
+-------
+A *bucket* is a ``width x height`` in pixels, both multiples of a step (64, or the family's latent divisor when a
+resolution is not a multiple of 64), with an area of at most ``resolution²`` and an aspect ratio of at most
+``max_aspect``. For each width the tallest height that fits the area is taken, so every bucket of one resolution has
+about the same number of pixels (and the same cost per step). Example, resolution 512, step 64, max aspect 2:
+``384x640, 448x576, 512x512, 576x448, 640x384``.
+
+An image of ``W x H`` (as viewed) goes to the bucket with the nearest aspect ratio (in log space), is scaled by
+``s = max(bw/W, bh/H)`` so it covers the bucket, and is center-cropped: :class:`Placement` records the original
+size, the bucket, the resized size and the crop offset (SDXL's ``original_size``, ``target_size`` and
+``crop_top_left`` come from it).
+
+Images are never enlarged by more than ``max_upscale`` (1.0: never). An image too small for a resolution is used at
+the other, smaller resolutions of the list only. At the smallest resolution it steps down a *ladder* of smaller
+resolutions (one step at a time, down to ``min_resolution``) to the largest bucket it fills; an image smaller than
+even that bucket is skipped, or enlarged into it when ``small_images`` is ``upscale``.
+
+Sampler
+-------
 :class:`BucketBatchSampler` groups sample indices by bucket (samples of one bucket share a latent shape, so they can
 be stacked), shuffles each bucket and the order of the batches with a generator seeded by ``seed + epoch``, and hands
-rank ``r`` of ``n`` every n-th batch. Nothing is drawn from the global random state: the order of epoch ``e`` is the
-same in a run that was never interrupted and in one that was resumed.
+rank ``r`` of ``n`` every n-th batch; every rank gets the same number of batches (DDP needs it). Nothing is drawn from
+the global random state: the order of epoch ``e`` is the same in a run that was never interrupted and in one that was
+resumed. With ``tag_epoch`` it yields ``(epoch, index)`` pairs, so a dataset can make its per-sample random choices a
+function of (seed, epoch, index), even in persistent worker processes that never see ``set_epoch``.
 
 :class:`ResumableLoader` is a ``DataLoader`` with ``state_dict`` / ``load_state_dict`` (the protocol Lightning looks
 for to restore a loader's position; without it a resumed epoch starts again from its first batch). It counts the
@@ -14,17 +36,114 @@ processes) does not consume the global random state either.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
-from typing import Any
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Literal
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-__all__ = ["BucketBatchSampler", "ResumableLoader"]
+__all__ = ["BucketBatchSampler", "BucketSpec", "Placement", "ResumableLoader", "bucket_sizes", "cover"]
+
+SmallImages = Literal["skip", "upscale"]
 
 
-class BucketBatchSampler(Sampler[list[int]]):
-    """Yield lists of sample indices; every list comes from one bucket.
+@dataclass(frozen=True)
+class Placement:
+    """How one image becomes the pixels of one bucket. Sizes are ``(width, height)``; offsets ``(left, top)``."""
+
+    original: tuple[int, int]
+    bucket: tuple[int, int]
+    resized: tuple[int, int]
+    crop: tuple[int, int]
+
+    @property
+    def scale(self) -> float:
+        return max(self.resized[0] / self.original[0], self.resized[1] / self.original[1])
+
+    def source_box(self) -> tuple[float, float, float, float]:
+        """The crop as a box (left, top, right, bottom) in pixels of the original image."""
+        sx, sy = self.resized[0] / self.original[0], self.resized[1] / self.original[1]
+        left, top = self.crop
+        return left / sx, top / sy, (left + self.bucket[0]) / sx, (top + self.bucket[1]) / sy
+
+    def crop_top_left(self, flipped: bool = False) -> tuple[int, int]:
+        """``(top, left)`` of the crop in the resized image; for the mirrored image, in the mirrored image."""
+        left = self.resized[0] - self.crop[0] - self.bucket[0] if flipped else self.crop[0]
+        return self.crop[1], left
+
+
+@lru_cache(maxsize=256)
+def bucket_sizes(resolution: int, step: int, max_aspect: float) -> tuple[tuple[int, int], ...]:
+    """The buckets ``(width, height)`` of one resolution, sorted by aspect ratio (tall to wide)."""
+    area = resolution * resolution
+    sizes: set[tuple[int, int]] = set()
+    for width in range(step, int(math.ceil(resolution * math.sqrt(max_aspect))) + step, step):
+        height = (area // width) // step * step
+        if height >= step and max(width / height, height / width) <= max_aspect + 1e-9:
+            sizes.update({(width, height), (height, width)})  # a portrait bucket for every landscape one
+    return tuple(sorted(sizes, key=lambda s: (s[0] / s[1], -s[0] * s[1])))
+
+
+def nearest_bucket(width: int, height: int, buckets: Sequence[tuple[int, int]]) -> tuple[int, int]:
+    """The bucket with the nearest aspect ratio in log space; ties go to the larger bucket."""
+    target = math.log(width / height)
+    return min(buckets, key=lambda b: (round(abs(math.log(b[0] / b[1]) - target), 9), -b[0] * b[1]))
+
+
+def cover(width: int, height: int, bucket: tuple[int, int]) -> Placement:
+    """Scale ``width x height`` to cover ``bucket``, then center-crop."""
+    bw, bh = bucket
+    scale = max(bw / width, bh / height)
+    rw, rh = max(bw, round(width * scale)), max(bh, round(height * scale))
+    return Placement((width, height), (bw, bh), (rw, rh), ((rw - bw) // 2, (rh - bh) // 2))
+
+
+@dataclass(frozen=True)
+class BucketSpec:
+    """Bucketing options (see the module docstring); validated by the data module."""
+
+    resolutions: tuple[int, ...]
+    step: int
+    max_aspect: float = 2.0
+    max_upscale: float = 1.0
+    min_resolution: int | None = None
+    small_images: SmallImages = "skip"
+
+    def ladder(self) -> list[int]:
+        """The resolutions the smallest one steps down to for small images, largest first."""
+        smallest = min(self.resolutions)
+        floor = self.min_resolution if self.min_resolution is not None else smallest
+        return list(range(smallest, max(floor, self.step) - 1, -self.step)) or [smallest]
+
+    def at(self, resolution: int, width: int, height: int) -> Placement:
+        """The placement of a ``width x height`` image in its nearest bucket of ``resolution``."""
+        return cover(width, height, nearest_bucket(width, height, bucket_sizes(resolution, self.step, self.max_aspect)))
+
+    def place(self, width: int, height: int) -> tuple[list[tuple[int, Placement]], str | None]:
+        """The ``(resolution, placement)`` pairs of an image, or ``([], reason)`` when it is too small."""
+        limit = self.max_upscale + 1e-9
+        smallest = min(self.resolutions)
+        larger = [r for r in sorted(set(self.resolutions), reverse=True) if r != smallest]
+        placements = [(r, p) for r in larger if (p := self.at(r, width, height)).scale <= limit]
+        ladder = self.ladder()
+        for level in ladder:
+            p = self.at(level, width, height)
+            if p.scale <= limit:
+                return [*placements, (smallest, p)], None
+        p = self.at(ladder[-1], width, height)
+        if self.small_images == "upscale":
+            return [(smallest, p)], None
+        return [], (
+            f"{width}x{height} is smaller than the smallest bucket it could use ({p.bucket[0]}x{p.bucket[1]}, "
+            f"data.min_resolution {ladder[-1]}); lower data.min_resolution or set data.small_images: upscale"
+        )
+
+
+class BucketBatchSampler(Sampler[list[Any]]):
+    """Yield lists of sample indices (or ``(epoch, index)`` pairs); every list comes from one bucket.
 
     Args:
         buckets: the bucket id of each sample (e.g. its latent shape's index).
@@ -34,6 +153,7 @@ class BucketBatchSampler(Sampler[list[int]]):
         drop_last: drop each bucket's last incomplete batch.
         num_replicas: number of ranks sharing the data.
         rank: this rank.
+        tag_epoch: yield ``(epoch, index)`` pairs instead of indices.
     """
 
     def __init__(
@@ -45,9 +165,12 @@ class BucketBatchSampler(Sampler[list[int]]):
         drop_last: bool = False,
         num_replicas: int = 1,
         rank: int = 0,
+        tag_epoch: bool = False,
     ) -> None:
         if batch_size < 1:
             raise ValueError("batch_size must be at least 1")
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"rank {rank} is not in [0, {num_replicas})")
         self.buckets = list(buckets)
         self.batch_size = batch_size
         self.seed = seed
@@ -55,6 +178,7 @@ class BucketBatchSampler(Sampler[list[int]]):
         self.drop_last = drop_last
         self.num_replicas = num_replicas
         self.rank = rank
+        self.tag_epoch = tag_epoch
         self.epoch = 0
         self.skip = 0
         self._cached: tuple[int, list[list[int]]] | None = None
@@ -87,10 +211,12 @@ class BucketBatchSampler(Sampler[list[int]]):
         self._cached = (epoch, batches[:usable])
         return self._cached[1]
 
-    def __iter__(self) -> Iterator[list[int]]:
-        mine = self.global_batches(self.epoch)[self.rank :: self.num_replicas]
+    def __iter__(self) -> Iterator[list[Any]]:
+        epoch = self.epoch
+        mine = self.global_batches(epoch)[self.rank :: self.num_replicas]
         skip, self.skip = self.skip, 0
-        yield from mine[skip:]
+        for batch in mine[skip:]:
+            yield [(epoch, i) for i in batch] if self.tag_epoch else list(batch)
 
     def __len__(self) -> int:
         return len(self.global_batches(self.epoch)) // self.num_replicas
@@ -100,7 +226,11 @@ class ResumableLoader(DataLoader):
     """A DataLoader over a :class:`BucketBatchSampler` whose position in the epoch survives a restart."""
 
     def __init__(
-        self, dataset: Dataset, batch_sampler: BucketBatchSampler, num_workers: int = 0, pin_memory: bool = False
+        self,
+        dataset: Dataset,
+        batch_sampler: BucketBatchSampler,
+        num_workers: int = 0,
+        pin_memory: bool = False,
     ) -> None:
         super().__init__(
             dataset,

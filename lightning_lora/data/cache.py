@@ -1,125 +1,70 @@
 """The latent cache: VAE latents and text embeddings computed once, stored as safetensors, keyed by content.
 
-Training never runs the VAE or the text encoders: every image is encoded once into normalized latents, every distinct
-caption once into the family's text embeddings, and the files are reused by every later run and epoch.
+Training never runs the VAE or the text encoders: every (image, bucket, crop, flip) is encoded once into normalized
+latents, every distinct caption text once into the family's text embeddings, and the files are reused by every
+later run and epoch.
 
 Keys are content hashes of everything that determines the tensor:
 
-* latents: the image file's bytes, the resolution and crop rule, the VAE's identity and dtype;
-* text: the caption, the text encoders' identity and dtype, and the family's text options (e.g. T5 length).
+* latents: the image file's bytes, the placement (original size, bucket, resized size, crop), the flip, the decoding
+  rule and alpha background, the VAE's identity (files, dtype) and the family;
+* text: the exact text (after trigger and tag shuffling), the text encoders' identity and dtype, and the family's
+  text options (e.g. T5 length).
 
-So editing one caption re-encodes only that caption, swapping the model or the resolution re-encodes what depends on
-it, and a stale tensor is never served: a changed input has a new key. Files are written atomically (see
-:mod:`lightning_lora.io`); an unreadable file (a crash in an old version, a full disk) is detected and rebuilt.
+So editing one caption re-encodes only that caption, editing one image only that image's entries, changing the
+resolution or buckets only the images whose placement changed, swapping the model everything that depends on it;
+and a stale tensor is never served: a changed input has a new key. Files are written atomically (temporary file,
+fsync, rename; see :mod:`lightning_lora.io`), so a killed build leaves whole files only and the next build
+continues where it stopped; a file that cannot be parsed (a disk error, an old bug) is detected and rebuilt.
 
 Layout::
 
-    <cache_dir>/latents/<key>.safetensors    {"latents": [C, h, w] float32}
-    <cache_dir>/text/<key>.safetensors       {"prompt_embeds": ..., "pooled_prompt_embeds": ...}   (family-defined)
+    <cache_dir>/latents/<key>.safetensors  {"latents": [C, h, w] float32, "original_size": [2], "crop_top_left": [2],
+                                            "target_size": [2]}   (int64, (height, width) / (top, left) order)
+    <cache_dir>/text/<key>.safetensors     {"prompt_embeds": ..., "pooled_prompt_embeds": ...}   (family-defined)
+    <cache_dir>/images.json                memo: path + size + mtime + ctime + inode -> content hash and viewed size
 
-This is the first, simple cache: one square resolution, center crop. Aspect-ratio buckets come on top of it.
+The memo saves reading every image at every start. Like git's index it keys on the change time too (which no tool
+can set back), and it distrusts a file changed within two seconds of the memo's own write (a coarse file-system clock
+could hide an edit): such files are hashed again.
+
+Encoding is a pipeline: DataLoader worker processes decode and resize (:mod:`lightning_lora.data.images`) while the
+main process encodes batches of one bucket on the device and two threads write the files. The VAE is loaded only
+when the first image decoded, and the VAE and text encoders are deleted (and the CUDA cache emptied) when done.
 """
 
 from __future__ import annotations
 
+import gc
 import hashlib
+import json
 import logging
+import os
 import time
+from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image, ImageOps
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
+from torch.utils.data import DataLoader, Dataset
 
-from lightning_lora.errors import ConfigError
+from lightning_lora.data.buckets import Placement
+from lightning_lora.data.images import DECODE_RULE, BadImage, decode, probe
+from lightning_lora.data.sources import Skip
 from lightning_lora.families.base import DiffusionFamily, ModelSource
-from lightning_lora.io import save_safetensors
+from lightning_lora.io import atomic_write_bytes, save_safetensors
 
-__all__ = ["IMAGE_EXTENSIONS", "CacheEntry", "LatentCache", "Sample", "find_samples", "load_image"]
+__all__ = ["EncodeResult", "ImageIndex", "LatentCache", "LatentJob", "decode_loader", "readable"]
 
 log = logging.getLogger(__name__)
 
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
-_CROP_RULE = "short-side-resize-lanczos+center-crop-v1"
-
-
-@dataclass(frozen=True)
-class Sample:
-    """One training image and its caption."""
-
-    image: Path
-    caption: str
-
-
-@dataclass(frozen=True)
-class CacheEntry:
-    """Where a sample's tensors live in the cache."""
-
-    sample: Sample
-    latent_key: str
-    text_key: str
-
-
-def find_samples(folders: Sequence[str], caption_ext: str = ".txt", default_caption: str | None = None) -> list[Sample]:
-    """Images in ``folders`` (not recursive), sorted, each with the caption from its same-named text file.
-
-    Raises :class:`ConfigError` for a missing folder, a folder without images, or an image without a caption when
-    no ``default_caption`` is set.
-    """
-    samples: list[Sample] = []
-    for folder in folders:
-        root = Path(folder).expanduser()
-        if not root.is_dir():
-            raise ConfigError(f"data.images: folder {folder!r} does not exist. Check the path.")
-        images = sorted(p for p in root.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
-        if not images:
-            raise ConfigError(
-                f"data.images: folder {folder!r} holds no images ({', '.join(IMAGE_EXTENSIONS)}). Put your training "
-                "images there, or point data.images at the right folder."
-            )
-        for image in images:
-            caption_file = image.with_suffix(caption_ext)
-            if caption_file.is_file():
-                caption = caption_file.read_text(encoding="utf-8").strip()
-            elif default_caption is not None:
-                caption = default_caption
-            else:
-                raise ConfigError(
-                    f"data: image {str(image)!r} has no caption file {caption_file.name!r}. Write one, or set "
-                    "data.default_caption to use one caption for every image without a file."
-                )
-            samples.append(Sample(image, caption))
-    return samples
-
-
-def load_image(path: Path, resolution: int) -> torch.Tensor:
-    """Decode an image to ``[3, resolution, resolution]`` in [-1, 1]: EXIF rotation, RGB, resize, center crop.
-
-    Transparent pixels are composited on white; grayscale, palette, CMYK and 16-bit images are converted to RGB.
-    """
-    with Image.open(path) as im:
-        im = ImageOps.exif_transpose(im)
-        if im.mode in ("RGBA", "LA") or (im.mode == "P" and "transparency" in im.info):
-            rgba = im.convert("RGBA")
-            background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-            im = Image.alpha_composite(background, rgba)
-        elif im.mode.startswith("I"):  # 16-bit (I;16, I;16B, I;16L) or 32-bit integer grayscale
-            arr = np.asarray(im, dtype=np.float64)
-            full_scale = 65535.0 if im.mode.startswith("I;16") or arr.max() <= 65535 else float(arr.max())
-            im = Image.fromarray(np.clip(arr / full_scale * 255.0, 0, 255).round().astype(np.uint8))
-        im = im.convert("RGB")
-        w, h = im.size
-        scale = resolution / min(w, h)
-        new_size = (max(resolution, round(w * scale)), max(resolution, round(h * scale)))
-        im = im.resize(new_size, Image.Resampling.LANCZOS)
-        left, top = (new_size[0] - resolution) // 2, (new_size[1] - resolution) // 2
-        im = im.crop((left, top, left + resolution, top + resolution))
-        arr = np.asarray(im, dtype=np.float32) / 127.5 - 1.0
-    return torch.from_numpy(arr).permute(2, 0, 1).contiguous()
+_MEMO_SLACK_NS = 2_000_000_000  # FAT and some network file systems keep modification times in 2 s steps
 
 
 def _hash(*parts: str | bytes) -> str:
@@ -130,11 +75,20 @@ def _hash(*parts: str | bytes) -> str:
     return h.hexdigest()[:32]
 
 
-def _readable(path: Path) -> bool:
+def file_digest(path: Path) -> str:
+    """sha256 of a file's bytes, read in 1 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def readable(path: Path) -> bool:
+    """The file exists and its safetensors header parses and matches its size (a truncated file fails)."""
     if not path.is_file():
         return False
     try:
-        # Opening parses the header and checks it against the file size: a truncated file fails here.
         with safe_open(path, framework="pt") as f:
             f.keys()
     except (SafetensorError, OSError, RuntimeError):
@@ -143,24 +97,179 @@ def _readable(path: Path) -> bool:
     return True
 
 
-class LatentCache:
-    """Content-keyed cache of latents and text embeddings under ``root``."""
+class ImageIndex:
+    """The memo of content hashes and viewed sizes under ``root/images.json`` (see the module docstring)."""
 
-    def __init__(self, root: str | Path, family: DiffusionFamily, source: ModelSource, resolution: int) -> None:
+    def __init__(self, root: Path) -> None:
+        self.path = root / "images.json"
+        self._files: dict[str, list[Any]] = {}
+        self._trusted_before = 0
+        self._dirty = False
+        try:
+            data = json.loads(self.path.read_text())
+            if data.get("version") != 2:
+                raise ValueError("another memo format")
+            self._files = dict(data["files"])
+            self._trusted_before = int(data["written_ns"]) - _MEMO_SLACK_NS
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # no memo yet, or an unreadable one: everything is hashed again
+
+    def lookup(self, path: Path) -> tuple[str, tuple[int, int]]:
+        """``(sha256 of the bytes, (width, height) as viewed)``; raises :class:`BadImage`."""
+        try:
+            st = path.stat()
+        except OSError as e:
+            raise BadImage("unreadable file", f"cannot read the file ({e.strerror or e})") from e
+        name = str(path.resolve())
+        # ctime cannot be set back by tools that restore a modification time (cp -p, touch -r, rsync -t).
+        signature = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+        record = self._files.get(name)
+        recent = max(st.st_mtime_ns, st.st_ctime_ns) >= self._trusted_before
+        if record is not None and record[:4] == signature and not recent:
+            return str(record[4]), (int(record[5]), int(record[6]))
+        size = probe(path)
+        try:
+            digest = file_digest(path)
+        except OSError as e:
+            raise BadImage("unreadable file", f"cannot read the file ({e.strerror or e})") from e
+        self._files[name] = [*signature, digest, *size]
+        self._dirty = True
+        return digest, size
+
+    def save(self) -> None:
+        if self._dirty:
+            data = {"version": 2, "written_ns": time.time_ns(), "files": self._files}
+            atomic_write_bytes(self.path, json.dumps(data, separators=(",", ":")).encode())
+            self._dirty = False
+
+
+@dataclass(frozen=True)
+class LatentJob:
+    """One image to decode once and encode into up to two entries: as is, and mirrored."""
+
+    image: Path
+    placement: Placement
+    plain_key: str | None
+    flip_key: str | None
+
+
+@dataclass
+class EncodeResult:
+    encoded: int = 0  # images decoded and encoded
+    written: int = 0  # latent files written (an image with its mirror counts two)
+    skips: list[Skip] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+class _DecodeJobs(Dataset):
+    """DataLoader side of the pipeline: job index -> decoded uint8 pixels, or the reason it failed."""
+
+    def __init__(self, jobs: Sequence[LatentJob], background: tuple[int, int, int]) -> None:
+        self.jobs = list(jobs)
+        self.background = background
+
+    def __len__(self) -> int:
+        return len(self.jobs)
+
+    def __getitem__(self, index: int) -> tuple[int, np.ndarray | None, str, str]:
+        job = self.jobs[index]
+        try:
+            pixels = decode(job.image, job.placement.source_box(), job.placement.bucket, self.background)
+            return index, pixels, "", ""
+        except BadImage as e:
+            return index, None, e.kind, e.reason
+        except Exception as e:  # a decoder bug on one odd file must not stop the whole build
+            return index, None, "cannot decode", f"cannot decode ({type(e).__name__}: {e})"
+
+
+def _collate(samples: list[tuple[int, np.ndarray | None, str, str]]) -> tuple[list[int], Any, list[tuple]]:
+    ok = [(i, px) for i, px, _, _ in samples if px is not None]
+    failed = [(i, kind, reason) for i, px, kind, reason in samples if px is None]
+    pixels = torch.from_numpy(np.stack([px for _, px in ok])) if ok else None
+    return [i for i, _ in ok], pixels, failed
+
+
+def _chunks(jobs: Sequence[LatentJob], batch_size: int) -> list[list[int]]:
+    """Job indices in batches of one bucket, each with at most ``batch_size`` outputs (at least one job)."""
+    by_bucket: dict[tuple[int, int], list[int]] = {}
+    for i, job in enumerate(jobs):
+        by_bucket.setdefault(job.placement.bucket, []).append(i)
+    batches: list[list[int]] = []
+    for bucket in sorted(by_bucket):
+        current: list[int] = []
+        outputs = 0
+        for i in by_bucket[bucket]:
+            n = (jobs[i].plain_key is not None) + (jobs[i].flip_key is not None)
+            if current and outputs + n > batch_size:
+                batches.append(current)
+                current, outputs = [], 0
+            current.append(i)
+            outputs += n
+        if current:
+            batches.append(current)
+    return batches
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def decode_loader(
+    jobs: Sequence[LatentJob],
+    batch_size: int,
+    workers: int,
+    background: tuple[int, int, int] = (255, 255, 255),
+    pin_memory: bool = False,
+) -> DataLoader:
+    """Batches ``(job indices, uint8 pixels [n, h, w, 3], failures)`` of one bucket each, decoded in ``workers``
+    processes (0: in this one)."""
+    return DataLoader(
+        _DecodeJobs(jobs, background),
+        batch_sampler=_chunks(jobs, batch_size),
+        num_workers=workers,
+        collate_fn=_collate,
+        pin_memory=pin_memory,
+        prefetch_factor=4 if workers > 0 else None,
+        # Its own generator: creating the iterator draws a worker seed, and that must not come from the global
+        # random state (a run that built its cache would otherwise train differently from one that reused it).
+        generator=torch.Generator().manual_seed(0),
+    )
+
+
+def _progress(total: int, desc: str, enabled: bool) -> Any:
+    from tqdm.auto import tqdm
+
+    # disable=None: shown on a terminal, silent in logs and tests.
+    return tqdm(total=total, desc=desc, unit="img" if "image" in desc else "text", disable=None if enabled else True)
+
+
+class LatentCache:
+    """Content-keyed cache of latents and text embeddings under ``root``; see the module docstring."""
+
+    def __init__(self, root: str | Path, family: DiffusionFamily, source: ModelSource) -> None:
         self.root = Path(root).expanduser()
         self.family = family
         self.source = source
-        self.resolution = resolution
+        self._identity: dict[str, str] = {}
 
-    # -- keys --------------------------------------------------------------------------------------------------
-    def latent_key(self, sample: Sample) -> str:
-        return _hash(
-            sample.image.read_bytes(), str(self.resolution), _CROP_RULE, self.source.identity("vae"), self.family.name
-        )
+    def _identity_of(self, *components: str) -> str:
+        # ModelSource.identity stats the component's files: once per cache object, not once per key.
+        name = "+".join(components)
+        if name not in self._identity:
+            self._identity[name] = "".join(self.source.identity(c) for c in components)
+        return self._identity[name]
 
-    def text_key(self, caption: str) -> str:
-        identity = self.source.identity("text_encoder") + self.source.identity("text_encoder_2")
-        return _hash(caption, identity, self.family.text_cache_tag())
+    # -- keys and paths ----------------------------------------------------------------------------------------
+    def latent_key(self, digest: str, placement: Placement, flip: bool, background: tuple[int, int, int]) -> str:
+        p = placement
+        geometry = f"{p.original}|{p.bucket}|{p.resized}|{p.crop}|{'flip' if flip else 'plain'}|bg{background}"
+        return _hash("latent", digest, geometry, DECODE_RULE, self._identity_of("vae"), self.family.name)
+
+    def text_key(self, text: str) -> str:
+        identity = self._identity_of("text_encoder", "text_encoder_2")
+        return _hash(text, identity, self.family.text_cache_tag())
 
     def latent_path(self, key: str) -> Path:
         return self.root / "latents" / f"{key}.safetensors"
@@ -168,100 +277,141 @@ class LatentCache:
     def text_path(self, key: str) -> Path:
         return self.root / "text" / f"{key}.safetensors"
 
-    def entries(self, samples: Iterable[Sample]) -> list[CacheEntry]:
-        return [CacheEntry(s, self.latent_key(s), self.text_key(s.caption)) for s in samples]
-
     # -- reading -----------------------------------------------------------------------------------------------
-    def load_latents(self, key: str) -> torch.Tensor:
-        return load_file(self.latent_path(key))["latents"]
+    def load_latents(self, key: str) -> dict[str, torch.Tensor]:
+        """``latents`` plus ``original_size``, ``crop_top_left`` and ``target_size``."""
+        return load_file(self.latent_path(key))
 
     def load_text(self, key: str) -> dict[str, torch.Tensor]:
         return load_file(self.text_path(key))
 
-    def missing(self, entries: Sequence[CacheEntry]) -> tuple[list[CacheEntry], list[str]]:
-        """Entries whose latents are missing or unreadable, and captions whose embeddings are."""
-        latents = [e for e in entries if not _readable(self.latent_path(e.latent_key))]
-        texts: dict[str, str] = {}
-        for e in entries:
-            if e.text_key not in texts and not _readable(self.text_path(e.text_key)):
-                texts[e.text_key] = e.sample.caption
-        return latents, list(texts.values())
+    # -- encoding ----------------------------------------------------------------------------------------------
+    def encode_latents(
+        self,
+        jobs: Sequence[LatentJob],
+        device: torch.device,
+        *,
+        batch_size: int = 4,
+        workers: int = 0,
+        background: tuple[int, int, int] = (255, 255, 255),
+        vae: torch.nn.Module | None = None,
+        channels_last: bool | None = None,
+        progress: bool = False,
+    ) -> EncodeResult:
+        """Decode (in ``workers`` processes) and encode ``jobs``; write one file per output key.
 
-    # -- building ----------------------------------------------------------------------------------------------
-    def build(
-        self, samples: Sequence[Sample], device: torch.device, batch_size: int = 4
-    ) -> tuple[list[CacheEntry], dict[str, int]]:
-        """Encode what is missing; return the usable entries and counts (found, encoded, reused, skipped).
-
-        An image that cannot be decoded is skipped with a warning that names it (the rest of the data set still
-        trains); if no image is usable, :class:`ConfigError`.
+        ``vae``: an already-loaded VAE on ``device``, used as it is (the benchmark passes one); by default the family
+        loads it when the first image is decoded, and it is freed at the end. ``channels_last``: NHWC inputs, and a
+        VAE loaded here converted to NHWC (default: on CUDA, where convolutions are faster so).
         """
+        result = EncodeResult()
+        if not jobs:
+            return result
         start = time.perf_counter()
-        entries = self.entries(samples)
-        todo_latents, todo_texts = self.missing(entries)
-        skipped: set[Path] = set()
-        if todo_latents:
-            skipped = self._encode_images(todo_latents, device, batch_size)
-        if todo_texts:
-            self.encode_texts(todo_texts, device, batch_size)
-        usable = [e for e in entries if e.sample.image not in skipped]
-        if not usable:
-            raise ConfigError("data.images: none of the images could be read (see the warnings above).")
-        stats = {
-            "images": len(entries),
-            "encoded": len(todo_latents) - len(skipped),
-            "reused": len(entries) - len(todo_latents),
-            "skipped": len(skipped),
-            "captions_encoded": len(todo_texts),
-            "seconds": round(time.perf_counter() - start, 2),
-        }
-        return usable, stats
-
-    def _encode_images(self, entries: Sequence[CacheEntry], device: torch.device, batch_size: int) -> set[Path]:
-        vae = self.family.load_vae(self.source).to(device)
-        skipped: set[Path] = set()
+        own_vae = vae is None
+        channels_last = device.type == "cuda" if channels_last is None else channels_last
+        loader = decode_loader(jobs, batch_size, workers, background, pin_memory=device.type == "cuda")
+        batches = iter(loader)  # forks the workers before any thread or model exists in this process
+        bar = _progress(len(jobs), "Encoding images", progress)
+        pending: deque[Future] = deque()
         try:
-            for i in range(0, len(entries), batch_size):
-                chunk, pixels = [], []
-                for e in entries[i : i + batch_size]:
-                    try:
-                        pixels.append(load_image(e.sample.image, self.resolution))
-                        chunk.append(e)
-                    except (OSError, ValueError, SyntaxError) as err:
-                        log.warning("skipping image %s: cannot decode it (%s)", e.sample.image, err)
-                        skipped.add(e.sample.image)
-                if not chunk:
-                    continue
-                latents = self.family.encode_images(vae, torch.stack(pixels).to(device))
-                for e, lat in zip(chunk, latents, strict=True):
-                    save_safetensors({"latents": lat}, self.latent_path(e.latent_key))
+            with ThreadPoolExecutor(max_workers=2, thread_name_prefix="cache-writer") as writer:
+                for ok, pixels, failed in batches:
+                    result.skips.extend(Skip(jobs[i].image, kind, reason) for i, kind, reason in failed)
+                    bar.update(len(ok) + len(failed))
+                    if not ok:
+                        continue
+                    if vae is None:
+                        vae = self.family.load_vae(self.source).to(device)
+                        if channels_last:
+                            vae = vae.to(memory_format=torch.channels_last)
+                    outputs, latents = self._encode_batch(vae, [jobs[i] for i in ok], pixels, device, channels_last)
+                    result.encoded += len(ok)
+                    for (key, placement, flipped), lat in zip(outputs, latents, strict=True):
+                        tensors = {
+                            "latents": lat,
+                            "original_size": torch.tensor(placement.original[::-1], dtype=torch.int64),
+                            "crop_top_left": torch.tensor(placement.crop_top_left(flipped), dtype=torch.int64),
+                            "target_size": torch.tensor(placement.bucket[::-1], dtype=torch.int64),
+                        }
+                        pending.append(writer.submit(save_safetensors, tensors, self.latent_path(key)))
+                        result.written += 1
+                    while len(pending) > 4 * batch_size:
+                        pending.popleft().result()  # bounded memory; a write error (disk full) surfaces here
+                while pending:
+                    pending.popleft().result()
         finally:
-            del vae
+            bar.close()
+            del batches, loader
+            if own_vae:
+                del vae
             _free(device)
-        return skipped
+        result.seconds = time.perf_counter() - start
+        return result
 
-    def encode_texts(self, captions: Sequence[str], device: torch.device, batch_size: int = 4) -> None:
-        """Encode captions (or sample prompts) into the text cache."""
+    def _encode_batch(
+        self, vae: Any, jobs: list[LatentJob], pixels: torch.Tensor, device: torch.device, channels_last: bool
+    ) -> tuple[list[tuple[str, Placement, bool]], torch.Tensor]:
+        x = pixels.to(device, non_blocking=True).permute(0, 3, 1, 2)  # uint8 NHWC -> NCHW view (channels-last)
+        plain = [k for k, j in enumerate(jobs) if j.plain_key is not None]
+        mirror = [k for k, j in enumerate(jobs) if j.flip_key is not None]
+        parts = []
+        if plain:
+            parts.append(x if len(plain) == len(jobs) else x[plain])
+        if mirror:
+            parts.append(x[mirror].flip(-1))
+        batch = torch.cat(parts) if len(parts) > 1 else parts[0]
+        batch = batch.float() / 127.5 - 1.0
+        if channels_last:
+            batch = batch.contiguous(memory_format=torch.channels_last)
+        latents = self.family.encode_images(vae, batch).float().cpu()
+        outputs = [(jobs[k].plain_key, jobs[k].placement, False) for k in plain]
+        outputs += [(jobs[k].flip_key, jobs[k].placement, True) for k in mirror]
+        return outputs, latents  # type: ignore[return-value]
+
+    def encode_texts(
+        self, texts: Sequence[str], device: torch.device, batch_size: int = 4, progress: bool = False
+    ) -> int:
+        """Encode texts (captions, variants, the empty prompt, sample prompts) into the text cache."""
+        texts = list(dict.fromkeys(texts))
+        if not texts:
+            return 0
         encoders = self.family.load_text_encoders(self.source).to(device)
+        bar = _progress(len(texts), "Encoding captions", progress)
         try:
-            for i in range(0, len(captions), batch_size):
-                chunk = list(captions[i : i + batch_size])
+            for i in range(0, len(texts), batch_size):
+                chunk = texts[i : i + batch_size]
                 embeds = self.family.encode_prompts(encoders, chunk)
-                for j, caption in enumerate(chunk):
-                    one = {k: v[j] for k, v in embeds.items()}
-                    save_safetensors(one, self.text_path(self.text_key(caption)))
+                for j, text in enumerate(chunk):
+                    save_safetensors({k: v[j] for k, v in embeds.items()}, self.text_path(self.text_key(text)))
+                bar.update(len(chunk))
         finally:
+            bar.close()
             del encoders
             _free(device)
+        return len(texts)
+
+    def missing_texts(self, texts: Iterable[str]) -> list[str]:
+        return [t for t in dict.fromkeys(texts) if not readable(self.text_path(self.text_key(t)))]
 
     def text_embeddings(self, prompts: Sequence[str], device: torch.device) -> list[dict[str, torch.Tensor]]:
         """Embeddings for ``prompts`` (batch of 1 each), encoding only those not cached yet."""
-        missing = [p for p in dict.fromkeys(prompts) if not _readable(self.text_path(self.text_key(p)))]
+        missing = self.missing_texts(prompts)
         if missing:
             self.encode_texts(missing, device)
         return [{k: v.unsqueeze(0) for k, v in self.load_text(self.text_key(p)).items()} for p in prompts]
 
-
-def _free(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    def remove_stale_temporaries(self, older_than_s: float = 3600.0) -> int:
+        """Delete temporary files that a killed build left behind (only old ones: a live build may own new ones)."""
+        removed, now = 0, time.time()
+        for folder in (self.root / "latents", self.root / "text"):
+            if not folder.is_dir():
+                continue
+            for tmp in folder.glob(".*.tmp"):
+                try:
+                    if now - tmp.stat().st_mtime > older_than_s:
+                        os.unlink(tmp)
+                        removed += 1
+                except OSError:
+                    pass
+        return removed

@@ -1,17 +1,29 @@
-"""LatentDataModule: image folders in, cached latents and text embeddings out.
+"""LatentDataModule: folders of captioned images in, batches of cached latents and text embeddings out.
 
-* ``__init__`` checks the folders and captions (cheap), so a wrong path fails before any model loads.
-* ``prepare_data`` (one process per machine; the others wait) builds whatever is missing from the cache: it loads the
-  VAE and text encoders through the model's family, encodes, writes, and frees them.
-* ``setup`` lists the cache entries; ``train_dataloader`` serves them. Batches are dicts of tensors: ``latents``
-  plus the family's text embeddings (``prompt_embeds``, ``pooled_prompt_embeds`` for FLUX).
+* ``__init__`` validates the options and scans the folders and captions (no pixels): a wrong path or option fails
+  before any model loads.
+* ``prepare_data`` (local rank 0; the other ranks wait) builds whatever is missing from the cache (see
+  :mod:`lightning_lora.data.build`) and logs the summary. ``lightning-lora cache`` calls :meth:`build_cache` directly.
+* ``setup`` lists the usable cache entries; ``train_dataloader`` serves them in batches of one bucket. No VAE or text
+  encoder runs during training.
 
-The model identity (family, weights) comes from the LightningModule (``trainer.lightning_module``), so it is written
-once in the YAML, under ``model``.
+Batches are dicts of tensors: ``latents [B, C, h, w]``, the family's text embeddings (``prompt_embeds``,
+``pooled_prompt_embeds`` for FLUX), and ``original_size``, ``crop_top_left``, ``target_size`` (int64 ``[B, 2]``, in
+``(height, width)`` / ``(top, left)`` order, SDXL's micro-conditioning).
+
+**Random choices are a function of (seed, epoch, sample index)**, never of the global random state: caption dropout
+(the cached empty-prompt embedding), the mirrored latent (``random_flip``), and which shuffled caption variant.
+The sampler hands the dataset ``(epoch, index)`` pairs, so this holds in persistent worker processes too, and a
+resumed run draws exactly what the uninterrupted one drew.
+
+**Evaluation data.** :meth:`eval_dataloader` serves the first ``eval_samples`` training images and
+:meth:`val_dataloader_fixed` the held-out validation images (``val_images`` folders and/or ``val_fraction``); both in
+a fixed order, with the caption as written, no flip and no dropout.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from pathlib import Path
@@ -19,138 +31,389 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningDataModule
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from safetensors.torch import load_file
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
-from lightning_lora.data.buckets import BucketBatchSampler, ResumableLoader
-from lightning_lora.data.cache import CacheEntry, LatentCache, find_samples
+from lightning_lora.data.buckets import BucketBatchSampler, BucketSpec, ResumableLoader, SmallImages
+from lightning_lora.data.build import CacheEntry, CacheReport, DataSpec, OnBadFile, build, plan, usable
+from lightning_lora.data.cache import ImageIndex, LatentCache, readable
+from lightning_lora.data.images import parse_color
+from lightning_lora.data.sources import ImageFolder, Item, Skip, as_folders, scan, split_validation
 from lightning_lora.errors import ConfigError
+from lightning_lora.families.base import DiffusionFamily, ModelSource
 
-__all__ = ["CachedDataset", "LatentDataModule"]
+__all__ = ["CachedDataset", "LatentDataModule", "uniform"]
 
 log = logging.getLogger(__name__)
 
 
+def uniform(seed: int, epoch: int, index: int, stream: str) -> float:
+    """A number in [0, 1) that depends only on its arguments (not on any random state, process or order)."""
+    digest = hashlib.blake2b(f"{seed}:{epoch}:{index}:{stream}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2.0**64
+
+
 class CachedDataset(Dataset):
-    """Reads one sample's latents and text embeddings from the cache."""
-
-    def __init__(self, cache: LatentCache, entries: list[CacheEntry]) -> None:
-        self.cache = cache
-        self.entries = entries
-
-    def __len__(self) -> int:
-        return len(self.entries)
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        entry = self.entries[index]
-        item = {"latents": self.cache.load_latents(entry.latent_key)}
-        item.update(self.cache.load_text(entry.text_key))
-        return item
-
-
-class LatentDataModule(LightningDataModule):
-    """Training data from folders of images with captions, served from the latent cache.
+    """Reads samples from the cache. Index ``i`` or ``(epoch, i)``; random choices per (seed, epoch, i).
 
     Args:
-        images: one folder or a list of folders of images (jpg, jpeg, png, webp, bmp).
-        resolution: images are resized (short side) and center-cropped to this square size; a multiple of the
-            family's latent divisor (16 for FLUX).
-        batch_size: images per batch.
-        cache_dir: where latents and text embeddings are cached; shared safely between runs (keys are content
-            hashes). Default: ``<trainer.default_root_dir>/cache``.
-        caption_ext: captions are read from the same-named file with this extension.
-        default_caption: the caption for images without a caption file; null makes a missing caption an error.
-        num_workers: DataLoader worker processes.
-        encode_batch_size: images / captions per encoder call while building the cache.
-        eval_samples: how many images (the first, in file-name order) the fixed evaluation loss uses.
-        seed: seed of the batch order (epoch e shuffles with seed + e); null uses the run's ``seed_everything``.
+        root: the cache folder.
+        entries: one per sample (repeats already expanded).
+        empty_text_key: the cache key of the empty prompt, for caption dropout.
+        seed: seed of the per-sample choices.
+        caption_dropout: probability of the empty prompt.
+        flip_probability: probability of the mirrored latent (entries without one are never flipped).
+        augment: False serves every sample as written (variant 0, no flip, no dropout), for evaluation.
     """
 
     def __init__(
         self,
-        images: str | list[str],
-        resolution: int = 512,
+        root: Path,
+        entries: list[CacheEntry],
+        empty_text_key: str,
+        *,
+        seed: int = 0,
+        caption_dropout: float = 0.0,
+        flip_probability: float = 0.5,
+        augment: bool = True,
+    ) -> None:
+        self.root = Path(root)
+        self.entries = entries
+        self.empty_text_key = empty_text_key
+        self.seed = seed
+        self.caption_dropout = caption_dropout
+        self.flip_probability = flip_probability
+        self.augment = augment
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def choose(self, epoch: int, index: int) -> tuple[str, str]:
+        """``(latent key, text key)`` of sample ``index`` in ``epoch``."""
+        entry = self.entries[index]
+        if not self.augment:
+            return entry.latent_key, entry.text_keys[0]
+        latent_key = entry.latent_key
+        if entry.flip_key is not None and uniform(self.seed, epoch, index, "flip") < self.flip_probability:
+            latent_key = entry.flip_key
+        if self.caption_dropout > 0 and uniform(self.seed, epoch, index, "dropout") < self.caption_dropout:
+            return latent_key, self.empty_text_key
+        variant = int(uniform(self.seed, epoch, index, "variant") * len(entry.text_keys))
+        return latent_key, entry.text_keys[variant]
+
+    def __getitem__(self, key: int | tuple[int, int]) -> dict[str, torch.Tensor]:
+        epoch, index = key if isinstance(key, tuple) else (0, key)
+        latent_key, text_key = self.choose(epoch, index)
+        item = load_file(self.root / "latents" / f"{latent_key}.safetensors")
+        item.update(load_file(self.root / "text" / f"{text_key}.safetensors"))
+        return item
+
+
+def _fixed_batches(entries: list[CacheEntry], batch_size: int) -> list[list[int]]:
+    """Indices in batches of one bucket, in a fixed order (buckets by first appearance, entries in order)."""
+    by_bucket: dict[tuple[int, int], list[int]] = {}
+    for i, e in enumerate(entries):
+        by_bucket.setdefault(e.bucket, []).append(i)
+    return [idx[s : s + batch_size] for idx in by_bucket.values() for s in range(0, len(idx), batch_size)]
+
+
+class LatentDataModule(LightningDataModule):
+    """Training data from folders of captioned images, served from the latent cache.
+
+    Args:
+        images: a folder, or a list of folders, of images (jpg, jpeg, png, webp, bmp). A list item may be a mapping
+            with per-folder options: ``{path: data/me, repeats: 5, default_caption: ..., trigger: ...}``.
+        resolution: the target size in pixels (an image is resized to about ``resolution²`` pixels in the bucket of
+            its aspect ratio), or a list of sizes (each image is used at every listed size it is large enough for).
+            Multiples of the family's latent divisor (16 for FLUX).
+        batch_size: images per batch; a batch holds one bucket.
+        cache_dir: where latents and text embeddings are cached; shared safely between runs and configs (keys are
+            content hashes). Default: ``<trainer.default_root_dir>/cache``.
+        caption_ext: captions are read from the same-named file with this extension; then from ``metadata.jsonl``
+            / ``metadata.csv`` in the folder.
+        default_caption: the caption (instance prompt) of images without one; null skips them.
+        trigger: a trigger word: replaces ``[trigger]`` in captions, else is prepended as the first tag.
+        caption_dropout: probability of training a sample with the empty prompt (its embedding is cached).
+        shuffle_tags: shuffle the comma-separated tags of captions (from ``caption_variants`` cached orderings).
+        keep_tokens: with ``shuffle_tags``, this many leading tags stay in place.
+        caption_variants: with ``shuffle_tags``, how many orderings of each caption are cached (each costs one
+            text embedding on disk: 4 MB for FLUX at 512 tokens).
+        random_flip: mirror images at random (p=0.5); the mirrored latent is cached as a second entry. Leave off
+            for subjects whose left and right differ (text, logos, asymmetric faces).
+        max_aspect_ratio: the widest and tallest bucket, as long side / short side.
+        bucket_step: bucket sides are multiples of this; default 64 when every resolution is a multiple of 64,
+            else the family's latent divisor.
+        max_upscale: images are never enlarged by more than this factor to fill their bucket (1.0: never).
+        min_resolution: an image too small for ``resolution`` goes to a smaller bucket (steps of ``bucket_step``)
+            down to this size; default half the smallest resolution.
+        small_images: an image too small even for ``min_resolution``: ``skip`` it, or ``upscale`` it into the
+            smallest bucket.
+        alpha_background: the colour transparent pixels are composited on (a name or ``#rrggbb``).
+        val_images: folder(s) of held-out validation images (same caption rules); never trained on.
+        val_fraction: hold out this fraction of the training images (chosen by file-name hash, so stable).
+        on_bad_file: ``skip`` files that cannot be used (one line each, counted in the summary), or stop with an
+            ``error``.
+        num_workers: DataLoader worker processes for training.
+        cache_workers: worker processes that decode and resize images while the encoder runs; default: CPU cores
+            (at most 8).
+        encode_batch_size: images / captions per encoder call while building the cache.
+        eval_samples: how many training images (the first, in folder and file-name order) the fixed evaluation
+            loss uses.
+        seed: seed of the batch order and the per-sample random choices; null uses the run's ``seed_everything``.
+    """
+
+    def __init__(
+        self,
+        images: str | list[str | ImageFolder],
+        resolution: int | list[int] = 512,
         batch_size: int = 1,
         cache_dir: str | None = None,
         caption_ext: str = ".txt",
         default_caption: str | None = None,
+        trigger: str | None = None,
+        caption_dropout: float = 0.0,
+        shuffle_tags: bool = False,
+        keep_tokens: int = 0,
+        caption_variants: int = 4,
+        random_flip: bool = False,
+        max_aspect_ratio: float = 2.0,
+        bucket_step: int | None = None,
+        max_upscale: float = 1.0,
+        min_resolution: int | None = None,
+        small_images: SmallImages = "skip",
+        alpha_background: str = "white",
+        val_images: str | list[str | ImageFolder] | None = None,
+        val_fraction: float = 0.0,
+        on_bad_file: OnBadFile = "skip",
         num_workers: int = 0,
+        cache_workers: int | None = None,
         encode_batch_size: int = 4,
         eval_samples: int = 4,
         seed: int | None = None,
     ) -> None:
         super().__init__()
-        if batch_size < 1:
-            raise ConfigError(f"data.batch_size: {batch_size} must be at least 1.")
-        if resolution < 1:
-            raise ConfigError(f"data.resolution: {resolution} must be a positive number of pixels (e.g. 512).")
-        self.folders = [images] if isinstance(images, str) else list(images)
-        self.samples = find_samples(self.folders, caption_ext, default_caption)
-        self.resolution = resolution
+        resolutions = [resolution] if isinstance(resolution, int) else list(resolution)
+        checks = [
+            (batch_size >= 1, f"data.batch_size: {batch_size} must be at least 1."),
+            (bool(resolutions) and min(resolutions) >= 1, f"data.resolution: {resolution} must be positive pixels."),
+            (0.0 <= caption_dropout < 1.0, f"data.caption_dropout: {caption_dropout} must be in [0, 1)."),
+            (0.0 <= val_fraction < 1.0, f"data.val_fraction: {val_fraction} must be in [0, 1)."),
+            (keep_tokens >= 0, f"data.keep_tokens: {keep_tokens} must be 0 or more."),
+            (caption_variants >= 1, f"data.caption_variants: {caption_variants} must be at least 1."),
+            (max_aspect_ratio >= 1.0, f"data.max_aspect_ratio: {max_aspect_ratio} must be at least 1."),
+            (max_upscale >= 1.0, f"data.max_upscale: {max_upscale} must be at least 1 (1: never enlarge)."),
+            (encode_batch_size >= 1, f"data.encode_batch_size: {encode_batch_size} must be at least 1."),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+        try:
+            self.background = parse_color(alpha_background)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        self.folders = as_folders(images, "data.images")
+        self.items, self.scan_skips = scan(
+            self.folders, caption_ext=caption_ext, default_caption=default_caption, trigger=trigger
+        )
+        self.val_items: list[Item] = []
+        if val_images is not None:
+            self.val_items, val_skips = scan(
+                as_folders(val_images, "data.val_images"),
+                caption_ext=caption_ext,
+                default_caption=default_caption,
+                trigger=trigger,
+                option="data.val_images",
+            )
+            self.scan_skips += val_skips
+        if val_fraction > 0:
+            self.items, held = split_validation(self.items, val_fraction)
+            self.val_items += held
+        self.resolutions = sorted(set(resolutions), reverse=True)
+        self.resolution = self.resolutions[0]  # the largest: the default size of sample images
         self.batch_size = batch_size
         self.cache_dir = cache_dir
+        self.caption_dropout = caption_dropout
+        self.shuffle_tags = shuffle_tags
+        self.keep_tokens = keep_tokens
+        self.caption_variants = caption_variants if shuffle_tags else 1
+        self.random_flip = random_flip
+        self.max_aspect_ratio = max_aspect_ratio
+        self.bucket_step = bucket_step
+        self.max_upscale = max_upscale
+        self.min_resolution = min_resolution
+        self.small_images = small_images
+        self.on_bad_file = on_bad_file
         self.num_workers = num_workers
+        self.cache_workers = min(8, os.cpu_count() or 1) if cache_workers is None else cache_workers
         self.encode_batch_size = encode_batch_size
         self.eval_samples = eval_samples
         self.seed = seed
-        self.entries: list[CacheEntry] = []
+        self.train_entries: list[CacheEntry] = []
+        self.val_entries: list[CacheEntry] = []
+        self.report: CacheReport | None = None
         self._cache: LatentCache | None = None
 
+    # -- configuration -----------------------------------------------------------------------------------------
+    def spec(self, family: DiffusionFamily) -> DataSpec:
+        """The bucketing and caching options for ``family``; :class:`ConfigError` names a bad option."""
+        d = family.latent_divisor
+        for r in self.resolutions:
+            family.check_resolution(r, r, "data.resolution")
+        step = self.bucket_step or (64 if all(r % 64 == 0 for r in self.resolutions) else d)
+        if step % d or any(r % step for r in self.resolutions):
+            raise ConfigError(
+                f"data.bucket_step: {step} must be a multiple of {d} ({family.name}'s latent divisor) that divides "
+                f"every data.resolution {self.resolutions}."
+            )
+        smallest = self.resolutions[-1]
+        min_resolution = self.min_resolution
+        if min_resolution is None:
+            min_resolution = max(step, -(-smallest // 2 // step) * step)
+        if not step <= min_resolution <= smallest:
+            raise ConfigError(
+                f"data.min_resolution: {min_resolution} must be between data.bucket_step ({step}) and the smallest "
+                f"data.resolution ({smallest})."
+            )
+        buckets = BucketSpec(
+            tuple(self.resolutions), step, self.max_aspect_ratio, self.max_upscale, min_resolution, self.small_images
+        )
+        return DataSpec(buckets, self.random_flip, self.caption_variants, self.keep_tokens, self.background)
+
+    def _root(self, default_root_dir: str | None) -> Path:
+        if self.cache_dir is not None:
+            return Path(self.cache_dir).expanduser()
+        if default_root_dir is None:
+            raise RuntimeError("LatentDataModule: no data.cache_dir and no trainer to put the cache under")
+        return Path(default_root_dir) / "cache"
+
     def cache(self) -> LatentCache:
-        """The cache for the attached trainer's model (family, weights) and this resolution."""
+        """The cache for the attached trainer's model (family, weights)."""
         if self._cache is None:
             if self.trainer is None:
                 raise RuntimeError("LatentDataModule needs a Trainer with a LoraModule attached")
             module: Any = self.trainer.lightning_module
-            module.family.check_resolution(self.resolution, self.resolution, "data.resolution")
-            root = self.cache_dir or str(Path(self.trainer.default_root_dir) / "cache")
-            self._cache = LatentCache(root, module.family, module.source, self.resolution)
+            self._cache = LatentCache(self._root(self.trainer.default_root_dir), module.family, module.source)
         return self._cache
+
+    # -- building ----------------------------------------------------------------------------------------------
+    def build_cache(
+        self,
+        family: DiffusionFamily,
+        source: ModelSource,
+        device: torch.device | str,
+        *,
+        default_root_dir: str | None = None,
+        progress: bool = True,
+    ) -> CacheReport:
+        """Build whatever is missing from the cache for this model; return the report (``lightning-lora cache``)."""
+        spec = self.spec(family)
+        cache = LatentCache(self._root(default_root_dir), family, source)
+        self.report = build(
+            cache,
+            self.items,
+            self.val_items,
+            spec,
+            torch.device(device),
+            scan_skips=self.scan_skips,
+            batch_size=self.encode_batch_size,
+            workers=self.cache_workers,
+            on_bad_file=self.on_bad_file,
+            progress=progress,
+        )
+        self._cache = cache
+        self.train_entries, self.val_entries = self.report.train, self.report.validation
+        return self.report
 
     @override
     def prepare_data(self) -> None:
-        cache = self.cache()
         assert self.trainer is not None
-        device = self.trainer.strategy.root_device
-        _, stats = cache.build(self.samples, device, self.encode_batch_size)
-        rank_zero_info(
-            f"Latent cache {cache.root}: {stats['images']} images, {stats['encoded']} encoded, "
-            f"{stats['reused']} reused, {stats['skipped']} skipped, {stats['captions_encoded']} captions encoded "
-            f"({stats['seconds']} s)."
+        module: Any = self.trainer.lightning_module
+        report = self.build_cache(
+            module.family,
+            module.source,
+            self.trainer.strategy.root_device,
+            default_root_dir=self.trainer.default_root_dir,
         )
+        rank_zero_info(report.format())
 
     @override
     def setup(self, stage: str) -> None:
         cache = self.cache()
-        entries = cache.entries(self.samples)
-        missing_latents, missing_texts = cache.missing(entries)
-        skipped = {e.sample.image for e in missing_latents}
-        if missing_texts:
-            raise RuntimeError(f"text cache incomplete after prepare_data ({len(missing_texts)} captions missing)")
-        self.entries = [e for e in entries if e.sample.image not in skipped]
-        if not self.entries:
+        if self.report is None or self.report.root != cache.root:  # not built in this process (another rank)
+            spec = self.spec(cache.family)
+            index = ImageIndex(cache.root)  # read-only here: rank 0 wrote it in prepare_data
+            self.train_entries = usable(cache, plan(cache, self.items, spec, index)[0])
+            self.val_entries = usable(cache, plan(cache, self.val_items, spec, index, validation=True)[0])
+        keys = {cache.text_key("")} | {k for e in self.train_entries + self.val_entries for k in e.text_keys}
+        missing = [k for k in keys if not readable(cache.text_path(k))]
+        if missing:
+            raise RuntimeError(f"text cache incomplete after prepare_data ({len(missing)} texts missing)")
+        if not self.train_entries:
             raise ConfigError("data.images: no usable images after caching (see the warnings above).")
+        if self.val_items and not self.val_entries:
+            rank_zero_warn("data.val_images / data.val_fraction: no usable validation image; val/loss is not logged.")
+
+    def _seed(self) -> int:
+        return self.seed if self.seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
+
+    def _dataset(self, entries: list[CacheEntry], augment: bool) -> CachedDataset:
+        cache = self.cache()
+        return CachedDataset(
+            cache.root,
+            entries,
+            cache.text_key(""),
+            seed=self._seed(),
+            caption_dropout=self.caption_dropout,
+            augment=augment,
+        )
+
+    def expanded_entries(self) -> list[CacheEntry]:
+        """The training samples of one epoch: every entry ``repeats`` times."""
+        return [e for e in self.train_entries for _ in range(e.repeats)]
 
     @override
     def train_dataloader(self) -> DataLoader:
-        assert self.trainer is not None
-        seed = self.seed if self.seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
+        world_size, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer else (1, 0)
+        samples = self.expanded_entries()
+        bucket_ids = {b: i for i, b in enumerate(sorted({e.bucket for e in samples}))}
         sampler = BucketBatchSampler(
-            [0] * len(self.entries),  # one square resolution: a single bucket
+            [bucket_ids[e.bucket] for e in samples],
             self.batch_size,
-            seed=seed,
-            num_replicas=self.trainer.world_size,
-            rank=self.trainer.global_rank,
+            seed=self._seed(),
+            num_replicas=world_size,
+            rank=rank,
+            tag_epoch=True,
         )
         if len(sampler) == 0:
             raise ConfigError(
-                f"data: {len(self.entries)} images make no batch for {self.trainer.world_size} GPUs; add images or "
-                "lower data.batch_size."
+                f"data: {len(samples)} images make no batch for {world_size} GPUs; add images or lower data.batch_size."
             )
-        return ResumableLoader(CachedDataset(self.cache(), self.entries), sampler, num_workers=self.num_workers)
+        return ResumableLoader(self._dataset(samples, augment=True), sampler, num_workers=self.num_workers)
+
+    def _fixed_loader(self, entries: list[CacheEntry]) -> DataLoader:
+        return DataLoader(
+            self._dataset(entries, augment=False),
+            batch_sampler=_fixed_batches(entries, self.batch_size),
+            generator=torch.Generator().manual_seed(0),  # observing a run must not draw from its random state
+        )
 
     def eval_dataloader(self) -> DataLoader:
-        """The first ``eval_samples`` cached images, in a fixed order: for the fixed evaluation loss."""
-        subset = self.entries[: self.eval_samples]
-        return DataLoader(CachedDataset(self.cache(), subset), batch_size=self.batch_size, shuffle=False)
+        """The first ``eval_samples`` training images (one entry each), fixed order, no augmentation: for the
+        fixed evaluation loss."""
+        first: dict[Path, CacheEntry] = {}
+        for e in self.train_entries:
+            first.setdefault(e.image, e)
+        return self._fixed_loader(list(first.values())[: self.eval_samples])
+
+    def val_dataloader_fixed(self) -> DataLoader | None:
+        """Every held-out validation entry in a fixed order, without augmentation (caption as written, no flip, no
+        dropout); ``None`` when there is no validation data. For ``val/loss``."""
+        if not self.val_entries:
+            return None
+        return self._fixed_loader(self.val_entries)
+
+    @property
+    def skipped(self) -> list[Skip]:
+        return list(self.report.skipped) if self.report is not None else list(self.scan_skips)

@@ -1,0 +1,283 @@
+"""From found images to a complete cache: plan the entries, encode what is missing, report what happened.
+
+:func:`plan` turns each :class:`~lightning_lora.data.sources.Item` into :class:`CacheEntry` s without decoding any
+pixels: the content hash and viewed size come from the memo (or one header read and one hash), the bucket and crop
+from :class:`~lightning_lora.data.buckets.BucketSpec` (one entry per resolution the image is used at), and the keys
+from the cache. A training entry has an optional mirrored latent and one text per caption variant; a validation
+entry has neither (it is evaluated as written).
+
+:func:`build` runs the plan, encodes the latents that are missing (images that turn out not to decode are skipped),
+then the texts that are missing (always including the empty prompt, which caption dropout needs), and returns a
+:class:`CacheReport`: what was found, encoded, reused, skipped and why, the buckets, and the time.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from lightning_lora.data.buckets import BucketSpec, Placement
+from lightning_lora.data.cache import ImageIndex, LatentCache, LatentJob, readable
+from lightning_lora.data.captions import apply_trigger, tag_variants
+from lightning_lora.data.images import BadImage
+from lightning_lora.data.sources import Item, Skip
+from lightning_lora.errors import ConfigError
+
+__all__ = ["CacheEntry", "CacheReport", "DataSpec", "build", "entry_texts", "missing_jobs", "plan", "usable"]
+
+log = logging.getLogger(__name__)
+
+OnBadFile = Literal["skip", "error"]
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """What the data options decide about the cached tensors."""
+
+    buckets: BucketSpec
+    flip: bool = False
+    caption_variants: int = 1
+    keep_tokens: int = 0
+    background: tuple[int, int, int] = (255, 255, 255)
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    """One training (or validation) sample: an image at one resolution, and its cached tensors' keys."""
+
+    image: Path
+    caption: str  # as trained: trigger applied, tags as written
+    resolution: int
+    placement: Placement
+    latent_key: str
+    flip_key: str | None
+    texts: tuple[str, ...]  # [0] is `caption`; the others are shuffled tag variants
+    text_keys: tuple[str, ...]  # the cache keys of `texts`
+    repeats: int = 1
+
+    @property
+    def bucket(self) -> tuple[int, int]:
+        return self.placement.bucket
+
+    def latent_keys(self) -> list[str]:
+        return [self.latent_key] + ([self.flip_key] if self.flip_key else [])
+
+
+def entry_texts(item: Item, spec: DataSpec, validation: bool = False) -> list[str]:
+    """The texts an item is trained with: its caption variants with the trigger applied; [0] as written."""
+    raw = [item.caption] if validation else tag_variants(item.caption, spec.caption_variants, spec.keep_tokens)
+    return list(dict.fromkeys(apply_trigger(r, item.trigger) for r in raw))
+
+
+def plan(
+    cache: LatentCache,
+    items: Sequence[Item],
+    spec: DataSpec,
+    index: ImageIndex,
+    *,
+    validation: bool = False,
+    threads: int = 8,
+) -> tuple[list[CacheEntry], list[Skip]]:
+    """Entries of ``items`` (no pixels decoded) and the images that cannot be used (unreadable, too small)."""
+
+    def lookup(item: Item) -> tuple[str, tuple[int, int]] | BadImage:
+        try:
+            return index.lookup(item.image)
+        except BadImage as e:
+            return e
+
+    with ThreadPoolExecutor(max_workers=threads) as pool:  # hashing and header reads wait on the disk
+        looked_up = list(pool.map(lookup, items))
+    entries: list[CacheEntry] = []
+    skips: list[Skip] = []
+    for item, found in zip(items, looked_up, strict=True):
+        if isinstance(found, BadImage):
+            skips.append(Skip(item.image, found.kind, found.reason))
+            continue
+        digest, (width, height) = found
+        placements, reason = spec.buckets.place(width, height)
+        if reason is not None:
+            skips.append(Skip(item.image, "too small", reason))
+            continue
+        texts = entry_texts(item, spec, validation)
+        text_keys = tuple(cache.text_key(t) for t in texts)
+        for resolution, p in placements:
+            flip_key = cache.latent_key(digest, p, True, spec.background) if spec.flip and not validation else None
+            entries.append(
+                CacheEntry(
+                    image=item.image,
+                    caption=texts[0],
+                    resolution=resolution,
+                    placement=p,
+                    latent_key=cache.latent_key(digest, p, False, spec.background),
+                    flip_key=flip_key,
+                    texts=tuple(texts),
+                    text_keys=text_keys,
+                    repeats=1 if validation else item.repeats,
+                )
+            )
+    return entries, skips
+
+
+def missing_jobs(cache: LatentCache, entries: Sequence[CacheEntry]) -> tuple[list[LatentJob], int]:
+    """Jobs for the latent files that are missing or unreadable, and the number of files reused."""
+    jobs: dict[tuple[Path, Placement], LatentJob] = {}
+    seen: set[str] = set()
+    reused = 0
+    for e in entries:
+        plain = flip = None
+        for key in e.latent_keys():
+            if key in seen:
+                continue
+            seen.add(key)
+            if readable(cache.latent_path(key)):
+                reused += 1
+            elif key == e.latent_key:
+                plain = key
+            else:
+                flip = key
+        if plain or flip:
+            old = jobs.get((e.image, e.placement))
+            if old is not None:  # the same file listed twice (e.g. as training and validation image)
+                plain, flip = plain or old.plain_key, flip or old.flip_key
+            jobs[(e.image, e.placement)] = LatentJob(e.image, e.placement, plain, flip)
+    return list(jobs.values()), reused
+
+
+def usable(cache: LatentCache, entries: Sequence[CacheEntry]) -> list[CacheEntry]:
+    """The entries whose latent files are all in the cache (the others were skipped when building)."""
+    return [e for e in entries if all(readable(cache.latent_path(k)) for k in e.latent_keys())]
+
+
+@dataclass
+class CacheReport:
+    """What a cache build found and did; :meth:`format` is the summary printed after it."""
+
+    root: Path
+    images: int = 0  # image files found, training and validation
+    validation_images: int = 0
+    train: list[CacheEntry] = field(default_factory=list)
+    validation: list[CacheEntry] = field(default_factory=list)
+    latents_encoded: int = 0
+    latents_reused: int = 0
+    images_encoded: int = 0
+    texts_encoded: int = 0
+    texts_reused: int = 0
+    skipped: list[Skip] = field(default_factory=list)
+    seconds: float = 0.0
+    encode_seconds: float = 0.0
+
+    @property
+    def buckets(self) -> Counter[tuple[int, int]]:
+        """Training images per bucket (an image used at two resolutions counts in both)."""
+        return Counter(e.bucket for e in self.train)
+
+    @property
+    def images_per_second(self) -> float:
+        return self.images_encoded / self.encode_seconds if self.encode_seconds > 0 else 0.0
+
+    def format(self) -> str:
+        bad = [s for s in self.skipped if s.kind not in ("metadata",)]
+        kinds = Counter(s.kind for s in bad)
+        train_images = len({e.image for e in self.train})
+        lines = [
+            f"Cache {self.root}",
+            f"  images found:    {self.images}"
+            + (f" ({self.validation_images} held out for validation)" if self.validation_images else ""),
+            f"  training:        {train_images} images, {len(self.train)} entries"
+            + (f", {len({e.image for e in self.validation})} validation images" if self.validation else ""),
+            f"  latents:         {self.latents_encoded} encoded, {self.latents_reused} reused",
+            f"  text embeddings: {self.texts_encoded} encoded, {self.texts_reused} reused",
+            f"  skipped:         {len(bad)}"
+            + (" (" + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) + ")" if bad else ""),
+        ]
+        lines += [f"    {s.line()}" for s in bad[:20]]
+        if len(bad) > 20:
+            lines.append(f"    ... and {len(bad) - 20} more (listed above)")
+        buckets = sorted(self.buckets.items(), key=lambda kv: (kv[0][0] * kv[0][1], kv[0]))
+        lines.append("  buckets:         " + ", ".join(f"{w}x{h}: {n}" for (w, h), n in buckets))
+        rate = f", {self.images_per_second:.1f} images/s encoded" if self.images_encoded else ""
+        lines.append(f"  time:            {self.seconds:.1f} s{rate}")
+        return "\n".join(lines)
+
+
+def _fatal(skips: Sequence[Skip]) -> ConfigError:
+    shown = "\n".join(f"  {s.line()}" for s in skips[:20])
+    more = f"\n  ... and {len(skips) - 20} more" if len(skips) > 20 else ""
+    return ConfigError(
+        f"data.on_bad_file is 'error' and {len(skips)} file(s) cannot be used:\n{shown}{more}\n"
+        "Fix or remove them, or set data.on_bad_file: skip to leave them out."
+    )
+
+
+def build(
+    cache: LatentCache,
+    train_items: Sequence[Item],
+    validation_items: Sequence[Item],
+    spec: DataSpec,
+    device: torch.device,
+    *,
+    scan_skips: Sequence[Skip] = (),
+    batch_size: int = 4,
+    workers: int = 0,
+    on_bad_file: OnBadFile = "skip",
+    progress: bool = False,
+) -> CacheReport:
+    """Encode whatever is missing for these items; see the module docstring. Raises :class:`ConfigError` when no
+    training image is usable, or on any skip with ``on_bad_file="error"``."""
+    start = time.perf_counter()
+    report = CacheReport(root=cache.root, images=len(train_items) + len(validation_items))
+    report.validation_images = len(validation_items)
+    cache.remove_stale_temporaries()
+    index = ImageIndex(cache.root)
+    train, skips = plan(cache, train_items, spec, index)
+    validation, val_skips = plan(cache, validation_items, spec, index, validation=True)
+    cache.root.mkdir(parents=True, exist_ok=True)
+    index.save()
+    report.skipped = [*scan_skips, *skips, *val_skips]
+    report.images += sum(1 for s in scan_skips if s.kind not in ("empty folder", "metadata"))
+    fatal = [s for s in report.skipped if s.kind != "metadata"]
+    if on_bad_file == "error" and fatal:
+        raise _fatal(fatal)
+
+    jobs, report.latents_reused = missing_jobs(cache, [*train, *validation])
+    encoded = cache.encode_latents(
+        jobs, device, batch_size=batch_size, workers=workers, background=spec.background, progress=progress
+    )
+    report.latents_encoded, report.images_encoded, report.encode_seconds = (
+        encoded.written,
+        encoded.encoded,
+        encoded.seconds,
+    )
+    report.skipped += encoded.skips
+    if on_bad_file == "error" and encoded.skips:
+        raise _fatal(encoded.skips)
+    bad = {s.path for s in encoded.skips}
+    report.train = [e for e in train if e.image not in bad]
+    report.validation = [e for e in validation if e.image not in bad]
+    for s in report.skipped:
+        log.warning("skipped %s", s.line())
+    if not report.train:
+        kinds = Counter(s.kind for s in report.skipped if s.kind not in ("metadata", "empty folder"))
+        why = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) or "no images"
+        raise ConfigError(
+            f"data.images: none of the images can be used for training ({why}); the lines above name each file and "
+            "the reason."
+        )
+
+    texts: dict[str, str] = {cache.text_key(""): ""}
+    for e in [*report.train, *report.validation]:
+        texts.update(zip(e.text_keys, e.texts, strict=True))
+    missing = cache.missing_texts(texts.values())
+    report.texts_encoded = cache.encode_texts(missing, device, batch_size, progress=progress)
+    report.texts_reused = len(texts) - len(missing)
+    report.seconds = time.perf_counter() - start
+    return report

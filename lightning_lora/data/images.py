@@ -1,0 +1,173 @@
+"""Decode a user's image file into the exact pixels of one bucket, whatever the folder holds.
+
+:func:`probe` reads only the header: the size *as viewed* (after the EXIF orientation), so a portrait photo that a
+phone stored as landscape pixels plus a "rotate 90" tag gets a portrait bucket. :func:`decode` cuts a box of that
+viewed image and resamples it to the bucket size in one Lanczos resize (``Image.resize(size, box=...)``), so the
+resized-then-cropped intermediate is never built.
+
+What real folders hold, and what happens to it:
+
+* **EXIF rotation**: honoured (``ImageOps.exif_transpose``), before the bucket is chosen.
+* **Transparency** (RGBA, LA, a palette with a transparent colour): resampled with premultiplied alpha (Pillow does it
+  for RGBA/LA), then composited on a stated background colour (``data.alpha_background``), never on black by accident.
+* **Grayscale, palette, CMYK, 1-bit**: converted to RGB. **16-bit and 32-bit integer** grayscale is resized at full
+  depth and scaled to 8 bits by its full scale (a naive ``convert("RGB")`` clips everything above 255 to white).
+* **Very large files**: a 12000x8000 photo is 288 MB decoded. JPEGs are decoded at a reduced size by the decoder
+  itself (``draft``: DCT scaling by 1/2, 1/4 or 1/8), never smaller than the bucket needs; other formats decode
+  once at full size and are reduced directly to the bucket. Pillow's decompression-bomb limit (about 179 MP) still
+  applies and is reported as a reason.
+* **Not an image, empty, truncated**: :class:`BadImage` with a one-line reason for the summary. Truncated files are
+  never "repaired" (``LOAD_TRUNCATED_IMAGES`` stays off): a half-gray photo would be trained on silently.
+
+Pure Pillow and numpy (no torch), so it runs cheaply in DataLoader worker processes. The output is ``uint8 [h, w, 3]``
+(one byte per value through the worker queue; the conversion to floats happens on the encoding device).
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageColor, ImageOps, UnidentifiedImageError
+
+__all__ = ["BadImage", "DECODE_RULE", "decode", "parse_color", "probe"]
+
+DECODE_RULE = "exif+box-lanczos-rg3+jpeg-draft+premultiplied-alpha-v1"
+"""Names the decoding rule; part of every latent cache key, so a change here re-encodes."""
+
+_ROTATED = {5, 6, 7, 8}  # EXIF orientations that swap width and height
+_RESAMPLE = Image.Resampling.LANCZOS
+_REDUCING_GAP = 3.0  # Pillow: box-reduce by an integer factor first; "indistinguishable from fair resampling" at 3
+
+
+class BadImage(Exception):
+    """An image file that cannot be used; ``kind`` is a short category, ``reason`` a one-line explanation."""
+
+    def __init__(self, kind: str, reason: str) -> None:
+        super().__init__(reason)
+        self.kind = kind
+        self.reason = reason
+
+
+def parse_color(value: str, option: str = "data.alpha_background") -> tuple[int, int, int]:
+    """``"white"``, ``"#808080"``, ``"rgb(0,0,0)"`` -> an RGB triple; a :class:`ValueError` names ``option``."""
+    try:
+        rgb = ImageColor.getrgb(value)
+    except ValueError as e:
+        raise ValueError(f"{option}: {value!r} is not a colour; use a name (white, black) or #rrggbb") from e
+    return int(rgb[0]), int(rgb[1]), int(rgb[2])
+
+
+def _open(path: Path) -> Image.Image:
+    try:
+        size = path.stat().st_size
+    except OSError as e:
+        raise BadImage("unreadable file", f"cannot read the file ({e.strerror or e})") from e
+    if size == 0:
+        raise BadImage("empty file", "empty file (0 bytes)")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            return Image.open(path)
+    except UnidentifiedImageError as e:
+        raise BadImage("not an image", "not an image file (no known image format in its bytes)") from e
+    except Image.DecompressionBombError as e:
+        raise BadImage("too large", f"too large for Pillow's safety limit ({e})") from e
+    except (OSError, ValueError, SyntaxError) as e:
+        raise BadImage("cannot decode", f"cannot read the image header ({e})") from e
+
+
+def _orientation(im: Image.Image) -> int:
+    try:
+        return int(im.getexif().get(0x0112, 1))
+    except Exception:  # a broken EXIF block is not a reason to drop the photo
+        return 1
+
+
+def probe(path: str | Path) -> tuple[int, int]:
+    """The ``(width, height)`` of the image as viewed (EXIF orientation applied), from the header only."""
+    with _open(Path(path)) as im:
+        width, height = im.size
+        if _orientation(im) in _ROTATED:
+            width, height = height, width
+    if width < 1 or height < 1:
+        raise BadImage("cannot decode", f"the header says {width}x{height} pixels")
+    return width, height
+
+
+def _resamplable(im: Image.Image) -> Image.Image:
+    """A mode Pillow resizes correctly: RGB, RGBA, L, LA, or I;16 / I / F kept at full depth."""
+    if im.mode in ("RGB", "RGBA", "L", "LA") or im.mode.startswith("I") or im.mode == "F":
+        return im
+    if im.mode in ("P", "PA"):
+        return im.convert("RGBA" if im.mode == "PA" or "transparency" in im.info else "RGB")
+    if im.mode == "1":
+        return im.convert("L")
+    if im.mode in ("RGBa", "La"):
+        return im.convert("RGBA" if im.mode == "RGBa" else "LA")
+    return im.convert("RGB")  # CMYK, YCbCr, LAB, HSV
+
+
+def _to_rgb(im: Image.Image, background: tuple[int, int, int]) -> Image.Image:
+    """An 8-bit RGB image: deep grayscale scaled, alpha composited on ``background``."""
+    if im.mode.startswith("I") or im.mode == "F":
+        arr = np.asarray(im, dtype=np.float64)
+        if im.mode.startswith("I;16"):
+            full_scale = 65535.0
+        elif im.mode == "F":
+            full_scale = 1.0 if arr.max(initial=0.0) <= 1.0 else 255.0
+        else:  # 32-bit integer: 16-bit data stored as I (most PNG/TIFF), else its own maximum
+            full_scale = 65535.0 if arr.max(initial=0.0) <= 65535 else float(arr.max())
+        im = Image.fromarray(np.clip(arr / full_scale * 255.0, 0, 255).round().astype(np.uint8))
+    if im.mode in ("RGBA", "LA"):
+        rgba = im.convert("RGBA")
+        flat = Image.new("RGBA", rgba.size, (*background, 255))
+        return Image.alpha_composite(flat, rgba).convert("RGB")
+    return im.convert("RGB")
+
+
+def decode(
+    path: str | Path,
+    box: tuple[float, float, float, float],
+    size: tuple[int, int],
+    background: tuple[int, int, int] = (255, 255, 255),
+) -> np.ndarray:
+    """Pixels ``uint8 [size[1], size[0], 3]``: the ``box`` (left, top, right, bottom, in viewed-image pixels of the
+    size :func:`probe` returns) resampled to ``size`` (width, height). Raises :class:`BadImage`."""
+    path = Path(path)
+    out_w, out_h = size
+    with _open(path) as im:
+        viewed_w, viewed_h = im.size
+        rotated = _orientation(im) in _ROTATED
+        if rotated:
+            viewed_w, viewed_h = viewed_h, viewed_w
+        # The whole image at the scale the box needs; the JPEG decoder can produce (at least) that directly.
+        scale_x, scale_y = out_w / max(box[2] - box[0], 1e-6), out_h / max(box[3] - box[1], 1e-6)
+        need = (max(1, int(viewed_w * scale_x + 1)), max(1, int(viewed_h * scale_y + 1)))
+        if im.format == "JPEG" and need[0] < viewed_w and need[1] < viewed_h:
+            im.draft(None, (need[1], need[0]) if rotated else need)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+                im.load()
+                im = ImageOps.exif_transpose(im)
+        except Image.DecompressionBombError as e:
+            raise BadImage("too large", f"too large for Pillow's safety limit ({e})") from e
+        except (OSError, ValueError, SyntaxError, EOFError) as e:
+            raise BadImage("cannot decode", f"cannot decode the pixels ({e})") from e
+        except MemoryError as e:
+            raise BadImage("too large", "not enough memory to decode it") from e
+        im = _resamplable(im)
+        # The draft may have made the image smaller by an integer factor: map the box into its pixels.
+        fx, fy = im.size[0] / viewed_w, im.size[1] / viewed_h
+        source_box = (box[0] * fx, box[1] * fy, box[2] * fx, box[3] * fy)
+        if im.size == (out_w, out_h) and source_box == (0.0, 0.0, float(out_w), float(out_h)):
+            resized = im
+        else:
+            resized = im.resize((out_w, out_h), _RESAMPLE, box=source_box, reducing_gap=_REDUCING_GAP)
+        rgb = _to_rgb(resized, background)
+        arr = np.asarray(rgb, dtype=np.uint8)
+    if arr.shape != (out_h, out_w, 3):
+        raise BadImage("cannot decode", f"decoded to an unexpected shape {arr.shape}")
+    return arr

@@ -1,0 +1,196 @@
+"""Decoding what users' folders hold: odd modes, EXIF rotation, bad files, and very large images in bounded memory."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from lightning_lora.data.buckets import cover
+from lightning_lora.data.images import BadImage, decode, parse_color, probe
+
+RES = 32
+
+
+def _decode(path: Path, bucket: tuple[int, int] = (RES, RES), background=(255, 255, 255)) -> np.ndarray:
+    """Decode the way the cache does: probe, cover the bucket, center-crop."""
+    p = cover(*probe(path), bucket)
+    return decode(path, p.source_box(), p.bucket, background)
+
+
+def _signed(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float32) / 127.5 - 1.0
+
+
+def test_cover_and_center_crop_geometry(tmp_path: Path) -> None:
+    # 144 wide x 48 tall: left third red, middle green, right third blue. Covering 32x32 resizes to 96x32 and the
+    # center crop is exactly the green third.
+    arr = np.zeros((48, 144, 3), dtype=np.uint8)
+    arr[:, :48, 0] = 255
+    arr[:, 48:96, 1] = 255
+    arr[:, 96:, 2] = 255
+    Image.fromarray(arr).save(tmp_path / "wide.png")
+    p = cover(144, 48, (RES, RES))
+    assert (p.resized, p.crop, p.crop_top_left(), p.crop_top_left(flipped=True)) == (
+        (96, 32),
+        (32, 0),
+        (0, 32),
+        (0, 32),
+    )
+    x = _decode(tmp_path / "wide.png")
+    assert x.shape == (RES, RES, 3) and x.dtype == np.uint8
+    center = x[4:-4, 4:-4]
+    assert center[..., 1].min() > 240 and center[..., 0].max() < 15 and center[..., 2].max() < 15
+    Image.new("RGB", (RES, RES), (0, 255, 0)).save(tmp_path / "flat.png")
+    flat = _signed(_decode(tmp_path / "flat.png"))
+    assert (flat[..., 0] == -1).all() and (flat[..., 1] == 1).all()  # full range maps to [-1, 1] exactly
+
+
+def test_small_image_can_be_enlarged(tmp_path: Path) -> None:
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (20, 10, 3), dtype=np.uint8)).save(tmp_path / "s.png")
+    assert _decode(tmp_path / "s.png", (64, 64)).shape == (64, 64, 3)
+
+
+def test_transparency_is_composited_on_the_stated_background(tmp_path: Path) -> None:
+    Image.new("RGBA", (RES, RES), (0, 0, 0, 0)).save(tmp_path / "clear.png")  # fully transparent black
+    assert (_decode(tmp_path / "clear.png") == 255).all()  # white by default, not black
+    assert (_decode(tmp_path / "clear.png", background=(0, 0, 0)) == 0).all()
+    assert (_decode(tmp_path / "clear.png", background=parse_color("#ff8000")) == [255, 128, 0]).all()
+    Image.new("RGBA", (RES, RES), (255, 0, 0, 255)).save(tmp_path / "opaque.png")
+    assert (_decode(tmp_path / "opaque.png") == [255, 0, 0]).all()
+    # Half transparent red over the left half, resized 2x down: no dark fringe from the transparent pixels' colour.
+    half = Image.new("RGBA", (2 * RES, 2 * RES), (0, 0, 0, 0))
+    half.paste((255, 0, 0, 255), (0, 0, RES, 2 * RES))
+    half.save(tmp_path / "half.png")
+    x = _decode(tmp_path / "half.png")
+    left, right = x[:, : RES // 2 - 3].astype(int), x[:, RES // 2 + 3 :].astype(int)
+    assert np.abs(left - [255, 0, 0]).max() <= 2 and right.min() >= 253  # (Lanczos rings by a level or two)
+    assert x[..., 0].min() >= 254  # the red channel never darkens at the edge (premultiplied resampling)
+    with pytest.raises(ValueError, match="data.alpha_background"):
+        parse_color("not-a-colour")
+
+
+def test_grayscale_palette_and_la(tmp_path: Path) -> None:
+    Image.fromarray(np.tile(np.arange(0, 256, 8, dtype=np.uint8), (32, 1)), "L").save(tmp_path / "gray.png")
+    x = _decode(tmp_path / "gray.png")
+    assert (x[..., 0] == x[..., 1]).all() and (x[..., 1] == x[..., 2]).all()
+    assert x[:, -1, 0].mean() > x[:, 0, 0].mean() + 100  # the ramp survives
+    Image.new("LA", (RES, RES), (0, 0)).save(tmp_path / "la.png")
+    assert (_decode(tmp_path / "la.png") == 255).all()
+    Image.new("RGB", (RES, RES), (0, 0, 255)).convert("P").save(tmp_path / "pal.png")
+    p = _decode(tmp_path / "pal.png")
+    assert p[..., 2].min() > 240 and p[..., 0].max() < 15
+    pal = Image.new("P", (RES, RES), 1)
+    pal.putpalette([0, 0, 0, 255, 0, 0] + [0] * 762)
+    pal.save(tmp_path / "palt.png", transparency=1)  # palette index 1 (red) is transparent
+    assert (_decode(tmp_path / "palt.png") == 255).all()
+    Image.new("1", (RES, RES), 1).save(tmp_path / "bw.bmp")
+    assert (_decode(tmp_path / "bw.bmp") == 255).all()
+
+
+def test_16bit_grayscale_keeps_its_ramp_and_brightness(tmp_path: Path) -> None:
+    ramp = np.tile(np.linspace(0, 65535, 64).astype(np.uint16), (64, 1))
+    Image.fromarray(ramp).save(tmp_path / "deep.png")
+    assert Image.open(tmp_path / "deep.png").mode.startswith("I")
+    row = _signed(_decode(tmp_path / "deep.png", (64, 64)))[32, :, 0]
+    # A naive convert("RGB") clips everything above 255 to white; the ramp must survive as a ramp.
+    assert row[0] < -0.9 and row[-1] > 0.9 and (np.diff(row) >= -1e-6).all()
+    Image.fromarray(np.full((RES, RES), 1000, dtype=np.uint16)).save(tmp_path / "dark.png")  # ~1.5% grey
+    assert _decode(tmp_path / "dark.png").max() < 10  # near black, not stretched to white
+
+
+def test_cmyk_jpeg(tmp_path: Path) -> None:
+    Image.new("CMYK", (40, 40), (0, 255, 255, 0)).save(tmp_path / "cmyk.jpg")
+    assert Image.open(tmp_path / "cmyk.jpg").mode == "CMYK"
+    x = _decode(tmp_path / "cmyk.jpg").astype(int)
+    assert x[..., 0].mean() > 230 and x[..., 1].mean() < 25 and x[..., 2].mean() < 25  # red
+
+
+def test_exif_rotation_is_honoured_in_size_and_pixels(tmp_path: Path) -> None:
+    # Stored 64 wide x 32 tall, left half red, right half blue; orientation 6 = "rotate 90 degrees clockwise to view".
+    arr = np.zeros((32, 64, 3), dtype=np.uint8)
+    arr[:, :32, 0] = 255
+    arr[:, 32:, 2] = 255
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    Image.fromarray(arr).save(tmp_path / "rotated.jpg", quality=95, exif=exif)
+    assert probe(tmp_path / "rotated.jpg") == (32, 64)  # a portrait image: it gets a portrait bucket
+    rotated = _decode(tmp_path / "rotated.jpg", (16, 32)).astype(int)
+    assert rotated.shape == (32, 16, 3)
+    # Viewed upright: red on top, blue below.
+    assert rotated[2:12, :, 0].mean() > 220 and rotated[2:12, :, 2].mean() < 35
+    assert rotated[-12:-2, :, 2].mean() > 220 and rotated[-12:-2, :, 0].mean() < 35
+
+
+@pytest.mark.parametrize(
+    ("content", "kind", "message"),
+    [
+        (b"", "empty file", "0 bytes"),
+        (b"this is a text file, not a picture\n" * 10, "not an image", "not an image"),
+        (bytes(np.random.default_rng(0).integers(0, 256, 500, dtype=np.uint8)), "not an image", "not an image"),
+    ],
+    ids=["zero-bytes", "text-named-jpg", "random-bytes"],
+)
+def test_files_that_are_not_images(tmp_path: Path, content: bytes, kind: str, message: str) -> None:
+    path = tmp_path / "bad.jpg"
+    path.write_bytes(content)
+    with pytest.raises(BadImage, match=message) as info:
+        probe(path)
+    assert info.value.kind == kind
+    with pytest.raises(BadImage):
+        decode(path, (0, 0, 8, 8), (8, 8))
+
+
+@pytest.mark.parametrize("fmt", ["png", "jpg"])
+def test_truncated_image_is_reported_not_repaired(tmp_path: Path, fmt: str) -> None:
+    rng = np.random.default_rng(0)
+    Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(tmp_path / f"full.{fmt}")
+    good = (tmp_path / f"full.{fmt}").read_bytes()
+    (tmp_path / f"half.{fmt}").write_bytes(good[: len(good) // 2])
+    assert probe(tmp_path / f"half.{fmt}") == (64, 64)  # the header is intact...
+    with pytest.raises(BadImage, match="cannot decode") as info:  # ...the pixels are not
+        _decode(tmp_path / f"half.{fmt}")
+    assert info.value.kind == "cannot decode"
+
+
+_MEMORY_PROBE = """
+import json, resource, sys
+from lightning_lora.data.images import decode, probe
+assert "torch" not in sys.modules  # the decoder is light enough for worker processes
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+width, height = probe(sys.argv[1])
+x = decode(sys.argv[1], (0.0, 0.0, float(width), float(height)), (1200, 800))
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({"size": [width, height], "shape": list(x.shape), "mean": x.mean(axis=(0, 1)).tolist(),
+                  "peak_increase_mb": (after - before) / 1024}))
+"""
+
+
+def test_very_large_images_decode_in_bounded_memory(tmp_path: Path) -> None:
+    """12000x8000 (288 MB as RGB): a JPEG is decoded at 1/8 size by the decoder itself; a PNG once, then reduced."""
+    big = Image.new("RGB", (12000, 8000), (200, 100, 50))
+    big.save(tmp_path / "big.jpg", quality=80)
+    big.save(tmp_path / "big.png", compress_level=1)
+    del big
+    results = {}
+    for name in ("big.jpg", "big.png"):
+        out = subprocess.run(
+            [sys.executable, "-c", _MEMORY_PROBE, str(tmp_path / name)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=Path(__file__).parent.parent,
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        results[name] = json.loads(out.stdout)
+    for r in results.values():
+        assert r["size"] == [12000, 8000] and r["shape"] == [800, 1200, 3]
+        assert np.allclose(r["mean"], [200, 100, 50], atol=3)
+    print({k: round(v["peak_increase_mb"]) for k, v in results.items()})
+    assert results["big.jpg"]["peak_increase_mb"] < 60  # vs 288 MB for a full decode
+    assert results["big.png"]["peak_increase_mb"] < 2 * 288  # one full decode, no float copies of it

@@ -1,0 +1,224 @@
+"""The data module on a tiny FLUX: batches (one bucket each, SDXL size records), random choices that are a pure
+function of (seed, epoch, index) in worker processes too, repeats, validation data, the ``cache`` verb, and exact
+resume of a run with flips, caption dropout and shuffled captions."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from PIL import Image
+from test_cli import run_cli, write_config
+from test_resume import assert_same_run
+
+from lightning_lora.cache_cli import main as cache_main
+from lightning_lora.data.datamodule import LatentDataModule, uniform
+from lightning_lora.errors import ConfigError
+from lightning_lora.families.base import ModelSource
+from lightning_lora.families.flux import Flux
+
+SIZES = [(40, 48), (64, 32), (48, 48), (32, 64), (50, 40), (96, 32)]
+TAGS = ["cat", "red hat", "smiling", "outdoors", "bokeh", "35mm"]
+
+
+def _folder(folder: Path, n: int, seed: int = 0) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    for i in range(n):
+        w, h = SIZES[i % len(SIZES)]
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(folder / f"img{i}.png")
+        (folder / f"img{i}.txt").write_text(", ".join(TAGS[i % 3 :] + TAGS[: i % 3]))
+    return folder
+
+
+def _module(tmp_path: Path, images, **options) -> LatentDataModule:
+    defaults = {"resolution": 32, "batch_size": 2, "max_aspect_ratio": 3.0, "cache_dir": str(tmp_path / "cache")}
+    return LatentDataModule(images=images, **{**defaults, **options})
+
+
+def _built(dm: LatentDataModule, model: Path) -> LatentDataModule:
+    dm.build_cache(Flux(max_sequence_length=16), ModelSource(str(model), dtype=torch.float32), "cpu", progress=False)
+    dm.setup("fit")
+    return dm
+
+
+def _epoch(loader, epoch: int) -> list[dict[str, torch.Tensor]]:
+    loader.batch_sampler.set_epoch(epoch)
+    return list(loader)
+
+
+def test_batches_one_bucket_each_with_size_records(tmp_path: Path, tiny_flux_dir: Path) -> None:
+    dm = _built(_module(tmp_path, str(_folder(tmp_path / "data", 6)), batch_size=3), tiny_flux_dir)
+    batches = _epoch(dm.train_dataloader(), 0)
+    keys = {"latents", "prompt_embeds", "pooled_prompt_embeds", "original_size", "crop_top_left", "target_size"}
+    assert all(set(b) == keys for b in batches)
+    assert sum(len(b["latents"]) for b in batches) == 6
+    for b in batches:
+        n, c, h, w = b["latents"].shape
+        assert c == 4 and b["prompt_embeds"].shape == (n, 16, 32) and b["pooled_prompt_embeds"].shape == (n, 32)
+        for key in ("original_size", "crop_top_left", "target_size"):
+            assert b[key].dtype == torch.int64 and b[key].shape == (n, 2)
+        assert (b["target_size"] == torch.tensor([h * 8, w * 8])).all()  # (height, width) of the bucket
+    sizes = Counter(tuple(b["target_size"][0].tolist()) for b in batches)
+    assert set(sizes) == {(32, 32), (16, 48), (48, 16)}
+    originals = sorted(tuple(row) for b in batches for row in b["original_size"].tolist())
+    assert originals == sorted((h, w) for w, h in SIZES)
+
+
+def test_random_choices_depend_only_on_seed_epoch_and_index(tmp_path: Path, tiny_flux_dir: Path) -> None:
+    options = {"random_flip": True, "caption_dropout": 0.3, "shuffle_tags": True, "caption_variants": 3, "seed": 5}
+    dm = _built(_module(tmp_path, str(_folder(tmp_path / "data", 6)), **options), tiny_flux_dir)
+    dataset = dm.train_dataloader().dataset
+    # The rates are what was asked for, and the draws do not touch the global random state.
+    rng = torch.get_rng_state()
+    choices = [dataset.choose(epoch, i) for epoch in range(400) for i in range(6)]
+    assert torch.equal(torch.get_rng_state(), rng)
+    empty = dm.cache().text_key("")
+    dropped = sum(t == empty for _, t in choices) / len(choices)
+    flipped = sum(lat == dm.train_entries[i % 6].flip_key for i, (lat, _) in enumerate(choices)) / len(choices)
+    assert abs(dropped - 0.3) < 0.03 and abs(flipped - 0.5) < 0.03
+    variants = Counter(t for (_, t) in choices[::6] if t != empty)  # sample 0: three cached orderings
+    assert set(variants) == set(dm.train_entries[0].text_keys) and len(variants) == 3
+    assert min(variants.values()) > 0.25 * sum(variants.values())
+    assert dataset.choose(7, 3) == dataset.choose(7, 3) and uniform(5, 7, 3, "flip") == uniform(5, 7, 3, "flip")
+    # The dropped caption is the cached empty-prompt embedding, which is what the family computes for "".
+    encoders = dm.cache().family.load_text_encoders(dm.cache().source)
+    direct = dm.cache().family.encode_prompts(encoders, [""])
+    torch.testing.assert_close(dm.cache().load_text(empty)["prompt_embeds"], direct["prompt_embeds"][0])
+    # Same batches in the main process and in persistent worker processes, epoch after epoch; epochs differ.
+    main_process = dm.train_dataloader()
+    reference = [_epoch(main_process, e) for e in (0, 1, 2)]
+    dm.num_workers = 2
+    workers = dm.train_dataloader()
+    for e in (0, 1, 2):
+        got = _epoch(workers, e)
+        assert len(got) == len(reference[e])
+        for a, b in zip(got, reference[e], strict=True):
+            assert all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(a["latents"], b["latents"]) for a, b in zip(reference[0], reference[1], strict=True))
+
+
+def test_repeats_validation_and_evaluation_loaders(tmp_path: Path, tiny_flux_dir: Path) -> None:
+    a, b, v = _folder(tmp_path / "a", 4), _folder(tmp_path / "b", 6, seed=1), _folder(tmp_path / "val", 2, seed=2)
+    images = [str(a), {"path": str(b), "repeats": 3}]
+    from lightning_lora.data.sources import ImageFolder
+
+    images[1] = ImageFolder(**images[1])
+    dm = _built(
+        _module(tmp_path, images, val_images=str(v), val_fraction=0.25, random_flip=True, eval_samples=3),
+        tiny_flux_dir,
+    )
+    held = {e.image for e in dm.val_entries} - {e.image for e in dm.report.validation if e.image.parent == v}
+    assert 1 <= len(held) and not held & {e.image for e in dm.train_entries}  # held out of training
+    assert {e.image.parent for e in dm.val_entries} >= {v}
+    assert all(e.flip_key is None for e in dm.val_entries)  # no mirrored latents for validation
+    expected = sum(3 if e.image.parent == b else 1 for e in dm.train_entries)
+    assert len(dm.expanded_entries()) == expected and len(dm.train_dataloader().dataset) == expected
+    assert dm.report.validation_images == len({e.image for e in dm.val_entries})
+    assert "held out for validation" in dm.report.format()
+
+    val = dm.val_dataloader_fixed()
+    first, second = list(val), list(val)
+    assert sum(len(x["latents"]) for x in first) == len(dm.val_entries)
+    for x, y in zip(first, second, strict=True):
+        assert all(torch.equal(x[k], y[k]) for k in x)
+        assert len({tuple(t) for t in x["target_size"].tolist()}) == 1  # one bucket per batch
+    # Fixed means unaugmented: the latent as written (not mirrored) and the caption as written.
+    cache = dm.cache()
+    rows = [row for batch in first for row in batch["latents"]]
+    for x, e in zip(rows, _fixed_order(dm.val_entries), strict=True):
+        torch.testing.assert_close(x, cache.load_latents(e.latent_key)["latents"])
+    evaluation = list(dm.eval_dataloader())
+    assert sum(len(x["latents"]) for x in evaluation) == 3
+    no_val = _built(_module(tmp_path, str(a)), tiny_flux_dir)
+    assert no_val.val_dataloader_fixed() is None
+
+
+def _fixed_order(entries):
+    by_bucket: dict = {}
+    for e in entries:
+        by_bucket.setdefault(e.bucket, []).append(e)
+    return [e for group in by_bucket.values() for e in group]
+
+
+def test_options_are_validated_early(tmp_path: Path, tiny_flux_dir: Path) -> None:
+    data = str(_folder(tmp_path / "data", 2))
+    for option, value, message in [
+        ("caption_dropout", 1.0, "data.caption_dropout"),
+        ("val_fraction", 1.5, "data.val_fraction"),
+        ("max_upscale", 0.5, "data.max_upscale"),
+        ("alpha_background", "nope", "data.alpha_background"),
+        ("batch_size", 0, "data.batch_size"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            _module(tmp_path, data, **{option: value})
+    flux = Flux()
+    for option, value, message in [
+        ("resolution", [512, 40], "data.resolution"),
+        ("bucket_step", 24, "data.bucket_step"),
+        ("min_resolution", 1024, "data.min_resolution"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            _module(tmp_path, data, **{option: value}).spec(flux)
+    spec = _module(tmp_path, data, resolution=[1024, 512]).spec(flux)
+    assert spec.buckets.step == 64 and spec.buckets.min_resolution == 256 and spec.buckets.resolutions == (1024, 512)
+
+
+def test_cache_verb(tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path, capsys) -> None:
+    config = write_config(tmp_path, tiny_flux_dir, photos_dir)
+    data = yaml.safe_load(config.read_text())
+    data["data"].update(
+        {
+            "images": [{"path": str(photos_dir), "repeats": 2}],
+            "resolution": [32, 16],
+            "random_flip": True,
+            "cache_workers": 0,
+        }
+    )
+    config.write_text(yaml.safe_dump(data))
+    assert cache_main(["--config", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert "images found:    4" in out and "latents:         16 encoded, 0 reused" in out and "buckets:" in out
+    assert cache_main(["--config", str(config), "--data.random_flip", "false"]) == 0
+    assert "latents:         0 encoded, 8 reused" in capsys.readouterr().out
+    assert not (tmp_path / "run").exists()  # building the cache writes nothing into the run folder
+    assert cache_main(["--config", str(config), "--data.images", str(tmp_path / "missing")]) == 2
+    assert "data.images" in capsys.readouterr().err
+    assert cache_main(["--help"]) == 0 and "lightning-lora cache --config" in capsys.readouterr().out
+
+
+def test_exact_resume_with_flips_dropout_shuffled_captions_and_buckets(
+    tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path
+) -> None:
+    """Every random choice of the data pipeline is replayed exactly after a resume (in worker processes too)."""
+    data = _folder(tmp_path / "data", 6)
+    options = {
+        "data.images": str(data),
+        "data.random_flip": True,
+        "data.caption_dropout": 0.3,
+        "data.shuffle_tags": True,
+        "data.caption_variants": 3,
+        "data.max_aspect_ratio": 3.0,
+        "data.num_workers": 2,
+        "data.cache_dir": str(tmp_path / "cache"),
+        "trainer.max_steps": 6,
+        "trainer.callbacks": [
+            {
+                "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                "init_args": {"every_n_train_steps": 1, "save_last": True, "save_top_k": -1},
+            }
+        ],
+    }
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a = write_config(tmp_path / "a", tiny_flux_dir, photos_dir, **options)
+    b = write_config(tmp_path / "b", tiny_flux_dir, photos_dir, **options)
+    run_cli(["fit", "--config", str(a)])
+    run_cli(["fit", "--config", str(b), "--trainer.max_steps", "4"])  # ends inside the second epoch
+    cli = run_cli(["fit", "--config", str(b), "--ckpt_path", "last"])
+    assert cli.trainer.global_step == 6
+    assert_same_run(a, b, after_step=4)
