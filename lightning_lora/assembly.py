@@ -75,7 +75,7 @@ class LoraOptions:
 
 def resolve_targets(targets: str | list[str], family: DiffusionFamily, model: nn.Module) -> str | list[str]:
     """Turn the user's ``targets`` into a peft ``target_modules`` value, checking that each part matches a layer."""
-    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) or _is_quantized_linear(m)]
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear | nn.Conv2d) or _is_quantized_linear(m)]
     if isinstance(targets, str):
         pattern = family.lora_presets.get(targets, targets)
         try:
@@ -87,7 +87,7 @@ def resolve_targets(targets: str | list[str], family: DiffusionFamily, model: nn
             ) from e
         if not any(regex.fullmatch(n) for n in names):
             raise ConfigError(
-                f"model.lora.targets: {targets!r} matches no linear layer of the {family.name} model. Use a preset "
+                f"model.lora.targets: {targets!r} matches no linear or convolution layer of the {family.name} model. Use a preset "
                 f"({', '.join(family.lora_presets)}) or a module-name pattern such as {names[len(names) // 2]!r}."
             )
         return pattern
@@ -95,7 +95,7 @@ def resolve_targets(targets: str | list[str], family: DiffusionFamily, model: nn
     if unmatched or not targets:
         example = sorted({n.rsplit(".", 1)[-1] for n in names})[:12]
         raise ConfigError(
-            f"model.lora.targets: {unmatched or targets} match no linear layer of the {family.name} model. "
+            f"model.lora.targets: {unmatched or targets} match no linear or convolution layer of the {family.name} model. "
             f"Layer names end in e.g. {example}; or use a preset ({', '.join(family.lora_presets)})."
         )
     return list(targets)

@@ -34,6 +34,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_lora.callbacks.evaluation import FixedEvalLoss
 from lightning_lora.callbacks.lora_export import LoraExport
+from lightning_lora.callbacks.monitor import ConfigSummary, Throughput, VRAMMonitor
 from lightning_lora.callbacks.resume import GracefulStop, RNGState
 from lightning_lora.callbacks.samples import SampleImages
 from lightning_lora.checkpoint import AtomicCheckpointIO, check_compatible, load_checkpoint, resolve_resume
@@ -91,7 +92,7 @@ class LoraCLI(LightningCLI):
             callbacks.append(LoraExport())
         if not any(isinstance(c, FixedEvalLoss) for c in callbacks):
             callbacks.append(FixedEvalLoss())
-        for required in (RNGState, GracefulStop):
+        for required in (RNGState, GracefulStop, VRAMMonitor, Throughput, ConfigSummary):
             if not any(isinstance(c, required) for c in callbacks):
                 callbacks.append(required())
         config["callbacks"] = callbacks

@@ -109,12 +109,12 @@ def test_regex_and_preset_targets() -> None:
     model = torch.nn.Module()
     model.block = torch.nn.Module()
     model.block.to_q = torch.nn.Linear(4, 4)
-    model.block.other = torch.nn.Conv2d(1, 1, 1)
+    model.block.other = torch.nn.LayerNorm(4)
     family = Flux()
     assert resolve_targets("attention", family, _TinyAttn()) == Flux.lora_presets["attention"]
     assert resolve_targets(r".*to_q", family, model) == r".*to_q"
-    with pytest.raises(ConfigError, match=r"model\.lora\.targets.*matches no linear layer"):
-        resolve_targets(r".*other", family, model)  # a Conv2d is not a linear layer
+    with pytest.raises(ConfigError, match=r"model\.lora\.targets.*matches no linear or convolution layer"):
+        resolve_targets(r".*other", family, model)  # a norm is neither
     with pytest.raises(ConfigError, match=r"model\.lora\.targets.*neither a preset.*regular expression"):
         resolve_targets("to_q(", family, model)
     with pytest.raises(ConfigError, match=r"model\.lora\.targets"):

@@ -116,7 +116,10 @@ def test_fit_trains_and_writes_the_run_folder(tmp_path: Path, tiny_flux_dir: Pat
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(run), size_guidance={"images": 0}).Reload()
-    assert {"train/loss", "train/lr", "eval/loss"} <= set(events.Tags()["scalars"])
+    assert {"train/loss", "train/lr", "eval/loss", "perf/images_per_s", "perf/minutes_left"} <= set(
+        events.Tags()["scalars"]
+    )
+    assert any(tag.startswith("config") for tag in events.Tags()["tensors"])  # the resolved config, as text
     assert any(tag.startswith("samples/") for tag in events.Tags()["images"])
     # The user's model and photos are untouched; the cache went to cache_dir.
     assert (tree_digest(tiny_flux_dir), tree_digest(photos_dir)) == before

@@ -138,6 +138,11 @@ def random_sdxl_family(config: dict[str, Any], device: str) -> Any:
         def check_source(self, source: ModelSource) -> None:
             pass
 
+        def denoiser_skeleton(self, source: ModelSource) -> torch.nn.Module:
+            from diffusers import UNet2DConditionModel
+
+            return _build(UNet2DConditionModel, config, "meta", source.dtype)
+
         def load_denoiser(self, source: ModelSource) -> torch.nn.Module:
             from diffusers import UNet2DConditionModel
 
@@ -295,11 +300,11 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     out.update(timer.result)
     assert module.denoiser is not None
     out["lora_params_M"] = round(sum(p.numel() for p in module.denoiser.parameters() if p.requires_grad) / 1e6, 3)
-    if a.plan and a.family == "flux":
+    if a.plan:
         from lightning_lora.plan import plan_training
 
         names = {"adamw8bit": "AdamW8bit", "adafactor": "Adafactor", "adamw": "AdamW"}
-        plan = plan_training(module, a.h, a.w, a.batch, a.tlen, optimizer=names[a.opt])
+        plan = plan_training(module, a.h, a.w, a.batch, a.tlen if a.family == "flux" else 77, optimizer=names[a.opt])
         out["planned_peak_GiB"] = round(plan.peak_gib, 2)
         out["planned"] = {k: round(v, 3) for k, v in vars(plan).items() if isinstance(v, float)}
     return out

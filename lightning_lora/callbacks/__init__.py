@@ -1,7 +1,8 @@
-"""Callbacks: sample images, fixed evaluation loss, LoRA export."""
+"""Callbacks: sample images, fixed evaluation loss, LoRA export, monitoring, exact resume."""
 
 from lightning_lora.callbacks.evaluation import FixedEvalLoss
 from lightning_lora.callbacks.lora_export import LoraExport
+from lightning_lora.callbacks.monitor import ConfigSummary, Throughput, VRAMMonitor
 from lightning_lora.callbacks.samples import SampleImages
 
-__all__ = ["FixedEvalLoss", "LoraExport", "SampleImages"]
+__all__ = ["ConfigSummary", "FixedEvalLoss", "LoraExport", "SampleImages", "Throughput", "VRAMMonitor"]

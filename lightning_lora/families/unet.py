@@ -267,6 +267,46 @@ class UNetFamily(DiffusionFamily):
             overrides.update(rescale_betas_zero_snr=True, timestep_spacing="trailing")
         return cls.from_config(config, **overrides)
 
+    # -- memory planning ---------------------------------------------------------------------------------------
+    def denoiser_skeleton(self, source: ModelSource) -> nn.Module:
+        from diffusers import UNet2DConditionModel
+
+        from lightning_lora.families.flux import _on_meta
+
+        config = load_component(UNet2DConditionModel.load_config, source, self.denoiser_subfolder)
+        return _on_meta(UNet2DConditionModel, config, source.dtype)
+
+    def example_inputs(
+        self, model: nn.Module, batch: int, height: int, width: int, text_len: int, device: str, dtype: torch.dtype
+    ) -> dict[str, Any]:
+        c = model.config
+        f = self.vae_scale_factor
+        inputs: dict[str, Any] = {
+            "sample": torch.empty(batch, c.in_channels, height // f, width // f, device=device, dtype=dtype),
+            "timestep": torch.zeros(batch, device=device, dtype=torch.long),
+            "encoder_hidden_states": torch.empty(batch, 77, c.cross_attention_dim, device=device, dtype=dtype),
+            "return_dict": False,
+        }
+        if c.addition_embed_type == "text_time":
+            pooled = c.projection_class_embeddings_input_dim - 6 * c.addition_time_embed_dim
+            inputs["added_cond_kwargs"] = {
+                "text_embeds": torch.empty(batch, pooled, device=device, dtype=dtype),
+                "time_ids": torch.empty(batch, 6, device=device, dtype=dtype),
+            }
+        return inputs
+
+    def block_count(self, model: nn.Module) -> int:
+        blocks = [*model.down_blocks, model.mid_block, *model.up_blocks]
+        return sum(len(b.resnets) + len(getattr(b, "attentions", None) or []) for b in blocks if b is not None)
+
+    def sampling_bytes(self, model: nn.Module, height: int, width: int, text_len: int) -> float:
+        # Classifier-free guidance doubles the batch; the widest UNet activations are at full latent resolution
+        # (320 channels x a few buffers), and the VAE decode at full resolution (128 channels, fp16/bf16).
+        latent = (height // self.vae_scale_factor) * (width // self.vae_scale_factor)
+        unet = 2 * latent * model.config.block_out_channels[0] * 2 * 8
+        vae = height * width * 128 * 2 * 4
+        return float(unet + vae + 84e6 * 2)
+
     @staticmethod
     def _device_dtype(pipeline: Any) -> tuple[torch.device, torch.dtype]:
         return pipeline.unet.device, compute_dtype(pipeline.unet)

@@ -1,0 +1,131 @@
+"""What a user watches while a LoRA trains: GPU memory, speed, time left, and the run's resolved config.
+
+* :class:`VRAMMonitor` logs, per logging window and per rank, the peak allocated and reserved GPU memory
+  (``torch.cuda.reset_peak_memory_stats`` at each window start, so a window shows its own peak), the static
+  footprint once the model is set up, and the memory planner's prediction beside it. The progress bar shows the
+  peak. ``torch.cuda`` is also the API of ROCm builds, so it works there unchanged; on the CPU it logs nothing.
+* :class:`Throughput` logs optimizer steps per second, images per second (all ranks, all micro-batches) and the
+  minutes left to ``max_steps``; the progress bar shows the minutes left (Lightning's own estimate is per epoch).
+* :class:`ConfigSummary` puts the resolved ``config.yaml`` into TensorBoard's Text tab, so the settings of every
+  curve are one click away.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_info
+from typing_extensions import override
+
+__all__ = ["ConfigSummary", "Throughput", "VRAMMonitor"]
+
+GIB = 2**30
+
+
+def _cuda(pl_module: LightningModule) -> bool:
+    return pl_module.device.type == "cuda" and torch.cuda.is_available()
+
+
+class VRAMMonitor(Callback):
+    """Peak GPU memory per logging window and rank, the static footprint, and the planner's prediction.
+
+    Args:
+        plan: also log the memory planner's predicted peak (``vram/planned_peak_GiB``) at the start.
+    """
+
+    def __init__(self, plan: bool = True) -> None:
+        self.plan = plan
+        self.static_gib: float | None = None
+        self.planned_gib: float | None = None
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not _cuda(pl_module):
+            return
+        self.static_gib = torch.cuda.memory_allocated(pl_module.device) / GIB
+        metrics = {"vram/static_GiB": self.static_gib}
+        if self.plan and trainer.is_global_zero:
+            from lightning_lora.plan_cli import plan_for
+
+            try:
+                self.planned_gib = plan_for(pl_module, trainer.datamodule).peak_gib
+                metrics["vram/planned_peak_GiB"] = self.planned_gib
+            except (NotImplementedError, ValueError, OSError) as e:
+                rank_zero_info(f"VRAMMonitor: no planner prediction ({e})")
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+        torch.cuda.reset_peak_memory_stats(pl_module.device)
+
+    @override
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        if not _cuda(pl_module) or not trainer._logger_connector.should_update_logs:  # noqa: SLF001
+            return
+        device = pl_module.device
+        mine = torch.tensor(
+            [torch.cuda.max_memory_allocated(device) / GIB, torch.cuda.max_memory_reserved(device) / GIB],
+            device=device,
+        )
+        every = trainer.strategy.all_gather(mine).reshape(-1, 2) if trainer.world_size > 1 else mine.reshape(1, 2)
+        metrics = {}
+        for rank, (allocated, reserved) in enumerate(every.tolist()):
+            metrics[f"vram/rank{rank}/peak_allocated_GiB"] = allocated
+            metrics[f"vram/rank{rank}/peak_reserved_GiB"] = reserved
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+        pl_module.log("vram_GiB", float(every[:, 0].max()), prog_bar=True, logger=False, rank_zero_only=True)
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+class Throughput(Callback):
+    """Optimizer steps/s, images/s and minutes left to ``max_steps``."""
+
+    def __init__(self) -> None:
+        self._last: tuple[float, int] | None = None
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._last = (time.perf_counter(), trainer.global_step)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, *args: Any
+    ) -> None:
+        if self._last is None or not trainer._logger_connector.should_update_logs:  # noqa: SLF001
+            return
+        now, step = time.perf_counter(), trainer.global_step
+        then, then_step = self._last
+        if step <= then_step:
+            return
+        seconds_per_step = (now - then) / (step - then_step)
+        batch_size = len(batch["latents"]) if isinstance(batch, dict) and "latents" in batch else 1
+        images_per_step = batch_size * trainer.accumulate_grad_batches * trainer.world_size
+        metrics = {"perf/steps_per_s": 1 / seconds_per_step, "perf/images_per_s": images_per_step / seconds_per_step}
+        if trainer.max_steps and trainer.max_steps > 0:
+            minutes_left = max(0, trainer.max_steps - step) * seconds_per_step / 60
+            metrics["perf/minutes_left"] = minutes_left
+            pl_module.log("eta_min", minutes_left, prog_bar=True, logger=False, rank_zero_only=True)
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)
+        self._last = (now, step)
+
+
+class ConfigSummary(Callback):
+    """The resolved config.yaml of the run, in TensorBoard's Text tab (tag ``config``)."""
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not trainer.is_global_zero:
+            return
+        config = Path(trainer.log_dir or trainer.default_root_dir) / "config.yaml"
+        if not config.is_file():
+            return
+        # Markdown: four-space indentation renders the YAML as a code block.
+        text = "\n".join("    " + line for line in config.read_text().splitlines())
+        for logger in trainer.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                logger.experiment.add_text("config", text, trainer.global_step)

@@ -1,0 +1,69 @@
+"""The memory planner on CPU: storage arithmetic, the meta-device activation count, and the ``plan`` verb.
+Its accuracy against measured GPU peaks is in BENCHMARKS.md (tools/bench.py prints both)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_cli import write_config
+from torch import nn
+
+from lightning_lora.cli import main
+from lightning_lora.module import LoraModule
+from lightning_lora.plan import MemoryPlan, plan_training, saved_activation_bytes, weight_bytes
+from lightning_lora.quant import QuantOptions
+
+
+def test_weight_bytes_by_storage_format() -> None:
+    model = nn.Sequential(nn.Linear(128, 64, bias=False), nn.LayerNorm(64))  # 8192 + 128 parameters
+    assert weight_bytes(model, QuantOptions(), torch.bfloat16) == (8192 + 128) * 2
+    assert weight_bytes(model, QuantOptions(mode="fp8"), torch.bfloat16) == 8192 + 64 * 4 + 128 * 2
+    nf4 = 8192 / 2 + 8192 / 64 * (1 + 4 / 256) + 128 * 4  # 4-bit codes, 8-bit absmax (+ its fp32 scales), fp32 norm
+    assert weight_bytes(model, QuantOptions(mode="nf4"), torch.bfloat16) == pytest.approx(nf4)
+    plain_nf4 = 8192 / 2 + 8192 / 64 * 4 + 128 * 4
+    assert weight_bytes(model, QuantOptions(mode="nf4", double_quant=False), torch.bfloat16) == pytest.approx(plain_nf4)
+
+
+def test_meta_count_matches_a_real_forward() -> None:
+    """The count on the meta device equals the bytes autograd really keeps on the CPU (no attention involved)."""
+    torch.manual_seed(0)
+    real = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16))
+    real[0].weight.requires_grad_(False)
+    with torch.device("meta"):
+        meta = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16))
+    meta[0].weight.requires_grad_(False)
+    counted, largest = saved_activation_bytes(meta, {"input": torch.empty(8, 32, device="meta")})
+    real_bytes, _ = saved_activation_bytes(real, {"input": torch.randn(8, 32)})
+    assert counted == real_bytes > 0
+    assert largest == 8 * 64 * 4  # the GELU input / Linear output, float32
+
+
+def test_plan_of_the_tiny_flux(tiny_flux_dir: Path, photos_dir: Path) -> None:
+    def plan(**options: object) -> MemoryPlan:
+        module = LoraModule(str(tiny_flux_dir), **options)
+        return plan_training(module, 256, 256, 2, 32)
+
+    full, checkpointed = plan(), plan(gradient_checkpointing=True)
+    assert checkpointed.activations < full.activations
+    assert plan(quantization=QuantOptions(mode="fp8")).weights < full.weights
+    assert full.lora > 0 and full.optimizer == pytest.approx(2 * full.lora)  # AdamW: two fp32 moments per weight
+    assert full.peak_gib == pytest.approx(full.static + full.activations + full.transient + full.overhead)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_flux_dir", "tiny_sdxl_dir", "tiny_sd15_dir"])
+def test_plan_verb(tmp_path: Path, photos_dir: Path, capsys, request: pytest.FixtureRequest, fixture: str) -> None:
+    family = {"tiny_flux_dir": "Flux", "tiny_sdxl_dir": "SDXL", "tiny_sd15_dir": "SD15"}[fixture]
+    config = write_config(
+        tmp_path,
+        request.getfixturevalue(fixture),
+        photos_dir,
+        **{"model.family": {"class_path": f"lightning_lora.families.{family}"}, "data.resolution": 64},
+    )
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--config", str(config), "--vram", "0.01"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "training peak" in out and "does NOT fit in 0.01 GiB" in out
+    assert not (tmp_path / "run").exists()  # planning writes nothing
