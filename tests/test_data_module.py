@@ -168,7 +168,9 @@ def test_options_are_validated_early(tmp_path: Path, tiny_flux_dir: Path) -> Non
     assert spec.buckets.step == 64 and spec.buckets.min_resolution == 256 and spec.buckets.resolutions == (1024, 512)
 
 
-def test_cache_verb(tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path, capsys) -> None:
+def test_cache_verb_then_fit_reads_only_the_cache(
+    tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path, capsys, monkeypatch
+) -> None:
     config = write_config(tmp_path, tiny_flux_dir, photos_dir)
     data = yaml.safe_load(config.read_text())
     data["data"].update(
@@ -186,6 +188,15 @@ def test_cache_verb(tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path, capsy
     assert cache_main(["--config", str(config), "--data.random_flip", "false"]) == 0
     assert "latents:         0 encoded, 8 reused" in capsys.readouterr().out
     assert not (tmp_path / "run").exists()  # building the cache writes nothing into the run folder
+    assert "samples per epoch" in out
+    # Training reads only the cache: no VAE and no text encoder is loaded by fit (sample images, which would load
+    # them, are switched off here).
+    monkeypatch.setattr(Flux, "load_vae", lambda *a: pytest.fail("fit loaded the VAE"))
+    monkeypatch.setattr(Flux, "load_text_encoders", lambda *a: pytest.fail("fit loaded the text encoders"))
+    cli = run_cli(["fit", "--config", str(config), "--trainer.callbacks", "[]", "--trainer.max_steps", "2"])
+    assert cli.trainer.global_step == 2
+    monkeypatch.undo()
+    capsys.readouterr()
     assert cache_main(["--config", str(config), "--data.images", str(tmp_path / "missing")]) == 2
     assert "data.images" in capsys.readouterr().err
     assert cache_main(["--help"]) == 0 and "lightning-lora cache --config" in capsys.readouterr().out

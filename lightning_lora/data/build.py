@@ -192,8 +192,9 @@ class CacheReport:
             f"Cache {self.root}",
             f"  images found:    {self.images}"
             + (f" ({self.validation_images} held out for validation)" if self.validation_images else ""),
-            f"  training:        {train_images} images, {len(self.train)} entries"
-            + (f", {len({e.image for e in self.validation})} validation images" if self.validation else ""),
+            f"  training:        {train_images} images, {len(self.train)} entries (image x resolution), "
+            f"{sum(e.repeats for e in self.train)} samples per epoch (with repeats)"
+            + (f"; {len({e.image for e in self.validation})} validation images" if self.validation else ""),
             f"  latents:         {self.latents_encoded} encoded, {self.latents_reused} reused",
             f"  text embeddings: {self.texts_encoded} encoded, {self.texts_reused} reused",
             f"  skipped:         {len(bad)}"
@@ -202,6 +203,9 @@ class CacheReport:
         lines += [f"    {s.line()}" for s in bad[:20]]
         if len(bad) > 20:
             lines.append(f"    ... and {len(bad) - 20} more (listed above)")
+        notes = [s for s in self.skipped if s.kind == "metadata"]
+        if notes:
+            lines.append(f"  metadata:        {len(notes)} record(s) ignored (listed above)")
         buckets = sorted(self.buckets.items(), key=lambda kv: (kv[0][0] * kv[0][1], kv[0]))
         lines.append("  buckets:         " + ", ".join(f"{w}x{h}: {n}" for (w, h), n in buckets))
         rate = f", {self.images_per_second:.1f} images/s encoded" if self.images_encoded else ""
@@ -264,7 +268,7 @@ def build(
     report.train = [e for e in train if e.image not in bad]
     report.validation = [e for e in validation if e.image not in bad]
     for s in report.skipped:
-        log.warning("skipped %s", s.line())
+        log.warning("%s", s.reason if s.kind == "metadata" else f"skipped {s.line()}")
     if not report.train:
         kinds = Counter(s.kind for s in report.skipped if s.kind not in ("metadata", "empty folder"))
         why = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) or "no images"
