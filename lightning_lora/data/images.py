@@ -7,7 +7,8 @@ resized-then-cropped intermediate is never built.
 
 What real folders hold, and what happens to it:
 
-* **EXIF rotation**: honoured (``ImageOps.exif_transpose``), before the bucket is chosen.
+* **EXIF rotation** (all eight orientations): honoured, before the bucket is chosen; the box is resampled in the
+  stored orientation and only the bucket-sized result is turned upright.
 * **Transparency** (RGBA, LA, a palette with a transparent colour): resampled with premultiplied alpha (Pillow does it
   for RGBA/LA), then composited on a stated background colour (``data.alpha_background``), never on black by accident.
 * **Grayscale, palette, CMYK, 1-bit**: converted to RGB. **16-bit and 32-bit integer** grayscale is resized at full
@@ -29,11 +30,11 @@ import warnings
 from pathlib import Path
 
 import numpy as np
-from PIL import Image, ImageColor, ImageOps, UnidentifiedImageError
+from PIL import Image, ImageColor, UnidentifiedImageError
 
 __all__ = ["BadImage", "DECODE_RULE", "decode", "parse_color", "probe"]
 
-DECODE_RULE = "exif+box-lanczos-rg3+jpeg-draft+premultiplied-alpha-v1"
+DECODE_RULE = "exif+box-lanczos-rg3+jpeg-draft+premultiplied-alpha-v2"
 """Names the decoding rule; part of every latent cache key, so a change here re-encodes."""
 
 _ROTATED = {5, 6, 7, 8}  # EXIF orientations that swap width and height
@@ -127,6 +128,20 @@ def _to_rgb(im: Image.Image, background: tuple[int, int, int]) -> Image.Image:
     return im.convert("RGB")
 
 
+# EXIF orientation -> the Pillow transpose that makes the stored pixels upright (as ImageOps.exif_transpose does), and
+# where a point (u, v) of the upright image, in [0, 1] coordinates, lies in the stored image.
+_T = Image.Transpose
+_UPRIGHT = {
+    2: (_T.FLIP_LEFT_RIGHT, lambda u, v: (1 - u, v)),
+    3: (_T.ROTATE_180, lambda u, v: (1 - u, 1 - v)),
+    4: (_T.FLIP_TOP_BOTTOM, lambda u, v: (u, 1 - v)),
+    5: (_T.TRANSPOSE, lambda u, v: (v, u)),
+    6: (_T.ROTATE_270, lambda u, v: (v, 1 - u)),
+    7: (_T.TRANSVERSE, lambda u, v: (1 - v, 1 - u)),
+    8: (_T.ROTATE_90, lambda u, v: (1 - v, u)),
+}
+
+
 def decode(
     path: str | Path,
     box: tuple[float, float, float, float],
@@ -134,40 +149,54 @@ def decode(
     background: tuple[int, int, int] = (255, 255, 255),
 ) -> np.ndarray:
     """Pixels ``uint8 [size[1], size[0], 3]``: the ``box`` (left, top, right, bottom, in viewed-image pixels of the
-    size :func:`probe` returns) resampled to ``size`` (width, height). Raises :class:`BadImage`."""
+    size :func:`probe` returns) resampled to ``size`` (width, height). Raises :class:`BadImage`.
+
+    The box is resampled in the stored orientation and only the small result is rotated, so a full-size copy of the
+    image is never made (``ImageOps.exif_transpose`` would make one, even for an upright image)."""
     path = Path(path)
     out_w, out_h = size
-    with _open(path) as im:
-        viewed_w, viewed_h = im.size
-        rotated = _orientation(im) in _ROTATED
-        if rotated:
-            viewed_w, viewed_h = viewed_h, viewed_w
+    im = _open(path)
+    try:
+        stored_w, stored_h = im.size
+        transpose, to_stored = _UPRIGHT.get(_orientation(im), (None, None))
+        swapped = transpose in (_T.TRANSPOSE, _T.TRANSVERSE, _T.ROTATE_90, _T.ROTATE_270)
+        viewed_w, viewed_h = (stored_h, stored_w) if swapped else (stored_w, stored_h)
+        # The box in [0, 1] coordinates of the stored image, and the output size in the stored orientation.
+        u0, v0, u1, v1 = box[0] / viewed_w, box[1] / viewed_h, box[2] / viewed_w, box[3] / viewed_h
+        if to_stored is not None:
+            (a0, b0), (a1, b1) = to_stored(u0, v0), to_stored(u1, v1)
+            u0, u1, v0, v1 = min(a0, a1), max(a0, a1), min(b0, b1), max(b0, b1)
+        stored_out = (out_h, out_w) if swapped else (out_w, out_h)
         # The whole image at the scale the box needs; the JPEG decoder can produce (at least) that directly.
-        scale_x, scale_y = out_w / max(box[2] - box[0], 1e-6), out_h / max(box[3] - box[1], 1e-6)
-        need = (max(1, int(viewed_w * scale_x + 1)), max(1, int(viewed_h * scale_y + 1)))
-        if im.format == "JPEG" and need[0] < viewed_w and need[1] < viewed_h:
-            im.draft(None, (need[1], need[0]) if rotated else need)
+        need = (
+            max(1, int(stored_out[0] / max(u1 - u0, 1e-9) + 1)),
+            max(1, int(stored_out[1] / max(v1 - v0, 1e-9) + 1)),
+        )
+        if im.format == "JPEG" and need[0] < stored_w and need[1] < stored_h:
+            im.draft(None, need)
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", Image.DecompressionBombWarning)
                 im.load()
-                im = ImageOps.exif_transpose(im)
         except Image.DecompressionBombError as e:
             raise BadImage("too large", f"too large for Pillow's safety limit ({e})") from e
         except (OSError, ValueError, SyntaxError, EOFError) as e:
             raise BadImage("cannot decode", f"cannot decode the pixels ({e})") from e
         except MemoryError as e:
             raise BadImage("too large", "not enough memory to decode it") from e
-        im = _resamplable(im)
-        # The draft may have made the image smaller by an integer factor: map the box into its pixels.
-        fx, fy = im.size[0] / viewed_w, im.size[1] / viewed_h
-        source_box = (box[0] * fx, box[1] * fy, box[2] * fx, box[3] * fy)
-        if im.size == (out_w, out_h) and source_box == (0.0, 0.0, float(out_w), float(out_h)):
-            resized = im
+        pixels = _resamplable(im)
+        w, h = pixels.size  # smaller than stored when the JPEG decoder reduced it
+        source_box = (u0 * w, v0 * h, u1 * w, v1 * h)
+        if pixels.size == stored_out and source_box == (0.0, 0.0, float(w), float(h)):
+            resized = pixels
         else:
-            resized = im.resize((out_w, out_h), _RESAMPLE, box=source_box, reducing_gap=_REDUCING_GAP)
-        rgb = _to_rgb(resized, background)
-        arr = np.asarray(rgb, dtype=np.uint8)
+            resized = pixels.resize(stored_out, _RESAMPLE, box=source_box, reducing_gap=_REDUCING_GAP)
+        del pixels
+        if transpose is not None:
+            resized = resized.transpose(transpose)
+        arr = np.asarray(_to_rgb(resized, background), dtype=np.uint8)
+    finally:
+        im.close()
     if arr.shape != (out_h, out_w, 3):
         raise BadImage("cannot decode", f"decoded to an unexpected shape {arr.shape}")
     return arr
