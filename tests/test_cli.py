@@ -311,3 +311,21 @@ def test_console_script_fit_and_resume(tmp_path: Path, tiny_flux_dir: Path, phot
     assert second.returncode == 0, second.stderr[-3000:]
     assert "(step 6)" in second.stdout
     assert torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 6
+
+
+def test_held_out_validation_loss_is_logged(tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path) -> None:
+    import shutil
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    held_out = tmp_path / "val"
+    held_out.mkdir()
+    for name in ("coffee.png", "coffee.txt"):
+        shutil.copy(photos_dir / name, held_out / name)
+    config = write_config(
+        tmp_path, tiny_flux_dir, photos_dir, **{"trainer.max_steps": 3, "data.val_images": str(held_out)}
+    )
+    run_cli(["fit", "--config", str(config)])
+    events = EventAccumulator(str(tmp_path / "run")).Reload()
+    steps = [e.step for e in events.Scalars("val/loss")]
+    assert steps == [0, 3]  # before training and at the end, on the held-out image only

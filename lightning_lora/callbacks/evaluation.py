@@ -1,9 +1,14 @@
 """A fixed evaluation loss: the same images, timesteps and noise every time, so the curve is comparable.
 
 The training loss of a diffusion model is very noisy (each step draws a new timestep and new noise), which makes it
-a poor signal of progress. This callback evaluates the loss on the first few cached images at (timestep, noise) pairs
-drawn from a generator seeded the same way every time, before training, every N steps and at the end, and logs
-``eval/loss``. It draws from its own generator, never the global RNG, so observing a run does not change it.
+a poor signal of progress. This callback evaluates the loss at (timestep, noise) pairs drawn from a generator seeded
+the same way every time, before training, every N steps and at the end:
+
+* ``eval/loss`` on the first few training images (``data.eval_samples``): is the LoRA learning?
+* ``val/loss`` on the held-out images (``data.val_images`` / ``data.val_fraction``), when there are any: is it
+  still generalising, or memorising the training set?
+
+It draws from its own generator, never the global RNG, so observing a run does not change it.
 """
 
 from __future__ import annotations
@@ -30,9 +35,10 @@ class FixedEvalLoss(Callback):
         self.every_n_steps = every_n_steps
         self.seed = seed
         self.history: list[tuple[int, float]] = []
+        self.val_history: list[tuple[int, float]] = []
 
     @torch.no_grad()
-    def evaluate(self, trainer: Trainer, pl_module: LightningModule) -> float:
+    def _mean_loss(self, trainer: Trainer, pl_module: LightningModule, loader: Any) -> float:
         module: Any = pl_module
         generator = torch.Generator().manual_seed(self.seed)
         was_training = module.denoiser.training
@@ -40,18 +46,28 @@ class FixedEvalLoss(Callback):
         total, count = 0.0, 0
         try:
             with trainer.precision_plugin.forward_context():
-                for batch in trainer.datamodule.eval_dataloader():  # type: ignore[attr-defined]
-                    batch = {k: v.to(pl_module.device) for k, v in batch.items()}
+                for batch in loader:
+                    batch = {k: v.to(pl_module.device) if torch.is_tensor(v) else v for k, v in batch.items()}
                     losses = module.fixed_loss(batch, generator)
                     total += float(losses.sum())
                     count += losses.numel()
         finally:
             module.denoiser.train(was_training)
-        value = total / max(count, 1)
+        return total / max(count, 1)
+
+    def evaluate(self, trainer: Trainer, pl_module: LightningModule) -> float:
+        """Log ``eval/loss`` (and ``val/loss`` when the data has held-out images); return ``eval/loss``."""
+        datamodule: Any = trainer.datamodule
         step = trainer.global_step
+        value = self._mean_loss(trainer, pl_module, datamodule.eval_dataloader())
         self.history.append((step, value))
+        metrics = {"eval/loss": value}
+        val_loader = getattr(datamodule, "val_dataloader_fixed", lambda: None)()
+        if val_loader is not None:
+            metrics["val/loss"] = self._mean_loss(trainer, pl_module, val_loader)
+            self.val_history.append((step, metrics["val/loss"]))
         for logger in trainer.loggers:
-            logger.log_metrics({"eval/loss": value}, step=step)
+            logger.log_metrics(metrics, step=step)
         return value
 
     @override
@@ -70,3 +86,6 @@ class FixedEvalLoss(Callback):
             self.evaluate(trainer, pl_module)
         (s0, first), (s1, last) = self.history[0], self.history[-1]
         rank_zero_info(f"Fixed evaluation loss: {first:.4f} at step {s0} -> {last:.4f} at step {s1}")
+        if self.val_history:
+            (s0, first), (s1, last) = self.val_history[0], self.val_history[-1]
+            rank_zero_info(f"Held-out validation loss: {first:.4f} at step {s0} -> {last:.4f} at step {s1}")
