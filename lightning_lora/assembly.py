@@ -87,16 +87,18 @@ def resolve_targets(targets: str | list[str], family: DiffusionFamily, model: nn
             ) from e
         if not any(regex.fullmatch(n) for n in names):
             raise ConfigError(
-                f"model.lora.targets: {targets!r} matches no linear or convolution layer of the {family.name} model. Use a preset "
-                f"({', '.join(family.lora_presets)}) or a module-name pattern such as {names[len(names) // 2]!r}."
+                f"model.lora.targets: {targets!r} matches no linear or convolution layer of the {family.name} "
+                f"model. Use a preset ({', '.join(family.lora_presets)}) or a module-name pattern such as "
+                f"{names[len(names) // 2]!r}."
             )
         return pattern
     unmatched = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
     if unmatched or not targets:
         example = sorted({n.rsplit(".", 1)[-1] for n in names})[:12]
         raise ConfigError(
-            f"model.lora.targets: {unmatched or targets} match no linear or convolution layer of the {family.name} model. "
-            f"Layer names end in e.g. {example}; or use a preset ({', '.join(family.lora_presets)})."
+            f"model.lora.targets: {unmatched or targets} match no linear or convolution layer of the "
+            f"{family.name} model. Layer names end in e.g. {example}; or use a preset "
+            f"({', '.join(family.lora_presets)})."
         )
     return list(targets)
 

@@ -104,9 +104,8 @@ class LoraCLI(LightningCLI):
 
     def before_fit(self) -> None:
         # Cross-object checks, before any weights load: the data resolution must suit the model family.
-        family = self.model.family
-        resolution = self.datamodule.resolution
-        family.check_resolution(resolution, resolution, "data.resolution")
+        # Every resolution and bucket option against the model family (raises ConfigError naming the option).
+        self.datamodule.spec(self.model.family)
         if torch.cuda.is_available() and self.trainer.strategy.root_device.type == "cuda":
             warn_if_too_big(self.model, self.datamodule, self.trainer.strategy.root_device)
 
@@ -192,12 +191,17 @@ _NOISE = (
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point of the ``lightning-lora`` command: ``export`` is ours, everything else is LightningCLI's."""
+    """Entry point of the ``lightning-lora`` command: ``cache``, ``plan`` and ``export`` are ours, everything else
+    (``fit``, ``--help``...) is LightningCLI's."""
     args = sys.argv[1:] if argv is None else list(argv)
     if args[:1] == ["export"]:
         from lightning_lora.export_cli import main as export_main
 
         raise SystemExit(export_main(args[1:]))
+    if args[:1] == ["cache"]:
+        from lightning_lora.cache_cli import main as cache_main
+
+        raise SystemExit(cache_main(args[1:]))
     if args[:1] == ["plan"]:
         from lightning_lora.plan_cli import main as plan_main
 

@@ -31,7 +31,7 @@ from lightning.pytorch import Callback, LightningDataModule, Trainer  # noqa: E4
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
 from lightning_lora.assembly import LoraOptions  # noqa: E402
-from lightning_lora.families.base import ModelSource  # noqa: E402
+from lightning_lora.families.base import ModelSource, build_from_config  # noqa: E402
 from lightning_lora.families.flux import Flux  # noqa: E402
 from lightning_lora.module import LoraModule  # noqa: E402
 from lightning_lora.quant import QuantOptions  # noqa: E402
@@ -74,20 +74,12 @@ class RandomFlux(Flux):
     def denoiser_skeleton(self, source: ModelSource) -> torch.nn.Module:
         from diffusers import FluxTransformer2DModel
 
-        from lightning_lora.families.flux import _on_meta
-
-        return _on_meta(FluxTransformer2DModel, dict(self.config), source.dtype)
+        return build_from_config(FluxTransformer2DModel, dict(self.config), source.dtype)
 
     def load_denoiser(self, source: ModelSource) -> torch.nn.Module:
         from diffusers import FluxTransformer2DModel
 
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(source.dtype)
-        try:
-            with torch.device(self.device):
-                model = FluxTransformer2DModel(**self.config)
-        finally:
-            torch.set_default_dtype(previous)
+        model = build_from_config(FluxTransformer2DModel, dict(self.config), source.dtype, self.device)
         return model.requires_grad_(False).eval()
 
 
@@ -118,16 +110,6 @@ SDXL_TINY = dict(
 )
 
 
-def _build(cls: Any, config: dict[str, Any], device: str, dtype: torch.dtype) -> torch.nn.Module:
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            return cls(**config)
-    finally:
-        torch.set_default_dtype(previous)
-
-
 def random_sdxl_family(config: dict[str, Any], device: str) -> Any:
     """SDXL (lightning_lora.families.sdxl) with a random-init UNet of the real size and SDXL's noise schedule."""
     from lightning_lora import objectives
@@ -141,12 +123,12 @@ def random_sdxl_family(config: dict[str, Any], device: str) -> Any:
         def denoiser_skeleton(self, source: ModelSource) -> torch.nn.Module:
             from diffusers import UNet2DConditionModel
 
-            return _build(UNet2DConditionModel, config, "meta", source.dtype)
+            return build_from_config(UNet2DConditionModel, config, source.dtype)
 
         def load_denoiser(self, source: ModelSource) -> torch.nn.Module:
             from diffusers import UNet2DConditionModel
 
-            unet = _build(UNet2DConditionModel, config, device, source.dtype)
+            unet = build_from_config(UNet2DConditionModel, config, source.dtype, device)
             betas = objectives.beta_schedule("scaled_linear", 1000, 0.00085, 0.012)
             unet.noise_schedule = NoiseSchedule(objectives.alphas_cumprod(betas), "epsilon")
             return unet.requires_grad_(False).eval()

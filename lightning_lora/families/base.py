@@ -35,7 +35,7 @@ from torch import nn
 
 from lightning_lora.errors import ConfigError
 
-__all__ = ["DiffusionFamily", "ModelSource", "check_source", "load_component", "FAMILIES"]
+__all__ = ["DiffusionFamily", "ModelSource", "build_from_config", "check_source", "load_component", "FAMILIES"]
 
 FAMILIES: dict[str, type[DiffusionFamily]] = {}
 """The registry: family name -> class. Filled by :meth:`DiffusionFamily.__init_subclass__`."""
@@ -135,6 +135,18 @@ def load_component(load: Callable[..., T], source: ModelSource, subfolder: str, 
         raise ConfigError(
             f"model.pretrained: could not load {subfolder!r} from {source.pretrained!r} ({where}): {e}"
         ) from e
+
+
+def build_from_config(cls: Any, config: dict[str, Any], dtype: torch.dtype, device: str = "meta") -> nn.Module:
+    """``cls(**config)`` built directly on ``device`` in ``dtype``: on ``meta`` for the memory planner (shapes only),
+    on ``cuda`` for the benchmark (random weights of the real size, no download, no CPU copy)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return cls.from_config(config)
+    finally:
+        torch.set_default_dtype(previous)
 
 
 class DiffusionFamily(ABC):

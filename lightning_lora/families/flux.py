@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from lightning_lora import objectives
-from lightning_lora.families.base import DiffusionFamily, ModelSource, load_component
+from lightning_lora.families.base import DiffusionFamily, ModelSource, build_from_config, load_component
 from lightning_lora.objectives import TimestepSampling
 
 __all__ = ["Flux", "pack_latents", "unpack_latents", "latent_image_ids"]
@@ -261,7 +261,7 @@ class Flux(DiffusionFamily):
         from diffusers import FluxTransformer2DModel
 
         config = load_component(FluxTransformer2DModel.load_config, source, self.denoiser_subfolder)
-        return _on_meta(FluxTransformer2DModel, config, source.dtype)
+        return build_from_config(FluxTransformer2DModel, config, source.dtype)
 
     def example_inputs(
         self, model: nn.Module, batch: int, height: int, width: int, text_len: int, device: str, dtype: torch.dtype
@@ -292,13 +292,3 @@ class Flux(DiffusionFamily):
         block = tokens * (3 * inner + 4 * inner + inner) * 2 * 2
         vae = height * width * 128 * 2 * 4
         return float(block + vae + 84e6 * 2)
-
-
-def _on_meta(cls: Any, config: dict[str, Any], dtype: torch.dtype) -> nn.Module:
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device("meta"):
-            return cls.from_config(config)
-    finally:
-        torch.set_default_dtype(previous)

@@ -39,7 +39,7 @@ from torch import nn
 
 from lightning_lora import objectives
 from lightning_lora.errors import ConfigError
-from lightning_lora.families.base import DiffusionFamily, ModelSource, load_component
+from lightning_lora.families.base import DiffusionFamily, ModelSource, build_from_config, load_component
 from lightning_lora.families.flux import compute_dtype
 from lightning_lora.objectives import PredictionType
 
@@ -271,10 +271,8 @@ class UNetFamily(DiffusionFamily):
     def denoiser_skeleton(self, source: ModelSource) -> nn.Module:
         from diffusers import UNet2DConditionModel
 
-        from lightning_lora.families.flux import _on_meta
-
         config = load_component(UNet2DConditionModel.load_config, source, self.denoiser_subfolder)
-        return _on_meta(UNet2DConditionModel, config, source.dtype)
+        return build_from_config(UNet2DConditionModel, config, source.dtype)
 
     def example_inputs(
         self, model: nn.Module, batch: int, height: int, width: int, text_len: int, device: str, dtype: torch.dtype

@@ -1,0 +1,66 @@
+"""The GPU benchmark tools run on the CPU with tiny models (the same code path the GPU numbers come from)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+
+import bench  # noqa: E402
+import bench_suite  # noqa: E402
+
+
+@pytest.mark.parametrize("family", ["flux", "sdxl"])
+def test_bench_runs_our_module_on_a_tiny_model(family: str) -> None:
+    args = argparse.Namespace(
+        family=family,
+        quant="none",
+        rank=4,
+        targets="attention",
+        gc=0,
+        h=64,
+        w=64,
+        tlen=16,
+        batch=1,
+        steps=1,
+        warm=1,
+        opt="adamw",
+        compile=0,
+        attention="auto",
+        plan=1,
+        tiny=True,
+    )
+    out = bench.run(args)
+    assert out["s_per_step"] > 0 and out["lora_params_M"] > 0
+    assert out["planned_peak_GiB"] >= out["planned"]["overhead"] > 0  # tiny model: little beyond the CUDA context
+    assert {"weights", "lora", "activations", "transient"} <= out["planned"].keys()
+
+
+def test_bench_suite_commands_pair_ours_with_the_reference() -> None:
+    runs = dict(bench_suite.commands("flux-nf4-r4-gc-1024x1024", "ref_recipe.py", steps=8, warm=3))
+    assert runs["ours"][2:] == [
+        "--family",
+        "flux",
+        "--quant",
+        "nf4",
+        "--rank",
+        "4",
+        "--gc",
+        "1",
+        "--h",
+        "1024",
+        "--w",
+        "1024",
+        "--steps",
+        "8",
+        "--warm",
+        "3",
+    ]
+    assert runs["ref"][1:3] == ["ref_recipe.py", "flux-nf4"] and "nocudnn" in runs["ref"]
+    assert "ref" not in dict(bench_suite.commands("flux-fp8c-r16", "ref_recipe.py", 8, 3))  # no FP8 reference mode
+    with pytest.raises(SystemExit, match="bad case"):
+        bench_suite.commands("flux-int3-r4", None, 8, 3)
