@@ -28,6 +28,7 @@ from torch import nn
 
 from lightning_lora.errors import ConfigError
 from lightning_lora.families.base import DiffusionFamily, ModelSource
+from lightning_lora.hardware import check_attention
 from lightning_lora.quant import QuantOptions, quantize_base
 
 __all__ = [
@@ -162,11 +163,8 @@ def configure_attention(denoiser: nn.Module, backend: AttentionBackend, device: 
     in ``mha_graph.execute``). ``flash`` / ``efficient`` / ``cudnn`` / ``math`` allow only that SDPA backend (the
     process-wide ``torch.backends.cuda`` switches); ``xformers`` uses diffusers' xformers processors (CUDA only).
     """
+    check_attention(backend, device)  # xformers / cudnn on a build that has none (CPU, ROCm)
     if backend == "xformers":
-        if device.type != "cuda":
-            raise ConfigError(
-                "model.attention: xformers has no kernels for the CPU (and none for ROCm builds); use auto."
-            )
         try:
             import xformers  # noqa: F401
         except ImportError as e:

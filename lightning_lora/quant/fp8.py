@@ -10,7 +10,7 @@ custom autograd function keeps only ``W8`` for the backward pass and dequantizes
 the bf16 copy of every layer alive until the backward, which is the bf16 model again.
 
 **Compute** multiplies in FP8 with ``torch._scaled_mm`` and row-wise scales, on FP8 matrix units (compute capability
-8.9+: RTX 40xx, L4, H100/H200; AMD MI300):
+8.9+: RTX 40xx, L4, H100/H200; AMD MI300 / gfx94x+; :func:`lightning_lora.hardware.fp8_compute_supported`):
 
 * forward ``y = x W^T``: ``x`` is quantized per row (token), ``W8`` per output channel, and
   ``_scaled_mm(x8, W8^T, s_x, s_W)`` applies both scales in the epilogue;
@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_lora.hardware import fp8_compute_supported
 from lightning_lora.quant.options import QuantOptions, linear_layers
 
 __all__ = ["FP8Linear", "fp8_compute_supported", "quantize_fp8", "quantize_rowwise"]
@@ -63,17 +64,6 @@ def _fused(fn: Callable[..., Any], device_type: str) -> Callable[..., Any]:
     if device_type == "cuda":
         return torch.compile(fn, dynamic=True)
     return fn
-
-
-def fp8_compute_supported(device: torch.device) -> tuple[bool, str]:
-    """Whether ``device`` has FP8 matrix units, and why not."""
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return False, f"device {device.type} has none"
-    if torch.version.hip is not None:
-        name = torch.cuda.get_device_properties(device).gcnArchName
-        return ("gfx94" in name or "gfx95" in name), f"AMD {name} (needs MI300 / gfx94x or newer)"
-    major, minor = torch.cuda.get_device_capability(device)
-    return (major, minor) >= (8, 9), f"compute capability {major}.{minor} (needs 8.9 or newer)"
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:

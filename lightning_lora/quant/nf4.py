@@ -47,10 +47,21 @@ def _autocast_linear4bit() -> type:
 
 @functools.lru_cache(maxsize=1)
 def require_bitsandbytes() -> Any:
+    """Import bitsandbytes, or say how to get it.
+
+    On ROCm the import can also fail inside bitsandbytes (no native library for this ROCm version): that is a
+    ``RuntimeError`` or ``OSError``, not an ``ImportError``, and gets the same message with the ROCm hint.
+    """
     try:
         import bitsandbytes
-    except ImportError as e:
-        raise ConfigError("model.quantization.mode: nf4 needs bitsandbytes: pip install 'lightning-lora[bnb]'") from e
+    except (ImportError, RuntimeError, OSError) as e:
+        hint = ""
+        if torch.version.hip is not None:
+            hint = f" (this is a ROCm {torch.version.hip} build of torch: bitsandbytes needs a ROCm-enabled release)"
+        raise ConfigError(
+            f"model.quantization.mode: nf4 needs bitsandbytes: pip install 'lightning-lora[bnb]'{hint}; "
+            f"importing it failed with: {e}"
+        ) from e
     return bitsandbytes
 
 

@@ -60,7 +60,8 @@ def quantize_base(model: nn.Module, options: QuantOptions, device: torch.device,
         from lightning_lora.quant.nf4 import quantize_nf4
 
         return quantize_nf4(model, options, device, compute_dtype)
-    from lightning_lora.quant.fp8 import fp8_compute_supported, quantize_fp8
+    from lightning_lora.hardware import fp8_compute_supported
+    from lightning_lora.quant.fp8 import quantize_fp8
 
     compute = options.mode == "fp8_compute"
     if compute:

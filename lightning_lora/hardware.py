@@ -1,0 +1,117 @@
+"""Which accelerator this torch build drives, and what it can do.
+
+One torch API covers two GPU vendors. A ROCm build of PyTorch answers ``torch.cuda.is_available()`` and puts
+tensors on ``device("cuda")`` exactly like a CUDA build; only ``torch.version.hip`` (a version string instead of
+``None``) tells them apart. So "the device type is cuda" does not mean NVIDIA, and every check for a feature that
+exists on one vendor only has to look at the build first:
+
+* **CUDA** cards are told apart by compute capability (``torch.cuda.get_device_capability``): 8.0 Ampere (A100),
+  8.6 Ampere (RTX 30xx), 8.9 Ada (RTX 40xx, L4), 9.0 Hopper (H100/H200), 10.x/12.x Blackwell.
+* **ROCm** cards report a ``gcnArchName`` such as ``gfx942:sramecc+:xnack-`` (``torch.cuda.get_device_properties``):
+  ``gfx90a`` MI200, ``gfx942`` MI300X/MI300A, ``gfx950`` MI350, ``gfx110x`` RDNA3 (RX 7900), ``gfx120x`` RDNA4.
+  The capability ROCm reports is a made-up number from the arch and means nothing here.
+
+What differs for this trainer, and what happens on ROCm:
+
+* ``model.attention: xformers``: refused (xformers publishes no ROCm kernels); ``auto`` uses PyTorch SDPA, which
+  has flash and memory-efficient kernels on ROCm.
+* ``model.attention: cudnn``: refused (cuDNN is NVIDIA's library).
+* ``model.quantization.mode: fp8_compute``: FP8 matmuls on gfx94x / gfx95x (MI300, MI350), as on CUDA 8.9+;
+  on other cards it falls back to ``fp8`` storage with a warning, the same as on an Ampere card.
+* ``model.quantization.mode: nf4``: bitsandbytes' ROCm build; if it does not import, the error names the extra.
+
+Everything else (bf16, FP8 storage, SDPA flash / memory-efficient / math, DDP over RCCL) is the same code on both.
+The functions here only read torch's answers, so tests can fake a HIP build by patching ``torch.version.hip`` and
+``torch.cuda``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from lightning_lora.errors import ConfigError
+
+__all__ = ["Backend", "detect", "fp8_compute_supported", "check_attention"]
+
+Kind = Literal["cuda", "rocm", "cpu", "mps"]
+
+# AMD archs with FP8 matrix instructions that torch._scaled_mm uses: CDNA3 (MI300) and CDNA4 (MI350).
+_ROCM_FP8_ARCHS = ("gfx94", "gfx95")
+
+
+@dataclass(frozen=True)
+class Backend:
+    """The accelerator behind a ``torch.device``.
+
+    Attributes:
+        kind: ``cuda`` (NVIDIA), ``rocm`` (AMD through HIP), ``cpu`` or ``mps`` (Apple).
+        name: the device name torch reports (``NVIDIA H200``, ``AMD Instinct MI300X``, ``cpu``).
+        capability: NVIDIA compute capability, e.g. ``(8, 9)``; ``None`` elsewhere.
+        arch: AMD GPU arch without feature flags, e.g. ``gfx942``; ``None`` elsewhere.
+    """
+
+    kind: Kind
+    name: str
+    capability: tuple[int, int] | None = None
+    arch: str | None = None
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.kind in ("cuda", "rocm")
+
+    def describe(self) -> str:
+        """One line for messages and logs: ``NVIDIA H200 (CUDA, compute capability 9.0)``."""
+        if self.kind == "cuda":
+            return f"{self.name} (CUDA, compute capability {self.capability[0]}.{self.capability[1]})"
+        if self.kind == "rocm":
+            return f"{self.name} (ROCm, {self.arch})"
+        return self.name
+
+
+def detect(device: torch.device | str | None = None) -> Backend:
+    """The :class:`Backend` of ``device`` (default: the current GPU if there is one, else the CPU)."""
+    if device is None:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type == "mps":
+        return Backend("mps", "mps")
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return Backend("cpu", "cpu")
+    props = torch.cuda.get_device_properties(device)
+    if torch.version.hip is not None:
+        arch = str(getattr(props, "gcnArchName", "") or "unknown").split(":")[0]
+        return Backend("rocm", props.name, arch=arch)
+    major, minor = torch.cuda.get_device_capability(device)
+    return Backend("cuda", props.name, capability=(major, minor))
+
+
+def fp8_compute_supported(device: torch.device | str | Backend) -> tuple[bool, str]:
+    """Whether the device has FP8 matrix units that ``torch._scaled_mm`` drives, and a reason for messages."""
+    backend = device if isinstance(device, Backend) else detect(device)
+    if backend.kind == "rocm":
+        ok = backend.arch is not None and backend.arch.startswith(_ROCM_FP8_ARCHS)
+        return ok, f"{backend.describe()}; needs MI300 / gfx94x or newer"
+    if backend.kind == "cuda":
+        return backend.capability >= (8, 9), f"{backend.describe()}; needs 8.9 or newer"
+    return False, f"device {backend.kind} has none"
+
+
+def check_attention(backend_name: str, device: torch.device | str | Backend) -> None:
+    """Refuse a ``model.attention`` choice that the device's build cannot run, with a :class:`ConfigError`."""
+    backend = device if isinstance(device, Backend) else detect(device)
+    if backend_name == "xformers":
+        if backend.kind == "rocm":
+            raise ConfigError(
+                f"model.attention: xformers has no ROCm kernels ({backend.describe()}); use auto (PyTorch SDPA, "
+                "which has flash and memory-efficient kernels on ROCm)."
+            )
+        if backend.kind != "cuda":
+            raise ConfigError(f"model.attention: xformers has no kernels for {backend.kind}; use auto.")
+    if backend_name == "cudnn" and backend.kind == "rocm":
+        raise ConfigError(
+            f"model.attention: cudnn is NVIDIA's library and ROCm builds have none ({backend.describe()}); "
+            "use auto, flash, efficient or math."
+        )

@@ -1,0 +1,137 @@
+"""Backend detection and the ROCm refusals/fallbacks, on a CPU machine with a faked CUDA or HIP build of torch."""
+
+from __future__ import annotations
+
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_lora.assembly import configure_attention
+from lightning_lora.errors import ConfigError
+from lightning_lora.hardware import Backend, check_attention, detect, fp8_compute_supported
+from lightning_lora.quant import QuantOptions, quantize_base
+from lightning_lora.quant import fp8 as fp8_module
+from lightning_lora.quant.nf4 import require_bitsandbytes
+
+CUDA = torch.device("cuda", 0)
+
+
+def fake_gpu(
+    monkeypatch: pytest.MonkeyPatch, name: str, capability: tuple[int, int], hip: str | None = None, arch: str = ""
+) -> None:
+    """Make torch look like a CUDA build (``hip=None``) or a ROCm build with one GPU."""
+    monkeypatch.setattr(torch.version, "hip", hip)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    props = SimpleNamespace(name=name, major=capability[0], minor=capability[1])
+    if hip is not None:
+        props.gcnArchName = arch
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+
+
+def mi300(monkeypatch: pytest.MonkeyPatch) -> None:
+    # ROCm reports a capability made up from the arch (9.4 here); only gcnArchName counts.
+    fake_gpu(monkeypatch, "AMD Instinct MI300X", (9, 4), hip="6.4.43483", arch="gfx942:sramecc+:xnack-")
+
+
+def rx7900(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Consumer RDNA3: reports capability 11.0, which would pass an NVIDIA ">= 8.9" check by accident.
+    fake_gpu(monkeypatch, "AMD Radeon RX 7900 XTX", (11, 0), hip="6.4.43483", arch="gfx1100")
+
+
+@pytest.mark.parametrize(
+    ("name", "capability", "fp8"),
+    [
+        ("NVIDIA A100-SXM4-80GB", (8, 0), False),  # Ampere
+        ("NVIDIA GeForce RTX 4090", (8, 9), True),  # Ada
+        ("NVIDIA H200", (9, 0), True),  # Hopper
+    ],
+)
+def test_cuda_detection_and_fp8(monkeypatch, name: str, capability: tuple[int, int], fp8: bool) -> None:
+    fake_gpu(monkeypatch, name, capability)
+    backend = detect(CUDA)
+    assert backend == Backend("cuda", name, capability=capability)
+    assert detect() == backend  # default: the current GPU
+    supported, reason = fp8_compute_supported(CUDA)
+    assert supported is fp8 and f"compute capability {capability[0]}.{capability[1]}" in reason
+
+
+def test_rocm_mi300_detection_and_fp8(monkeypatch) -> None:
+    mi300(monkeypatch)
+    backend = detect(CUDA)
+    assert backend == Backend("rocm", "AMD Instinct MI300X", arch="gfx942")
+    assert backend.is_gpu and backend.describe() == "AMD Instinct MI300X (ROCm, gfx942)"
+    assert fp8_compute_supported(CUDA)[0]
+    assert fp8_module.fp8_compute_supported is fp8_compute_supported  # one implementation, re-exported
+
+
+def test_rocm_consumer_card_has_no_fp8_compute(monkeypatch) -> None:
+    rx7900(monkeypatch)
+    backend = detect(CUDA)
+    assert backend.kind == "rocm" and backend.arch == "gfx1100" and backend.capability is None
+    supported, reason = fp8_compute_supported(CUDA)
+    assert not supported and "gfx1100" in reason and "MI300" in reason
+
+
+def test_cpu_and_mps_detection(monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert detect() == Backend("cpu", "cpu") and not detect().is_gpu
+    assert detect("cuda") == Backend("cpu", "cpu")  # a cuda device without a GPU is no GPU
+    assert detect("mps").kind == "mps"
+    assert fp8_compute_supported("cpu") == (False, "device cpu has none")
+
+
+@pytest.mark.parametrize("card", [mi300, rx7900])
+def test_xformers_is_refused_on_rocm_naming_the_option(monkeypatch, card) -> None:
+    card(monkeypatch)
+    with pytest.raises(ConfigError, match=r"model.attention: xformers has no ROCm kernels .*gfx.*use auto"):
+        configure_attention(nn.Linear(2, 2), "xformers", CUDA)
+
+
+def test_cudnn_attention_is_refused_on_rocm(monkeypatch) -> None:
+    mi300(monkeypatch)
+    with pytest.raises(ConfigError, match="model.attention: cudnn"):
+        check_attention("cudnn", CUDA)
+    for allowed in ("auto", "flash", "efficient", "math"):
+        check_attention(allowed, CUDA)
+
+
+def test_xformers_on_cuda_passes_the_hardware_check(monkeypatch) -> None:
+    fake_gpu(monkeypatch, "NVIDIA H200", (9, 0))
+    check_attention("xformers", CUDA)
+    check_attention("cudnn", CUDA)
+    with pytest.raises(ConfigError, match="model.attention: xformers has no kernels for cpu"):
+        check_attention("xformers", Backend("cpu", "cpu"))
+
+
+@pytest.mark.parametrize(("card", "compute"), [(mi300, True), (rx7900, False)])
+def test_fp8_compute_on_rocm_uses_fp8_units_or_falls_back_with_a_warning(monkeypatch, card, compute) -> None:
+    card(monkeypatch)
+    seen = {}
+
+    def fake_quantize_fp8(model, options, device, compute: bool) -> int:  # no real GPU to quantize on
+        seen["compute"] = compute
+        return 1
+
+    monkeypatch.setattr(fp8_module, "quantize_fp8", fake_quantize_fp8)
+    options = QuantOptions(mode="fp8_compute")
+    if compute:
+        quantize_base(nn.Sequential(nn.Linear(64, 64)), options, CUDA, torch.bfloat16)
+    else:
+        with pytest.warns(UserWarning, match=r"model.quantization.mode: fp8_compute needs FP8 .*gfx1100"):
+            quantize_base(nn.Sequential(nn.Linear(64, 64)), options, CUDA, torch.bfloat16)
+    assert seen["compute"] is compute
+
+
+def test_nf4_without_bitsandbytes_names_the_extra_and_rocm(monkeypatch) -> None:
+    monkeypatch.setattr(torch.version, "hip", "6.4.43483")
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # import fails
+    require_bitsandbytes.cache_clear()
+    try:
+        with pytest.raises(ConfigError, match=r"model.quantization.mode: nf4 .*lightning-lora\[bnb\].*ROCm 6.4"):
+            require_bitsandbytes()
+    finally:
+        require_bitsandbytes.cache_clear()
