@@ -107,8 +107,14 @@ def test_every_rank_gets_the_same_number_of_batches(ranks: int) -> None:
     )
     seen = [i for p in per_rank for b in p for i in b]
     assert len(seen) == len(set(seen))  # no sample on two ranks
-    total = len(samplers[0].global_batches(0))
-    assert total % ranks == 0 and total > len(BucketBatchSampler(buckets, 2, seed=3).global_batches(0)) - ranks
+    # One bucket per global batch: the ranks' i-th batches share a bucket, and together they are exactly the i-th
+    # batch of one rank with a ranks-times larger batch (so 2 GPUs x batch b train on what 1 GPU x 2b would).
+    single = list(BucketBatchSampler(buckets, 2 * ranks, seed=3, drop_last=True))
+    assert len(single) == len(per_rank[0])
+    for step, together in enumerate(single):
+        parts = [p[step] for p in per_rank]
+        assert len({buckets[i] for part in parts for i in part}) == 1
+        assert [i for part in parts for i in part] == together
     with pytest.raises(ValueError):
         BucketBatchSampler(buckets, 2, num_replicas=2, rank=2)
 

@@ -112,9 +112,7 @@ def test_compose_file() -> None:
     services = compose["services"]
     assert set(services) == {"cuda", "rocm"}
     for kind, service in services.items():
-        assert (DOCKER / service["build"]["context"] / service["build"]["dockerfile"]).resolve() == (
-            DOCKERFILES[kind]
-        )
+        assert (DOCKER / service["build"]["context"] / service["build"]["dockerfile"]).resolve() == (DOCKERFILES[kind])
         mounted = [volume.split(":")[1] for volume in service["volumes"]]
         assert all(v in mounted for v in VOLUMES), mounted
     devices = services["cuda"]["deploy"]["resources"]["reservations"]["devices"]

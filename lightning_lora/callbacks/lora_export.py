@@ -69,7 +69,9 @@ class LoraExport(Callback):
                 "steps": trainer.global_step,
                 "resolution": getattr(trainer.datamodule, "resolution", 0),  # type: ignore[attr-defined]
                 "trigger": self.trigger or "",
-                "config_sha256": _config_hash(Path(trainer.log_dir or trainer.default_root_dir) / "config.yaml"),
+                "config_sha256": _config_hash(
+                    Path(trainer.default_root_dir) / "config.yaml"
+                ),  # no log_dir: it broadcasts
             }
             lora = dataclasses.asdict(module.lora)
             for fmt, path in self.paths(trainer, stem).items():

@@ -121,7 +121,8 @@ class ConfigSummary(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not trainer.is_global_zero:
             return
-        config = Path(trainer.log_dir or trainer.default_root_dir) / "config.yaml"
+        # Not trainer.log_dir: it broadcasts, and only rank 0 runs this (a collective on one rank hangs DDP).
+        config = Path(trainer.default_root_dir) / "config.yaml"
         if not config.is_file():
             return
         # Markdown: four-space indentation renders the YAML as a code block.

@@ -73,7 +73,12 @@ class RNGState(Callback):
 
     @override
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
-        states = trainer.strategy.all_gather_object(capture_rng()) if trainer.world_size > 1 else [capture_rng()]
+        state = capture_rng()
+        states: list[Any] = [state]
+        if trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+            # Every rank's generators (save_checkpoint runs on all ranks; rank 0 writes the file).
+            states = [None] * trainer.world_size
+            torch.distributed.all_gather_object(states, state)
         checkpoint["rng_states"] = states
 
     @override
@@ -81,6 +86,17 @@ class RNGState(Callback):
         states = checkpoint.get("rng_states")
         if states:
             self._pending = states[trainer.global_rank] if trainer.global_rank < len(states) else states[0]
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # seed_everything gives every rank the same seed, so every rank would draw the same noise and timesteps for
+        # its (different) images. A fresh multi-rank run gives rank r the seed base + r instead; a resumed run gets
+        # each rank's saved state back below.
+        if trainer.world_size > 1 and self._pending is None:
+            seed = int(os.environ.get("PL_GLOBAL_SEED", 0)) + trainer.global_rank
+            random.seed(seed)
+            np.random.seed(seed % 2**32)
+            torch.manual_seed(seed)
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:

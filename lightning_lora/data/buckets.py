@@ -188,38 +188,42 @@ class BucketBatchSampler(Sampler[list[Any]]):
         self.epoch = epoch
 
     def global_batches(self, epoch: int) -> list[list[int]]:
-        """All batches of ``epoch`` (every rank's), in order; a pure function of (seed, epoch, buckets)."""
+        """The global batches of ``epoch`` in order: ``batch_size x num_replicas`` samples of one bucket each, rank
+        ``r`` taking the ``r``-th slice. A pure function of (seed, epoch, buckets, global batch size), so 2 ranks x
+        batch b see exactly the samples of 1 rank x batch 2b, step by step."""
         if self._cached is not None and self._cached[0] == epoch:
             return self._cached[1]
         generator = torch.Generator().manual_seed(self.seed + epoch)
         by_bucket: dict[int, list[int]] = {}
         for index, bucket in enumerate(self.buckets):
             by_bucket.setdefault(bucket, []).append(index)
+        size = self.batch_size * self.num_replicas
+        # With several ranks an incomplete global batch cannot be split evenly (DDP needs every rank to step).
+        keep_partial = not self.drop_last and self.num_replicas == 1
         batches: list[list[int]] = []
         for bucket in sorted(by_bucket):
             indices = by_bucket[bucket]
             if self.shuffle:
                 indices = [indices[i] for i in torch.randperm(len(indices), generator=generator).tolist()]
-            for start in range(0, len(indices), self.batch_size):
-                batch = indices[start : start + self.batch_size]
-                if len(batch) == self.batch_size or not self.drop_last:
+            for start in range(0, len(indices), size):
+                batch = indices[start : start + size]
+                if len(batch) == size or keep_partial:
                     batches.append(batch)
         if self.shuffle:
             batches = [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
-        # Every rank gets the same number of batches (DDP needs it): drop the remainder.
-        usable = len(batches) - len(batches) % self.num_replicas if self.num_replicas > 1 else len(batches)
-        self._cached = (epoch, batches[:usable])
-        return self._cached[1]
+        self._cached = (epoch, batches)
+        return batches
 
     def __iter__(self) -> Iterator[list[Any]]:
         epoch = self.epoch
-        mine = self.global_batches(epoch)[self.rank :: self.num_replicas]
         skip, self.skip = self.skip, 0
-        for batch in mine[skip:]:
-            yield [(epoch, i) for i in batch] if self.tag_epoch else list(batch)
+        lo, hi = self.rank * self.batch_size, (self.rank + 1) * self.batch_size
+        for batch in self.global_batches(epoch)[skip:]:
+            mine = batch[lo:hi]
+            yield [(epoch, i) for i in mine] if self.tag_epoch else list(mine)
 
     def __len__(self) -> int:
-        return len(self.global_batches(self.epoch)) // self.num_replicas
+        return len(self.global_batches(self.epoch))
 
 
 class ResumableLoader(DataLoader):
