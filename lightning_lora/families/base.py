@@ -178,9 +178,28 @@ class DiffusionFamily(ABC):
     def load_denoiser(self, source: ModelSource) -> nn.Module:
         """The trainable backbone (transformer or UNet) in ``source.dtype``, frozen, in eval mode."""
 
-    @abstractmethod
     def load_vae(self, source: ModelSource) -> nn.Module:
-        """The VAE, frozen, in eval mode."""
+        """The VAE (``vae/`` of ``source``), frozen, in eval mode."""
+        from diffusers import AutoencoderKL
+
+        vae = load_component(AutoencoderKL.from_pretrained, source, "vae", torch_dtype=source.dtype)
+        return vae.requires_grad_(False).eval()
+
+    def load_denoiser_weights(self, cls: Any, source: ModelSource) -> nn.Module:
+        """``cls`` (the denoiser class) from ``source``, frozen, in eval mode: from the single ``denoiser_file``
+        when one is given (diffusers converts the original layout; its config comes from ``source``), else from the
+        ``denoiser_subfolder`` of the folder or hub repository."""
+        if source.denoiser_file is not None:
+            model = cls.from_single_file(
+                source.denoiser_file,
+                config=source.local_path,
+                subfolder=self.denoiser_subfolder,
+                torch_dtype=source.dtype,
+                local_files_only=source.is_local,
+            )
+        else:
+            model = load_component(cls.from_pretrained, source, self.denoiser_subfolder, torch_dtype=source.dtype)
+        return model.requires_grad_(False).eval()
 
     @abstractmethod
     def load_text_encoders(self, source: ModelSource) -> Any:

@@ -113,28 +113,7 @@ class Flux(DiffusionFamily):
     def load_denoiser(self, source: ModelSource) -> nn.Module:
         from diffusers import FluxTransformer2DModel
 
-        if source.denoiser_file is not None:
-            model = FluxTransformer2DModel.from_single_file(
-                source.denoiser_file,
-                config=source.local_path,
-                subfolder=self.denoiser_subfolder,
-                torch_dtype=source.dtype,
-                local_files_only=source.is_local,
-            )
-        else:
-            model = load_component(
-                FluxTransformer2DModel.from_pretrained, source, self.denoiser_subfolder, torch_dtype=source.dtype
-            )
-        return model.requires_grad_(False).eval()
-
-    def load_vae(self, source: ModelSource) -> nn.Module:
-        from diffusers import AutoencoderKL
-
-        return (
-            load_component(AutoencoderKL.from_pretrained, source, "vae", torch_dtype=source.dtype)
-            .requires_grad_(False)
-            .eval()
-        )
+        return self.load_denoiser_weights(FluxTransformer2DModel, source)
 
     def load_text_encoders(self, source: ModelSource) -> Any:
         from diffusers import FluxPipeline

@@ -178,31 +178,11 @@ class UNetFamily(DiffusionFamily):
         from diffusers import UNet2DConditionModel
 
         schedule = self.noise_schedule(source)  # first: a bad scheduler option fails before the big load
-        if source.denoiser_file is not None:
-            # Either layout loads: the original (LDM/SGM) names of a single-file checkpoint (the UNet part of a full
-            # checkpoint is picked out), or a diffusers-named UNet file.
-            unet = UNet2DConditionModel.from_single_file(
-                source.denoiser_file,
-                config=source.local_path,
-                subfolder=self.denoiser_subfolder,
-                torch_dtype=source.dtype,
-                local_files_only=source.is_local,
-            )
-        else:
-            unet = load_component(
-                UNet2DConditionModel.from_pretrained, source, self.denoiser_subfolder, torch_dtype=source.dtype
-            )
+        # A single file may use the original (LDM/SGM) names (the UNet part of a full checkpoint is picked out) or
+        # diffusers names.
+        unet = self.load_denoiser_weights(UNet2DConditionModel, source)
         unet.noise_schedule = schedule
-        return unet.requires_grad_(False).eval()
-
-    def load_vae(self, source: ModelSource) -> nn.Module:
-        from diffusers import AutoencoderKL
-
-        return (
-            load_component(AutoencoderKL.from_pretrained, source, "vae", torch_dtype=source.dtype)
-            .requires_grad_(False)
-            .eval()
-        )
+        return unet
 
     # -- encoding ----------------------------------------------------------------------------------------------
     @torch.no_grad()
