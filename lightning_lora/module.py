@@ -5,8 +5,8 @@ Lifecycle (Lightning calls these; see research/aesthetics-and-lightning.md B3 fo
 * ``__init__`` only stores and validates options (cheap): a wrong path fails here, before any weights load.
 * ``configure_model`` loads the backbone and injects LoRA (:mod:`lightning_lora.assembly`). It runs before a
   checkpoint is restored and is idempotent, as Lightning requires.
-* ``training_step`` draws noise and timesteps and asks the family for the loss. Batches come from the latent cache:
-  no VAE or text encoder runs while training.
+* ``training_step`` takes the batch's per-sample noise and timesteps and asks the family for the loss. Batches
+  come from the latent cache: no VAE or text encoder runs while training.
 * ``configure_optimizers`` builds the injected optimizer and scheduler over the *trainable* parameters only (the CLI
   runs with ``auto_configure_optimizers=False`` because its automatic optimizer would be built before
   ``configure_model``, over every parameter).
@@ -121,8 +121,11 @@ class LoraModule(LightningModule):
     @override
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         latents = batch["latents"]
-        noise = torch.randn_like(latents, dtype=torch.float32)
-        timesteps = _to_device(self.family.sample_timesteps(latents), latents.device)
+        # The datamodule draws them per sample (independent of rank count); other batches use the global RNG.
+        noise = batch["noise"] if "noise" in batch else self.family.sample_noise(latents)
+        timesteps = batch.get("timesteps")
+        if timesteps is None:
+            timesteps = _to_device(self.family.sample_timesteps(latents), latents.device)
         loss = self.family.loss(self._require_model(), batch, noise, timesteps).mean()
         self.log("train/loss", loss, prog_bar=True, batch_size=latents.shape[0])
         self.log("train/lr", self.optimizers().param_groups[0]["lr"], batch_size=latents.shape[0])  # type: ignore[union-attr]

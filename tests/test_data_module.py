@@ -55,7 +55,7 @@ def test_batches_one_bucket_each_with_size_records(tmp_path: Path, tiny_flux_dir
     dm = _built(_module(tmp_path, str(_folder(tmp_path / "data", 6)), batch_size=3), tiny_flux_dir)
     batches = _epoch(dm.train_dataloader(), 0)
     keys = {"latents", "prompt_embeds", "pooled_prompt_embeds", "original_size", "crop_top_left", "target_size"}
-    assert all(set(b) == keys for b in batches)
+    assert all(set(b) == keys | {"noise", "timesteps"} for b in batches)  # training noise drawn per sample
     assert sum(len(b["latents"]) for b in batches) == 6
     for b in batches:
         n, c, h, w = b["latents"].shape
@@ -63,6 +63,8 @@ def test_batches_one_bucket_each_with_size_records(tmp_path: Path, tiny_flux_dir
         for key in ("original_size", "crop_top_left", "target_size"):
             assert b[key].dtype == torch.int64 and b[key].shape == (n, 2)
         assert (b["target_size"] == torch.tensor([h * 8, w * 8])).all()  # (height, width) of the bucket
+        assert b["noise"].shape == b["latents"].shape and b["noise"].dtype == torch.float32
+        assert b["timesteps"].shape == (n,) and ((b["timesteps"] > 0) & (b["timesteps"] < 1)).all()
     sizes = Counter(tuple(b["target_size"][0].tolist()) for b in batches)
     assert set(sizes) == {(32, 32), (16, 48), (48, 16)}
     originals = sorted(tuple(row) for b in batches for row in b["original_size"].tolist())
@@ -85,6 +87,13 @@ def test_random_choices_depend_only_on_seed_epoch_and_index(tmp_path: Path, tiny
     assert set(variants) == set(dm.train_entries[0].text_keys) and len(variants) == 3
     assert min(variants.values()) > 0.25 * sum(variants.values())
     assert dataset.choose(7, 3) == dataset.choose(7, 3) and uniform(5, 7, 3, "flip") == uniform(5, 7, 3, "flip")
+    # The training noise and timestep too: a function of (seed, epoch, index), not of the global random state.
+    rng = torch.get_rng_state()
+    again, other_epoch, other_index = dataset[(7, 3)], dataset[(8, 3)], dataset[(7, 4)]
+    assert torch.equal(torch.get_rng_state(), rng)
+    first = dataset[(7, 3)]
+    assert torch.equal(first["noise"], again["noise"]) and torch.equal(first["timesteps"], again["timesteps"])
+    assert not torch.equal(first["noise"], other_epoch["noise"]) and first["timesteps"] != other_index["timesteps"]
     # The dropped caption is the cached empty-prompt embedding, which is what the family computes for "".
     encoders = dm.cache().family.load_text_encoders(dm.cache().source)
     direct = dm.cache().family.encode_prompts(encoders, [""])
@@ -233,3 +242,24 @@ def test_exact_resume_with_flips_dropout_shuffled_captions_and_buckets(
     cli = run_cli(["fit", "--config", str(b), "--ckpt_path", "last"])
     assert cli.trainer.global_step == 6
     assert_same_run(a, b, after_step=4)
+
+
+def test_every_epoch_of_a_fit_draws_anew(
+    tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through Lightning's own loop (which sets the epoch on ``batch_sampler.sampler``), epoch 1 does not replay
+    epoch 0: another order, other noise and timesteps."""
+    from lightning_lora.module import LoraModule
+
+    seen: dict[int, list[tuple[float, ...]]] = {}
+    original = LoraModule.training_step
+
+    def record(self: LoraModule, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        seen.setdefault(self.current_epoch, []).append(tuple(batch["timesteps"].tolist()))
+        return original(self, batch, batch_idx)
+
+    monkeypatch.setattr(LoraModule, "training_step", record)
+    config = write_config(tmp_path, tiny_flux_dir, photos_dir, **{"trainer.max_steps": 4, "data.batch_size": 2})
+    run_cli(["fit", "--config", str(config)])
+    assert len(seen[0]) == len(seen[1]) == 2  # 4 photos, batch 2
+    assert seen[0] != seen[1]

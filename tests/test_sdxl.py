@@ -129,23 +129,19 @@ def test_loss_equals_the_diffusers_recipe(
         torch.testing.assert_close(weighted, expected * weights)
 
 
-def test_noise_offset_in_training_steps_only(source: ModelSource, batch: dict[str, torch.Tensor]) -> None:
+def test_noise_offset_is_part_of_the_training_noise(batch: dict[str, torch.Tensor]) -> None:
     plain, offset = SDXL(), SDXL(noise_offset=0.1)
-    unet = offset.load_denoiser(source)
-    noise, u = torch.randn_like(batch["latents"]), torch.tensor([0.4, 0.8])
-    with torch.no_grad():
-        unet.train()  # (no dropout in the tiny UNet: train mode changes nothing else)
-        torch.manual_seed(5)
-        trained = offset.loss(unet, batch, noise, u)
-        torch.manual_seed(5)
-        per_channel = torch.randn(2, 4, 1, 1)
-        torch.testing.assert_close(trained, plain.loss(unet, batch, noise + 0.1 * per_channel, u))
-        assert not torch.allclose(trained, plain.loss(unet, batch, noise, u))
-        # Evaluation (eval mode) sees the plain objective and leaves the global RNG alone.
-        unet.eval()
-        state = torch.get_rng_state()
-        torch.testing.assert_close(offset.loss(unet, batch, noise, u), plain.loss(unet, batch, noise, u))
-        assert torch.equal(torch.get_rng_state(), state)
+    latents = batch["latents"]
+    drawn = offset.sample_noise(latents, torch.Generator().manual_seed(5))
+    g = torch.Generator().manual_seed(5)
+    base = torch.randn(latents.shape, generator=g)
+    per_channel = torch.randn(*latents.shape[:2], 1, 1, generator=g)
+    torch.testing.assert_close(drawn, base + 0.1 * per_channel)
+    # Without the option the noise is plain; the loss itself adds nothing (fixed evaluation uses plain noise).
+    torch.testing.assert_close(plain.sample_noise(latents, torch.Generator().manual_seed(5)), base)
+    state = torch.get_rng_state()
+    offset.sample_noise(latents, torch.Generator().manual_seed(5))
+    assert torch.equal(torch.get_rng_state(), state)  # a given generator leaves the global RNG alone
 
 
 def test_zero_terminal_snr(source: ModelSource) -> None:

@@ -184,8 +184,14 @@ class BucketBatchSampler(Sampler[list[Any]]):
         self._cached: tuple[int, list[list[int]]] | None = None
 
     def set_epoch(self, epoch: int) -> None:
-        """Called by Lightning at the start of every epoch."""
+        """Called by Lightning at the start of every epoch (through :attr:`sampler`)."""
         self.epoch = epoch
+
+    @property
+    def sampler(self) -> BucketBatchSampler:
+        """Itself. Lightning sets the epoch on ``loader.sampler`` and ``loader.batch_sampler.sampler``, never on the
+        batch sampler itself: without this every epoch would replay epoch 0's order, flips, dropouts and noise."""
+        return self
 
     def global_batches(self, epoch: int) -> list[list[int]]:
         """The global batches of ``epoch`` in order: ``batch_size x num_replicas`` samples of one bucket each, rank

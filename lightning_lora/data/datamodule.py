@@ -12,7 +12,8 @@ Batches are dicts of tensors: ``latents [B, C, h, w]``, the family's text embedd
 ``(height, width)`` / ``(top, left)`` order, SDXL's micro-conditioning).
 
 **Random choices are a function of (seed, epoch, sample index)**, never of the global random state: caption dropout
-(the cached empty-prompt embedding), the mirrored latent (``random_flip``), and which shuffled caption variant.
+(the cached empty-prompt embedding), the mirrored latent (``random_flip``), which shuffled caption variant, and the
+training noise and timestep (``noise [B, C, h, w]`` float32 and ``timesteps [B]`` in training batches).
 The sampler hands the dataset ``(epoch, index)`` pairs, so this holds in persistent worker processes too, and a
 resumed run draws exactly what the uninterrupted one drew.
 
@@ -44,15 +45,24 @@ from lightning_lora.data.sources import ImageFolder, Item, Skip, as_folders, sca
 from lightning_lora.errors import ConfigError
 from lightning_lora.families.base import DiffusionFamily, ModelSource
 
-__all__ = ["CachedDataset", "LatentDataModule", "uniform"]
+__all__ = ["CachedDataset", "LatentDataModule", "sample_generator", "uniform"]
 
 log = logging.getLogger(__name__)
 
 
+def _digest(seed: int, epoch: int, index: int, stream: str) -> int:
+    digest = hashlib.blake2b(f"{seed}:{epoch}:{index}:{stream}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
 def uniform(seed: int, epoch: int, index: int, stream: str) -> float:
     """A number in [0, 1) that depends only on its arguments (not on any random state, process or order)."""
-    digest = hashlib.blake2b(f"{seed}:{epoch}:{index}:{stream}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") / 2.0**64
+    return _digest(seed, epoch, index, stream) / 2.0**64
+
+
+def sample_generator(seed: int, epoch: int, index: int) -> torch.Generator:
+    """A CPU generator seeded from (seed, epoch, index) alone: the noise and timestep of a sample."""
+    return torch.Generator().manual_seed(_digest(seed, epoch, index, "noise") >> 1)
 
 
 class CachedDataset(Dataset):
@@ -66,6 +76,9 @@ class CachedDataset(Dataset):
         caption_dropout: probability of the empty prompt.
         flip_probability: probability of the mirrored latent (entries without one are never flipped).
         augment: False serves every sample as written (variant 0, no flip, no dropout), for evaluation.
+        family: when given (training), each sample also carries its training ``noise`` and ``timesteps``, drawn by
+            the family from :func:`sample_generator`, so that they depend on the sample and not on the rank or the
+            number of GPUs: 2 GPUs x batch b train what 1 GPU x batch 2b trains.
     """
 
     def __init__(
@@ -78,6 +91,7 @@ class CachedDataset(Dataset):
         caption_dropout: float = 0.0,
         flip_probability: float = 0.5,
         augment: bool = True,
+        family: DiffusionFamily | None = None,
     ) -> None:
         self.root = Path(root)
         self.entries = entries
@@ -86,6 +100,7 @@ class CachedDataset(Dataset):
         self.caption_dropout = caption_dropout
         self.flip_probability = flip_probability
         self.augment = augment
+        self.family = family
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -108,6 +123,11 @@ class CachedDataset(Dataset):
         latent_key, text_key = self.choose(epoch, index)
         item = load_file(self.root / "latents" / f"{latent_key}.safetensors")
         item.update(load_file(self.root / "text" / f"{text_key}.safetensors"))
+        if self.family is not None:
+            generator = sample_generator(self.seed, epoch, index)
+            latents = item["latents"][None]
+            item["noise"] = self.family.sample_noise(latents, generator)[0]
+            item["timesteps"] = self.family.sample_timesteps(latents, generator)[0]
         return item
 
 
@@ -367,6 +387,7 @@ class LatentDataModule(LightningDataModule):
             seed=self._seed(),
             caption_dropout=self.caption_dropout,
             augment=augment,
+            family=cache.family if augment else None,
         )
 
     def expanded_entries(self) -> list[CacheEntry]:
@@ -390,7 +411,11 @@ class LatentDataModule(LightningDataModule):
             raise ConfigError(
                 f"data: {len(samples)} images make no batch for {world_size} GPUs; add images or lower data.batch_size."
             )
-        return ResumableLoader(self._dataset(samples, augment=True), sampler, num_workers=self.num_workers)
+        # Pinned batches let the copy to a CUDA device overlap with the previous step.
+        pin = self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
+        return ResumableLoader(
+            self._dataset(samples, augment=True), sampler, num_workers=self.num_workers, pin_memory=pin
+        )
 
     def _fixed_loader(self, entries: list[CacheEntry]) -> DataLoader:
         return DataLoader(

@@ -223,6 +223,12 @@ class DiffusionFamily(ABC):
     def sample_timesteps(self, latents: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         """Draw one timestep per sample of ``latents`` (on the CPU; the caller moves it)."""
 
+    def sample_noise(self, latents: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """The training noise for ``latents`` (float32, same shape), on the generator's device, or on the latents'
+        device when drawn from the global random state."""
+        device = generator.device if generator is not None else latents.device
+        return torch.randn(latents.shape, generator=generator, dtype=torch.float32, device=device)
+
     @abstractmethod
     def loss(
         self, denoiser: nn.Module, batch: dict[str, torch.Tensor], noise: torch.Tensor, timesteps: torch.Tensor

@@ -36,6 +36,7 @@ from typing import Any, ClassVar
 
 import torch
 from torch import nn
+from typing_extensions import override
 
 from lightning_lora import objectives
 from lightning_lora.errors import ConfigError
@@ -202,6 +203,16 @@ class UNetFamily(DiffusionFamily):
         """Uniform draws in [0, 1), one per sample; :meth:`loss` maps them onto the model's integer timesteps."""
         return torch.rand(latents.shape[0], generator=generator)
 
+    @override
+    def sample_noise(self, latents: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Gaussian noise, plus ``noise_offset`` times one Gaussian draw per sample and channel when set (training
+        noise only: the fixed evaluation losses use plain noise)."""
+        noise = super().sample_noise(latents, generator)
+        if not self.noise_offset:
+            return noise
+        per_channel = torch.randn(*latents.shape[:2], 1, 1, generator=generator, device=noise.device)
+        return objectives.offset_noise(noise, self.noise_offset, per_channel)
+
     @abstractmethod
     def unet_conditions(
         self, batch: dict[str, torch.Tensor], latents: torch.Tensor, dtype: torch.dtype
@@ -217,10 +228,6 @@ class UNetFamily(DiffusionFamily):
         t = objectives.discrete_timesteps(
             timesteps, schedule.num_train_timesteps, self.min_timestep, self.max_timestep
         ).to(x0.device)
-        if self.noise_offset and denoiser.training:
-            # From the global RNG, like the noise itself: reproducible under seed_everything and restored on resume.
-            per_channel = torch.randn(*x0.shape[:2], 1, 1, device=x0.device)
-            noise = objectives.offset_noise(noise, self.noise_offset, per_channel)
         dtype = compute_dtype(denoiser)
         noisy = objectives.ddpm_noisy(x0, noise, schedule.alphas_cumprod, t)
         prediction = denoiser(noisy.to(dtype), t, **self.unet_conditions(batch, x0, dtype), return_dict=False)[0]
