@@ -41,6 +41,7 @@ from lightning_lora.checkpoint import AtomicCheckpointIO, check_compatible, load
 from lightning_lora.data.datamodule import LatentDataModule
 from lightning_lora.errors import ConfigError
 from lightning_lora.module import LoraModule, primitive_hparams
+from lightning_lora.parallel import check_strategy
 
 __all__ = ["LoraCLI", "main"]
 
@@ -106,6 +107,7 @@ class LoraCLI(LightningCLI):
         # Cross-object checks, before any weights load: the data resolution must suit the model family.
         # Every resolution and bucket option against the model family (raises ConfigError naming the option).
         self.datamodule.spec(self.model.family)
+        check_strategy(self.trainer.strategy, self.model.quantization.mode)
         if torch.cuda.is_available() and self.trainer.strategy.root_device.type == "cuda":
             warn_if_too_big(self.model, self.datamodule, self.trainer.strategy.root_device)
 
