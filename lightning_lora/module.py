@@ -99,9 +99,13 @@ class LoraModule(LightningModule):
     # -- model -------------------------------------------------------------------------------------------------
     @override
     def configure_model(self) -> None:
+        self.build(self.trainer.strategy.root_device if self._trainer is not None else torch.device("cpu"))
+
+    def build(self, device: torch.device) -> torch.nn.Module:
+        """Load the backbone on ``device`` and inject LoRA, once (``configure_model`` calls this with the trainer's
+        device; a script without a Trainer can call it directly)."""
         if self.denoiser is not None:
-            return
-        device = self.trainer.strategy.root_device if self._trainer is not None else torch.device("cpu")
+            return self.denoiser
         self.denoiser = build_lora_model(
             self.family,
             self.source,
@@ -112,6 +116,7 @@ class LoraModule(LightningModule):
             attention=self.attention,
             compile_blocks=self.compile_blocks,
         )
+        return self.denoiser
 
     def _require_model(self) -> torch.nn.Module:
         if self.denoiser is None:

@@ -14,8 +14,8 @@ import bench  # noqa: E402
 import bench_suite  # noqa: E402
 
 
-@pytest.mark.parametrize("family", ["flux", "sdxl"])
-def test_bench_runs_our_module_on_a_tiny_model(family: str) -> None:
+@pytest.mark.parametrize(("family", "loop"), [("flux", "lightning"), ("sdxl", "lightning"), ("flux", "bare")])
+def test_bench_runs_our_module_on_a_tiny_model(family: str, loop: str) -> None:
     args = argparse.Namespace(
         family=family,
         quant="none",
@@ -33,9 +33,12 @@ def test_bench_runs_our_module_on_a_tiny_model(family: str) -> None:
         attention="auto",
         plan=1,
         tiny=True,
+        devices=1,
+        loop=loop,
+        profile="",
     )
     out = bench.run(args)
-    assert out["s_per_step"] > 0 and out["lora_params_M"] > 0
+    assert out["s_per_step"] > 0 and out["lora_params_M"] > 0 and out["loss"] > 0
     assert out["planned_peak_GiB"] >= out["planned"]["overhead"] > 0  # tiny model: little beyond the CUDA context
     assert {"weights", "lora", "activations", "transient"} <= out["planned"].keys()
 

@@ -139,7 +139,16 @@ def random_sdxl_family(config: dict[str, Any], device: str) -> Any:
 class Synthetic(Dataset):
     """Cached-latent batches of the family's shapes (what the latent cache serves)."""
 
-    def __init__(self, family: str, config: dict[str, Any], height: int, width: int, tlen: int, n: int = 64) -> None:
+    def __init__(
+        self,
+        family: str,
+        config: dict[str, Any],
+        height: int,
+        width: int,
+        tlen: int,
+        n: int = 256,
+        family_obj: Any = None,
+    ) -> None:
         g = torch.Generator().manual_seed(0)
         if family == "flux":
             channels, text_dim, pooled_dim = (
@@ -151,6 +160,7 @@ class Synthetic(Dataset):
             channels, text_dim, tlen = config["in_channels"], config["cross_attention_dim"], 77
             pooled_dim = config["projection_class_embeddings_input_dim"] - 6 * config["addition_time_embed_dim"]
         size = torch.tensor([height, width])
+        self.family = family_obj
         self.items = [
             {
                 "latents": torch.randn(channels, height // 8, width // 8, generator=g),
@@ -168,7 +178,13 @@ class Synthetic(Dataset):
         return self.n
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return self.items[i % len(self.items)]
+        item = dict(self.items[i % len(self.items)])
+        if self.family is not None:  # per-sample noise and timestep, as the latent cache's dataset serves them
+            g = torch.Generator().manual_seed(i)
+            latents = item["latents"][None]
+            item["noise"] = self.family.sample_noise(latents, g)[0]
+            item["timesteps"] = self.family.sample_timesteps(latents, g)[0]
+        return item
 
 
 class SyntheticData(LightningDataModule):
@@ -207,11 +223,58 @@ class StepTimer(Callback):
     def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if trainer.global_step == self.warm + self.steps:
             self._sync()
-            self.result["s_per_step"] = round((time.perf_counter() - self._t0) / self.steps, 4)
+            seconds = (time.perf_counter() - self._t0) / self.steps
+            self.result["s_per_step"] = round(seconds, 4)
+            self.result["images_per_s"] = round(len(batch["latents"]) * trainer.world_size / seconds, 3)
             self.result["loss"] = round(float(outputs["loss"]), 4)
             if torch.cuda.is_available():
-                self.result["peak_alloc_GiB"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+                peaks = torch.tensor([torch.cuda.max_memory_allocated() / 2**30], device=pl_module.device)
+                self.result["peak_alloc_GiB"] = round(float(peaks[0]), 2)
                 self.result["peak_reserved_GiB"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
+                if trainer.world_size > 1:
+                    gathered = trainer.strategy.all_gather(peaks).flatten().tolist()
+                    self.result["peak_alloc_GiB_per_rank"] = [round(v, 2) for v in gathered]
+
+
+class Profile(Callback):
+    """torch.profiler over ``steps`` optimizer steps after ``warm``: the top operators by host and by GPU time, and
+    how busy the GPU was (sum of kernel time / wall time), written to ``path``."""
+
+    def __init__(self, warm: int, steps: int, path: str) -> None:
+        self.warm, self.steps, self.path = warm, steps, path
+        self.prof: Any = None
+        self._t0 = 0.0
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == self.warm and self.prof is None:
+            from torch.profiler import ProfilerActivity, profile
+
+            torch.cuda.synchronize()
+            self.prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=False)
+            self.prof.__enter__()
+            self._t0 = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.prof is not None and trainer.global_step == self.warm + self.steps:
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - self._t0
+            self.prof.__exit__(None, None, None)
+            write_profile(self.prof, wall, self.steps, self.path)
+            self.prof = None
+
+
+def write_profile(prof: Any, wall: float, steps: int, path: str) -> None:
+    events = prof.key_averages()
+    kernel_us = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA")
+    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
+    with open(path, "w") as f:
+        f.write(
+            f"wall {wall / steps * 1e3:.1f} ms/step, GPU kernels {kernel_us / steps / 1e3:.1f} ms/step "
+            f"(busy {kernel_us / 1e6 / wall:.0%}), kernel launches {launches / steps:.0f}/step\n\n"
+        )
+        f.write(events.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70))
+        f.write("\n\n")
+        f.write(events.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=70))
 
 
 def make_optimizer(name: str):
@@ -227,6 +290,34 @@ def make_optimizer(name: str):
         return torch.optim.AdamW(params, lr=1e-4)
 
     return build
+
+
+def bare_loop(module: LoraModule, dataset: Dataset, a: argparse.Namespace, device: str) -> dict[str, Any]:
+    """The same model and loss in a plain PyTorch loop (no Trainer): separates Lightning's overhead from ours."""
+    denoiser = module.build(torch.device(device))
+    optimizer = make_optimizer(a.opt)([p for p in denoiser.parameters() if p.requires_grad])
+    loader = DataLoader(dataset, batch_size=a.batch, pin_memory=device == "cuda")
+    for step, batch in enumerate(loader):
+        if step == a.warm + a.steps:
+            break
+        if step == a.warm:
+            if device == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        with torch.autocast(device, dtype=torch.bfloat16):
+            loss = module.family.loss(denoiser, batch, batch["noise"], batch["timesteps"]).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    seconds = (time.perf_counter() - t0) / a.steps
+    result: dict[str, Any] = {"s_per_step": round(seconds, 4), "loss": round(float(loss), 4)}
+    if device == "cuda":
+        result["peak_alloc_GiB"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    return result
 
 
 def run(a: argparse.Namespace) -> dict[str, Any]:
@@ -263,23 +354,34 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         compile_blocks=bool(a.compile),
         optimizer=make_optimizer(a.opt),
     )
-    timer = StepTimer(a.warm, a.steps)
-    trainer = Trainer(
-        accelerator="gpu" if device == "cuda" else "cpu",
-        devices=1,
-        precision="bf16-mixed",
-        max_steps=a.warm + a.steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[timer],
-    )
-    data = SyntheticData(Synthetic(a.family, config, a.h, a.w, a.tlen), a.batch)
+    dataset = Synthetic(a.family, config, a.h, a.w, a.tlen, family_obj=family)
     t0 = time.perf_counter()
-    trainer.fit(module, datamodule=data)
+    if a.loop == "bare":
+        out["loop"] = "bare"
+        out.update(bare_loop(module, dataset, a, device))
+    else:
+        timer = StepTimer(a.warm, a.steps)
+        callbacks: list[Callback] = [timer]
+        if a.profile:
+            callbacks.append(Profile(a.warm, a.steps, a.profile))
+        trainer = Trainer(
+            accelerator="gpu" if device == "cuda" else "cpu",
+            devices=a.devices,
+            strategy="ddp" if a.devices > 1 else "auto",
+            precision="bf16-mixed",
+            max_steps=a.warm + a.steps,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=callbacks,
+        )
+        out["devices"] = a.devices
+        trainer.fit(module, datamodule=SyntheticData(dataset, a.batch))
+        if trainer.global_rank != 0:
+            raise SystemExit(0)  # rank 0 prints the result
+        out.update(timer.result)
     out["wall_s"] = round(time.perf_counter() - t0, 1)
-    out.update(timer.result)
     assert module.denoiser is not None
     out["lora_params_M"] = round(sum(p.numel() for p in module.denoiser.parameters() if p.requires_grad) / 1e6, 3)
     if a.plan:
@@ -310,6 +412,9 @@ def main() -> None:
     p.add_argument("--attention", default="auto")
     p.add_argument("--plan", type=int, default=1)
     p.add_argument("--tiny", action="store_true")
+    p.add_argument("--devices", type=int, default=1, help="GPUs (DDP when more than one)")
+    p.add_argument("--loop", default="lightning", choices=["lightning", "bare"], help="bare: no Trainer (diagnosis)")
+    p.add_argument("--profile", default="", help="write a torch.profiler summary of the timed steps to this file")
     a = p.parse_args()
     try:
         out = run(a)
