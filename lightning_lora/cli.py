@@ -41,7 +41,7 @@ from lightning_lora.checkpoint import AtomicCheckpointIO, check_compatible, load
 from lightning_lora.data.datamodule import LatentDataModule
 from lightning_lora.errors import ConfigError
 from lightning_lora.module import LoraModule, primitive_hparams
-from lightning_lora.parallel import check_strategy
+from lightning_lora.parallel import check_strategy, resolve_strategy
 
 __all__ = ["LoraCLI", "main"]
 
@@ -97,6 +97,7 @@ class LoraCLI(LightningCLI):
             if not any(isinstance(c, required) for c in callbacks):
                 callbacks.append(required())
         config["callbacks"] = callbacks
+        config["strategy"] = resolve_strategy(config.get("strategy", "auto"), config.get("devices", "auto"))
         plugins = config.get("plugins") or []
         plugins = plugins if isinstance(plugins, list) else [plugins]
         if not any(isinstance(p, CheckpointIO) for p in plugins):

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
+from test_cli import run_cli, write_config
 
 from lightning_lora.errors import ConfigError
-from lightning_lora.parallel import check_strategy
+from lightning_lora.parallel import LoraDDPStrategy, check_strategy, resolve_strategy
 
 
 @pytest.mark.parametrize("strategy", [FSDPStrategy, ModelParallelStrategy])
@@ -20,3 +23,33 @@ def test_sharding_a_quantized_base_is_refused(strategy: type, mode: str) -> None
 def test_ddp_takes_every_backend_and_fsdp_a_plain_base(mode: str) -> None:
     check_strategy(DDPStrategy(), mode)
     check_strategy(FSDPStrategy(), "none")
+
+
+@pytest.mark.parametrize(
+    ("strategy", "devices", "ours"),
+    [
+        ("ddp", 2, True),
+        ("ddp", "auto", True),
+        ("auto", 2, True),
+        ("auto", [0, 1], True),
+        ("auto", 1, False),
+        ("auto", "auto", False),
+        ("fsdp", 2, False),
+        ("ddp_spawn", 2, False),
+    ],
+)
+def test_ddp_becomes_the_lora_ddp_strategy(strategy: str, devices: object, ours: bool) -> None:
+    resolved = resolve_strategy(strategy, devices)
+    assert isinstance(resolved, LoraDDPStrategy) == ours
+    if ours:
+        assert resolved._ddp_kwargs == {"broadcast_buffers": False, "gradient_as_bucket_view": True}
+    else:
+        assert resolved == strategy
+    # A user's own DDP options win over ours.
+    assert LoraDDPStrategy(broadcast_buffers=True)._ddp_kwargs["broadcast_buffers"] is True
+
+
+def test_the_command_trains_with_lora_ddp(tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path) -> None:
+    config = write_config(tmp_path, tiny_flux_dir, photos_dir, **{"trainer.strategy": "ddp", "trainer.max_steps": 1})
+    cli = run_cli(["fit", "--config", str(config)])
+    assert isinstance(cli.trainer.strategy, LoraDDPStrategy) and cli.trainer.global_step == 1

@@ -34,6 +34,7 @@ from lightning_lora.assembly import LoraOptions  # noqa: E402
 from lightning_lora.families.base import ModelSource, build_from_config  # noqa: E402
 from lightning_lora.families.flux import Flux  # noqa: E402
 from lightning_lora.module import LoraModule  # noqa: E402
+from lightning_lora.parallel import resolve_strategy  # noqa: E402
 from lightning_lora.quant import QuantOptions  # noqa: E402
 
 FLUX_DEV = dict(
@@ -367,7 +368,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         trainer = Trainer(
             accelerator="gpu" if device == "cuda" else "cpu",
             devices=a.devices,
-            strategy="ddp" if a.devices > 1 else "auto",
+            strategy=resolve_strategy("ddp" if a.devices > 1 else "auto", a.devices),
             precision="bf16-mixed",
             max_steps=a.warm + a.steps,
             logger=False,
