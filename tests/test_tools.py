@@ -34,6 +34,7 @@ def test_bench_runs_our_module_on_a_tiny_model(family: str, loop: str) -> None:
         plan=1,
         tiny=True,
         devices=1,
+        strategy="auto",
         loop=loop,
         profile="",
     )

@@ -368,7 +368,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         trainer = Trainer(
             accelerator="gpu" if device == "cuda" else "cpu",
             devices=a.devices,
-            strategy=resolve_strategy("ddp" if a.devices > 1 else "auto", a.devices),
+            strategy="ddp" if a.strategy == "lightning-ddp" else resolve_strategy(a.strategy, a.devices),
             precision="bf16-mixed",
             max_steps=a.warm + a.steps,
             logger=False,
@@ -378,6 +378,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             callbacks=callbacks,
         )
         out["devices"] = a.devices
+        out["strategy"] = type(trainer.strategy).__name__
         trainer.fit(module, datamodule=SyntheticData(dataset, a.batch))
         if trainer.global_rank != 0:
             raise SystemExit(0)  # rank 0 prints the result
@@ -414,6 +415,9 @@ def main() -> None:
     p.add_argument("--plan", type=int, default=1)
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--devices", type=int, default=1, help="GPUs (DDP when more than one)")
+    p.add_argument(
+        "--strategy", default="auto", help="auto / ddp: ours (LoraDDPStrategy); lightning-ddp: Lightning's own DDP"
+    )
     p.add_argument("--loop", default="lightning", choices=["lightning", "bare"], help="bare: no Trainer (diagnosis)")
     p.add_argument("--profile", default="", help="write a torch.profiler summary of the timed steps to this file")
     a = p.parse_args()
