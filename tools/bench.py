@@ -266,7 +266,12 @@ class Profile(Callback):
 
 def write_profile(prof: Any, wall: float, steps: int, path: str) -> None:
     events = prof.key_averages()
-    kernel_us = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA")
+    # User annotations (``Optimizer.step#...``) also carry device time, spanning their kernels: not counted twice.
+    kernel_us = sum(
+        e.self_device_time_total
+        for e in prof.events()
+        if e.device_type.name == "CUDA" and not getattr(e, "is_user_annotation", False)
+    )
     launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
     with open(path, "w") as f:
         f.write(
