@@ -19,11 +19,13 @@ matches nothing is an error: peft would silently ignore it, and the user would t
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from lightning_lora.errors import ConfigError
@@ -121,6 +123,7 @@ def build_lora_model(
     device: torch.device | None = None,
     attention: AttentionBackend = "auto",
     compile_blocks: bool = False,
+    checkpoint_every: int = 1,
 ) -> nn.Module:
     """Load, freeze, quantize, inject LoRA, upcast LoRA to float32, checkpointing, attention, compile.
 
@@ -145,11 +148,47 @@ def build_lora_model(
     for p in trainable_parameters(denoiser):
         p.data = p.data.to(torch.float32)
     if gradient_checkpointing:
-        denoiser.enable_gradient_checkpointing()
+        apply_gradient_checkpointing(denoiser, checkpoint_every)
     configure_attention(denoiser, attention, device or torch.device("cpu"))
     if compile_blocks:
         compile_repeated_blocks(denoiser)
     return denoiser.train()
+
+
+def apply_gradient_checkpointing(denoiser: nn.Module, every: int = 1) -> int:
+    """Recompute block activations in the backward pass instead of keeping them.
+
+    ``every=1`` is the model's own checkpointing (diffusers' ``enable_gradient_checkpointing``: every block, and the
+    UNet's ResNets too). ``every=N`` checkpoints one in N of the model's repeated blocks (``_repeated_blocks``: FLUX's
+    double and single blocks, the UNet's transformer blocks) and keeps the others' activations: memory and recompute
+    time in between. Block forwards are wrapped in place, so parameter names (and LoRA keys) do not change.
+    Returns how many blocks were wrapped (0 for ``every=1``).
+    """
+    if every < 1:
+        raise ConfigError(f"model.checkpoint_every: {every} must be at least 1 (1: every block).")
+    if every == 1:
+        denoiser.enable_gradient_checkpointing()
+        return 0
+    kinds = set(getattr(denoiser, "_repeated_blocks", None) or ())
+    blocks = [m for m in denoiser.modules() if type(m).__name__ in kinds]
+    if not blocks:
+        raise ConfigError(
+            f"model.checkpoint_every: {type(denoiser).__name__} declares no repeated blocks; use checkpoint_every: 1."
+        )
+    chosen = blocks[::every]
+    for block in chosen:
+        block.forward = _recomputed(block.forward)  # type: ignore[method-assign]
+    return len(chosen)
+
+
+def _recomputed(forward: Any) -> Any:
+    @functools.wraps(forward)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return run
 
 
 AttentionBackend = Literal["auto", "flash", "efficient", "cudnn", "math", "xformers"]

@@ -55,6 +55,9 @@ class LoraModule(LightningModule):
             are always float32.
         quantization: store the base's linear layers in NF4 or FP8 (see :class:`QuantOptions`).
         gradient_checkpointing: recompute block activations in the backward pass (less memory, ~30% slower).
+        checkpoint_every: with ``gradient_checkpointing``, recompute one in N repeated blocks (FLUX's transformer
+            blocks, the UNet's attention blocks) and keep the others' activations: 1 (every block) saves the most;
+            2 or 3 trade memory back for speed (``lightning-lora plan`` shows the peak for each).
         attention: attention kernel: ``auto`` (PyTorch SDPA without its cuDNN backend, which crashed in FLUX's
             backward), ``flash``, ``efficient``, ``cudnn``, ``math``, or ``xformers`` (CUDA, optional extra).
         compile_blocks: ``torch.compile`` each repeated transformer block (regional compilation): faster steps after
@@ -75,6 +78,7 @@ class LoraModule(LightningModule):
         base_dtype: Literal["bf16", "fp16", "fp32"] = "bf16",
         quantization: QuantOptions = QuantOptions(),
         gradient_checkpointing: bool = False,
+        checkpoint_every: int = 1,
         attention: AttentionBackend = "auto",
         compile_blocks: bool = False,
         optimizer: OptimizerCallable = _default_optimizer,
@@ -86,6 +90,9 @@ class LoraModule(LightningModule):
         self.source = ModelSource(pretrained, denoiser_file, revision, DTYPES[base_dtype])
         self.lora = lora
         self.gradient_checkpointing = gradient_checkpointing
+        if checkpoint_every < 1:
+            raise ConfigError(f"model.checkpoint_every: {checkpoint_every} must be at least 1 (1: every block).")
+        self.checkpoint_every = checkpoint_every
         self.quantization = quantization
         self.attention = attention
         self.compile_blocks = compile_blocks
@@ -115,6 +122,7 @@ class LoraModule(LightningModule):
             device=device,
             attention=self.attention,
             compile_blocks=self.compile_blocks,
+            checkpoint_every=self.checkpoint_every,
         )
         return self.denoiser
 

@@ -191,7 +191,7 @@ def plan_training(
     """Predict the training peak of a :class:`~lightning_lora.module.LoraModule` configuration."""
     from peft import LoraConfig
 
-    from lightning_lora.assembly import resolve_targets
+    from lightning_lora.assembly import apply_gradient_checkpointing, resolve_targets
 
     family, source = module.family, module.source
     model = family.denoiser_skeleton(source)  # meta device: shapes only
@@ -204,17 +204,15 @@ def plan_training(
         if p.requires_grad:
             p.data = p.data.to(source.dtype)
     if module.gradient_checkpointing:
-        model.enable_gradient_checkpointing()
-    model.train()
+        # Only checkpointed blocks' inputs stay saved; in the backward one block's activations are recomputed at a
+        # time (the calibration of TRANSIENT_BLOCKS was made with this measurement order).
+        apply_gradient_checkpointing(model, getattr(module, "checkpoint_every", 1))
     model.train()
     inputs = family.example_inputs(model, batch, height, width, text_len, device="meta", dtype=source.dtype)
     saved, largest = saved_activation_bytes(model, inputs)
     per_block = saved / max(family.block_count(model), 1)
     transient = TRANSIENT_BLOCKS * per_block
     if module.gradient_checkpointing:
-        # Only block inputs stay saved; in the backward one block's activations are recomputed at a time.
-        model.enable_gradient_checkpointing()
-        saved, largest = saved_activation_bytes(model, inputs)
         transient += per_block
     plan = MemoryPlan(
         weights=weights / GIB,

@@ -151,3 +151,46 @@ def test_lora_options_defaults() -> None:
     assert LoraOptions(rank=8, alpha=16).scale_alpha == 16.0
     LoraOptions(dropout=0.0)
     LoraOptions(dropout=0.99)
+
+
+def _grads_and_saved(folder: Path, checkpointing: bool, every: int) -> tuple[dict[str, torch.Tensor], float, set[str]]:
+    from lightning_lora.plan import saved_activation_bytes
+
+    torch.manual_seed(0)
+    model = build_lora_model(
+        Flux(),
+        ModelSource(str(folder), dtype=torch.float32),
+        LoraOptions(rank=2),
+        gradient_checkpointing=checkpointing,
+        checkpoint_every=every,
+    )
+    generator = torch.Generator().manual_seed(2)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # B starts at zero: make it non-zero so that A gets gradients too
+            p.data = 0.1 * torch.randn(p.shape, generator=generator)
+    inputs = Flux().example_inputs(model, 1, 32, 48, 8, device="cpu", dtype=torch.float32)
+    generator = torch.Generator().manual_seed(1)
+    inputs = {
+        k: torch.randn(v.shape, generator=generator) if torch.is_tensor(v) and v.is_floating_point() else v
+        for k, v in inputs.items()
+    }
+    saved, _ = saved_activation_bytes(model, inputs)
+    model(**inputs)[0].square().mean().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    return grads, saved, {n for n, _ in model.named_parameters()}
+
+
+def test_checkpoint_every_n_blocks(tiny_flux_dir: Path) -> None:
+    """Checkpointing one block in N saves fewer activations than none and more than all, with the same gradients
+    and the same parameter names (LoRA keys)."""
+    plain, saved_plain, names = _grads_and_saved(tiny_flux_dir, False, 1)
+    every, saved_every, names_every = _grads_and_saved(tiny_flux_dir, True, 1)
+    half, saved_half, names_half = _grads_and_saved(tiny_flux_dir, True, 2)
+    assert saved_every < saved_half < saved_plain
+    assert names == names_every == names_half
+    for name, grad in plain.items():
+        assert grad.abs().max() > 0, name
+        torch.testing.assert_close(every[name], grad)
+        torch.testing.assert_close(half[name], grad)
+    with pytest.raises(ConfigError, match="checkpoint_every"):
+        _grads_and_saved(tiny_flux_dir, True, 0)

@@ -430,3 +430,33 @@ def test_caching_throughput_on_cpu(tmp_path: Path, tiny_flux_dir: Path) -> None:
         f"\nCPU caching throughput (tiny VAE, 640x480 JPEG -> 64 px buckets, 2 workers): "
         f"{report.images_per_second:.1f} images/s"
     )
+
+
+def test_text_encoders_in_fp8_for_caching(tmp_path: Path, tiny_flux_dir: Path) -> None:
+    """``data.text_encoder_quantization``: the encoders' linear layers in FP8 (T5's float32 ``wo`` kept), embeddings
+    close to the plain ones and cached under their own keys."""
+    from torch import nn
+
+    from lightning_lora.data.cache import quantize_text_encoders
+    from lightning_lora.quant.fp8 import FP8Linear
+
+    plain = _cache(tmp_path / "c", tiny_flux_dir)
+    fp8 = LatentCache(tmp_path / "c", plain.family, plain.source, text_encoder_quantization="fp8")
+    text = "a photo of sks cat"
+    assert plain.text_key(text) != fp8.text_key(text)  # both can live in one cache folder
+    encoders = plain.family.load_text_encoders(plain.source)
+    swapped = quantize_text_encoders(encoders, "fp8", torch.device("cpu"), torch.float32)
+    t5 = encoders.text_encoder_2
+    layers = {n: type(m) for n, m in t5.named_modules() if isinstance(m, nn.Linear)}
+    both = [*encoders.text_encoder.modules(), *t5.modules()]
+    assert swapped == sum(isinstance(m, FP8Linear) for m in both) > 0
+    assert all(t is nn.Linear for n, t in layers.items() if n.endswith(".wo"))  # kept as the model wants
+    assert any(t is FP8Linear for n, t in layers.items() if n.endswith((".q", ".wi_0")))
+    assert any(isinstance(m, FP8Linear) for m in encoders.text_encoder.modules())  # CLIP too
+    assert quantize_text_encoders(encoders, "none", torch.device("cpu"), torch.float32) == 0
+    plain.encode_texts([text], torch.device("cpu"))
+    fp8.encode_texts([text], torch.device("cpu"))
+    a, b = plain.load_text(plain.text_key(text)), fp8.load_text(fp8.text_key(text))
+    for key in ("prompt_embeds", "pooled_prompt_embeds"):
+        assert not torch.equal(a[key], b[key])
+        assert (a[key] - b[key]).norm() < 0.1 * a[key].norm()  # FP8 e4m3 with per-channel scales: close

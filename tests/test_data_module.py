@@ -263,3 +263,14 @@ def test_every_epoch_of_a_fit_draws_anew(
     run_cli(["fit", "--config", str(config)])
     assert len(seen[0]) == len(seen[1]) == 2  # 4 photos, batch 2
     assert seen[0] != seen[1]
+
+
+def test_text_encoder_quantization_reaches_the_cache(tmp_path: Path, tiny_flux_dir: Path) -> None:
+    plain = _built(_module(tmp_path / "a", str(_folder(tmp_path / "data", 2))), tiny_flux_dir)
+    fp8 = _built(
+        _module(tmp_path / "b", str(_folder(tmp_path / "data", 2)), text_encoder_quantization="fp8"), tiny_flux_dir
+    )
+    a, b = plain.train_dataloader().dataset[0], fp8.train_dataloader().dataset[0]
+    assert torch.equal(a["latents"], b["latents"])  # the images are encoded the same way
+    assert not torch.equal(a["prompt_embeds"], b["prompt_embeds"])  # the captions by FP8 text encoders
+    assert set(plain.train_entries[0].text_keys).isdisjoint(fp8.train_entries[0].text_keys)

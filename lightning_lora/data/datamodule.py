@@ -28,7 +28,7 @@ import hashlib
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from lightning.pytorch import LightningDataModule
@@ -179,6 +179,9 @@ class LatentDataModule(LightningDataModule):
         cache_workers: worker processes that decode and resize images while the encoder runs; default: CPU cores
             (at most 8).
         encode_batch_size: images / captions per encoder call while building the cache.
+        text_encoder_quantization: load the text encoders in ``nf4`` (bitsandbytes, CUDA) or ``fp8`` while caching
+            captions and sample prompts, so that FLUX's T5 (9.5 GB in bf16) fits a small card; the embeddings differ
+            slightly from bf16 ones and are cached under their own keys.
         eval_samples: how many training images (the first, in folder and file-name order) the fixed evaluation
             loss uses.
         seed: seed of the batch order and the per-sample random choices; null uses the run's ``seed_everything``.
@@ -210,6 +213,7 @@ class LatentDataModule(LightningDataModule):
         num_workers: int = 0,
         cache_workers: int | None = None,
         encode_batch_size: int = 4,
+        text_encoder_quantization: Literal["none", "nf4", "fp8"] = "none",
         eval_samples: int = 4,
         seed: int | None = None,
     ) -> None:
@@ -268,6 +272,7 @@ class LatentDataModule(LightningDataModule):
         self.num_workers = num_workers
         self.cache_workers = min(8, os.cpu_count() or 1) if cache_workers is None else cache_workers
         self.encode_batch_size = encode_batch_size
+        self.text_encoder_quantization = text_encoder_quantization
         self.eval_samples = eval_samples
         self.seed = seed
         self.train_entries: list[CacheEntry] = []
@@ -314,7 +319,12 @@ class LatentDataModule(LightningDataModule):
             if self.trainer is None:
                 raise RuntimeError("LatentDataModule needs a Trainer with a LoraModule attached")
             module: Any = self.trainer.lightning_module
-            self._cache = LatentCache(self._root(self.trainer.default_root_dir), module.family, module.source)
+            self._cache = LatentCache(
+                self._root(self.trainer.default_root_dir),
+                module.family,
+                module.source,
+                self.text_encoder_quantization,
+            )
         return self._cache
 
     # -- building ----------------------------------------------------------------------------------------------
@@ -329,7 +339,7 @@ class LatentDataModule(LightningDataModule):
     ) -> CacheReport:
         """Build whatever is missing from the cache for this model; return the report (``lightning-lora cache``)."""
         spec = self.spec(family)
-        cache = LatentCache(self._root(default_root_dir), family, source)
+        cache = LatentCache(self._root(default_root_dir), family, source, self.text_encoder_quantization)
         self.report = build(
             cache,
             self.items,
