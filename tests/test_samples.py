@@ -84,3 +84,32 @@ def test_callback_image_equals_fresh_pipeline_with_exported_lora(
     # And the step-0 sample (before training) is the base model's image.
     first = np.asarray(Image.open(run / "samples" / "step000000_00.png").convert("RGB"), dtype=np.int16)
     assert np.abs(first - base).max() <= 1
+
+
+def test_a_sample_that_runs_out_of_memory_does_not_end_the_run(
+    tmp_path: Path,
+    tiny_flux_dir: Path,
+    photos_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from lightning_lora.callbacks import SampleImages
+    from lightning_lora.families.flux import Flux
+
+    original, calls = Flux.generate, []
+
+    def generate(self: Flux, *args: object, **kwargs: object) -> object:
+        calls.append(1)
+        if len(calls) == 1:  # the samples before the first step
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Flux, "generate", generate)
+    config = write_config(tmp_path, tiny_flux_dir, photos_dir, **{"trainer.max_steps": 2})
+    cli = run_cli(["fit", "--config", str(config)])
+    assert cli.trainer.global_step == 2  # the run went on
+    sampler = next(cb for cb in cli.trainer.callbacks if isinstance(cb, SampleImages))
+    assert sampler.skipped == [0]
+    assert [p.name for p in sampler.written] == ["step000002_00.png"]  # the end samples were drawn
+    assert "out of GPU memory while drawing the samples of step 0" in caplog.text
+    assert (tmp_path / "run" / "lora" / "lora.safetensors").exists()

@@ -9,6 +9,10 @@ encoded once, through the text cache, before training starts; the text encoders 
 while training). The VAE stays on the CPU between samples and moves to the GPU only for the decode
 (``offload_vae``). Generation runs under ``no_grad`` in eval mode, and training mode is restored after. Only global
 rank 0 generates and writes; the other ranks wait at a barrier.
+
+A sample never ends a run: running out of GPU memory while generating skips that step's images with a warning that
+says what to lower, frees what the attempt allocated, and training goes on. The generation's own peak GPU memory is
+logged as ``vram/sample_peak_GiB`` (and kept out of the training windows of :class:`VRAMMonitor`).
 """
 
 from __future__ import annotations
@@ -74,6 +78,7 @@ class SampleImages(Callback):
         self._vae: torch.nn.Module | None = None
         self._last_step = -1
         self.written: list[Path] = []
+        self.skipped: list[int] = []  # steps whose samples ran out of memory
 
     def folder(self, trainer: Trainer) -> Path:
         return Path(trainer.default_root_dir) / self.dirname
@@ -119,8 +124,29 @@ class SampleImages(Callback):
         """Draw every prompt at the current step (rank 0), log and save the images."""
         self._last_step = trainer.global_step
         if self.prompts and trainer.is_global_zero:
-            images = self._generate(trainer, pl_module)
-            self._publish(trainer, images)
+            cuda = pl_module.device.type == "cuda"
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(pl_module.device)
+            try:
+                images = self._generate(trainer, pl_module)
+            except torch.OutOfMemoryError as e:
+                images = []
+                self.skipped.append(trainer.global_step)
+                log.warning(
+                    "SampleImages: out of GPU memory while drawing the samples of step %d (%s); training goes on "
+                    "without them. Lower the sample height/width or steps, keep offload_vae: true, or sample less "
+                    "often (every_n_steps).",
+                    trainer.global_step,
+                    str(e).splitlines()[0][:200],
+                )
+            if cuda:
+                peak = torch.cuda.max_memory_allocated(pl_module.device) / 2**30
+                for logger in trainer.loggers:
+                    logger.log_metrics({"vram/sample_peak_GiB": peak}, step=trainer.global_step)
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(pl_module.device)  # the training window starts afresh
+            if images:
+                self._publish(trainer, images)
         trainer.strategy.barrier("SampleImages")
 
     @torch.no_grad()
