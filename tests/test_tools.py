@@ -22,6 +22,7 @@ def test_bench_runs_our_module_on_a_tiny_model(family: str, loop: str) -> None:
         rank=4,
         targets="attention",
         gc=0,
+        every=1,
         h=64,
         w=64,
         tlen=16,

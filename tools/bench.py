@@ -340,6 +340,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         "quant": a.quant,
         "rank": a.rank,
         "gc": a.gc,
+        "every": a.every,
         "h": a.h,
         "w": a.w,
         "tlen": a.tlen,
@@ -356,6 +357,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         base_dtype="bf16",
         quantization=QuantOptions(mode=a.quant),
         gradient_checkpointing=bool(a.gc),
+        checkpoint_every=a.every,
         attention=a.attention,
         compile_blocks=bool(a.compile),
         optimizer=make_optimizer(a.opt),
@@ -408,6 +410,7 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--targets", default="attention")
     p.add_argument("--gc", type=int, default=0)
+    p.add_argument("--every", type=int, default=1, help="with --gc 1: checkpoint one block in N")
     p.add_argument("--h", type=int, default=512)
     p.add_argument("--w", type=int, default=768)
     p.add_argument("--tlen", type=int, default=512)
