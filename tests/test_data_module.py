@@ -274,3 +274,18 @@ def test_text_encoder_quantization_reaches_the_cache(tmp_path: Path, tiny_flux_d
     assert torch.equal(a["latents"], b["latents"])  # the images are encoded the same way
     assert not torch.equal(a["prompt_embeds"], b["prompt_embeds"])  # the captions by FP8 text encoders
     assert set(plain.train_entries[0].text_keys).isdisjoint(fp8.train_entries[0].text_keys)
+
+
+@pytest.mark.parametrize(
+    ("stage", "option"),
+    [("encode_images", "data.encode_batch_size"), ("encode_prompts", "data.text_encoder_quantization: nf4")],
+)
+def test_caching_out_of_memory_names_the_option(
+    tmp_path: Path, tiny_flux_dir: Path, monkeypatch: pytest.MonkeyPatch, stage: str, option: str
+) -> None:
+    def out_of_memory(*args: object, **kwargs: object) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.50 GiB")
+
+    monkeypatch.setattr(Flux, stage, out_of_memory)
+    with pytest.raises(ConfigError, match=f"out of GPU memory.*{option}"):
+        _built(_module(tmp_path, str(_folder(tmp_path / "data", 2))), tiny_flux_dir)

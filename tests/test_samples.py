@@ -113,3 +113,24 @@ def test_a_sample_that_runs_out_of_memory_does_not_end_the_run(
     assert [p.name for p in sampler.written] == ["step000002_00.png"]  # the end samples were drawn
     assert "out of GPU memory while drawing the samples of step 0" in caplog.text
     assert (tmp_path / "run" / "lora" / "lora.safetensors").exists()
+
+
+def test_prompts_that_do_not_fit_turn_samples_off_not_the_run(
+    tmp_path: Path,
+    tiny_flux_dir: Path,
+    photos_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from lightning_lora.callbacks import SampleImages
+    from lightning_lora.data.cache import LatentCache
+
+    def out_of_memory(*args: object, **kwargs: object) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.50 GiB")
+
+    monkeypatch.setattr(LatentCache, "text_embeddings", out_of_memory)
+    config = write_config(tmp_path, tiny_flux_dir, photos_dir, **{"trainer.max_steps": 1})
+    cli = run_cli(["fit", "--config", str(config)])
+    assert cli.trainer.global_step == 1
+    assert next(cb for cb in cli.trainer.callbacks if isinstance(cb, SampleImages)).written == []
+    assert "data.text_encoder_quantization" in caplog.text

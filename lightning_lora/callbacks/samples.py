@@ -5,8 +5,8 @@ comparable over time. The images come from the family's diffusers pipeline aroun
 are what inference with the exported LoRA gives.
 
 Memory: the prompts (and the empty prompt, the negative side of classifier-free guidance for SDXL and SD1.5) are
-encoded once, through the text cache, before training starts; the text encoders are then freed (they are not needed
-while training). The VAE stays on the CPU between samples and moves to the GPU only for the decode
+encoded once, through the text cache, in ``setup``: before the model is built, so the text encoders never share the
+GPU with it; they are then freed (they are not needed while training). The VAE stays on the CPU between samples and moves to the GPU only for the decode
 (``offload_vae``). Generation runs under ``no_grad`` in eval mode, and training mode is restored after. Only global
 rank 0 generates and writes; the other ranks wait at a barrier.
 
@@ -93,17 +93,30 @@ class SampleImages(Callback):
             return
         height, width = self._size(trainer)
         pl_module.family.check_resolution(height, width, "SampleImages height/width")  # type: ignore[attr-defined]
+        if trainer.is_global_zero:
+            self._encode_prompts(trainer, pl_module)
+
+    def _encode_prompts(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Encode the prompts through the data's text cache (reusing cached ones) before the model is built, so that
+        the text encoders never share the GPU with it; they are freed afterwards."""
+        module: Any = pl_module
+        cache = trainer.datamodule.cache()  # type: ignore[attr-defined]
+        try:
+            *prompts, negative = cache.text_embeddings([*self.prompts, ""], trainer.strategy.root_device)
+        except torch.OutOfMemoryError as e:
+            log.warning(
+                "SampleImages: out of GPU memory while encoding the sample prompts (%s); no samples in this run. Set "
+                "data.text_encoder_quantization: nf4 (or fp8).",
+                str(e).splitlines()[0][:200],
+            )
+            self.prompts = []
+            return
+        self._embeddings = [{k: v.cpu() for k, v in e.items()} for e in prompts]
+        self._negative = {k: v.cpu() for k, v in negative.items()}
+        self._vae = module.family.load_vae(module.source)
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self.prompts and trainer.is_global_zero:
-            module: Any = pl_module
-            # Encode through the data's text cache (reuses cached prompts); the encoders are freed afterwards.
-            cache = trainer.datamodule.cache()  # type: ignore[attr-defined]
-            *prompts, negative = cache.text_embeddings([*self.prompts, ""], pl_module.device)
-            self._embeddings = [{k: v.cpu() for k, v in e.items()} for e in prompts]
-            self._negative = {k: v.cpu() for k, v in negative.items()}
-            self._vae = module.family.load_vae(module.source)
         if self.at_start and trainer.global_step == 0:
             self.sample(trainer, pl_module)
 

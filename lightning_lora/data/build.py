@@ -222,6 +222,10 @@ def _fatal(skips: Sequence[Skip]) -> ConfigError:
     )
 
 
+def _first_line(error: BaseException) -> str:
+    return str(error).splitlines()[0][:160] if str(error) else type(error).__name__
+
+
 def build(
     cache: LatentCache,
     train_items: Sequence[Item],
@@ -253,9 +257,16 @@ def build(
         raise _fatal(fatal)
 
     jobs, report.latents_reused = missing_jobs(cache, [*train, *validation])
-    encoded = cache.encode_latents(
-        jobs, device, batch_size=batch_size, workers=workers, background=spec.background, progress=progress
-    )
+    try:
+        encoded = cache.encode_latents(
+            jobs, device, batch_size=batch_size, workers=workers, background=spec.background, progress=progress
+        )
+    except torch.OutOfMemoryError as e:
+        raise ConfigError(
+            f"data.encode_batch_size: out of GPU memory while encoding images with the VAE, {batch_size} at a time "
+            f"({_first_line(e)}). Lower data.encode_batch_size (1 needs the least); the latents written so far stay "
+            "in the cache and are reused by the next run."
+        ) from None
     report.latents_encoded, report.images_encoded, report.encode_seconds = (
         encoded.written,
         encoded.encoded,
@@ -281,7 +292,20 @@ def build(
     for e in [*report.train, *report.validation]:
         texts.update(zip(e.text_keys, e.texts, strict=True))
     missing = cache.missing_texts(texts.values())
-    report.texts_encoded = cache.encode_texts(missing, device, batch_size, progress=progress)
+    try:
+        report.texts_encoded = cache.encode_texts(missing, device, batch_size, progress=progress)
+    except torch.OutOfMemoryError as e:
+        mode = cache.text_encoder_quantization
+        fix = (
+            "Set data.text_encoder_quantization: nf4 (or fp8) to hold the text encoders in 4 (8) bits while caching"
+            if mode == "none"
+            else f"The text encoders are already in {mode}; lower data.encode_batch_size, or cache on a larger GPU "
+            "(`lightning-lora cache`) and train here"
+        )
+        raise ConfigError(
+            f"data.text_encoder_quantization: out of GPU memory while encoding captions with the text encoders "
+            f"({_first_line(e)}). {fix}. The embeddings written so far stay in the cache."
+        ) from None
     report.texts_reused = len(texts) - len(missing)
     report.seconds = time.perf_counter() - start
     return report
