@@ -67,3 +67,33 @@ def test_plan_verb(tmp_path: Path, photos_dir: Path, capsys, request: pytest.Fix
     out = capsys.readouterr().out
     assert "training peak" in out and "does NOT fit in 0.01 GiB" in out
     assert not (tmp_path / "run").exists()  # planning writes nothing
+
+
+def test_suggestions_try_partial_checkpointing_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planner's suggestions, fastest first: one block in 3, in 2, then every block, then quantization."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from lightning_lora import plan_cli
+    from lightning_lora.quant import QuantOptions
+
+    def fake_plan(module: object, datamodule: object) -> SimpleNamespace:
+        m: object = module
+        if not m.gradient_checkpointing:  # type: ignore[attr-defined]
+            peak = 30.0
+        else:
+            peak = {1: 20.0, 2: 24.0, 3: 26.0}[m.checkpoint_every]  # type: ignore[attr-defined]
+        if m.quantization.mode != "none":  # type: ignore[attr-defined]
+            peak -= 12.0
+        return SimpleNamespace(peak_gib=peak)
+
+    monkeypatch.setattr(plan_cli, "plan_for", fake_plan)
+    module = SimpleNamespace(gradient_checkpointing=False, checkpoint_every=1, quantization=QuantOptions())
+    fits = plan_cli._alternatives(module, None, vram=26.0)  # 0.95 x 26 = 24.7: every 2 and every 1 fit, 3 does not
+    assert fits[0].startswith("--model.gradient_checkpointing true --model.checkpoint_every 2")
+    assert fits[1].startswith("--model.gradient_checkpointing true   ")
+    assert not any("checkpoint_every 3" in f for f in fits)
+    assert module.gradient_checkpointing is False and module.checkpoint_every == 1  # restored
+    partial = SimpleNamespace(gradient_checkpointing=True, checkpoint_every=3, quantization=QuantOptions())
+    assert plan_cli._alternatives(partial, None, vram=22.0)[0].startswith("--model.checkpoint_every 1")
+    assert dataclasses.is_dataclass(module.quantization)

@@ -6,9 +6,9 @@ are what inference with the exported LoRA gives.
 
 Memory: the prompts (and the empty prompt, the negative side of classifier-free guidance for SDXL and SD1.5) are
 encoded once, through the text cache, in ``setup``: before the model is built, so the text encoders never share the
-GPU with it; they are then freed (they are not needed while training). The VAE stays on the CPU between samples and moves to the GPU only for the decode
-(``offload_vae``). Generation runs under ``no_grad`` in eval mode, and training mode is restored after. Only global
-rank 0 generates and writes; the other ranks wait at a barrier.
+GPU with it; they are then freed (they are not needed while training). The VAE stays on the CPU between samples
+and moves to the GPU only for the decode (``offload_vae``). Generation runs under ``no_grad`` in eval mode, and
+training mode is restored after. Only global rank 0 generates and writes; the other ranks wait at a barrier.
 
 A sample never ends a run: running out of GPU memory while generating skips that step's images with a warning that
 says what to lower, frees what the attempt allocated, and training goes on. The generation's own peak GPU memory is
