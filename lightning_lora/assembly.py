@@ -149,7 +149,7 @@ def build_lora_model(
         p.data = p.data.to(torch.float32)
     if gradient_checkpointing:
         apply_gradient_checkpointing(denoiser, checkpoint_every)
-    configure_attention(denoiser, attention, device or torch.device("cpu"))
+    configure_attention(denoiser, attention, device or torch.device("cpu"), family.cudnn_attention_in_auto)
     if compile_blocks:
         compile_repeated_blocks(denoiser)
     return denoiser.train()
@@ -191,16 +191,20 @@ def _recomputed(forward: Any) -> Any:
     return run
 
 
-AttentionBackend = Literal["auto", "flash", "efficient", "cudnn", "math", "xformers"]
+AttentionBackend = Literal["auto", "sdpa", "flash", "efficient", "cudnn", "math", "xformers"]
 
 
-def configure_attention(denoiser: nn.Module, backend: AttentionBackend, device: torch.device) -> None:
+def configure_attention(
+    denoiser: nn.Module, backend: AttentionBackend, device: torch.device, cudnn_in_auto: bool = False
+) -> None:
     """Choose the attention kernel.
 
-    ``auto`` lets PyTorch's SDPA pick among flash, memory-efficient and math, with cuDNN's SDPA backend switched
-    off: it crashed in the backward pass of full-size FLUX in bf16 on an H200 with torch 2.11 (illegal memory access
-    in ``mha_graph.execute``). ``flash`` / ``efficient`` / ``cudnn`` / ``math`` allow only that SDPA backend (the
-    process-wide ``torch.backends.cuda`` switches); ``xformers`` uses diffusers' xformers processors (CUDA only).
+    ``auto`` lets PyTorch's SDPA pick among its backends, with cuDNN's switched off unless ``cudnn_in_auto`` (the
+    family's ``cudnn_attention_in_auto``): it crashed in the backward pass of full-size FLUX in bf16 on an H200 with
+    torch 2.11 (illegal memory access in ``mha_graph.execute``), while the SDXL reference ran with it, faster
+    (REFERENCE.md). ``sdpa`` is PyTorch's own choice among all its backends. ``flash`` / ``efficient`` / ``cudnn`` /
+    ``math`` allow only that SDPA backend (the process-wide ``torch.backends.cuda`` switches); ``xformers`` uses
+    diffusers' xformers processors (CUDA only).
     """
     check_attention(backend, device)  # xformers / cudnn on a build that has none (CPU, ROCm)
     if backend == "xformers":
@@ -215,13 +219,12 @@ def configure_attention(denoiser: nn.Module, backend: AttentionBackend, device: 
     if not torch.cuda.is_available():
         return
     cuda = torch.backends.cuda
-    if backend == "auto":
-        cuda.enable_cudnn_sdp(False)
-        return
-    cuda.enable_flash_sdp(backend == "flash")
-    cuda.enable_mem_efficient_sdp(backend == "efficient")
-    cuda.enable_cudnn_sdp(backend == "cudnn")
-    cuda.enable_math_sdp(backend == "math")
+    every = backend in ("auto", "sdpa")
+    cuda.enable_flash_sdp(every or backend == "flash")
+    cuda.enable_mem_efficient_sdp(every or backend == "efficient")
+    nvidia = torch.version.hip is None  # ROCm builds have no cuDNN
+    cuda.enable_cudnn_sdp(backend in ("sdpa", "cudnn") or (backend == "auto" and cudnn_in_auto and nvidia))
+    cuda.enable_math_sdp(every or backend == "math")
 
 
 def compile_repeated_blocks(denoiser: nn.Module) -> None:

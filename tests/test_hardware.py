@@ -135,3 +135,34 @@ def test_nf4_without_bitsandbytes_names_the_extra_and_rocm(monkeypatch) -> None:
             require_bitsandbytes()
     finally:
         require_bitsandbytes.cache_clear()
+
+
+@pytest.mark.parametrize(
+    ("backend", "cudnn_in_auto", "expected"),
+    [
+        ("auto", False, (True, True, False, True)),  # FLUX: cuDNN's SDPA crashed in its backward
+        ("auto", True, (True, True, True, True)),  # SDXL / SD1.5: PyTorch's full choice
+        ("sdpa", False, (True, True, True, True)),
+        ("flash", False, (True, False, False, False)),
+        ("math", True, (False, False, False, True)),
+    ],
+)
+def test_attention_switches(monkeypatch, backend: str, cudnn_in_auto: bool, expected: tuple[bool, ...]) -> None:
+    cuda = torch.backends.cuda
+    switches = (cuda.flash_sdp_enabled, cuda.mem_efficient_sdp_enabled, cuda.cudnn_sdp_enabled, cuda.math_sdp_enabled)
+    before = tuple(f() for f in switches)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    try:
+        configure_attention(nn.Linear(2, 2), backend, torch.device("cpu"), cudnn_in_auto)  # type: ignore[arg-type]
+        assert tuple(f() for f in switches) == expected
+    finally:
+        enables = (cuda.enable_flash_sdp, cuda.enable_mem_efficient_sdp, cuda.enable_cudnn_sdp, cuda.enable_math_sdp)
+        for enable, value in zip(enables, before, strict=True):
+            enable(value)
+
+
+def test_families_say_whether_auto_may_use_cudnn_attention() -> None:
+    from lightning_lora.families.flux import Flux
+    from lightning_lora.families.sdxl import SDXL
+
+    assert Flux.cudnn_attention_in_auto is False and SDXL.cudnn_attention_in_auto is True

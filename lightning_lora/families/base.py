@@ -164,6 +164,8 @@ class DiffusionFamily(ABC):
     """Image sides must be multiples of this many pixels (VAE downscale x latent patch size)."""
     lora_presets: ClassVar[dict[str, str]]
     """Named LoRA target sets: preset name -> regular expression over module names (peft ``target_modules``)."""
+    cudnn_attention_in_auto: ClassVar[bool] = True
+    """Whether ``model.attention: auto`` may use PyTorch's cuDNN SDPA backend with this family's model."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

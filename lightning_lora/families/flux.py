@@ -84,6 +84,8 @@ class Flux(DiffusionFamily):
     pipeline_classes: ClassVar[tuple[str, ...]] = ("FluxPipeline",)
     denoiser_subfolder: ClassVar[str] = "transformer"
     latent_divisor: ClassVar[int] = 16
+    # cuDNN's SDPA backend crashed in FLUX's backward on an H200 (torch 2.11, illegal memory access; REFERENCE.md).
+    cudnn_attention_in_auto: ClassVar[bool] = False
     lora_presets: ClassVar[dict[str, str]] = {
         # The set the public FLUX LoRA recipes (and our reference benchmark) use.
         "attention": rf".*transformer_blocks\.\d+\.{_ATTENTION}",
