@@ -97,6 +97,11 @@ class LoraCLI(LightningCLI):
             if not any(isinstance(c, required) for c in callbacks):
                 callbacks.append(required())
         config["callbacks"] = callbacks
+        if config.get("use_distributed_sampler"):
+            raise ConfigError(
+                "trainer.use_distributed_sampler: true would replace lightning-lora's bucket sampler, which already "
+                "gives each GPU its share of every batch (one aspect-ratio bucket per step); leave it false."
+            )
         config["strategy"] = resolve_strategy(config.get("strategy", "auto"), config.get("devices", "auto"))
         plugins = config.get("plugins") or []
         plugins = plugins if isinstance(plugins, list) else [plugins]

@@ -53,3 +53,15 @@ def test_the_command_trains_with_lora_ddp(tmp_path: Path, tiny_flux_dir: Path, p
     config = write_config(tmp_path, tiny_flux_dir, photos_dir, **{"trainer.strategy": "ddp", "trainer.max_steps": 1})
     cli = run_cli(["fit", "--config", str(config)])
     assert isinstance(cli.trainer.strategy, LoraDDPStrategy) and cli.trainer.global_step == 1
+
+
+def test_lightnings_distributed_sampler_is_refused(
+    tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from lightning_lora.cli import main
+
+    config = write_config(tmp_path, tiny_flux_dir, photos_dir)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(config), "--trainer.use_distributed_sampler", "true"])
+    assert exit_info.value.code == 2
+    assert "trainer.use_distributed_sampler: true would replace" in capsys.readouterr().err
