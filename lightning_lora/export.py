@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from lightning_lora import __version__
-from lightning_lora.errors import ConfigError
+from lightning_lora.errors import ConfigError, first_line
 from lightning_lora.export_kohya import (
     flux_to_kohya,
     kohya_flux_metadata,
@@ -202,9 +202,9 @@ def checkpoint_lora(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except (RuntimeError, pickle.UnpicklingError, zipfile.BadZipFile, EOFError, ValueError, OSError) as e:
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        reason = first_line(e, 200)
         raise ConfigError(
-            f"{path}: cannot be read as a checkpoint ({reason[:200]}). It is damaged (an interrupted copy?) or not a "
+            f"{path}: cannot be read as a checkpoint ({reason}). It is damaged (an interrupted copy?) or not a "
             "checkpoint of `lightning-lora fit`: pass another .ckpt from the run's checkpoints/ folder."
         ) from None
     saved = checkpoint.get("state_dict") if isinstance(checkpoint, dict) else None

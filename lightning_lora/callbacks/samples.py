@@ -27,6 +27,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from typing_extensions import override
 
+from lightning_lora.errors import first_line
 from lightning_lora.io import atomic_write
 
 __all__ = ["SampleImages"]
@@ -107,7 +108,7 @@ class SampleImages(Callback):
             log.warning(
                 "SampleImages: out of GPU memory while encoding the sample prompts (%s); no samples in this run. Set "
                 "data.text_encoder_quantization: nf4 (or fp8).",
-                str(e).splitlines()[0][:200],
+                first_line(e, 200),
             )
             self.prompts = []
             return
@@ -150,13 +151,12 @@ class SampleImages(Callback):
                     "without them. Lower the sample height/width or steps, keep offload_vae: true, or sample less "
                     "often (every_n_steps).",
                     trainer.global_step,
-                    str(e).splitlines()[0][:200],
+                    first_line(e, 200),
                 )
             if cuda:
                 peak = torch.cuda.max_memory_allocated(pl_module.device) / 2**30
                 for logger in trainer.loggers:
                     logger.log_metrics({"vram/sample_peak_GiB": peak}, step=trainer.global_step)
-                torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(pl_module.device)  # the training window starts afresh
             if images:
                 self._publish(trainer, images)

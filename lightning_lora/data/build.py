@@ -29,7 +29,7 @@ from lightning_lora.data.cache import ImageIndex, LatentCache, LatentJob, readab
 from lightning_lora.data.captions import apply_trigger, tag_variants
 from lightning_lora.data.images import BadImage
 from lightning_lora.data.sources import Item, Skip
-from lightning_lora.errors import ConfigError
+from lightning_lora.errors import ConfigError, first_line
 
 __all__ = ["CacheEntry", "CacheReport", "DataSpec", "build", "entry_texts", "missing_jobs", "plan", "usable"]
 
@@ -222,10 +222,6 @@ def _fatal(skips: Sequence[Skip]) -> ConfigError:
     )
 
 
-def _first_line(error: BaseException) -> str:
-    return str(error).splitlines()[0][:160] if str(error) else type(error).__name__
-
-
 def build(
     cache: LatentCache,
     train_items: Sequence[Item],
@@ -264,8 +260,8 @@ def build(
     except torch.OutOfMemoryError as e:
         raise ConfigError(
             f"data.encode_batch_size: out of GPU memory while encoding images with the VAE, {batch_size} at a time "
-            f"({_first_line(e)}). Lower data.encode_batch_size (1 needs the least); the latents written so far stay "
-            "in the cache and are reused by the next run."
+            f"({first_line(e, 160)}). Lower data.encode_batch_size (1 needs the least); the latents written so far "
+            "stay in the cache and are reused by the next run."
         ) from None
     report.latents_encoded, report.images_encoded, report.encode_seconds = (
         encoded.written,
@@ -304,7 +300,7 @@ def build(
         )
         raise ConfigError(
             f"data.text_encoder_quantization: out of GPU memory while encoding captions with the text encoders "
-            f"({_first_line(e)}). {fix}. The embeddings written so far stay in the cache."
+            f"({first_line(e, 160)}). {fix}. The embeddings written so far stay in the cache."
         ) from None
     report.texts_reused = len(texts) - len(missing)
     report.seconds = time.perf_counter() - start
