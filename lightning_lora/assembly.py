@@ -36,7 +36,9 @@ from lightning_lora.quant import QuantOptions, quantize_base
 __all__ = [
     "AttentionBackend",
     "LoraOptions",
+    "apply_gradient_checkpointing",
     "build_lora_model",
+    "check_checkpoint_every",
     "compile_repeated_blocks",
     "configure_attention",
     "resolve_targets",
@@ -155,6 +157,11 @@ def build_lora_model(
     return denoiser.train()
 
 
+def check_checkpoint_every(every: int) -> None:
+    if every < 1:
+        raise ConfigError(f"model.checkpoint_every: {every} must be at least 1 (1: every block).")
+
+
 def apply_gradient_checkpointing(denoiser: nn.Module, every: int = 1) -> int:
     """Recompute block activations in the backward pass instead of keeping them.
 
@@ -164,8 +171,7 @@ def apply_gradient_checkpointing(denoiser: nn.Module, every: int = 1) -> int:
     time in between. Block forwards are wrapped in place, so parameter names (and LoRA keys) do not change.
     Returns how many blocks were wrapped (0 for ``every=1``).
     """
-    if every < 1:
-        raise ConfigError(f"model.checkpoint_every: {every} must be at least 1 (1: every block).")
+    check_checkpoint_every(every)
     if every == 1:
         denoiser.enable_gradient_checkpointing()
         return 0

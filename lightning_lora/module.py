@@ -26,7 +26,13 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from typing_extensions import override
 
-from lightning_lora.assembly import AttentionBackend, LoraOptions, build_lora_model, trainable_parameters
+from lightning_lora.assembly import (
+    AttentionBackend,
+    LoraOptions,
+    build_lora_model,
+    check_checkpoint_every,
+    trainable_parameters,
+)
 from lightning_lora.errors import ConfigError
 from lightning_lora.families.base import DiffusionFamily, ModelSource
 from lightning_lora.families.flux import Flux
@@ -91,8 +97,7 @@ class LoraModule(LightningModule):
         self.source = ModelSource(pretrained, denoiser_file, revision, DTYPES[base_dtype])
         self.lora = lora
         self.gradient_checkpointing = gradient_checkpointing
-        if checkpoint_every < 1:
-            raise ConfigError(f"model.checkpoint_every: {checkpoint_every} must be at least 1 (1: every block).")
+        check_checkpoint_every(checkpoint_every)
         self.checkpoint_every = checkpoint_every
         self.quantization = quantization
         self.attention = attention
