@@ -295,3 +295,18 @@ class DiffusionFamily(ABC):
         g = torch.Generator(device=device)
         g.manual_seed(seed)
         return g
+
+    def run_pipeline(
+        self, pipeline: Any, *, seed: int, height: int, width: int, steps: int, guidance_scale: float, **embeddings: Any
+    ) -> Any:
+        """One PIL image from ``pipeline`` with the given prompt embeddings (the families' :meth:`generate` passes
+        theirs). A CPU generator draws the same starting noise on any device."""
+        return pipeline(
+            **embeddings,
+            height=height,
+            width=width,
+            num_inference_steps=steps,
+            guidance_scale=guidance_scale,
+            generator=self.seed_generator(seed),
+            output_type="pil",
+        ).images[0]

@@ -225,17 +225,16 @@ class Flux(DiffusionFamily):
     ) -> Any:
         dtype = compute_dtype(pipeline.transformer)
         device = pipeline.transformer.device
-        return pipeline(
-            prompt_embeds=embeddings["prompt_embeds"].to(device=device, dtype=dtype),
-            pooled_prompt_embeds=embeddings["pooled_prompt_embeds"].to(device=device, dtype=dtype),
+        return self.run_pipeline(
+            pipeline,
+            seed=seed,
             height=height,
             width=width,
-            num_inference_steps=steps,
+            steps=steps,
             guidance_scale=guidance_scale,
-            # A CPU generator draws the same starting noise on any device.
-            generator=self.seed_generator(seed),
-            output_type="pil",
-        ).images[0]
+            prompt_embeds=embeddings["prompt_embeds"].to(device=device, dtype=dtype),
+            pooled_prompt_embeds=embeddings["pooled_prompt_embeds"].to(device=device, dtype=dtype),
+        )
 
     # -- memory planning ---------------------------------------------------------------------------------------
     def denoiser_skeleton(self, source: ModelSource) -> nn.Module:

@@ -109,13 +109,13 @@ class SD15(UNetFamily):
         self._require_negative(negative, guidance_scale)
         device, dtype = self._device_dtype(pipeline)
         negative_embeds = None if negative is None else negative["prompt_embeds"].to(device=device, dtype=dtype)
-        return pipeline(
-            prompt_embeds=embeddings["prompt_embeds"].to(device=device, dtype=dtype),
-            negative_prompt_embeds=negative_embeds,
+        return self.run_pipeline(
+            pipeline,
+            seed=seed,
             height=height,
             width=width,
-            num_inference_steps=steps,
+            steps=steps,
             guidance_scale=guidance_scale,
-            generator=self.seed_generator(seed),  # CPU: the same starting noise on any device
-            output_type="pil",
-        ).images[0]
+            prompt_embeds=embeddings["prompt_embeds"].to(device=device, dtype=dtype),
+            negative_prompt_embeds=negative_embeds,
+        )

@@ -151,15 +151,15 @@ class SDXL(UNetFamily):
             negative = {k: torch.zeros_like(v) for k, v in prompt.items()}
         self._require_negative(negative, guidance_scale)
         negative = {k: v.to(device=device, dtype=dtype) for k, v in (negative or {}).items()}
-        return pipeline(
+        return self.run_pipeline(
+            pipeline,
+            seed=seed,
+            height=height,
+            width=width,
+            steps=steps,
+            guidance_scale=guidance_scale,
             prompt_embeds=prompt["prompt_embeds"],
             pooled_prompt_embeds=prompt["pooled_prompt_embeds"],
             negative_prompt_embeds=negative.get("prompt_embeds"),
             negative_pooled_prompt_embeds=negative.get("pooled_prompt_embeds"),
-            height=height,
-            width=width,
-            num_inference_steps=steps,
-            guidance_scale=guidance_scale,
-            generator=self.seed_generator(seed),  # CPU: the same starting noise on any device
-            output_type="pil",
-        ).images[0]
+        )
