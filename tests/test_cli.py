@@ -293,21 +293,20 @@ def test_help_lists_our_options(capsys) -> None:
         assert option in out
 
 
+def fit_in_subprocess(config: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    """``lightning-lora fit --config CONFIG [EXTRA...]`` in its own process, offline, as a user runs it."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "lightning_lora", "fit", "--config", str(config), *extra]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+
+
 def test_console_script_fit_and_resume(tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path) -> None:
     """The real command, as a user runs it: a separate process, then a resume in another one."""
     config = write_config(tmp_path, tiny_flux_dir, photos_dir, **{"trainer.max_steps": 4})
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "lightning_lora", "fit", "--config", str(config)]
-    first = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    first = fit_in_subprocess(config)
     assert first.returncode == 0, first.stderr[-3000:]
     assert "Run folder:" in first.stdout and "tensorboard --logdir" in first.stdout
-    second = subprocess.run(
-        [*command, "--ckpt_path", "last", "--trainer.max_steps", "6"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    second = fit_in_subprocess(config, "--ckpt_path", "last", "--trainer.max_steps", "6")
     assert second.returncode == 0, second.stderr[-3000:]
     assert "(step 6)" in second.stdout
     assert torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 6

@@ -8,21 +8,11 @@ noise and timesteps are drawn per sample (not per rank), and DDP averages the gr
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
-from test_cli import write_config
-
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-
-
-def _fit(config: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "lightning_lora", "fit", "--config", str(config), *extra]
-    return subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=300)
+from test_cli import fit_in_subprocess, write_config
 
 
 def test_two_ranks_of_batch_b_train_what_one_rank_of_batch_2b_trains(
@@ -36,7 +26,7 @@ def test_two_ranks_of_batch_b_train_what_one_rank_of_batch_2b_trains(
         folder.mkdir()
         strategy = {"trainer.strategy": "ddp"} if devices > 1 else {}
         overrides = {**common, **strategy, "trainer.devices": devices, "data.batch_size": batch}
-        run = _fit(write_config(folder, tiny_flux_dir, photos_dir, **overrides))
+        run = fit_in_subprocess(write_config(folder, tiny_flux_dir, photos_dir, **overrides))
         assert run.returncode == 0, run.stderr[-3000:]
         lora[name] = load_file(folder / "run" / "lora" / "lora.safetensors")
     assert lora["one"].keys() == lora["two"].keys()
@@ -53,21 +43,13 @@ def test_two_process_ddp_fit_and_resume(tmp_path: Path, tiny_flux_dir: Path, pho
         photos_dir,
         **{"trainer.devices": 2, "trainer.strategy": "ddp", "trainer.max_steps": 3, "data.batch_size": 1},
     )
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "lightning_lora", "fit", "--config", str(config)]
-    first = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    first = fit_in_subprocess(config)
     assert first.returncode == 0, first.stderr[-3000:]
     last = tmp_path / "run" / "checkpoints" / "last.ckpt"
     ckpt = torch.load(last, weights_only=True)
     assert ckpt["global_step"] == 3 and len(ckpt["rng_states"]) == 2  # both ranks' generators
     assert not torch.equal(ckpt["rng_states"][0]["torch"], ckpt["rng_states"][1]["torch"])
-    second = subprocess.run(
-        [*command, "--ckpt_path", "last", "--trainer.max_steps", "5"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    second = fit_in_subprocess(config, "--ckpt_path", "last", "--trainer.max_steps", "5")
     assert second.returncode == 0, second.stderr[-3000:]
     assert "(step 5)" in second.stdout  # resumed at 3, trained to 5
     from lightning_lora.export import read_metadata
