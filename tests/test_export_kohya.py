@@ -31,16 +31,14 @@ import torch
 from diffusers import FluxPipeline
 from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file
+from unet_helpers import ALPHA, RANK, lora_model
 
-from lightning_lora.assembly import LoraOptions, build_lora_model
 from lightning_lora.export import checkpoint_lora, export_lora, read_metadata
 from lightning_lora.export_cli import main as export_main
 from lightning_lora.export_kohya import flux_lora_dims, flux_to_kohya, kohya_name, split_lora_state
-from lightning_lora.families.base import ModelSource
 from lightning_lora.families.flux import Flux, latent_image_ids
 from lightning_lora.families.flux_bfl import FluxDims, bfl_to_diffusers, diffusers_to_bfl
 
-RANK, ALPHA = 4, 8.0
 INFO = {"family": "flux", "base_model": "tiny", "steps": 3}
 INNER, MLP = 32, 128  # the tiny FLUX of lightning_lora.tiny (dim64=False)
 
@@ -62,19 +60,6 @@ def _diffusers_kohya_for_width(monkeypatch: pytest.MonkeyPatch, dims: FluxDims) 
     tiny = f"dims={[dims.inner_dim] * 3 + [dims.mlp_hidden_dim]}"
     exec(compile(source.replace(literal, tiny), inspect.getsourcefile(original) or "<diffusers>", "exec"), namespace)
     monkeypatch.setattr(lora_pipeline, original.__name__, namespace[original.__name__])
-
-
-def _lora_model(model_dir: Path, targets: str | list[str], seed: int = 0) -> torch.nn.Module:
-    """The tiny FLUX with a rank-4, alpha-8 LoRA whose B matrices are random (a fresh LoRA would be a no-op)."""
-    model = build_lora_model(
-        Flux(), ModelSource(str(model_dir), dtype=torch.float32), LoraOptions(rank=RANK, alpha=ALPHA, targets=targets)
-    ).eval()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(0.2 * torch.randn(p.shape, generator=g))
-    return model
 
 
 def _inputs(config: object) -> dict[str, torch.Tensor]:
@@ -214,7 +199,7 @@ def test_what_cannot_be_exported_is_named() -> None:
 @pytest.fixture(scope="module")
 def all_linear(tiny_flux_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, Path, Path]:
     """The all_linear LoRA, exported in both formats."""
-    model = _lora_model(tiny_flux_dir, "all_linear")
+    model = lora_model(Flux(), tiny_flux_dir, "all_linear")
     return (model, *_export_both(model, tmp_path_factory.mktemp("all_linear"), "all_linear"))
 
 
@@ -272,7 +257,7 @@ def test_kohya_and_diffusers_files_load_the_same_lora(
     if targets == "all_linear":
         model, diffusers_file, kohya_file = all_linear
     else:
-        model = _lora_model(tiny_flux_dir, targets, seed=1)
+        model = lora_model(Flux(), tiny_flux_dir, targets, seed=1)
         diffusers_file, kohya_file = _export_both(model, tmp_path, targets)
     expected = _forward(model)
     base = _forward(_loaded(tiny_flux_dir, None).transformer)
@@ -310,7 +295,7 @@ def test_kohya_file_merged_into_bfl_weights(tiny_flux_dir: Path, tmp_path: Path)
         "to_v",
         "proj_mlp",
     ]
-    model = _lora_model(tiny_flux_dir, targets, seed=2)
+    model = lora_model(Flux(), tiny_flux_dir, targets, seed=2)
     _, kohya_file = _export_both(model, tmp_path, targets)
     base = FluxPipeline.from_pretrained(tiny_flux_dir).transformer
     bfl = diffusers_to_bfl(base.state_dict())

@@ -34,8 +34,9 @@ def family_config(
     return config
 
 
-def lora_model(family: DiffusionFamily, model_dir: Path, targets: str, seed: int = 0) -> torch.nn.Module:
-    """The tiny UNet with a rank-4, alpha-8 LoRA whose B matrices are random (a fresh LoRA would be a no-op)."""
+def lora_model(family: DiffusionFamily, model_dir: Path, targets: str | list[str], seed: int = 0) -> torch.nn.Module:
+    """The tiny model of ``family`` with a rank-4, alpha-8 LoRA whose B matrices are random (a fresh LoRA would be a
+    no-op)."""
     model = build_lora_model(
         family, ModelSource(str(model_dir), dtype=torch.float32), LoraOptions(rank=RANK, alpha=ALPHA, targets=targets)
     ).eval()
