@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import gc
-import hashlib
 import json
 import logging
 import os
@@ -20,6 +19,7 @@ import pytest
 import torch
 from PIL import Image
 from safetensors.torch import load_file
+from test_cli import tree_digest
 
 from lightning_lora.data.buckets import BucketSpec
 from lightning_lora.data.build import CacheReport, DataSpec, build
@@ -68,15 +68,6 @@ def _build(cache: LatentCache, *folders: Path, spec: DataSpec | None = None, **k
 
 def _files(root: Path) -> dict[str, dict[str, torch.Tensor]]:
     return {p.relative_to(root).as_posix(): load_file(p) for p in sorted(root.rglob("*.safetensors"))}
-
-
-def tree_digest(folder: Path) -> str:
-    h = hashlib.sha256()
-    for p in sorted(folder.rglob("*")):
-        h.update(str(p.relative_to(folder)).encode())
-        if p.is_file():
-            h.update(p.read_bytes())
-    return h.hexdigest()
 
 
 def test_build_then_reuse(tmp_path: Path, tiny_flux_dir: Path) -> None:
