@@ -115,7 +115,10 @@ class LoraCLI(LightningCLI):
         self.datamodule.spec(self.model.family)
         check_strategy(self.trainer.strategy, self.model.quantization.mode)
         if torch.cuda.is_available() and self.trainer.strategy.root_device.type == "cuda":
-            warn_if_too_big(self.model, self.datamodule, self.trainer.strategy.root_device)
+            planned = warn_if_too_big(self.model, self.datamodule, self.trainer.strategy.root_device)
+            for cb in self.trainer.callbacks:  # type: ignore[attr-defined]
+                if isinstance(cb, VRAMMonitor) and planned is not None:
+                    cb.planned_gib = planned  # logged beside the measured peak, without planning twice
 
     def fit(
         self, model: LoraModule, datamodule: LatentDataModule | None = None, ckpt_path: str | None = None, **kwargs: Any
@@ -147,15 +150,16 @@ class LoraCLI(LightningCLI):
             print(run_summary(self.trainer), flush=True)
 
 
-def warn_if_too_big(model: LoraModule, datamodule: LatentDataModule, device: torch.device) -> None:
-    """Run the memory planner at start and warn before an out-of-memory crash (never blocks the run)."""
+def warn_if_too_big(model: LoraModule, datamodule: LatentDataModule, device: torch.device) -> float | None:
+    """Run the memory planner at start and warn before an out-of-memory crash (never blocks the run). Returns the
+    predicted training peak in GiB (None when the planner cannot run)."""
     from lightning_lora.plan_cli import plan_for
 
     try:
         plan = plan_for(model, datamodule)
     except (ConfigError, NotImplementedError, OSError) as e:
         rank_zero_info(f"memory planner skipped: {e}")
-        return
+        return None
     total = torch.cuda.get_device_properties(device).total_memory / 2**30
     need = max(plan.peak_gib, plan.sampling_peak)
     message = f"predicted peak GPU memory {need:.1f} GiB of {total:.1f} GiB ({device})"
@@ -166,6 +170,7 @@ def warn_if_too_big(model: LoraModule, datamodule: LatentDataModule, device: tor
         )
     else:
         rank_zero_info(message)
+    return plan.peak_gib
 
 
 def run_summary(trainer: Trainer) -> str:

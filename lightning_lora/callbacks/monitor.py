@@ -53,7 +53,8 @@ class VRAMMonitor(Callback):
             from lightning_lora.plan_cli import plan_for
 
             try:
-                self.planned_gib = plan_for(pl_module, trainer.datamodule).peak_gib
+                if self.planned_gib is None:  # the CLI hands over the prediction of its start-up check
+                    self.planned_gib = plan_for(pl_module, trainer.datamodule).peak_gib
                 metrics["vram/planned_peak_GiB"] = self.planned_gib
             except (NotImplementedError, ValueError, OSError) as e:
                 rank_zero_info(f"VRAMMonitor: no planner prediction ({e})")
