@@ -10,7 +10,9 @@ The order matters and is fixed here, once:
    would be rounded away in bf16 (diffusers' ``cast_training_params`` does the same); autocast runs the matmuls in
    bf16 anyway;
 5. gradient checkpointing, if asked: recompute each block's activations in the backward pass instead of storing them;
-6. the attention backend, and regional compilation of the repeated blocks, if asked.
+6. block offloading, if asked: some blocks' frozen tensors stay in CPU memory and stream in when they run
+   (:mod:`lightning_lora.offload`; before Lightning moves the model to the GPU, so they never all land there);
+7. the attention backend, and regional compilation of the repeated blocks, if asked.
 
 Target modules are given as a preset name of the family (``attention``, ``attention_all``, ``all_linear``), a regular
 expression over module names, or a list of module-name suffixes (``to_q``, ``attn.to_out.0``). A list entry that
@@ -31,6 +33,7 @@ from torch import nn
 from lightning_lora.errors import ConfigError
 from lightning_lora.families.base import DiffusionFamily, ModelSource
 from lightning_lora.hardware import check_attention
+from lightning_lora.offload import check_offload_blocks, offload_blocks, repeated_blocks
 from lightning_lora.quant import QuantOptions, quantize_base
 
 __all__ = [
@@ -41,6 +44,7 @@ __all__ = [
     "check_checkpoint_every",
     "compile_repeated_blocks",
     "configure_attention",
+    "ensure_recomputed",
     "resolve_targets",
     "trainable_parameters",
 ]
@@ -126,14 +130,16 @@ def build_lora_model(
     attention: AttentionBackend = "auto",
     compile_blocks: bool = False,
     checkpoint_every: int = 1,
+    offload: int = 0,
 ) -> nn.Module:
-    """Load, freeze, quantize, inject LoRA, upcast LoRA to float32, checkpointing, attention, compile.
+    """Load, freeze, quantize, inject LoRA, upcast LoRA to float32, checkpointing, offloading, attention, compile.
 
     ``device`` is where quantized layers are created (the training device); the rest of the model is moved there by
     Lightning afterwards. Returns the denoiser in train mode.
     """
     from peft import LoraConfig
 
+    check_offload_blocks(offload, None, quantization.mode if quantization else "none", compile_blocks)
     denoiser = family.load_denoiser(source)
     denoiser.requires_grad_(False)
     target_modules = resolve_targets(lora.targets, family, denoiser)
@@ -151,6 +157,7 @@ def build_lora_model(
         p.data = p.data.to(torch.float32)
     if gradient_checkpointing:
         apply_gradient_checkpointing(denoiser, checkpoint_every)
+    offload_blocks(denoiser, offload, device or torch.device("cpu"))
     configure_attention(denoiser, attention, device or torch.device("cpu"), family.cudnn_attention_in_auto)
     if compile_blocks:
         compile_repeated_blocks(denoiser)
@@ -175,8 +182,7 @@ def apply_gradient_checkpointing(denoiser: nn.Module, every: int = 1) -> int:
     if every == 1:
         denoiser.enable_gradient_checkpointing()
         return 0
-    kinds = set(getattr(denoiser, "_repeated_blocks", None) or ())
-    blocks = [m for m in denoiser.modules() if type(m).__name__ in kinds]
+    blocks = repeated_blocks(denoiser)
     if not blocks:
         raise ConfigError(
             f"model.checkpoint_every: {type(denoiser).__name__} declares no repeated blocks; use checkpoint_every: 1."
@@ -187,6 +193,13 @@ def apply_gradient_checkpointing(denoiser: nn.Module, every: int = 1) -> int:
     return len(chosen)
 
 
+def ensure_recomputed(denoiser: nn.Module, block: nn.Module) -> None:
+    """Make ``block`` recompute its activations in the backward pass, unless the model's checkpointing already does."""
+    if getattr(denoiser, "is_gradient_checkpointing", False) or getattr(block.forward, "recomputed", False):
+        return
+    block.forward = _recomputed(block.forward)  # type: ignore[method-assign]
+
+
 def _recomputed(forward: Any) -> Any:
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
@@ -194,6 +207,7 @@ def _recomputed(forward: Any) -> Any:
             return forward(*args, **kwargs)
         return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
+    run.recomputed = True  # type: ignore[attr-defined]
     return run
 
 

@@ -36,6 +36,7 @@ from lightning_lora.assembly import (
 from lightning_lora.errors import ConfigError
 from lightning_lora.families.base import DiffusionFamily, ModelSource
 from lightning_lora.families.flux import Flux
+from lightning_lora.offload import check_offload_blocks
 from lightning_lora.quant import QuantOptions
 
 __all__ = ["DTYPES", "LoraModule", "primitive_hparams"]
@@ -69,6 +70,10 @@ class LoraModule(LightningModule):
             ``math``, or ``xformers`` (CUDA, optional extra).
         compile_blocks: ``torch.compile`` each repeated transformer block (regional compilation): faster steps after
             a compile of a minute or two at the start.
+        offload_blocks: keep the frozen weights of this many repeated blocks (spread over the model) in CPU memory
+            and copy each to the GPU while it runs; they are recomputed in the backward pass. Frees their weights'
+            GPU memory (less two blocks in flight) for two copies per block and step: how FLUX in bf16 fits a 24 GB
+            card (``lightning-lora plan`` shows the peak). bf16 / FP8 bases; not with NF4 or ``compile_blocks``.
         optimizer: built over the LoRA parameters only, e.g. ``torch.optim.AdamW`` or
             ``bitsandbytes.optim.AdamW8bit``. Default: AdamW, lr 1e-4, weight decay 1e-4.
         scheduler: optional learning-rate schedule, stepped every optimizer step, e.g.
@@ -88,6 +93,7 @@ class LoraModule(LightningModule):
         checkpoint_every: int = 1,
         attention: AttentionBackend = "auto",
         compile_blocks: bool = False,
+        offload_blocks: int = 0,
         optimizer: OptimizerCallable = _default_optimizer,
         scheduler: LRSchedulerCallable | None = None,
     ) -> None:
@@ -102,6 +108,8 @@ class LoraModule(LightningModule):
         self.quantization = quantization
         self.attention = attention
         self.compile_blocks = compile_blocks
+        check_offload_blocks(offload_blocks, None, quantization.mode, compile_blocks)
+        self.offload_blocks = offload_blocks
         self._optimizer_factory = optimizer
         self._scheduler_factory = scheduler
         self.denoiser: torch.nn.Module | None = None
@@ -129,6 +137,7 @@ class LoraModule(LightningModule):
             attention=self.attention,
             compile_blocks=self.compile_blocks,
             checkpoint_every=self.checkpoint_every,
+            offload=self.offload_blocks,
         )
         return self.denoiser
 

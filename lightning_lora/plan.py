@@ -28,10 +28,19 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_lora.offload import check_offload_blocks, pick_offloaded, repeated_blocks
 from lightning_lora.quant import QuantOptions
 from lightning_lora.quant.options import linear_layers
 
-__all__ = ["MemoryPlan", "optimizer_bytes_per_param", "plan_training", "saved_activation_bytes", "weight_bytes"]
+__all__ = [
+    "MemoryPlan",
+    "module_weight_bytes",
+    "offloaded_weight_bytes",
+    "optimizer_bytes_per_param",
+    "plan_training",
+    "saved_activation_bytes",
+    "weight_bytes",
+]
 
 GIB = 2**30
 
@@ -105,14 +114,20 @@ class MemoryPlan:
 
 def weight_bytes(model: nn.Module, quantization: QuantOptions, dtype: torch.dtype) -> float:
     """Bytes of the frozen base in its storage format (``model`` may live on the meta device)."""
+    return sum(module_weight_bytes(model, quantization, dtype).values())
+
+
+def module_weight_bytes(model: nn.Module, quantization: QuantOptions, dtype: torch.dtype) -> dict[int, float]:
+    """Bytes of each module's own frozen tensors in their storage format, by ``id(module)``."""
     base = 2 if dtype in (torch.bfloat16, torch.float16) else 4
     quantized: dict[int, nn.Linear] = {}
     if quantization.mode != "none":
         quantized = {id(layer): layer for *_, layer in linear_layers(model, quantization.skip)}
         if quantization.mode == "nf4":
             quantized = {k: v for k, v in quantized.items() if v.in_features % 64 == 0}
-    total = 0.0
+    sizes: dict[int, float] = {}
     for module in model.modules():
+        total = 0.0
         own = list(module.parameters(recurse=False))
         if id(module) in quantized:
             n = module.weight.numel()
@@ -124,7 +139,21 @@ def weight_bytes(model: nn.Module, quantization: QuantOptions, dtype: torch.dtyp
             own = [p for p in own if p is not module.weight]
         small = 4 if quantization.mode == "nf4" and quantization.upcast_small_params else base
         total += sum(p.numel() * (small if quantization.mode == "nf4" else base) for p in own)
-    return total
+        sizes[id(module)] = total
+    return sizes
+
+
+def offloaded_weight_bytes(model: nn.Module, count: int, quantization: QuantOptions, dtype: torch.dtype) -> float:
+    """GPU memory that ``offload_blocks: count`` takes off the frozen weights: the offloaded blocks' bytes, less the
+    two consecutive offloaded blocks that are on the GPU at a time (the running one and the one being copied)."""
+    if count == 0:
+        return 0.0
+    sizes = module_weight_bytes(model, quantization, dtype)
+    blocks = repeated_blocks(model)
+    check_offload_blocks(count, len(blocks), quantization.mode)
+    chosen = [sum(sizes[id(m)] for m in blocks[i].modules()) for i in pick_offloaded(count, len(blocks))]
+    in_flight = max((a + b for a, b in zip(chosen, chosen[1:], strict=False)), default=chosen[0])
+    return sum(chosen) - in_flight
 
 
 @contextlib.contextmanager
@@ -191,12 +220,14 @@ def plan_training(
     """Predict the training peak of a :class:`~lightning_lora.module.LoraModule` configuration."""
     from peft import LoraConfig
 
-    from lightning_lora.assembly import apply_gradient_checkpointing, resolve_targets
+    from lightning_lora.assembly import apply_gradient_checkpointing, ensure_recomputed, resolve_targets
 
     family, source = module.family, module.source
+    offload = getattr(module, "offload_blocks", 0)
     model = family.denoiser_skeleton(source)  # meta device: shapes only
     model.requires_grad_(False)
     weights = weight_bytes(model, module.quantization, source.dtype)
+    resident = weights - offloaded_weight_bytes(model, offload, module.quantization, source.dtype)
     targets = resolve_targets(module.lora.targets, family, model)
     model.add_adapter(LoraConfig(r=module.lora.rank, lora_alpha=module.lora.scale_alpha, target_modules=targets))
     lora_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -207,23 +238,32 @@ def plan_training(
         # Only checkpointed blocks' inputs stay saved; in the backward one block's activations are recomputed at a
         # time (the calibration of TRANSIENT_BLOCKS was made with this measurement order).
         apply_gradient_checkpointing(model, getattr(module, "checkpoint_every", 1))
+    if offload:  # offloaded blocks are recomputed, as offload_blocks() makes them
+        blocks = repeated_blocks(model)
+        for i in pick_offloaded(offload, len(blocks)):
+            ensure_recomputed(model, blocks[i])
     model.train()
     inputs = family.example_inputs(model, batch, height, width, text_len, device="meta", dtype=source.dtype)
     saved, largest = saved_activation_bytes(model, inputs)
     per_block = saved / max(family.block_count(model), 1)
     transient = TRANSIENT_BLOCKS * per_block
-    if module.gradient_checkpointing:
+    if module.gradient_checkpointing or offload:
         transient += per_block
     plan = MemoryPlan(
-        weights=weights / GIB,
+        weights=resident / GIB,
         lora=lora_params * 4 / GIB,
         gradients=lora_params * 4 / GIB,
         optimizer=lora_params * optimizer_bytes_per_param(optimizer) / GIB,
         activations=saved / GIB,
         transient=(transient + largest) / GIB,
     )
+    if offload:
+        plan.notes.append(
+            f"offload_blocks {offload}: {(weights - resident) / GIB:.2f} GiB of frozen weights stay in CPU memory and "
+            "are copied in block by block (pinned host memory; two copies per block and step)"
+        )
     sh, sw = sample_size or (height, width)
     plan.sampling_peak = (
-        weights / GIB + plan.lora + family.sampling_bytes(model, sh, sw, text_len) / GIB + plan.overhead
+        resident / GIB + plan.lora + family.sampling_bytes(model, sh, sw, text_len) / GIB + plan.overhead
     )
     return plan

@@ -1,0 +1,247 @@
+"""Block offloading: keep the frozen weights of some repeated blocks in CPU memory and stream them in when needed.
+
+This is how a model whose bf16 weights alone nearly fill the card trains on it (FLUX.1-dev: 22.2 GiB of weights on a
+24 GB card; kohya calls it ``blocks_to_swap``). ``offload_blocks: N`` picks N of the model's repeated blocks (FLUX's
+double and single blocks, the UNet's transformer blocks), spread evenly so that the blocks computed between two
+offloaded ones hide the copy, and:
+
+* keeps their frozen tensors (base weights, norms, biases, FP8 scales) in pinned CPU memory; on the GPU each is an
+  empty placeholder, so moving the model to the GPU moves none of it and the optimizer, peft and checkpoints see the
+  same parameters as before. LoRA parameters stay on the GPU;
+* recomputes them in the backward pass (gradient checkpointing of those blocks, switched on for them if the model's
+  own checkpointing is off): a block that kept its activations would also keep its weights for the backward;
+* loads a block's tensors on a side CUDA stream one offloaded block ahead (in the forward order in the forward pass
+  and in the reverse order in the backward pass, where each block's turn is signalled by the gradient of its output)
+  and drops the others: at most two offloaded blocks are on the GPU at a time.
+
+The extra cost is the copy: each offloaded block crosses PCIe twice per step (forward, and the recomputation in the
+backward), hidden behind the compute of the blocks in between when the link keeps up. On the CPU the "copy" is the
+tensor itself: the same bookkeeping runs and is what the tests check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_lora.errors import ConfigError
+
+__all__ = ["BlockOffloader", "check_offload_blocks", "offload_blocks", "pick_offloaded", "repeated_blocks"]
+
+
+def repeated_blocks(denoiser: nn.Module) -> list[nn.Module]:
+    """The model's repeated blocks (``_repeated_blocks``) in forward order, outermost only."""
+    kinds = set(getattr(denoiser, "_repeated_blocks", None) or ())
+    found: list[nn.Module] = []
+    inside: set[int] = set()
+    for module in denoiser.modules():  # pre-order: a block comes before what it contains
+        if id(module) in inside:
+            continue
+        if type(module).__name__ in kinds:
+            found.append(module)
+            inside.update(id(m) for m in module.modules())
+    return found
+
+
+def pick_offloaded(count: int, total: int) -> list[int]:
+    """``count`` indices among ``total`` blocks, spread evenly (the middle of each of ``count`` equal stretches)."""
+    return [(2 * i + 1) * total // (2 * count) for i in range(count)]
+
+
+def check_offload_blocks(
+    count: int, total: int | None = None, quantization: str = "none", compiled: bool = False
+) -> None:
+    """Refuse what offloading cannot do, naming the option to change."""
+    if count < 0:
+        raise ConfigError(f"model.offload_blocks: {count} must be 0 (off) or a number of blocks.")
+    if count == 0:
+        return
+    if total is not None and count > total:
+        raise ConfigError(f"model.offload_blocks: {count} is more than the model's {total} repeated blocks.")
+    if quantization == "nf4":
+        raise ConfigError(
+            "model.offload_blocks works with a bf16 or FP8 base, not with NF4 (bitsandbytes keeps its quantization "
+            "state on the GPU). NF4 is already a quarter of bf16: set model.offload_blocks: 0, or use "
+            "model.quantization.mode: fp8."
+        )
+    if compiled:
+        raise ConfigError(
+            "model.offload_blocks and model.compile_blocks cannot be combined (the compiled blocks would capture "
+            "the placeholders). Set one of them off."
+        )
+
+
+@dataclass
+class _Slot:
+    """One frozen tensor of an offloaded block: where it lives on the module, and its CPU copy."""
+
+    module: nn.Module
+    name: str
+    is_param: bool
+    host: torch.Tensor
+
+    def current(self) -> torch.Tensor:
+        return getattr(self.module, self.name)
+
+    def assign(self, tensor: torch.Tensor) -> None:
+        if self.is_param:
+            self.current().data = tensor
+        else:
+            self.module._buffers[self.name] = tensor
+
+
+@dataclass
+class _Block:
+    index: int
+    module: nn.Module
+    slots: list[_Slot]
+    loaded: bool = False
+    pending: Any = None  # CUDA event of the copy in flight
+    device: torch.device | None = None
+    nbytes: int = field(default=0)
+
+
+class BlockOffloader:
+    """Streams the frozen tensors of ``blocks`` between CPU memory and the device the model is on (see module doc)."""
+
+    def __init__(self, blocks: Sequence[nn.Module], pin: bool) -> None:
+        self.blocks = [self._offload(i, b, pin) for i, b in enumerate(blocks)]
+        self.loads = 0  # number of block copies to the device (tests and diagnosis)
+        self._streams: dict[torch.device, Any] = {}
+        for block in self.blocks:
+            block.module.register_forward_pre_hook(self._make_pre_hook(block))
+            block.module.register_forward_hook(self._make_post_hook(block))
+
+    @staticmethod
+    def _offload(index: int, module: nn.Module, pin: bool) -> _Block:
+        slots: list[_Slot] = []
+        for owner in module.modules():
+            named = [(n, p, True) for n, p in owner._parameters.items() if p is not None and not p.requires_grad]
+            named += [(n, b, False) for n, b in owner._buffers.items() if b is not None]
+            for name, tensor, is_param in named:
+                host = tensor.detach().to("cpu", copy=True)
+                slots.append(_Slot(owner, name, is_param, host.pin_memory() if pin else host))
+        block = _Block(index, module, slots, nbytes=sum(s.host.nbytes for s in slots))
+        BlockOffloader._evict(block)
+        return block
+
+    @property
+    def offloaded_bytes(self) -> int:
+        return sum(b.nbytes for b in self.blocks)
+
+    @property
+    def resident(self) -> list[int]:
+        """Indices of the offloaded blocks whose tensors are on the device now."""
+        return [b.index for b in self.blocks if b.loaded]
+
+    # -- moving tensors ------------------------------------------------------------------------------------------
+    def _load(self, block: _Block) -> None:
+        if block.loaded:
+            return
+        device = block.device = block.slots[0].current().device
+        if device.type == "cuda":
+            stream = self._streams.setdefault(device, torch.cuda.Stream(device))
+            compute = torch.cuda.current_stream(device)
+            # Allocated on the compute stream; the copy waits for the work queued so far, which may still use
+            # memory the allocator is handing out again.
+            copies = [torch.empty_like(s.host, device=device) for s in block.slots]
+            stream.wait_stream(compute)
+            with torch.cuda.stream(stream):
+                for dst, slot in zip(copies, block.slots, strict=True):
+                    dst.copy_(slot.host, non_blocking=True)
+            block.pending = stream.record_event()
+        else:
+            copies = [slot.host.to(device) for slot in block.slots]
+        for dst, slot in zip(copies, block.slots, strict=True):
+            slot.assign(dst)
+        block.loaded = True
+        self.loads += 1
+
+    @staticmethod
+    def _wait(block: _Block) -> None:
+        if block.pending is not None:
+            torch.cuda.current_stream(block.device).wait_event(block.pending)
+            block.pending = None
+
+    @staticmethod
+    def _evict(block: _Block) -> None:
+        BlockOffloader._wait(block)  # never hand back memory a copy is still writing
+        for slot in block.slots:
+            slot.assign(torch.empty(0, dtype=slot.host.dtype, device=slot.current().device))
+        block.loaded = False
+
+    def _turn(self, block: _Block, upcoming: _Block | None) -> None:
+        """``block`` runs now and ``upcoming`` is the next offloaded block to run: load both, drop the others."""
+        for other in self.blocks:
+            if other.loaded and other is not block and other is not upcoming:
+                self._evict(other)
+        self._load(block)
+        self._wait(block)
+        if upcoming is not None:
+            self._load(upcoming)
+
+    # -- hooks ---------------------------------------------------------------------------------------------------
+    def _make_pre_hook(self, block: _Block) -> Any:
+        def pre_hook(module: nn.Module, args: Any) -> None:
+            if _in_backward():  # recomputation: the output-gradient hook already loaded this block
+                self._load(block)
+                self._wait(block)
+                return
+            following = self.blocks[block.index + 1] if block.index + 1 < len(self.blocks) else None
+            self._turn(block, following)
+
+        return pre_hook
+
+    def _make_post_hook(self, block: _Block) -> Any:
+        previous = self.blocks[block.index - 1] if block.index > 0 else None
+
+        def on_output_grad(grad: torch.Tensor) -> None:
+            self._turn(block, previous)
+
+        def post_hook(module: nn.Module, args: Any, output: Any) -> None:
+            if not torch.is_grad_enabled() or _in_backward():
+                return
+            for tensor in _tensors(output):
+                if tensor.requires_grad:
+                    tensor.register_hook(on_output_grad)
+
+        return post_hook
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, list | tuple):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
+
+
+def offload_blocks(denoiser: nn.Module, count: int, device: torch.device) -> BlockOffloader | None:
+    """Offload ``count`` of ``denoiser``'s repeated blocks (0: none) and make sure they are recomputed in backward.
+
+    Call it with the model still on the CPU, before it moves to ``device``: the offloaded tensors never go there.
+    """
+    from lightning_lora.assembly import ensure_recomputed
+
+    if count == 0:
+        return None
+    blocks = repeated_blocks(denoiser)
+    if not blocks:
+        raise ConfigError(f"model.offload_blocks: {type(denoiser).__name__} declares no repeated blocks to offload.")
+    check_offload_blocks(count, len(blocks))
+    chosen = [blocks[i] for i in pick_offloaded(count, len(blocks))]
+    for block in chosen:
+        ensure_recomputed(denoiser, block)
+    offloader = BlockOffloader(chosen, pin=device.type == "cuda")
+    denoiser._lora_offloader = offloader  # type: ignore[assignment]  # reachable for tests, monitoring, the bench
+    return offloader

@@ -1,0 +1,231 @@
+"""Block offloading (model.offload_blocks) on the tiny FLUX and SDXL: same gradients, weights on the device only
+while their block runs, recomputation, the planner's figure, and the refusals."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_lora.assembly import LoraOptions, build_lora_model
+from lightning_lora.errors import ConfigError
+from lightning_lora.families.base import ModelSource
+from lightning_lora.families.flux import Flux
+from lightning_lora.offload import BlockOffloader, pick_offloaded, repeated_blocks
+from lightning_lora.quant import QuantOptions
+
+
+def _model(
+    folder: Path, offload: int, checkpointing: bool = False, every: int = 1, family: Any = None
+) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = build_lora_model(
+        family or Flux(),
+        ModelSource(str(folder), dtype=torch.float32),
+        LoraOptions(rank=2),
+        gradient_checkpointing=checkpointing,
+        checkpoint_every=every,
+        offload=offload,
+    )
+    generator = torch.Generator().manual_seed(2)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # B starts at zero: make it non-zero so that A gets gradients too
+            p.data = 0.1 * torch.randn(p.shape, generator=generator)
+    return model
+
+
+def _inputs(model: torch.nn.Module, seed: int, family: Any = None) -> dict[str, Any]:
+    inputs = (family or Flux()).example_inputs(model, 1, 32, 48, 8, device="cpu", dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed)
+
+    def fill(value: Any) -> Any:  # example_inputs are torch.empty: give them values
+        if isinstance(value, dict):
+            return {k: fill(v) for k, v in value.items()}
+        if torch.is_tensor(value) and value.is_floating_point():
+            return torch.randn(value.shape, generator=generator)
+        return value
+
+    return fill(inputs)
+
+
+def _two_steps(model: torch.nn.Module, family: Any = None) -> list[dict[str, torch.Tensor]]:
+    grads = []
+    for seed in (1, 3):
+        model.zero_grad()
+        model(**_inputs(model, seed, family))[0].square().mean().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
+    return grads
+
+
+def _empty(block: torch.nn.Module) -> list[bool]:
+    frozen = [p for p in block.parameters() if not p.requires_grad] + list(block.buffers())
+    return [t.numel() == 0 for t in frozen]
+
+
+@pytest.mark.parametrize(("checkpointing", "every", "count"), [(False, 1, 2), (True, 1, 4), (True, 2, 3)])
+def test_offloading_trains_the_same_gradients(tiny_flux_dir: Path, checkpointing: bool, every: int, count: int) -> None:
+    plain = _two_steps(_model(tiny_flux_dir, 0, checkpointing, every))
+    model = _model(tiny_flux_dir, count, checkpointing, every)
+    offloader = model._lora_offloader
+    assert isinstance(offloader, BlockOffloader) and len(offloader.blocks) == count
+    offloaded = _two_steps(model)
+    for before, after in zip(plain, offloaded, strict=True):
+        assert before.keys() == after.keys()
+        for name, grad in before.items():
+            assert grad.abs().max() > 0, name
+            torch.testing.assert_close(after[name], grad)  # recomputation may reorder float sums
+    # Step 1 loads every block in the forward and all but the last again in the backward; step 2 starts with the
+    # first block still loaded from the end of the backward.
+    assert offloader.loads == (2 * count - 1) + (2 * count - 2)
+    assert len(offloader.resident) <= 2
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_offloading_a_unet(tiny_sdxl_dir: Path, checkpointing: bool) -> None:
+    """SDXL's repeated blocks are transformer blocks nested in the UNet's down / mid / up blocks."""
+    from lightning_lora.families.sdxl import SDXL
+
+    plain = _two_steps(_model(tiny_sdxl_dir, 0, checkpointing, family=SDXL()), SDXL())
+    model = _model(tiny_sdxl_dir, 2, checkpointing, family=SDXL())
+    assert len(repeated_blocks(model)) > 2
+    offloaded = _two_steps(model, SDXL())
+    for before, after in zip(plain, offloaded, strict=True):
+        for name, grad in before.items():
+            torch.testing.assert_close(after[name], grad)
+    assert model._lora_offloader.loads == 3 + 2
+    assert all(all(_empty(b.module)) for b in model._lora_offloader.blocks if b.index not in (0,))
+
+
+def test_weights_are_on_the_device_only_while_their_block_runs(tiny_flux_dir: Path) -> None:
+    model = _model(tiny_flux_dir, 4)
+    blocks = repeated_blocks(model)
+    assert len(blocks) == 4  # 2 double + 2 single: all offloaded
+    # Before any step every offloaded tensor is an empty placeholder: moving the model moves none of it.
+    assert all(all(_empty(b)) for b in blocks)
+    assert all(not p.numel() == 0 for b in blocks for p in b.parameters() if p.requires_grad)  # LoRA stays
+    seen: list[tuple[int, list[int]]] = []
+
+    def watch(index: int) -> Any:
+        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+            assert not any(_empty(module)), f"block {index} ran without its weights"
+            seen.append((index, model._lora_offloader.resident))
+
+        return hook
+
+    for i, block in enumerate(blocks):
+        block.register_forward_hook(watch(i))
+    with torch.no_grad():
+        model(**_inputs(model, 1))
+    assert [i for i, _ in seen] == [0, 1, 2, 3]
+    # While block i runs, block i + 1 is being copied; nothing else is on the device.
+    assert [resident for _, resident in seen] == [[0, 1], [1, 2], [2, 3], [3]]
+    assert all(_empty(blocks[0])) and all(_empty(blocks[1]))
+
+
+def test_offloaded_blocks_are_recomputed(tiny_flux_dir: Path) -> None:
+    """Without gradient checkpointing, the offloaded blocks are still recomputed: a block that kept its activations
+    would keep its weights for the backward too."""
+    from lightning_lora.plan import saved_activation_bytes
+
+    model = _model(tiny_flux_dir, 0)
+    plain, _ = saved_activation_bytes(model, _inputs(model, 1))
+    model = _model(tiny_flux_dir, 2)
+    fewer, _ = saved_activation_bytes(model, _inputs(model, 1))
+    assert fewer < plain
+
+
+def test_pick_offloaded_spreads_the_blocks() -> None:
+    assert pick_offloaded(1, 57) == [28]
+    assert pick_offloaded(3, 57) == [9, 28, 47]
+    assert pick_offloaded(4, 4) == [0, 1, 2, 3]
+    picked = pick_offloaded(12, 57)
+    assert len(set(picked)) == 12 and picked == sorted(picked)
+    gaps = {b - a for a, b in zip(picked, picked[1:], strict=False)}
+    assert gaps <= {4, 5}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"offload": 5}, "more than the model's 4 repeated blocks"),
+        ({"offload": -1}, "must be 0"),
+        ({"offload": 2, "quantization": QuantOptions(mode="nf4")}, "not with NF4"),
+        ({"offload": 2, "compile_blocks": True}, "compile_blocks"),
+    ],
+)
+def test_offload_refusals(tiny_flux_dir: Path, kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        build_lora_model(Flux(), ModelSource(str(tiny_flux_dir), dtype=torch.float32), LoraOptions(rank=2), **kwargs)
+
+
+def test_the_module_refuses_before_loading(tiny_flux_dir: Path) -> None:
+    from lightning_lora.module import LoraModule
+
+    with pytest.raises(ConfigError, match="model.offload_blocks"):
+        LoraModule(str(tiny_flux_dir), quantization=QuantOptions(mode="nf4"), offload_blocks=1)
+
+
+def test_fp8_storage_base_offloads_its_buffers(tiny_flux_dir: Path) -> None:
+    """FP8 storage keeps its weights and scales in buffers: they move out too, and the block still computes."""
+    torch.manual_seed(0)
+    source = ModelSource(str(tiny_flux_dir), dtype=torch.bfloat16)
+    kwargs: dict[str, Any] = {"quantization": QuantOptions(mode="fp8")}
+    reference = build_lora_model(Flux(), source, LoraOptions(rank=2), **kwargs)
+    model = build_lora_model(Flux(), source, LoraOptions(rank=2), offload=2, **kwargs)
+    offloaded = model._lora_offloader.blocks
+    assert any(not slot.is_param and slot.host.dtype == torch.float8_e4m3fn for b in offloaded for slot in b.slots)
+    assert all(all(_empty(b.module)) for b in offloaded)
+    inputs = {k: v.bfloat16() if torch.is_tensor(v) else v for k, v in _inputs(model, 1).items()}
+    with torch.no_grad():
+        torch.testing.assert_close(model(**inputs)[0], reference(**inputs)[0], rtol=0, atol=0)
+
+
+def test_planner_counts_the_weights_left_on_the_device(tiny_flux_dir: Path) -> None:
+    """The planner's frozen-weight figure with offloading is the most the real model holds at once in a step."""
+    from lightning_lora.module import LoraModule
+    from lightning_lora.plan import GIB, plan_training
+
+    module = LoraModule(str(tiny_flux_dir), base_dtype="fp32", lora=LoraOptions(rank=2), offload_blocks=3)
+    model = module.build(torch.device("cpu"))
+    offloader = model._lora_offloader
+
+    def frozen_bytes() -> int:
+        tensors = [p for p in model.parameters() if not p.requires_grad] + list(model.buffers())
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    held: list[int] = []
+    turn = offloader._turn
+
+    def measured_turn(*args: Any) -> None:
+        turn(*args)
+        held.append(frozen_bytes())
+
+    offloader._turn = measured_turn
+    model(**_inputs(model, 1))[0].square().mean().backward()
+    assert len(held) >= 3 + 2  # a turn per block forward, and per output gradient backward
+    plan = plan_training(module, 32, 48, 1, 8)
+    without = plan_training(LoraModule(str(tiny_flux_dir), base_dtype="fp32", lora=LoraOptions(rank=2)), 32, 48, 1, 8)
+    assert plan.weights * GIB == pytest.approx(max(held))
+    assert plan.weights < without.weights
+    assert any("offload_blocks 3" in note for note in plan.notes)
+
+
+def test_fit_with_offloading_trains_the_same_lora(tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path) -> None:
+    """Through the CLI and Lightning's Trainer (moving the model, sample images without gradients, checkpoints)."""
+    from test_cli import run_cli, write_config
+
+    loras = []
+    for offload in (0, 2):
+        folder = tmp_path / f"offload{offload}"
+        folder.mkdir()
+        config = write_config(folder, tiny_flux_dir, photos_dir, **{"trainer.max_steps": 4})
+        cli = run_cli(["fit", "--config", str(config), "--model.offload_blocks", str(offload)])
+        assert cli.trainer.global_step == 4
+        assert (folder / "run" / "checkpoints" / "last.ckpt").is_file()
+        loras.append(cli.model.trainable_state_dict())
+    assert loras[0].keys() == loras[1].keys()
+    for name, tensor in loras[0].items():
+        torch.testing.assert_close(loras[1][name], tensor, rtol=1e-4, atol=1e-6)
+    assert any(not torch.equal(t, torch.zeros_like(t)) for n, t in loras[1].items() if "lora_B" in n)
