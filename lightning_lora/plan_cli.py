@@ -65,17 +65,35 @@ def _alternatives(module: Any, datamodule: Any, vram: float) -> list[str]:
             )
     fits = []
     for flag, changes in tries:
-        saved = {k: getattr(module, k) for k in changes}
-        for k, v in changes.items():
-            setattr(module, k, v)
-        try:
-            peak = plan_for(module, datamodule).peak_gib
-        finally:
-            for k, v in saved.items():
-                setattr(module, k, v)
+        peak = _peak_with(module, datamodule, changes)
         if peak <= vram * 0.95:
             fits.append(f"{flag}   (~{peak:.1f} GiB)")
+    if module.quantization.mode != "nf4" and not module.compile_blocks:
+        # Offloading costs PCIe copies per block and step: the fewest blocks that fit.
+        for count in OFFLOAD_TRIES:
+            try:
+                peak = _peak_with(module, datamodule, {"offload_blocks": count})
+            except ConfigError:  # more blocks than the model has
+                break
+            if peak <= vram * 0.95:
+                fits.append(f"--model.offload_blocks {count}   (~{peak:.1f} GiB; slower by the blocks' copies)")
+                break
     return fits
+
+
+OFFLOAD_TRIES = (2, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48)
+
+
+def _peak_with(module: Any, datamodule: Any, changes: dict[str, Any]) -> float:
+    """The planned peak with some of the module's options changed (restored afterwards)."""
+    saved = {k: getattr(module, k) for k in changes}
+    for k, v in changes.items():
+        setattr(module, k, v)
+    try:
+        return plan_for(module, datamodule).peak_gib
+    finally:
+        for k, v in saved.items():
+            setattr(module, k, v)
 
 
 def main(argv: list[str]) -> int:

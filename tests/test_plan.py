@@ -11,6 +11,7 @@ from test_cli import write_config
 from torch import nn
 
 from lightning_lora.cli import main
+from lightning_lora.errors import ConfigError
 from lightning_lora.module import LoraModule
 from lightning_lora.plan import MemoryPlan, plan_training, saved_activation_bytes, weight_bytes
 from lightning_lora.quant import QuantOptions
@@ -85,15 +86,22 @@ def test_suggestions_try_partial_checkpointing_first(monkeypatch: pytest.MonkeyP
             peak = {1: 20.0, 2: 24.0, 3: 26.0}[m.checkpoint_every]  # type: ignore[attr-defined]
         if m.quantization.mode != "none":  # type: ignore[attr-defined]
             peak -= 12.0
-        return SimpleNamespace(peak_gib=peak)
+        if m.offload_blocks > 16:  # type: ignore[attr-defined]
+            raise ConfigError("more than the model's 16 repeated blocks")
+        return SimpleNamespace(peak_gib=peak - 0.5 * m.offload_blocks)  # type: ignore[attr-defined]
 
     monkeypatch.setattr(plan_cli, "plan_for", fake_plan)
-    module = SimpleNamespace(gradient_checkpointing=False, checkpoint_every=1, quantization=QuantOptions())
+    options = {"compile_blocks": False, "offload_blocks": 0, "quantization": QuantOptions()}
+    module = SimpleNamespace(gradient_checkpointing=False, checkpoint_every=1, **options)
     fits = plan_cli._alternatives(module, None, vram=26.0)  # 0.95 x 26 = 24.7: every 2 and every 1 fit, 3 does not
     assert fits[0].startswith("--model.gradient_checkpointing true --model.checkpoint_every 2")
     assert fits[1].startswith("--model.gradient_checkpointing true   ")
     assert not any("checkpoint_every 3" in f for f in fits)
+    # The fewest offloaded blocks that fit, without checkpointing: 30 - 0.5 x 12 = 24 <= 24.7 (10 gives 25).
+    assert [f.split("   ")[0] for f in fits if "offload" in f] == ["--model.offload_blocks 12"]
     assert module.gradient_checkpointing is False and module.checkpoint_every == 1  # restored
-    partial = SimpleNamespace(gradient_checkpointing=True, checkpoint_every=3, quantization=QuantOptions())
+    assert module.offload_blocks == 0
+    assert not any("offload" in f for f in plan_cli._alternatives(module, None, vram=10.0))  # 16 blocks: not enough
+    partial = SimpleNamespace(gradient_checkpointing=True, checkpoint_every=3, **options)
     assert plan_cli._alternatives(partial, None, vram=22.0)[0].startswith("--model.checkpoint_every 1")
     assert dataclasses.is_dataclass(module.quantization)

@@ -349,6 +349,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         "compile": a.compile,
         "attention": a.attention,
         "targets": a.targets,
+        "offload": a.offload,
     }
     module = LoraModule(
         pretrained="random-init",
@@ -360,6 +361,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         checkpoint_every=a.every,
         attention=a.attention,
         compile_blocks=bool(a.compile),
+        offload_blocks=a.offload,
         optimizer=make_optimizer(a.opt),
     )
     dataset = Synthetic(a.family, config, a.h, a.w, a.tlen, family_obj=family)
@@ -392,6 +394,10 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         out.update(timer.result)
     out["wall_s"] = round(time.perf_counter() - t0, 1)
     assert module.denoiser is not None
+    offloader = getattr(module.denoiser, "_lora_offloader", None)
+    if offloader is not None:
+        out["offloaded_GiB"] = round(offloader.offloaded_bytes / 2**30, 2)
+        out["block_copies"] = offloader.loads
     out["lora_params_M"] = round(sum(p.numel() for p in module.denoiser.parameters() if p.requires_grad) / 1e6, 3)
     if a.plan:
         from lightning_lora.plan import plan_training
@@ -419,6 +425,7 @@ def main() -> None:
     p.add_argument("--warm", type=int, default=3)
     p.add_argument("--opt", default="adamw8bit", choices=["adamw8bit", "adamw", "adafactor"])
     p.add_argument("--compile", type=int, default=0)
+    p.add_argument("--offload", type=int, default=0, help="model.offload_blocks")
     p.add_argument("--attention", default="auto")
     p.add_argument("--plan", type=int, default=1)
     p.add_argument("--tiny", action="store_true")
