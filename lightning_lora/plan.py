@@ -259,8 +259,8 @@ def plan_training(
     )
     if offload:
         plan.notes.append(
-            f"offload_blocks {offload}: {(weights - resident) / GIB:.2f} GiB less frozen weight on the GPU (the blocks wait "
-            "in pinned CPU memory and are copied in twice per step, two at a time)"
+            f"offload_blocks {offload}: {(weights - resident) / GIB:.2f} GiB less frozen weight on the GPU (the blocks "
+            "wait in pinned CPU memory and are copied in twice per step, two at a time)"
         )
     sh, sw = sample_size or (height, width)
     plan.sampling_peak = (

@@ -14,8 +14,11 @@ import bench  # noqa: E402
 import bench_suite  # noqa: E402
 
 
-@pytest.mark.parametrize(("family", "loop"), [("flux", "lightning"), ("sdxl", "lightning"), ("flux", "bare")])
-def test_bench_runs_our_module_on_a_tiny_model(family: str, loop: str) -> None:
+@pytest.mark.parametrize(
+    ("family", "loop", "offload"),
+    [("flux", "lightning", 0), ("sdxl", "lightning", 0), ("flux", "bare", 0), ("flux", "lightning", 2)],
+)
+def test_bench_runs_our_module_on_a_tiny_model(family: str, loop: str, offload: int) -> None:
     args = argparse.Namespace(
         family=family,
         quant="none",
@@ -31,6 +34,7 @@ def test_bench_runs_our_module_on_a_tiny_model(family: str, loop: str) -> None:
         warm=1,
         opt="adamw",
         compile=0,
+        offload=offload,
         attention="auto",
         plan=1,
         tiny=True,
@@ -43,6 +47,8 @@ def test_bench_runs_our_module_on_a_tiny_model(family: str, loop: str) -> None:
     assert out["s_per_step"] > 0 and out["lora_params_M"] > 0 and out["loss"] > 0
     assert out["planned_peak_GiB"] >= out["planned"]["overhead"] > 0  # tiny model: little beyond the CUDA context
     assert {"weights", "lora", "activations", "transient"} <= out["planned"].keys()
+    if offload:  # 1 warm-up + 1 timed step: each block copied in forward and backward, less the one left in place
+        assert out["block_copies"] == 2 * (2 * offload - 1) - 1 and out["offloaded_GiB"] >= 0
 
 
 def test_bench_suite_commands_pair_ours_with_the_reference() -> None:
