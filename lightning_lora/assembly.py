@@ -247,7 +247,7 @@ def configure_attention(
     cuda.enable_math_sdp(every or backend == "math")
 
 
-def compile_repeated_blocks(denoiser: nn.Module) -> None:
+def compile_repeated_blocks(denoiser: nn.Module, mode: str | None = None) -> None:
     """Regional compilation: compile each repeated transformer block in place (diffusers' ``compile_repeated_blocks``).
 
     Compiling the whole 12B model did not finish in 150 s on an H200; the blocks compile once and are reused by
@@ -256,4 +256,4 @@ def compile_repeated_blocks(denoiser: nn.Module) -> None:
     compile_fn = getattr(denoiser, "compile_repeated_blocks", None)
     if compile_fn is None or not getattr(denoiser, "_repeated_blocks", None):
         raise ConfigError(f"model.compile_blocks: {type(denoiser).__name__} declares no repeated blocks to compile.")
-    compile_fn(fullgraph=False)
+    compile_fn(fullgraph=False, mode=mode)

@@ -365,6 +365,13 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         optimizer=make_optimizer(a.opt),
     )
     dataset = Synthetic(a.family, config, a.h, a.w, a.tlen, family_obj=family)
+    if getattr(a, "compile_mode", None):
+        import functools
+
+        from lightning_lora import assembly
+
+        out["compile_mode"] = a.compile_mode
+        assembly.compile_repeated_blocks = functools.partial(assembly.compile_repeated_blocks, mode=a.compile_mode)
     t0 = time.perf_counter()
     if a.loop == "bare":
         out["loop"] = "bare"
@@ -425,6 +432,7 @@ def main() -> None:
     p.add_argument("--warm", type=int, default=3)
     p.add_argument("--opt", default="adamw8bit", choices=["adamw8bit", "adamw", "adafactor"])
     p.add_argument("--compile", type=int, default=0)
+    p.add_argument("--compile-mode", default=None, help="experiment: torch.compile mode of the blocks (--compile 1)")
     p.add_argument("--offload", type=int, default=0, help="model.offload_blocks")
     p.add_argument("--attention", default="auto")
     p.add_argument("--plan", type=int, default=1)
