@@ -136,7 +136,9 @@ def module_weight_bytes(model: nn.Module, quantization: QuantOptions, dtype: tor
                 total += n / 2 + absmax
             else:
                 total += n + module.out_features * 4
-            own = [p for p in own if p is not module.weight]
+            # The bias stays in the compute dtype (NF4: bitsandbytes casts it there anyway).
+            total += sum(p.numel() * base for p in own if p is not module.weight)
+            own = []
         small = 4 if quantization.mode == "nf4" and quantization.upcast_small_params else base
         total += sum(p.numel() * (small if quantization.mode == "nf4" else base) for p in own)
         sizes[id(module)] = total

@@ -88,7 +88,11 @@ def quantize_nf4(model: nn.Module, options: QuantOptions, device: torch.device, 
             module=layer,
         )._quantize(device)
         if linear.bias is not None:
-            layer.bias = nn.Parameter(linear.bias.data.to(device), requires_grad=False)
+            # In compute_dtype, and not upcast below: bitsandbytes' forward otherwise rewrites `bias.data` to the
+            # compute dtype in the first call. Inside a compiled, checkpointed block that changes the parameter between
+            # the forward and its recomputation, dynamo picks another graph, and the backward fails ("A different
+            # number of tensors was saved during the original forward and recomputation").
+            layer.bias = nn.Parameter(linear.bias.data.to(device, compute_dtype), requires_grad=False)
         # bitsandbytes 0.50 repacks weights for an AVX512-BF16 CPU fast path in eval mode; that path breaks on the
         # bias add and never goes back. It is an inference optimisation for CPUs: a trainer does not need it.
         layer.support_avx512bf16_for_cpu = False
@@ -96,8 +100,10 @@ def quantize_nf4(model: nn.Module, options: QuantOptions, device: torch.device, 
         count += 1
         del linear
     if options.upcast_small_params:
+        keep = {id(m.bias) for m in model.modules() if isinstance(m, bnb.nn.Linear4bit) and m.bias is not None}
         for p in model.parameters():
-            if p.dtype in (torch.float16, torch.bfloat16) and not isinstance(p, bnb.nn.Params4bit):
+            small = not isinstance(p, bnb.nn.Params4bit) and id(p) not in keep
+            if small and p.dtype in (torch.float16, torch.bfloat16):
                 p.data = p.data.float()
     if device.type == "cuda":
         torch.cuda.empty_cache()

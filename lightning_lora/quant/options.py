@@ -24,8 +24,9 @@ class QuantOptions:
             ``fp8_compute`` (FP8 weights multiplied in FP8 with ``torch._scaled_mm``: needs compute capability 8.9+
             (RTX 40xx, L4, H100, H200) or an MI300; elsewhere it falls back to ``fp8`` with a warning).
         double_quant: NF4 only: quantize the quantization constants too (saves ~0.4 bit per weight).
-        upcast_small_params: NF4 only: keep the parameters that stay unquantized (norms, biases, embeddings) in
-            float32, as peft's ``prepare_model_for_kbit_training`` does.
+        upcast_small_params: NF4 only: keep the parameters that stay unquantized (norms, embeddings, the biases of
+            unquantized layers) in float32, as peft's ``prepare_model_for_kbit_training`` does. The biases of NF4
+            layers stay in the compute dtype, where bitsandbytes computes them.
         skip: regular expressions of module names to leave unquantized.
     """
 
