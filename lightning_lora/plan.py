@@ -48,6 +48,10 @@ GIB = 2**30
 # H200 against tools/bench.py; see BENCHMARKS.md), plus a fixed CUDA context / allocator allowance.
 TRANSIENT_BLOCKS = 3.0
 FIXED_OVERHEAD_GIB = 0.35
+# Regional compilation (model.compile_blocks) fuses elementwise chains, so the compiled blocks keep fewer tensors for
+# the backward than the eager forward the planner counts: 0.78 of them, calibrated on the two compiled FLUX rank-16
+# rows without checkpointing (bf16 and NF4, BENCHMARKS.md calls 9-10).
+COMPILED_SAVED_FRACTION = 0.78
 
 _OPTIMIZER_BYTES = {
     "AdamW": 8.0,
@@ -247,6 +251,8 @@ def plan_training(
     model.train()
     inputs = family.example_inputs(model, batch, height, width, text_len, device="meta", dtype=source.dtype)
     saved, largest = saved_activation_bytes(model, inputs)
+    if getattr(module, "compile_blocks", False):
+        saved *= COMPILED_SAVED_FRACTION
     per_block = saved / max(family.block_count(model), 1)
     transient = TRANSIENT_BLOCKS * per_block
     if module.gradient_checkpointing or offload:
