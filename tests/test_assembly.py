@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from diffusers import FluxTransformer2DModel
+from test_offload import build_tiny, random_inputs
 
 from lightning_lora.assembly import LoraOptions, build_lora_model, resolve_targets, trainable_parameters
 from lightning_lora.errors import ConfigError
@@ -156,24 +157,8 @@ def test_lora_options_defaults() -> None:
 def _grads_and_saved(folder: Path, checkpointing: bool, every: int) -> tuple[dict[str, torch.Tensor], float, set[str]]:
     from lightning_lora.plan import saved_activation_bytes
 
-    torch.manual_seed(0)
-    model = build_lora_model(
-        Flux(),
-        ModelSource(str(folder), dtype=torch.float32),
-        LoraOptions(rank=2),
-        gradient_checkpointing=checkpointing,
-        checkpoint_every=every,
-    )
-    generator = torch.Generator().manual_seed(2)
-    for name, p in model.named_parameters():
-        if "lora_B" in name:  # B starts at zero: make it non-zero so that A gets gradients too
-            p.data = 0.1 * torch.randn(p.shape, generator=generator)
-    inputs = Flux().example_inputs(model, 1, 32, 48, 8, device="cpu", dtype=torch.float32)
-    generator = torch.Generator().manual_seed(1)
-    inputs = {
-        k: torch.randn(v.shape, generator=generator) if torch.is_tensor(v) and v.is_floating_point() else v
-        for k, v in inputs.items()
-    }
+    model = build_tiny(folder, 0, checkpointing, every)
+    inputs = random_inputs(model, 1)
     saved, _ = saved_activation_bytes(model, inputs)
     model(**inputs)[0].square().mean().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}

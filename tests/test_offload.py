@@ -17,7 +17,7 @@ from lightning_lora.offload import BlockOffloader, pick_offloaded, repeated_bloc
 from lightning_lora.quant import QuantOptions
 
 
-def _model(
+def build_tiny(
     folder: Path, offload: int, checkpointing: bool = False, every: int = 1, family: Any = None
 ) -> torch.nn.Module:
     torch.manual_seed(0)
@@ -36,7 +36,7 @@ def _model(
     return model
 
 
-def _inputs(model: torch.nn.Module, seed: int, family: Any = None) -> dict[str, Any]:
+def random_inputs(model: torch.nn.Module, seed: int, family: Any = None) -> dict[str, Any]:
     inputs = (family or Flux()).example_inputs(model, 1, 32, 48, 8, device="cpu", dtype=torch.float32)
     generator = torch.Generator().manual_seed(seed)
 
@@ -54,7 +54,7 @@ def _two_steps(model: torch.nn.Module, family: Any = None) -> list[dict[str, tor
     grads = []
     for seed in (1, 3):
         model.zero_grad()
-        model(**_inputs(model, seed, family))[0].square().mean().backward()
+        model(**random_inputs(model, seed, family))[0].square().mean().backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
     return grads
 
@@ -66,8 +66,8 @@ def _empty(block: torch.nn.Module) -> list[bool]:
 
 @pytest.mark.parametrize(("checkpointing", "every", "count"), [(False, 1, 2), (True, 1, 4), (True, 2, 3)])
 def test_offloading_trains_the_same_gradients(tiny_flux_dir: Path, checkpointing: bool, every: int, count: int) -> None:
-    plain = _two_steps(_model(tiny_flux_dir, 0, checkpointing, every))
-    model = _model(tiny_flux_dir, count, checkpointing, every)
+    plain = _two_steps(build_tiny(tiny_flux_dir, 0, checkpointing, every))
+    model = build_tiny(tiny_flux_dir, count, checkpointing, every)
     offloader = model._lora_offloader
     assert isinstance(offloader, BlockOffloader) and len(offloader.blocks) == count
     offloaded = _two_steps(model)
@@ -87,8 +87,8 @@ def test_offloading_a_unet(tiny_sdxl_dir: Path, checkpointing: bool) -> None:
     """SDXL's repeated blocks are transformer blocks nested in the UNet's down / mid / up blocks."""
     from lightning_lora.families.sdxl import SDXL
 
-    plain = _two_steps(_model(tiny_sdxl_dir, 0, checkpointing, family=SDXL()), SDXL())
-    model = _model(tiny_sdxl_dir, 2, checkpointing, family=SDXL())
+    plain = _two_steps(build_tiny(tiny_sdxl_dir, 0, checkpointing, family=SDXL()), SDXL())
+    model = build_tiny(tiny_sdxl_dir, 2, checkpointing, family=SDXL())
     assert len(repeated_blocks(model)) > 2
     offloaded = _two_steps(model, SDXL())
     for before, after in zip(plain, offloaded, strict=True):
@@ -99,7 +99,7 @@ def test_offloading_a_unet(tiny_sdxl_dir: Path, checkpointing: bool) -> None:
 
 
 def test_weights_are_on_the_device_only_while_their_block_runs(tiny_flux_dir: Path) -> None:
-    model = _model(tiny_flux_dir, 4)
+    model = build_tiny(tiny_flux_dir, 4)
     blocks = repeated_blocks(model)
     assert len(blocks) == 4  # 2 double + 2 single: all offloaded
     # Before any step every offloaded tensor is an empty placeholder: moving the model moves none of it.
@@ -117,7 +117,7 @@ def test_weights_are_on_the_device_only_while_their_block_runs(tiny_flux_dir: Pa
     for i, block in enumerate(blocks):
         block.register_forward_hook(watch(i))
     with torch.no_grad():
-        model(**_inputs(model, 1))
+        model(**random_inputs(model, 1))
     assert [i for i, _ in seen] == [0, 1, 2, 3]
     # While block i runs, block i + 1 is being copied; nothing else is on the device.
     assert [resident for _, resident in seen] == [[0, 1], [1, 2], [2, 3], [3]]
@@ -129,10 +129,10 @@ def test_offloaded_blocks_are_recomputed(tiny_flux_dir: Path) -> None:
     would keep its weights for the backward too."""
     from lightning_lora.plan import saved_activation_bytes
 
-    model = _model(tiny_flux_dir, 0)
-    plain, _ = saved_activation_bytes(model, _inputs(model, 1))
-    model = _model(tiny_flux_dir, 2)
-    fewer, _ = saved_activation_bytes(model, _inputs(model, 1))
+    model = build_tiny(tiny_flux_dir, 0)
+    plain, _ = saved_activation_bytes(model, random_inputs(model, 1))
+    model = build_tiny(tiny_flux_dir, 2)
+    fewer, _ = saved_activation_bytes(model, random_inputs(model, 1))
     assert fewer < plain
 
 
@@ -177,7 +177,7 @@ def test_fp8_storage_base_offloads_its_buffers(tiny_flux_dir: Path) -> None:
     offloaded = model._lora_offloader.blocks
     assert any(not slot.is_param and slot.host.dtype == torch.float8_e4m3fn for b in offloaded for slot in b.slots)
     assert all(all(_empty(b.module)) for b in offloaded)
-    inputs = {k: v.bfloat16() if torch.is_tensor(v) else v for k, v in _inputs(model, 1).items()}
+    inputs = {k: v.bfloat16() if torch.is_tensor(v) else v for k, v in random_inputs(model, 1).items()}
     with torch.no_grad():
         torch.testing.assert_close(model(**inputs)[0], reference(**inputs)[0], rtol=0, atol=0)
 
@@ -203,7 +203,7 @@ def test_planner_counts_the_weights_left_on_the_device(tiny_flux_dir: Path) -> N
         held.append(frozen_bytes())
 
     offloader._turn = measured_turn
-    model(**_inputs(model, 1))[0].square().mean().backward()
+    model(**random_inputs(model, 1))[0].square().mean().backward()
     assert len(held) >= 3 + 2  # a turn per block forward, and per output gradient backward
     plan = plan_training(module, 32, 48, 1, 8)
     without = plan_training(LoraModule(str(tiny_flux_dir), base_dtype="fp32", lora=LoraOptions(rank=2)), 32, 48, 1, 8)
