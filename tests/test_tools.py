@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -75,3 +76,18 @@ def test_bench_suite_commands_pair_ours_with_the_reference() -> None:
     assert "ref" not in dict(bench_suite.commands("flux-fp8c-r16", "ref_recipe.py", 8, 3))  # no FP8 reference mode
     with pytest.raises(SystemExit, match="bad case"):
         bench_suite.commands("flux-int3-r4", None, 8, 3)
+
+
+def test_bench_text_measures_quantized_text_encoders(capsys) -> None:
+    import bench_text
+
+    sys_argv = ["bench_text.py", "--tiny", "--modes", "none", "fp8", "--batch", "2", "--tlen", "16", "--repeat", "1"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("sys.argv", sys_argv)
+        bench_text.main()
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [line["mode"] for line in lines] == ["none", "fp8"]
+    assert all("error" not in line for line in lines), lines
+    plain, fp8 = lines
+    assert plain["quantized_layers"] == 0 and fp8["quantized_layers"] > 0
+    assert 0.9 < fp8["cosine_vs_bf16"] < 1.0  # close to the bf16 encoders' embeddings, not the same
