@@ -139,7 +139,7 @@ def build_lora_model(
     """
     from peft import LoraConfig
 
-    check_offload_blocks(offload, None, compile_blocks)
+    check_offload_blocks(offload, None, quantization.mode if quantization else "none", compile_blocks)
     denoiser = family.load_denoiser(source)
     denoiser.requires_grad_(False)
     target_modules = resolve_targets(lora.targets, family, denoiser)

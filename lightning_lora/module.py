@@ -73,7 +73,7 @@ class LoraModule(LightningModule):
         offload_blocks: keep the frozen weights of this many repeated blocks (spread over the model) in CPU memory
             and copy each to the GPU while it runs; they are recomputed in the backward pass. Frees their weights'
             GPU memory (less two blocks in flight) for two copies per block and step: how FLUX in bf16 fits a 24 GB
-            card (``lightning-lora plan`` shows the peak). Any base (bf16, FP8, NF4); not with ``compile_blocks``.
+            card (``lightning-lora plan`` shows the peak). bf16 / FP8 bases; not with NF4 or ``compile_blocks``.
         optimizer: built over the LoRA parameters only, e.g. ``torch.optim.AdamW`` or
             ``bitsandbytes.optim.AdamW8bit``. Default: AdamW, lr 1e-4, weight decay 1e-4.
         scheduler: optional learning-rate schedule, stepped every optimizer step, e.g.
@@ -108,7 +108,7 @@ class LoraModule(LightningModule):
         self.quantization = quantization
         self.attention = attention
         self.compile_blocks = compile_blocks
-        check_offload_blocks(offload_blocks, None, compile_blocks)
+        check_offload_blocks(offload_blocks, None, quantization.mode, compile_blocks)
         self.offload_blocks = offload_blocks
         self._optimizer_factory = optimizer
         self._scheduler_factory = scheduler

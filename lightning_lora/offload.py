@@ -5,10 +5,9 @@ This is how a model whose bf16 weights alone nearly fill the card trains on it (
 double and single blocks, the UNet's transformer blocks), spread evenly so that the blocks computed between two
 offloaded ones hide the copy, and:
 
-* keeps their frozen tensors (base weights, norms, biases, FP8 scales, the packed NF4 weights and their bitsandbytes
-  quantization state) in pinned CPU memory; on the GPU each is an empty placeholder, so moving the model to the GPU
-  moves none of it and the optimizer, peft and checkpoints see the same parameters as before. LoRA parameters stay
-  on the GPU;
+* keeps their frozen tensors (base weights, norms, biases, FP8 scales) in pinned CPU memory; on the GPU each is an
+  empty placeholder, so moving the model to the GPU moves none of it and the optimizer, peft and checkpoints see the
+  same parameters as before. LoRA parameters stay on the GPU;
 * recomputes them in the backward pass (gradient checkpointing of those blocks, switched on for them if the model's
   own checkpointing is off): a block that kept its activations would also keep its weights for the backward;
 * loads a block's tensors on a side CUDA stream one offloaded block ahead (in the forward order in the forward pass
@@ -24,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
@@ -53,7 +52,9 @@ def pick_offloaded(count: int, total: int) -> list[int]:
     return [(2 * i + 1) * total // (2 * count) for i in range(count)]
 
 
-def check_offload_blocks(count: int, total: int | None = None, compiled: bool = False) -> None:
+def check_offload_blocks(
+    count: int, total: int | None = None, quantization: str = "none", compiled: bool = False
+) -> None:
     """Refuse what offloading cannot do, naming the option to change."""
     if count < 0:
         raise ConfigError(f"model.offload_blocks: {count} must be 0 (off) or a number of blocks.")
@@ -61,6 +62,12 @@ def check_offload_blocks(count: int, total: int | None = None, compiled: bool = 
         return
     if total is not None and count > total:
         raise ConfigError(f"model.offload_blocks: {count} is more than the model's {total} repeated blocks.")
+    if quantization == "nf4":
+        raise ConfigError(
+            "model.offload_blocks works with a bf16 or FP8 base, not with NF4 (bitsandbytes keeps its quantization "
+            "state on the GPU). NF4 is already a quarter of bf16: set model.offload_blocks: 0, or use "
+            "model.quantization.mode: fp8."
+        )
     if compiled:
         raise ConfigError(
             "model.offload_blocks and model.compile_blocks cannot be combined (the compiled blocks would capture "
@@ -70,48 +77,21 @@ def check_offload_blocks(count: int, total: int | None = None, compiled: bool = 
 
 @dataclass
 class _Slot:
-    """One frozen tensor of an offloaded block: where it lives, and its CPU copy.
+    """One frozen tensor of an offloaded block: where it lives on the module, and its CPU copy."""
 
-    ``kind`` says how it is swapped: ``param`` (``parameter.data``, so peft, the optimizer and checkpoints keep the
-    same Parameter object), ``buffer`` (the module's buffer entry), or ``attr`` (a plain attribute: the tensors of a
-    bitsandbytes ``QuantState``).
-    """
-
-    owner: Any
+    module: nn.Module
     name: str
-    kind: Literal["param", "buffer", "attr"]
+    is_param: bool
     host: torch.Tensor
 
     def current(self) -> torch.Tensor:
-        return getattr(self.owner, self.name)
+        return getattr(self.module, self.name)
 
     def assign(self, tensor: torch.Tensor) -> None:
-        if self.kind == "param":
+        if self.is_param:
             self.current().data = tensor
-        elif self.kind == "buffer":
-            self.owner._buffers[self.name] = tensor
         else:
-            setattr(self.owner, self.name, tensor)
-
-
-def _frozen_tensors(module: nn.Module) -> list[tuple[Any, str, Literal["param", "buffer", "attr"], torch.Tensor]]:
-    """Every frozen tensor of ``module``: parameters without gradients, buffers, and the quantization state of
-    bitsandbytes 4-bit weights (absmax, code, offset, and the nested state of double quantization)."""
-    found: list[tuple[Any, str, Literal["param", "buffer", "attr"], torch.Tensor]] = []
-    for owner in module.modules():
-        for name, p in owner._parameters.items():
-            if p is None or p.requires_grad:
-                continue
-            found.append((owner, name, "param", p))
-            state = getattr(p, "quant_state", None)
-            while state is not None:
-                for attr in ("absmax", "code", "offset"):
-                    value = getattr(state, attr, None)
-                    if isinstance(value, torch.Tensor):
-                        found.append((state, attr, "attr", value))
-                state = getattr(state, "state2", None)
-        found += [(owner, name, "buffer", b) for name, b in owner._buffers.items() if b is not None]
-    return found
+            self.module._buffers[self.name] = tensor
 
 
 @dataclass
@@ -138,10 +118,13 @@ class BlockOffloader:
 
     @staticmethod
     def _offload(index: int, module: nn.Module, pin: bool) -> _Block:
-        slots = []
-        for owner, name, kind, tensor in _frozen_tensors(module):
-            host = tensor.detach().as_subclass(torch.Tensor).to("cpu", copy=True)  # plain, also for Params4bit
-            slots.append(_Slot(owner, name, kind, host.pin_memory() if pin else host))
+        slots: list[_Slot] = []
+        for owner in module.modules():
+            named = [(n, p, True) for n, p in owner._parameters.items() if p is not None and not p.requires_grad]
+            named += [(n, b, False) for n, b in owner._buffers.items() if b is not None]
+            for name, tensor, is_param in named:
+                host = tensor.detach().to("cpu", copy=True)
+                slots.append(_Slot(owner, name, is_param, host.pin_memory() if pin else host))
         block = _Block(index, module, slots, nbytes=sum(s.host.nbytes for s in slots))
         BlockOffloader._evict(block)
         return block

@@ -156,7 +156,7 @@ def offloaded_weight_bytes(model: nn.Module, count: int, quantization: QuantOpti
         return 0.0
     sizes = module_weight_bytes(model, quantization, dtype)
     blocks = repeated_blocks(model)
-    check_offload_blocks(count, len(blocks))
+    check_offload_blocks(count, len(blocks), quantization.mode)
     chosen = [sum(sizes[id(m)] for m in blocks[i].modules()) for i in pick_offloaded(count, len(blocks))]
     in_flight = max((a + b for a, b in zip(chosen, chosen[1:], strict=False)), default=chosen[0])
     return sum(chosen) - in_flight

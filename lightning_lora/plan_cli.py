@@ -68,7 +68,7 @@ def _alternatives(module: Any, datamodule: Any, vram: float) -> list[str]:
         peak = _peak_with(module, datamodule, changes)
         if peak <= vram * 0.95:
             fits.append(f"{flag}   (~{peak:.1f} GiB)")
-    if not module.compile_blocks:
+    if module.quantization.mode != "nf4" and not module.compile_blocks:
         # Offloading costs PCIe copies per block and step: the fewest blocks that fit.
         for count in OFFLOAD_TRIES:
             try:

@@ -28,14 +28,6 @@ def tiny_flux_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_flux64_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Tiny FLUX whose linear layers all have in_features % 64 == 0 (bitsandbytes' block size)."""
-    from lightning_lora.tiny import save_tiny_flux
-
-    return save_tiny_flux(tmp_path_factory.mktemp("models") / "tiny-flux64", seed=0, dim64=True)
-
-
-@pytest.fixture(scope="session")
 def photos_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Four real photos from scikit-image (shipped in its wheel) with .txt captions."""
     from PIL import Image

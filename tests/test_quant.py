@@ -17,6 +17,14 @@ from lightning_lora.quant import QuantOptions, quantize_base
 from lightning_lora.quant.fp8 import FP8Linear, _ScaledMatmul, quantize_rowwise
 
 
+@pytest.fixture(scope="module")
+def tiny_flux64_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny FLUX whose linear layers all have in_features % 64 == 0 (bitsandbytes' block size)."""
+    from lightning_lora.tiny import save_tiny_flux
+
+    return save_tiny_flux(tmp_path_factory.mktemp("models") / "tiny-flux64", seed=0, dim64=True)
+
+
 def _linear(seed: int = 0, n_in: int = 128, n_out: int = 96) -> nn.Linear:
     torch.manual_seed(seed)
     layer = nn.Linear(n_in, n_out)
