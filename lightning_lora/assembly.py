@@ -33,7 +33,7 @@ from torch import nn
 from lightning_lora.errors import ConfigError
 from lightning_lora.families.base import DiffusionFamily, ModelSource
 from lightning_lora.hardware import check_attention
-from lightning_lora.offload import check_offload_blocks, offload_blocks, repeated_blocks
+from lightning_lora.offload import check_offload_blocks, offload_blocks, offloaded_blocks, repeated_blocks
 from lightning_lora.quant import QuantOptions, quantize_base
 
 __all__ = [
@@ -144,7 +144,9 @@ def build_lora_model(
     denoiser.requires_grad_(False)
     target_modules = resolve_targets(lora.targets, family, denoiser)
     if quantization is not None:
-        quantize_base(denoiser, quantization, device or torch.device("cpu"), compute_dtype=source.dtype)
+        # The blocks to offload are quantized on the CPU, where they will stay: the GPU never holds them all.
+        on_cpu = frozenset(id(m) for block in offloaded_blocks(denoiser, offload) for m in block.modules())
+        quantize_base(denoiser, quantization, device or torch.device("cpu"), source.dtype, on_cpu)
     config = LoraConfig(
         r=lora.rank,
         lora_alpha=lora.scale_alpha,

@@ -113,7 +113,7 @@ class LoraCLI(LightningCLI):
         # Cross-object checks, before any weights load: the data resolution must suit the model family.
         # Every resolution and bucket option against the model family (raises ConfigError naming the option).
         self.datamodule.spec(self.model.family)
-        check_strategy(self.trainer.strategy, self.model.quantization.mode)
+        check_strategy(self.trainer.strategy, self.model.quantization.mode, self.model.offload_blocks)
         if torch.cuda.is_available() and self.trainer.strategy.root_device.type == "cuda":
             planned = warn_if_too_big(self.model, self.datamodule, self.trainer.strategy.root_device)
             for cb in self.trainer.callbacks:  # type: ignore[attr-defined]

@@ -21,6 +21,7 @@ tensor itself: the same bookkeeping runs and is what the tests check.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,21 +31,53 @@ from torch import nn
 
 from lightning_lora.errors import ConfigError
 
-__all__ = ["BlockOffloader", "check_offload_blocks", "offload_blocks", "pick_offloaded", "repeated_blocks"]
+__all__ = [
+    "BlockOffloader",
+    "check_offload_blocks",
+    "offload_blocks",
+    "offloaded_blocks",
+    "pick_offloaded",
+    "repeated_blocks",
+]
+
+# Children that run in another order than they are registered: diffusers' UNets register ``up_blocks`` before
+# ``mid_block``, which runs between the down and the up blocks.
+_RUNS_BEFORE = {"mid_block": "up_blocks"}
 
 
 def repeated_blocks(denoiser: nn.Module) -> list[nn.Module]:
-    """The model's repeated blocks (``_repeated_blocks``) in forward order, outermost only."""
+    """The model's repeated blocks (``_repeated_blocks``) in the order they run, outermost only."""
     kinds = set(getattr(denoiser, "_repeated_blocks", None) or ())
+    children = dict(denoiser.named_children())
+    for child, before in _RUNS_BEFORE.items():
+        if child in children and before in children:
+            names = [n for n in children if n != child]
+            names.insert(names.index(before), child)
+            children = {n: children[n] for n in names}
     found: list[nn.Module] = []
-    inside: set[int] = set()
-    for module in denoiser.modules():  # pre-order: a block comes before what it contains
-        if id(module) in inside:
-            continue
-        if type(module).__name__ in kinds:
-            found.append(module)
-            inside.update(id(m) for m in module.modules())
+    for top in children.values():
+        inside: set[int] = set()
+        for module in top.modules():  # pre-order: a block comes before what it contains
+            if id(module) in inside:
+                continue
+            if type(module).__name__ in kinds:
+                found.append(module)
+                inside.update(id(m) for m in module.modules())
     return found
+
+
+def offloaded_blocks(denoiser: nn.Module, count: int) -> list[nn.Module]:
+    """The ``count`` blocks ``offload_blocks`` moves out (checked against the model)."""
+    if count == 0:
+        return []
+    blocks = repeated_blocks(denoiser)
+    if not blocks:
+        raise ConfigError(
+            f"model.offload_blocks: {type(denoiser).__name__} declares no repeated blocks to offload; set "
+            "model.offload_blocks: 0."
+        )
+    check_offload_blocks(count, len(blocks))
+    return [blocks[i] for i in pick_offloaded(count, len(blocks))]
 
 
 def pick_offloaded(count: int, total: int) -> list[int]:
@@ -61,12 +94,14 @@ def check_offload_blocks(
     if count == 0:
         return
     if total is not None and count > total:
-        raise ConfigError(f"model.offload_blocks: {count} is more than the model's {total} repeated blocks.")
+        raise ConfigError(
+            f"model.offload_blocks: {count} is more than the model's {total} repeated blocks: use at most {total}."
+        )
     if quantization == "nf4":
         raise ConfigError(
-            "model.offload_blocks works with a bf16 or FP8 base, not with NF4 (bitsandbytes keeps its quantization "
-            "state on the GPU). NF4 is already a quarter of bf16: set model.offload_blocks: 0, or use "
-            "model.quantization.mode: fp8."
+            "model.offload_blocks works with a bf16 or FP8 base, not with NF4 (bitsandbytes keeps each layer's "
+            "packed weight from the forward to the backward, so evicting it would free nothing). NF4 is already a "
+            "quarter of bf16: set model.offload_blocks: 0, or use model.quantization.mode: fp8."
         )
     if compiled:
         raise ConfigError(
@@ -100,7 +135,7 @@ class _Block:
     module: nn.Module
     slots: list[_Slot]
     loaded: bool = False
-    pending: Any = None  # CUDA event of the copy in flight
+    pending: torch.cuda.Event | None = None  # the copy in flight
     device: torch.device | None = None
     nbytes: int = field(default=0)
 
@@ -143,19 +178,24 @@ class BlockOffloader:
         if block.loaded:
             return
         device = block.device = block.slots[0].current().device
-        if device.type == "cuda":
-            stream = self._streams.setdefault(device, torch.cuda.Stream(device))
-            compute = torch.cuda.current_stream(device)
-            # Allocated on the compute stream; the copy waits for the work queued so far, which may still use
-            # memory the allocator is handing out again.
-            copies = [torch.empty_like(s.host, device=device) for s in block.slots]
-            stream.wait_stream(compute)
-            with torch.cuda.stream(stream):
-                for dst, slot in zip(copies, block.slots, strict=True):
-                    dst.copy_(slot.host, non_blocking=True)
-            block.pending = stream.record_event()
-        else:
-            copies = [slot.host.to(device) for slot in block.slots]
+        # Normal tensors even when the load happens under torch.inference_mode (validation, prediction): an
+        # inference tensor left as a parameter's data would break the next training step's backward.
+        with torch.inference_mode(False):
+            if device.type == "cuda":
+                if device not in self._streams:
+                    self._streams[device] = torch.cuda.Stream(device)
+                stream = self._streams[device]
+                compute = torch.cuda.current_stream(device)
+                # Allocated on the compute stream; the copy waits for the work queued so far, which may still use
+                # memory the allocator is handing out again.
+                copies = [torch.empty_like(s.host, device=device) for s in block.slots]
+                stream.wait_stream(compute)
+                with torch.cuda.stream(stream):
+                    for dst, slot in zip(copies, block.slots, strict=True):
+                        dst.copy_(slot.host, non_blocking=True)
+                block.pending = stream.record_event()
+            else:  # a real copy on the CPU too, so that eviction frees memory here as it does on a GPU
+                copies = [slot.host.to(device, copy=True) for slot in block.slots]
         for dst, slot in zip(copies, block.slots, strict=True):
             slot.assign(dst)
         block.loaded = True
@@ -170,8 +210,9 @@ class BlockOffloader:
     @staticmethod
     def _evict(block: _Block) -> None:
         BlockOffloader._wait(block)  # never hand back memory a copy is still writing
-        for slot in block.slots:
-            slot.assign(torch.empty(0, dtype=slot.host.dtype, device=slot.current().device))
+        with torch.inference_mode(False):
+            for slot in block.slots:
+                slot.assign(torch.empty(0, dtype=slot.host.dtype, device=slot.current().device))
         block.loaded = False
 
     def _turn(self, block: _Block, upcoming: _Block | None) -> None:
@@ -233,13 +274,15 @@ def offload_blocks(denoiser: nn.Module, count: int, device: torch.device) -> Blo
     """
     from lightning_lora.assembly import ensure_recomputed
 
-    if count == 0:
+    chosen = offloaded_blocks(denoiser, count)
+    if not chosen:
         return None
-    blocks = repeated_blocks(denoiser)
-    if not blocks:
-        raise ConfigError(f"model.offload_blocks: {type(denoiser).__name__} declares no repeated blocks to offload.")
-    check_offload_blocks(count, len(blocks))
-    chosen = [blocks[i] for i in pick_offloaded(count, len(blocks))]
+    if count < 3:
+        warnings.warn(
+            f"model.offload_blocks: {count} saves no weight memory: two offloaded blocks are on the GPU at a time "
+            "(the one running and the next one, being copied). Use 3 or more.",
+            stacklevel=2,
+        )
     for block in chosen:
         ensure_recomputed(denoiser, block)
     offloader = BlockOffloader(chosen, pin=device.type == "cuda")

@@ -26,11 +26,19 @@ __all__ = ["SHARDING_STRATEGIES", "LoraDDPStrategy", "check_strategy", "resolve_
 SHARDING_STRATEGIES: tuple[type[Strategy], ...] = (FSDPStrategy, ModelParallelStrategy, DeepSpeedStrategy)
 
 
-def check_strategy(strategy: Strategy, quantization_mode: str) -> None:
-    """Raise a :class:`ConfigError` for a sharding strategy over a quantized base."""
-    if quantization_mode == "none" or not isinstance(strategy, SHARDING_STRATEGIES):
+def check_strategy(strategy: Strategy, quantization_mode: str, offload_blocks: int = 0) -> None:
+    """Raise a :class:`ConfigError` for a sharding strategy over a quantized or partly offloaded base."""
+    if not isinstance(strategy, SHARDING_STRATEGIES):
         return
     name = type(strategy).__name__
+    if offload_blocks:
+        raise ConfigError(
+            f"trainer.strategy: {name} shards the base model's weights, which does not work with "
+            f"model.offload_blocks: {offload_blocks} (offloading swaps the weights of whole blocks in and out). Use "
+            "trainer.strategy: ddp, or model.offload_blocks: 0 to shard the base."
+        )
+    if quantization_mode == "none":
+        return
     raise ConfigError(
         f"trainer.strategy: {name} shards the base model's weights, which does not work with "
         f"model.quantization.mode: {quantization_mode} (quantized weights cannot be flattened into shards). "

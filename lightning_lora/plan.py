@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_lora.offload import check_offload_blocks, pick_offloaded, repeated_blocks
+from lightning_lora.offload import check_offload_blocks, offloaded_blocks
 from lightning_lora.quant import QuantOptions
 from lightning_lora.quant.options import linear_layers
 
@@ -154,10 +154,9 @@ def offloaded_weight_bytes(model: nn.Module, count: int, quantization: QuantOpti
     two consecutive offloaded blocks that are on the GPU at a time (the running one and the one being copied)."""
     if count == 0:
         return 0.0
+    check_offload_blocks(count, None, quantization.mode)
     sizes = module_weight_bytes(model, quantization, dtype)
-    blocks = repeated_blocks(model)
-    check_offload_blocks(count, len(blocks), quantization.mode)
-    chosen = [sum(sizes[id(m)] for m in blocks[i].modules()) for i in pick_offloaded(count, len(blocks))]
+    chosen = [sum(sizes[id(m)] for m in block.modules()) for block in offloaded_blocks(model, count)]
     in_flight = max((a + b for a, b in zip(chosen, chosen[1:], strict=False)), default=chosen[0])
     return sum(chosen) - in_flight
 
@@ -244,15 +243,13 @@ def plan_training(
         # Only checkpointed blocks' inputs stay saved; in the backward one block's activations are recomputed at a
         # time (the calibration of TRANSIENT_BLOCKS was made with this measurement order).
         apply_gradient_checkpointing(model, getattr(module, "checkpoint_every", 1))
-    if offload:  # offloaded blocks are recomputed, as offload_blocks() makes them
-        blocks = repeated_blocks(model)
-        for i in pick_offloaded(offload, len(blocks)):
-            ensure_recomputed(model, blocks[i])
+    for block in offloaded_blocks(model, offload):  # recomputed, as offload_blocks() makes them
+        ensure_recomputed(model, block)
     model.train()
     inputs = family.example_inputs(model, batch, height, width, text_len, device="meta", dtype=source.dtype)
     saved, largest = saved_activation_bytes(model, inputs)
-    if getattr(module, "compile_blocks", False):
-        saved *= COMPILED_SAVED_FRACTION
+    if getattr(module, "compile_blocks", False) and not module.gradient_checkpointing:
+        saved *= COMPILED_SAVED_FRACTION  # checkpointed blocks keep only their inputs, which compiling cannot shrink
     per_block = saved / max(family.block_count(model), 1)
     transient = TRANSIENT_BLOCKS * per_block
     if module.gradient_checkpointing or offload:

@@ -39,7 +39,7 @@ def test_two_ranks_of_batch_b_train_what_one_rank_of_batch_2b_trains(
 def test_two_process_ddp_fit_and_resume(tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path) -> None:
     """With offloaded blocks too: each rank streams its own copy of the frozen weights."""
     options = {"trainer.devices": 2, "trainer.strategy": "ddp", "trainer.max_steps": 3, "data.batch_size": 1}
-    config = write_config(tmp_path, tiny_flux_dir, photos_dir, **options, **{"model.offload_blocks": 2})
+    config = write_config(tmp_path, tiny_flux_dir, photos_dir, **options, **{"model.offload_blocks": 3})
     first = fit_in_subprocess(config)
     assert first.returncode == 0, first.stderr[-3000:]
     last = tmp_path / "run" / "checkpoints" / "last.ckpt"

@@ -64,7 +64,7 @@ def _empty(block: torch.nn.Module) -> list[bool]:
     return [t.numel() == 0 for t in frozen]
 
 
-@pytest.mark.parametrize(("checkpointing", "every", "count"), [(False, 1, 2), (True, 1, 4), (True, 2, 3)])
+@pytest.mark.parametrize(("checkpointing", "every", "count"), [(False, 1, 3), (True, 1, 4), (True, 2, 3)])
 def test_offloading_trains_the_same_gradients(tiny_flux_dir: Path, checkpointing: bool, every: int, count: int) -> None:
     plain = _two_steps(build_tiny(tiny_flux_dir, 0, checkpointing, every))
     model = build_tiny(tiny_flux_dir, count, checkpointing, every)
@@ -88,14 +88,30 @@ def test_offloading_a_unet(tiny_sdxl_dir: Path, checkpointing: bool) -> None:
     from lightning_lora.families.sdxl import SDXL
 
     plain = _two_steps(build_tiny(tiny_sdxl_dir, 0, checkpointing, family=SDXL()), SDXL())
-    model = build_tiny(tiny_sdxl_dir, 2, checkpointing, family=SDXL())
-    assert len(repeated_blocks(model)) > 2
+    model = build_tiny(tiny_sdxl_dir, 3, checkpointing, family=SDXL())
+    assert len(repeated_blocks(model)) > 3
     offloaded = _two_steps(model, SDXL())
     for before, after in zip(plain, offloaded, strict=True):
         for name, grad in before.items():
             torch.testing.assert_close(after[name], grad)
-    assert model._lora_offloader.loads == 3 + 2
+    assert model._lora_offloader.loads == (2 * 3 - 1) + (2 * 3 - 2)  # in the order they run: no extra copies
     assert all(all(_empty(b.module)) for b in model._lora_offloader.blocks if b.index not in (0,))
+
+
+def test_blocks_are_listed_in_the_order_they_run(tiny_sdxl_dir: Path) -> None:
+    """diffusers' UNet registers up_blocks before mid_block; offloading must follow the order of execution, or every
+    prefetch loads the wrong block."""
+    from lightning_lora.families.sdxl import SDXL
+
+    model = build_tiny(tiny_sdxl_dir, 0, family=SDXL())
+    blocks = repeated_blocks(model)
+    assert any(n.startswith("mid_block") for n, m in model.named_modules() if m in blocks)
+    ran: list[int] = []
+    for i, block in enumerate(blocks):
+        block.register_forward_pre_hook(lambda module, args, i=i: ran.append(i))
+    with torch.no_grad():
+        model(**random_inputs(model, 1, SDXL()))
+    assert ran == list(range(len(blocks)))
 
 
 def test_weights_are_on_the_device_only_while_their_block_runs(tiny_flux_dir: Path) -> None:
@@ -131,9 +147,14 @@ def test_offloaded_blocks_are_recomputed(tiny_flux_dir: Path) -> None:
 
     model = build_tiny(tiny_flux_dir, 0)
     plain, _ = saved_activation_bytes(model, random_inputs(model, 1))
-    model = build_tiny(tiny_flux_dir, 2)
+    model = build_tiny(tiny_flux_dir, 3)
     fewer, _ = saved_activation_bytes(model, random_inputs(model, 1))
     assert fewer < plain
+
+
+def test_one_or_two_blocks_are_warned_about(tiny_flux_dir: Path) -> None:
+    with pytest.warns(UserWarning, match="offload_blocks: 2 saves no weight memory.*3 or more"):
+        build_tiny(tiny_flux_dir, 2)
 
 
 def test_pick_offloaded_spreads_the_blocks() -> None:
@@ -152,7 +173,7 @@ def test_pick_offloaded_spreads_the_blocks() -> None:
         ({"offload": 5}, "more than the model's 4 repeated blocks"),
         ({"offload": -1}, "must be 0"),
         ({"offload": 2, "quantization": QuantOptions(mode="nf4")}, "not with NF4"),
-        ({"offload": 2, "compile_blocks": True}, "compile_blocks"),
+        ({"offload": 3, "compile_blocks": True}, "compile_blocks"),
     ],
 )
 def test_offload_refusals(tiny_flux_dir: Path, kwargs: dict[str, Any], match: str) -> None:
@@ -173,7 +194,7 @@ def test_fp8_storage_base_offloads_its_buffers(tiny_flux_dir: Path) -> None:
     source = ModelSource(str(tiny_flux_dir), dtype=torch.bfloat16)
     kwargs: dict[str, Any] = {"quantization": QuantOptions(mode="fp8")}
     reference = build_lora_model(Flux(), source, LoraOptions(rank=2), **kwargs)
-    model = build_lora_model(Flux(), source, LoraOptions(rank=2), offload=2, **kwargs)
+    model = build_lora_model(Flux(), source, LoraOptions(rank=2), offload=3, **kwargs)
     offloaded = model._lora_offloader.blocks
     assert any(not slot.is_param and slot.host.dtype == torch.float8_e4m3fn for b in offloaded for slot in b.slots)
     assert all(all(_empty(b.module)) for b in offloaded)
@@ -217,7 +238,7 @@ def test_fit_with_offloading_trains_the_same_lora(tmp_path: Path, tiny_flux_dir:
     from test_cli import run_cli, write_config
 
     loras = []
-    for offload in (0, 2):
+    for offload in (0, 3):
         folder = tmp_path / f"offload{offload}"
         folder.mkdir()
         config = write_config(folder, tiny_flux_dir, photos_dir, **{"trainer.max_steps": 4})
@@ -229,3 +250,61 @@ def test_fit_with_offloading_trains_the_same_lora(tmp_path: Path, tiny_flux_dir:
     for name, tensor in loras[0].items():
         torch.testing.assert_close(loras[1][name], tensor, rtol=1e-4, atol=1e-6)
     assert any(not torch.equal(t, torch.zeros_like(t)) for n, t in loras[1].items() if "lora_B" in n)
+
+
+@pytest.mark.parametrize(("mode", "checkpointing"), [("none", False), ("none", True), ("fp8", False)])
+def test_evicted_weights_are_freed(tiny_flux_dir: Path, mode: str, checkpointing: bool) -> None:
+    """What a block loads is released when it is evicted: nothing else (autograd's saved tensors, views) keeps the
+    storage alive, in the forward and in the backward."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    dtype = torch.bfloat16 if mode == "fp8" else torch.float32
+    model = build_lora_model(
+        Flux(),
+        ModelSource(str(tiny_flux_dir), dtype=dtype),
+        LoraOptions(rank=2),
+        quantization=QuantOptions(mode=mode),
+        gradient_checkpointing=checkpointing,
+        offload=4,
+    )
+    offloader = model._lora_offloader
+    loaded: dict[int, list[StorageWeakRef]] = {}
+    load = offloader._load
+
+    def watched(block: Any) -> None:
+        was = block.loaded
+        load(block)
+        if not was:
+            loaded.setdefault(block.index, []).extend(
+                StorageWeakRef(s.current().untyped_storage()) for s in block.slots
+            )
+
+    offloader._load = watched
+    inputs = {k: v.to(dtype) if torch.is_tensor(v) else v for k, v in random_inputs(model, 1).items()}
+    model(**inputs)[0].float().square().mean().backward()
+    resident = set(offloader.resident)
+    assert resident == {0} and set(loaded) == {0, 1, 2, 3}
+    for index, refs in loaded.items():
+        if index not in resident:
+            assert all(ref.expired() for ref in refs), f"block {index}'s weights are still alive after eviction"
+
+
+def test_inference_mode_leaves_normal_tensors(tiny_flux_dir: Path) -> None:
+    """Lightning validates and predicts under torch.inference_mode: blocks loaded there are trained on next."""
+    model = build_tiny(tiny_flux_dir, 3)
+    with torch.inference_mode():
+        model(**random_inputs(model, 1))
+    assert model._lora_offloader.resident  # the last block stays loaded into the training step
+    model(**random_inputs(model, 2))[0].square().mean().backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_fp8_layers_of_offloaded_blocks_are_quantized_on_the_cpu() -> None:
+    """The GPU never holds the offloaded blocks, not even while the base is quantized (here the "GPU" is meta)."""
+    from lightning_lora.quant import quantize_base
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Sequential(torch.nn.Linear(64, 64)))
+    on_cpu = frozenset(id(m) for m in model[1].modules())
+    assert quantize_base(model, QuantOptions(mode="fp8"), torch.device("meta"), torch.bfloat16, on_cpu) == 2
+    assert model[0].weight.device.type == "meta"
+    assert model[1][0].weight.device.type == "cpu" and model[1][0].weight.dtype == torch.float8_e4m3fn

@@ -19,6 +19,13 @@ def test_sharding_a_quantized_base_is_refused(strategy: type, mode: str) -> None
         check_strategy(strategy(), mode)
 
 
+@pytest.mark.parametrize("strategy", [FSDPStrategy, ModelParallelStrategy])
+def test_sharding_an_offloaded_base_is_refused(strategy: type) -> None:
+    with pytest.raises(ConfigError, match=rf"trainer.strategy: {strategy.__name__}.*offload_blocks: 4.*ddp"):
+        check_strategy(strategy(), "none", offload_blocks=4)
+    check_strategy(DDPStrategy(), "fp8", offload_blocks=4)
+
+
 @pytest.mark.parametrize("mode", ["none", "nf4", "fp8", "fp8_compute"])
 def test_ddp_takes_every_backend_and_fsdp_a_plain_base(mode: str) -> None:
     check_strategy(DDPStrategy(), mode)

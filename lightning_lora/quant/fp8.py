@@ -149,10 +149,12 @@ class FP8Linear(nn.Linear):
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8={mode}"
 
 
-def quantize_fp8(model: nn.Module, options: QuantOptions, device: torch.device, compute: bool) -> int:
+def quantize_fp8(
+    model: nn.Module, options: QuantOptions, device: torch.device, compute: bool, on_cpu: frozenset[int] = frozenset()
+) -> int:
     count = 0
     for parent, name, _, linear in linear_layers(model, options.skip):
-        linear.to(device)
+        linear.to(torch.device("cpu") if id(linear) in on_cpu else device)
         layer = FP8Linear(linear, compute=compute)
         setattr(parent, name, layer)
         del linear

@@ -48,8 +48,18 @@ def linear_layers(model: nn.Module, skip: list[str]) -> list[tuple[nn.Module, st
     return found
 
 
-def quantize_base(model: nn.Module, options: QuantOptions, device: torch.device, compute_dtype: torch.dtype) -> int:
-    """Swap the base's linear layers for quantized ones on ``device``; returns how many were swapped."""
+def quantize_base(
+    model: nn.Module,
+    options: QuantOptions,
+    device: torch.device,
+    compute_dtype: torch.dtype,
+    on_cpu: frozenset[int] = frozenset(),
+) -> int:
+    """Swap the base's linear layers for quantized ones on ``device``; returns how many were swapped.
+
+    FP8 layers whose ``id`` is in ``on_cpu`` are quantized on the CPU instead (the blocks ``model.offload_blocks``
+    keeps in CPU memory: the GPU never holds them whole).
+    """
     if options.mode == "none":
         return 0
     for pattern in options.skip:
@@ -76,4 +86,4 @@ def quantize_base(model: nn.Module, options: QuantOptions, device: torch.device,
                 stacklevel=2,
             )
             compute = False
-    return quantize_fp8(model, options, device, compute=compute)
+    return quantize_fp8(model, options, device, compute=compute, on_cpu=on_cpu)
