@@ -21,13 +21,11 @@ matches nothing is an error: peft would silently ignore it, and the user would t
 
 from __future__ import annotations
 
-import functools
 import re
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import torch
-import torch.utils.checkpoint
 from torch import nn
 
 from lightning_lora.errors import ConfigError
@@ -35,6 +33,7 @@ from lightning_lora.families.base import DiffusionFamily, ModelSource
 from lightning_lora.hardware import check_attention
 from lightning_lora.offload import check_offload_blocks, offload_blocks, offloaded_blocks, repeated_blocks
 from lightning_lora.quant import QuantOptions, quantize_base
+from lightning_lora.recompute import recomputed
 
 __all__ = [
     "AttentionBackend",
@@ -44,7 +43,6 @@ __all__ = [
     "check_checkpoint_every",
     "compile_repeated_blocks",
     "configure_attention",
-    "ensure_recomputed",
     "resolve_targets",
     "trainable_parameters",
 ]
@@ -191,26 +189,8 @@ def apply_gradient_checkpointing(denoiser: nn.Module, every: int = 1) -> int:
         )
     chosen = blocks[::every]
     for block in chosen:
-        block.forward = _recomputed(block.forward)  # type: ignore[method-assign]
+        block.forward = recomputed(block.forward)  # type: ignore[method-assign]
     return len(chosen)
-
-
-def ensure_recomputed(denoiser: nn.Module, block: nn.Module) -> None:
-    """Make ``block`` recompute its activations in the backward pass, unless the model's checkpointing already does."""
-    if getattr(denoiser, "is_gradient_checkpointing", False) or getattr(block.forward, "recomputed", False):
-        return
-    block.forward = _recomputed(block.forward)  # type: ignore[method-assign]
-
-
-def _recomputed(forward: Any) -> Any:
-    @functools.wraps(forward)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled():
-            return forward(*args, **kwargs)
-        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
-
-    run.recomputed = True  # type: ignore[attr-defined]
-    return run
 
 
 AttentionBackend = Literal["auto", "sdpa", "flash", "efficient", "cudnn", "math", "xformers"]

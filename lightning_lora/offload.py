@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from lightning_lora.errors import ConfigError
+from lightning_lora.recompute import ensure_recomputed
 
 __all__ = [
     "BlockOffloader",
@@ -272,8 +273,6 @@ def offload_blocks(denoiser: nn.Module, count: int, device: torch.device) -> Blo
 
     Call it with the model still on the CPU, before it moves to ``device``: the offloaded tensors never go there.
     """
-    from lightning_lora.assembly import ensure_recomputed
-
     chosen = offloaded_blocks(denoiser, count)
     if not chosen:
         return None

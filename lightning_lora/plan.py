@@ -225,7 +225,8 @@ def plan_training(
     """Predict the training peak of a :class:`~lightning_lora.module.LoraModule` configuration."""
     from peft import LoraConfig
 
-    from lightning_lora.assembly import apply_gradient_checkpointing, ensure_recomputed, resolve_targets
+    from lightning_lora.assembly import apply_gradient_checkpointing, resolve_targets
+    from lightning_lora.recompute import ensure_recomputed
 
     family, source = module.family, module.source
     offload = getattr(module, "offload_blocks", 0)
