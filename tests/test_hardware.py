@@ -112,7 +112,7 @@ def test_fp8_compute_on_rocm_uses_fp8_units_or_falls_back_with_a_warning(monkeyp
     card(monkeypatch)
     seen = {}
 
-    def fake_quantize_fp8(model, options, device, compute: bool) -> int:  # no real GPU to quantize on
+    def fake_quantize_fp8(model, options, device, compute: bool, on_cpu=frozenset()) -> int:  # no GPU to use
         seen["compute"] = compute
         return 1
 
