@@ -136,7 +136,7 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     base = build_encoders(a.tiny, torch.bfloat16)
     reference = None
-    for mode in a.modes:
+    for mode in sorted(a.modes, key=lambda m: m != "none"):  # bf16 first: the others' embeddings are compared to it
         try:
             out, embeds = measure(base, mode, a, device)
         except Exception as e:  # one JSON line per mode, also when it fails
