@@ -141,9 +141,10 @@ def build_lora_model(
     denoiser = family.load_denoiser(source)
     denoiser.requires_grad_(False)
     target_modules = resolve_targets(lora.targets, family, denoiser)
+    offloaded = offloaded_blocks(denoiser, offload)  # the same modules after quantization and LoRA injection
     if quantization is not None:
         # The blocks to offload are quantized on the CPU, where they will stay: the GPU never holds them all.
-        on_cpu = frozenset(id(m) for block in offloaded_blocks(denoiser, offload) for m in block.modules())
+        on_cpu = frozenset(id(m) for block in offloaded for m in block.modules())
         quantize_base(denoiser, quantization, device or torch.device("cpu"), source.dtype, on_cpu)
     config = LoraConfig(
         r=lora.rank,
@@ -157,7 +158,7 @@ def build_lora_model(
         p.data = p.data.to(torch.float32)
     if gradient_checkpointing:
         apply_gradient_checkpointing(denoiser, checkpoint_every)
-    offload_blocks(denoiser, offload, device or torch.device("cpu"))
+    offload_blocks(denoiser, offloaded, device or torch.device("cpu"))
     configure_attention(denoiser, attention, device or torch.device("cpu"), family.cudnn_attention_in_auto)
     if compile_blocks:
         compile_repeated_blocks(denoiser)

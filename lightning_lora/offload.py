@@ -268,14 +268,15 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
-def offload_blocks(denoiser: nn.Module, count: int, device: torch.device) -> BlockOffloader | None:
-    """Offload ``count`` of ``denoiser``'s repeated blocks (0: none) and make sure they are recomputed in backward.
+def offload_blocks(denoiser: nn.Module, chosen: list[nn.Module], device: torch.device) -> BlockOffloader | None:
+    """Offload the ``chosen`` blocks of ``denoiser`` (:func:`offloaded_blocks`; none: nothing to do) and make sure
+    they are recomputed in backward.
 
     Call it with the model still on the CPU, before it moves to ``device``: the offloaded tensors never go there.
     """
-    chosen = offloaded_blocks(denoiser, count)
     if not chosen:
         return None
+    count = len(chosen)
     if count < 3:
         warnings.warn(
             f"model.offload_blocks: {count} saves no weight memory: two offloaded blocks are on the GPU at a time "

@@ -149,14 +149,15 @@ def module_weight_bytes(model: nn.Module, quantization: QuantOptions, dtype: tor
     return sizes
 
 
-def offloaded_weight_bytes(model: nn.Module, count: int, quantization: QuantOptions, dtype: torch.dtype) -> float:
-    """GPU memory that ``offload_blocks: count`` takes off the frozen weights: the offloaded blocks' bytes, less the
-    two consecutive offloaded blocks that are on the GPU at a time (the running one and the one being copied)."""
-    if count == 0:
+def offloaded_weight_bytes(
+    model: nn.Module, blocks: list[nn.Module], quantization: QuantOptions, dtype: torch.dtype
+) -> float:
+    """GPU memory that offloading ``blocks`` takes off the frozen weights: their bytes, less the two consecutive
+    offloaded blocks that are on the GPU at a time (the running one and the one being copied)."""
+    if not blocks:
         return 0.0
-    check_offload_blocks(count, None, quantization.mode)
     sizes = module_weight_bytes(model, quantization, dtype)
-    chosen = [sum(sizes[id(m)] for m in block.modules()) for block in offloaded_blocks(model, count)]
+    chosen = [sum(sizes[id(m)] for m in block.modules()) for block in blocks]
     in_flight = max((a + b for a, b in zip(chosen, chosen[1:], strict=False)), default=chosen[0])
     return sum(chosen) - in_flight
 
@@ -230,10 +231,12 @@ def plan_training(
 
     family, source = module.family, module.source
     offload = getattr(module, "offload_blocks", 0)
+    check_offload_blocks(offload, None, module.quantization.mode, getattr(module, "compile_blocks", False))
     model = family.denoiser_skeleton(source)  # meta device: shapes only
     model.requires_grad_(False)
+    offloaded = offloaded_blocks(model, offload)
     weights = weight_bytes(model, module.quantization, source.dtype)
-    resident = weights - offloaded_weight_bytes(model, offload, module.quantization, source.dtype)
+    resident = weights - offloaded_weight_bytes(model, offloaded, module.quantization, source.dtype)
     targets = resolve_targets(module.lora.targets, family, model)
     model.add_adapter(LoraConfig(r=module.lora.rank, lora_alpha=module.lora.scale_alpha, target_modules=targets))
     lora_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -244,7 +247,7 @@ def plan_training(
         # Only checkpointed blocks' inputs stay saved; in the backward one block's activations are recomputed at a
         # time (the calibration of TRANSIENT_BLOCKS was made with this measurement order).
         apply_gradient_checkpointing(model, getattr(module, "checkpoint_every", 1))
-    for block in offloaded_blocks(model, offload):  # recomputed, as offload_blocks() makes them
+    for block in offloaded:  # recomputed, as offload_blocks() makes them
         ensure_recomputed(model, block)
     model.train()
     inputs = family.example_inputs(model, batch, height, width, text_len, device="meta", dtype=source.dtype)

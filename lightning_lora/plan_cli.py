@@ -68,16 +68,15 @@ def _alternatives(module: Any, datamodule: Any, vram: float) -> list[str]:
         peak = _peak_with(module, datamodule, changes)
         if peak <= vram * 0.95:
             fits.append(f"{flag}   (~{peak:.1f} GiB)")
-    if module.quantization.mode != "nf4" and not module.compile_blocks:
-        # Offloading costs PCIe copies per block and step: the fewest blocks that fit.
-        for count in OFFLOAD_TRIES:
-            try:
-                peak = _peak_with(module, datamodule, {"offload_blocks": count})
-            except ConfigError:  # more blocks than the model has
-                break
-            if peak <= vram * 0.95:
-                fits.append(f"--model.offload_blocks {count}   (~{peak:.1f} GiB; slower by the blocks' copies)")
-                break
+    # Offloading costs PCIe copies per block and step: the fewest blocks that fit.
+    for count in OFFLOAD_TRIES:
+        try:
+            peak = _peak_with(module, datamodule, {"offload_blocks": count})
+        except ConfigError:  # more blocks than the model has, or a setting offloading refuses (NF4, compile_blocks)
+            break
+        if peak <= vram * 0.95:
+            fits.append(f"--model.offload_blocks {count}   (~{peak:.1f} GiB; slower by the blocks' copies)")
+            break
     return fits
 
 
