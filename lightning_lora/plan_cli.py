@@ -65,7 +65,10 @@ def _alternatives(module: Any, datamodule: Any, vram: float) -> list[str]:
             )
     fits = []
     for flag, changes in tries:
-        peak = _peak_with(module, datamodule, changes)
+        try:
+            peak = _peak_with(module, datamodule, changes)
+        except ConfigError:  # a change the other settings refuse (e.g. NF4 with model.offload_blocks): not a fix
+            continue
         if peak <= vram * 0.95:
             fits.append(f"{flag}   (~{peak:.1f} GiB)")
     # Offloading costs PCIe copies per block and step: the fewest blocks that fit.

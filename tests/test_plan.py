@@ -91,6 +91,8 @@ def test_suggestions_try_partial_checkpointing_first(monkeypatch: pytest.MonkeyP
             peak -= 12.0
         if m.offload_blocks > 16:  # type: ignore[attr-defined]
             raise ConfigError("more than the model's 16 repeated blocks")
+        if m.offload_blocks and m.quantization.mode == "nf4":  # type: ignore[attr-defined]
+            raise ConfigError("model.offload_blocks works with a bf16 or FP8 base, not with NF4")
         return SimpleNamespace(peak_gib=peak - 0.5 * m.offload_blocks)  # type: ignore[attr-defined]
 
     monkeypatch.setattr(plan_cli, "plan_for", fake_plan)
@@ -105,6 +107,10 @@ def test_suggestions_try_partial_checkpointing_first(monkeypatch: pytest.MonkeyP
     assert module.gradient_checkpointing is False and module.checkpoint_every == 1  # restored
     assert module.offload_blocks == 0
     assert not any("offload" in f for f in plan_cli._alternatives(module, None, vram=10.0))  # 16 blocks: not enough
+    # Already offloading: the NF4 alternatives, which offloading refuses, are left out instead of ending `plan`.
+    offloading = SimpleNamespace(gradient_checkpointing=True, checkpoint_every=1, **{**options, "offload_blocks": 4})
+    suggested = plan_cli._alternatives(offloading, None, vram=10.0)
+    assert suggested and not any("nf4" in f for f in suggested) and any("fp8" in f for f in suggested)
     partial = SimpleNamespace(gradient_checkpointing=True, checkpoint_every=3, **options)
     assert plan_cli._alternatives(partial, None, vram=22.0)[0].startswith("--model.checkpoint_every 1")
     assert dataclasses.is_dataclass(module.quantization)
