@@ -289,8 +289,11 @@ def make_optimizer(name: str):
             import bitsandbytes as bnb
 
             return bnb.optim.AdamW8bit(params, lr=1e-4)
-        if name == "adafactor":
-            from transformers.optimization import Adafactor
+        if name in ("adafactor", "adafactor-hf"):  # ours (grouped) or transformers' (one tensor at a time)
+            if name == "adafactor":
+                from lightning_lora.optimizers import Adafactor
+            else:
+                from transformers.optimization import Adafactor
 
             return Adafactor(params, lr=1e-4, scale_parameter=False, relative_step=False, warmup_init=False)
         return torch.optim.AdamW(params, lr=1e-4)
@@ -409,7 +412,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     if a.plan:
         from lightning_lora.plan import plan_training
 
-        names = {"adamw8bit": "AdamW8bit", "adafactor": "Adafactor", "adamw": "AdamW"}
+        names = {"adamw8bit": "AdamW8bit", "adafactor": "Adafactor", "adafactor-hf": "Adafactor", "adamw": "AdamW"}
         plan = plan_training(module, a.h, a.w, a.batch, a.tlen if a.family == "flux" else 77, optimizer=names[a.opt])
         out["planned_peak_GiB"] = round(plan.peak_gib, 2)
         out["planned"] = {k: round(v, 3) for k, v in vars(plan).items() if isinstance(v, float)}
@@ -430,7 +433,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warm", type=int, default=3)
-    p.add_argument("--opt", default="adamw8bit", choices=["adamw8bit", "adamw", "adafactor"])
+    p.add_argument("--opt", default="adamw8bit", choices=["adamw8bit", "adamw", "adafactor", "adafactor-hf"])
     p.add_argument("--compile", type=int, default=0)
     p.add_argument("--compile-mode", default=None, help="experiment: torch.compile mode of the blocks (--compile 1)")
     p.add_argument("--offload", type=int, default=0, help="model.offload_blocks")
