@@ -165,6 +165,23 @@ def build_lora_model(
     return denoiser.train()
 
 
+def skip_lora_input_casts(denoiser: nn.Module) -> int:
+    """Let the LoRA layers take their input as it comes; for models whose every forward runs under autocast.
+
+    peft casts each LoRA layer's input to the adapter's float32 (``cast_input_dtype_enabled``), and autocast casts
+    it straight back to bf16 for the matmul: two copies of the activation per layer in the forward and two in the
+    backward, the same values (~2,800 of a FLUX step's ~9,800 kernels). Without autocast the cast is needed (a bf16
+    input would meet float32 adapter weights), so :class:`~lightning_lora.module.LoraModule` calls this only under a
+    mixed-precision plugin. Returns how many layers were changed.
+    """
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in denoiser.modules() if isinstance(m, BaseTunerLayer)]
+    for layer in layers:
+        layer.cast_input_dtype_enabled = False
+    return len(layers)
+
+
 def check_checkpoint_every(every: int) -> None:
     if every < 1:
         raise ConfigError(f"model.checkpoint_every: {every} must be at least 1 (1: every block).")

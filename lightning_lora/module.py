@@ -24,6 +24,7 @@ import torch
 from jsonargparse import lazy_instance
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.plugins.precision import MixedPrecision
 from typing_extensions import override
 
 from lightning_lora.assembly import (
@@ -31,6 +32,7 @@ from lightning_lora.assembly import (
     LoraOptions,
     build_lora_model,
     check_checkpoint_every,
+    skip_lora_input_casts,
     trainable_parameters,
 )
 from lightning_lora.errors import ConfigError
@@ -120,7 +122,12 @@ class LoraModule(LightningModule):
     # -- model -------------------------------------------------------------------------------------------------
     @override
     def configure_model(self) -> None:
-        self.build(self.trainer.strategy.root_device if self._trainer is not None else torch.device("cpu"))
+        if self._trainer is None:
+            self.build(torch.device("cpu"))
+            return
+        denoiser = self.build(self.trainer.strategy.root_device)
+        if isinstance(self.trainer.precision_plugin, MixedPrecision):  # every forward runs under autocast
+            skip_lora_input_casts(denoiser)
 
     def build(self, device: torch.device) -> torch.nn.Module:
         """Load the backbone on ``device`` and inject LoRA, once (``configure_model`` calls this with the trainer's

@@ -179,3 +179,63 @@ def test_checkpoint_every_n_blocks(tiny_flux_dir: Path) -> None:
         torch.testing.assert_close(half[name], grad)
     with pytest.raises(ConfigError, match="checkpoint_every"):
         _grads_and_saved(tiny_flux_dir, True, 0)
+
+
+def _bf16_step(folder: Path, skip_casts: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
+    """Loss, LoRA gradients and the number of dtype copies of one autocast step on a bf16 base."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lightning_lora.assembly import skip_lora_input_casts
+
+    class CountCopies(TorchDispatchMode):
+        copies = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            CountCopies.copies += func.overloadpacket is torch.ops.aten._to_copy
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    model = build_lora_model(Flux(), ModelSource(str(folder), dtype=torch.bfloat16), LoraOptions(rank=2))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # B starts at zero: make it non-zero so that A gets gradients too
+            p.data = 0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name)))
+    if skip_casts:
+        assert skip_lora_input_casts(model) == 14  # the attention preset's layers
+    inputs = {
+        k: v.bfloat16() if torch.is_tensor(v) and v.is_floating_point() else v
+        for k, v in random_inputs(model, 1).items()
+    }
+    with CountCopies(), torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(**inputs)[0].float().square().mean()
+        loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}, CountCopies.copies
+
+
+def test_lora_input_casts_skipped_under_autocast_change_nothing_but_the_copies(tiny_flux_dir: Path) -> None:
+    """peft's float32 cast of each LoRA layer's input is undone by autocast: without it, the same loss and the same
+    gradients, bit for bit, with fewer copies."""
+    loss, grads, copies = _bf16_step(tiny_flux_dir, skip_casts=False)
+    loss_skipped, grads_skipped, copies_skipped = _bf16_step(tiny_flux_dir, skip_casts=True)
+    assert torch.equal(loss, loss_skipped)
+    assert grads.keys() == grads_skipped.keys()
+    for name, grad in grads.items():
+        assert grad.abs().max() > 0, name
+        assert torch.equal(grad, grads_skipped[name]), name
+    # Two per layer in the forward, two in the backward where the input needs a gradient (not the first block's
+    # q/k/v: nothing before them trains).
+    assert copies - copies_skipped == 2 * 14 + 2 * (14 - 3)
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
+def test_input_casts_are_skipped_only_under_mixed_precision(tiny_flux_dir: Path, precision: str) -> None:
+    """Without autocast a bf16 input would meet float32 adapter weights: the cast stays."""
+    from lightning.pytorch import Trainer
+
+    from lightning_lora.module import LoraModule
+
+    module = LoraModule(pretrained=str(tiny_flux_dir), lora=LoraOptions(rank=2))
+    module.trainer = Trainer(accelerator="cpu", precision=precision, logger=False)
+    module.configure_model()
+    layers = [m for m in module.denoiser.modules() if hasattr(m, "cast_input_dtype_enabled")]
+    assert len(layers) == 14
+    assert all(m.cast_input_dtype_enabled is (precision == "32-true") for m in layers)
