@@ -33,7 +33,7 @@ from lightning_lora.families.base import DiffusionFamily, ModelSource
 from lightning_lora.hardware import check_attention
 from lightning_lora.offload import check_offload_blocks, offload_blocks, offloaded_blocks, repeated_blocks
 from lightning_lora.quant import QuantOptions, quantize_base
-from lightning_lora.recompute import recomputed
+from lightning_lora.recompute import InputOffloader, checkpoint_function, recomputed
 
 __all__ = [
     "AttentionBackend",
@@ -129,6 +129,7 @@ def build_lora_model(
     compile_blocks: bool = False,
     checkpoint_every: int = 1,
     offload: int = 0,
+    offload_activations: bool = False,
 ) -> nn.Module:
     """Load, freeze, quantize, inject LoRA, upcast LoRA to float32, checkpointing, offloading, attention, compile.
 
@@ -138,6 +139,7 @@ def build_lora_model(
     from peft import LoraConfig
 
     check_offload_blocks(offload, None, quantization.mode if quantization else "none", compile_blocks)
+    check_offload_activations(offload_activations, gradient_checkpointing)
     denoiser = family.load_denoiser(source)
     denoiser.requires_grad_(False)
     target_modules = resolve_targets(lora.targets, family, denoiser)
@@ -157,7 +159,7 @@ def build_lora_model(
     for p in trainable_parameters(denoiser):
         p.data = p.data.to(torch.float32)
     if gradient_checkpointing:
-        apply_gradient_checkpointing(denoiser, checkpoint_every)
+        apply_gradient_checkpointing(denoiser, checkpoint_every, offload_activations)
     offload_blocks(denoiser, offloaded, device or torch.device("cpu"))
     configure_attention(denoiser, attention, device or torch.device("cpu"), family.cudnn_attention_in_auto)
     if compile_blocks:
@@ -187,18 +189,29 @@ def check_checkpoint_every(every: int) -> None:
         raise ConfigError(f"model.checkpoint_every: {every} must be at least 1 (1: every block).")
 
 
-def apply_gradient_checkpointing(denoiser: nn.Module, every: int = 1) -> int:
+def check_offload_activations(offload_activations: bool, gradient_checkpointing: bool) -> None:
+    if offload_activations and not gradient_checkpointing:
+        raise ConfigError(
+            "model.offload_activations: true moves the inputs that checkpointed blocks keep for the backward to CPU "
+            "memory; it needs model.gradient_checkpointing: true."
+        )
+
+
+def apply_gradient_checkpointing(denoiser: nn.Module, every: int = 1, offload_inputs: bool = False) -> int:
     """Recompute block activations in the backward pass instead of keeping them.
 
     ``every=1`` is the model's own checkpointing (diffusers' ``enable_gradient_checkpointing``: every block, and the
     UNet's ResNets too). ``every=N`` checkpoints one in N of the model's repeated blocks (``_repeated_blocks``: FLUX's
     double and single blocks, the UNet's transformer blocks) and keeps the others' activations: memory and recompute
     time in between. Block forwards are wrapped in place, so parameter names (and LoRA keys) do not change.
-    Returns how many blocks were wrapped (0 for ``every=1``).
+    ``offload_inputs``: the inputs checkpointed blocks keep wait in CPU memory (:class:`InputOffloader`, kept as
+    ``denoiser._lora_input_offloader``). Returns how many blocks were wrapped (0 for ``every=1``).
     """
     check_checkpoint_every(every)
+    offloader = InputOffloader() if offload_inputs else None
+    denoiser._lora_input_offloader = offloader
     if every == 1:
-        denoiser.enable_gradient_checkpointing()
+        denoiser.enable_gradient_checkpointing(checkpoint_function(offloader))
         return 0
     blocks = repeated_blocks(denoiser)
     if not blocks:
@@ -207,7 +220,7 @@ def apply_gradient_checkpointing(denoiser: nn.Module, every: int = 1) -> int:
         )
     chosen = blocks[::every]
     for block in chosen:
-        block.forward = recomputed(block.forward)  # type: ignore[method-assign]
+        block.forward = recomputed(block.forward, offloader)  # type: ignore[method-assign]
     return len(chosen)
 
 

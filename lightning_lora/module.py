@@ -32,6 +32,7 @@ from lightning_lora.assembly import (
     LoraOptions,
     build_lora_model,
     check_checkpoint_every,
+    check_offload_activations,
     skip_lora_input_casts,
     trainable_parameters,
 )
@@ -76,6 +77,9 @@ class LoraModule(LightningModule):
             and copy each to the GPU while it runs; they are recomputed in the backward pass. Frees their weights'
             GPU memory (less two blocks in flight) for two copies per block and step: how FLUX in bf16 fits a 24 GB
             card (``lightning-lora plan`` shows the peak). bf16 / FP8 bases; not with NF4 or ``compile_blocks``.
+        offload_activations: with ``gradient_checkpointing``, keep the inputs each checkpointed block saves for its
+            recomputation in pinned CPU memory instead of on the GPU (copied out while the forward goes on, back
+            when the backward reaches the block): FLUX at 512x768 keeps 0.67 GiB less on the GPU. Any base, NF4 too.
         optimizer: built over the LoRA parameters only, e.g. ``torch.optim.AdamW`` or
             ``bitsandbytes.optim.AdamW8bit``. Default: AdamW, lr 1e-4, weight decay 1e-4.
         scheduler: optional learning-rate schedule, stepped every optimizer step, e.g.
@@ -96,6 +100,7 @@ class LoraModule(LightningModule):
         attention: AttentionBackend = "auto",
         compile_blocks: bool = False,
         offload_blocks: int = 0,
+        offload_activations: bool = False,
         optimizer: OptimizerCallable = _default_optimizer,
         scheduler: LRSchedulerCallable | None = None,
     ) -> None:
@@ -112,6 +117,8 @@ class LoraModule(LightningModule):
         self.compile_blocks = compile_blocks
         check_offload_blocks(offload_blocks, None, quantization.mode, compile_blocks)
         self.offload_blocks = offload_blocks
+        check_offload_activations(offload_activations, gradient_checkpointing)
+        self.offload_activations = offload_activations
         self._optimizer_factory = optimizer
         self._scheduler_factory = scheduler
         self.denoiser: torch.nn.Module | None = None
@@ -145,6 +152,7 @@ class LoraModule(LightningModule):
             compile_blocks=self.compile_blocks,
             checkpoint_every=self.checkpoint_every,
             offload=self.offload_blocks,
+            offload_activations=self.offload_activations,
         )
         return self.denoiser
 

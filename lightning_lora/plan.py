@@ -192,15 +192,18 @@ def _flash_like_attention() -> Iterator[None]:
         torch.nn.functional.scaled_dot_product_attention = original
 
 
-def saved_activation_bytes(model: nn.Module, inputs: dict[str, Any]) -> tuple[float, float]:
-    """Bytes autograd keeps from one forward pass of ``model`` (on the meta device), and the largest single tensor.
+def saved_activation_bytes(model: nn.Module, inputs: dict[str, Any]) -> tuple[float, float, float]:
+    """Bytes autograd keeps from one forward pass of ``model`` (on the meta device), the largest single tensor, and
+    the bytes the model's :class:`~lightning_lora.recompute.InputOffloader` (if any) moves off the device.
 
-    Parameters and buffers are not counted (they are static memory); tensors sharing storage are counted once.
+    Parameters and buffers are not counted (they are static memory); tensors sharing storage are counted once, and
+    a moved input whose storage something else keeps on the device counts as kept (moving it frees nothing).
     """
     static = {p.untyped_storage()._cdata for p in model.parameters()}
     static |= {b.untyped_storage()._cdata for b in model.buffers()}
     seen: set[int] = set()
     sizes: list[int] = []
+    moved: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         key = t.untyped_storage()._cdata
@@ -209,9 +212,25 @@ def saved_activation_bytes(model: nn.Module, inputs: dict[str, Any]) -> tuple[fl
             sizes.append(t.untyped_storage().nbytes())
         return t
 
-    with _flash_like_attention(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(**inputs)
-    return float(sum(sizes)), float(max(sizes, default=0))
+    def pack_moved(t: torch.Tensor) -> torch.Tensor:
+        moved[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+        return t
+
+    offloader = getattr(model, "_lora_input_offloader", None)  # its hooks hide the checkpoints' inputs from ours
+    if offloader is not None:
+        offloader.keep, offloader.count = pack, pack_moved
+    try:
+        with _flash_like_attention(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(**inputs)
+    finally:
+        if offloader is not None:
+            offloader.keep = offloader.count = _unchanged
+    offloaded = sum(n for key, n in moved.items() if key not in seen)
+    return float(sum(sizes)), float(max(sizes, default=0)), float(offloaded)
+
+
+def _unchanged(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def plan_training(
@@ -246,15 +265,17 @@ def plan_training(
     if module.gradient_checkpointing:
         # Only checkpointed blocks' inputs stay saved; in the backward one block's activations are recomputed at a
         # time (the calibration of TRANSIENT_BLOCKS was made with this measurement order).
-        apply_gradient_checkpointing(model, getattr(module, "checkpoint_every", 1))
+        apply_gradient_checkpointing(
+            model, getattr(module, "checkpoint_every", 1), getattr(module, "offload_activations", False)
+        )
     for block in offloaded:  # recomputed, as offload_blocks() makes them
         ensure_recomputed(model, block)
     model.train()
     inputs = family.example_inputs(model, batch, height, width, text_len, device="meta", dtype=source.dtype)
-    saved, largest = saved_activation_bytes(model, inputs)
+    saved, largest, moved = saved_activation_bytes(model, inputs)  # moved: block inputs kept in CPU memory
     if getattr(module, "compile_blocks", False) and not module.gradient_checkpointing:
         saved *= COMPILED_SAVED_FRACTION  # checkpointed blocks keep only their inputs, which compiling cannot shrink
-    per_block = saved / max(family.block_count(model), 1)
+    per_block = (saved + moved) / max(family.block_count(model), 1)
     transient = TRANSIENT_BLOCKS * per_block
     if module.gradient_checkpointing or offload:
         transient += per_block
@@ -270,6 +291,10 @@ def plan_training(
         plan.notes.append(
             f"offload_blocks {offload}: {(weights - resident) / GIB:.2f} GiB less frozen weight on the GPU (the blocks "
             "wait in pinned CPU memory and are copied in twice per step, two at a time)"
+        )
+    if moved:
+        plan.notes.append(
+            f"offload_activations: {moved / GIB:.2f} GiB of checkpointed blocks' inputs wait in pinned CPU memory"
         )
     sh, sw = sample_size or (height, width)
     plan.sampling_peak = (

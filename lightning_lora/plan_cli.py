@@ -53,6 +53,11 @@ def _alternatives(module: Any, datamodule: Any, vram: float) -> list[str]:
         tries.append(("--model.gradient_checkpointing true", {"gradient_checkpointing": True, "checkpoint_every": 1}))
     elif getattr(module, "checkpoint_every", 1) > 1:
         tries.append(("--model.checkpoint_every 1", {"checkpoint_every": 1}))
+    if not getattr(module, "offload_activations", False):
+        flag = "--model.offload_activations true"
+        if not module.gradient_checkpointing or getattr(module, "checkpoint_every", 1) > 1:
+            flag = f"--model.gradient_checkpointing true --model.checkpoint_every 1 {flag}"
+        tries.append((flag, {"gradient_checkpointing": True, "checkpoint_every": 1, "offload_activations": True}))
     for mode in ("fp8", "nf4"):
         if module.quantization.mode != mode:
             quant = dataclasses.replace(module.quantization, mode=mode)

@@ -159,7 +159,7 @@ def _grads_and_saved(folder: Path, checkpointing: bool, every: int) -> tuple[dic
 
     model = build_tiny(folder, 0, checkpointing, every)
     inputs = random_inputs(model, 1)
-    saved, _ = saved_activation_bytes(model, inputs)
+    saved, _, _ = saved_activation_bytes(model, inputs)
     model(**inputs)[0].square().mean().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
     return grads, saved, {n for n, _ in model.named_parameters()}

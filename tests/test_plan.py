@@ -35,8 +35,8 @@ def test_meta_count_matches_a_real_forward() -> None:
     with torch.device("meta"):
         meta = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16))
     meta[0].weight.requires_grad_(False)
-    counted, largest = saved_activation_bytes(meta, {"input": torch.empty(8, 32, device="meta")})
-    real_bytes, _ = saved_activation_bytes(real, {"input": torch.randn(8, 32)})
+    counted, largest, _ = saved_activation_bytes(meta, {"input": torch.empty(8, 32, device="meta")})
+    real_bytes, _, _ = saved_activation_bytes(real, {"input": torch.randn(8, 32)})
     assert counted == real_bytes > 0
     assert largest == 8 * 64 * 4  # the GELU input / Linear output, float32
 
@@ -89,6 +89,8 @@ def test_suggestions_try_partial_checkpointing_first(monkeypatch: pytest.MonkeyP
             peak = {1: 20.0, 2: 24.0, 3: 26.0}[m.checkpoint_every]  # type: ignore[attr-defined]
         if m.quantization.mode != "none":  # type: ignore[attr-defined]
             peak -= 12.0
+        if m.offload_activations:  # type: ignore[attr-defined]
+            peak -= 1.0
         if m.offload_blocks > 16:  # type: ignore[attr-defined]
             raise ConfigError("more than the model's 16 repeated blocks")
         if m.offload_blocks and m.quantization.mode == "nf4":  # type: ignore[attr-defined]
@@ -96,21 +98,34 @@ def test_suggestions_try_partial_checkpointing_first(monkeypatch: pytest.MonkeyP
         return SimpleNamespace(peak_gib=peak - 0.5 * m.offload_blocks)  # type: ignore[attr-defined]
 
     monkeypatch.setattr(plan_cli, "plan_for", fake_plan)
-    options = {"compile_blocks": False, "offload_blocks": 0, "quantization": QuantOptions()}
+    options = {
+        "compile_blocks": False,
+        "offload_blocks": 0,
+        "offload_activations": False,
+        "quantization": QuantOptions(),
+    }
     module = SimpleNamespace(gradient_checkpointing=False, checkpoint_every=1, **options)
     fits = plan_cli._alternatives(module, None, vram=26.0)  # 0.95 x 26 = 24.7: every 2 and every 1 fit, 3 does not
     assert fits[0].startswith("--model.gradient_checkpointing true --model.checkpoint_every 2")
     assert fits[1].startswith("--model.gradient_checkpointing true   ")
+    assert fits[2].startswith(
+        "--model.gradient_checkpointing true --model.checkpoint_every 1 --model.offload_activations"
+    )
+    assert "(~19.0 GiB)" in fits[2] and "quantization" in fits[3]
     assert not any("checkpoint_every 3" in f for f in fits)
     # The fewest offloaded blocks that fit, without checkpointing: 30 - 0.5 x 12 = 24 <= 24.7 (10 gives 25).
-    assert [f.split("   ")[0] for f in fits if "offload" in f] == ["--model.offload_blocks 12"]
+    assert [f.split("   ")[0] for f in fits if "offload_blocks" in f] == ["--model.offload_blocks 12"]
     assert module.gradient_checkpointing is False and module.checkpoint_every == 1  # restored
     assert module.offload_blocks == 0
-    assert not any("offload" in f for f in plan_cli._alternatives(module, None, vram=10.0))  # 16 blocks: not enough
+    assert not any(
+        "offload_blocks" in f for f in plan_cli._alternatives(module, None, vram=10.0)
+    )  # 16 blocks: not enough
     # Already offloading: the NF4 alternatives, which offloading refuses, are left out instead of ending `plan`.
     offloading = SimpleNamespace(gradient_checkpointing=True, checkpoint_every=1, **{**options, "offload_blocks": 4})
     suggested = plan_cli._alternatives(offloading, None, vram=10.0)
     assert suggested and not any("nf4" in f for f in suggested) and any("fp8" in f for f in suggested)
     partial = SimpleNamespace(gradient_checkpointing=True, checkpoint_every=3, **options)
     assert plan_cli._alternatives(partial, None, vram=22.0)[0].startswith("--model.checkpoint_every 1")
+    checkpointed = SimpleNamespace(gradient_checkpointing=True, checkpoint_every=1, **options)
+    assert plan_cli._alternatives(checkpointed, None, vram=20.5)[0].startswith("--model.offload_activations true   ")
     assert dataclasses.is_dataclass(module.quantization)

@@ -16,16 +16,23 @@ import bench_suite  # noqa: E402
 
 
 @pytest.mark.parametrize(
-    ("family", "loop", "offload"),
-    [("flux", "lightning", 0), ("sdxl", "lightning", 0), ("flux", "bare", 0), ("flux", "lightning", 2)],
+    ("family", "loop", "offload", "offload_act", "opt"),
+    [
+        ("flux", "lightning", 0, 0, "adamw"),
+        ("sdxl", "lightning", 0, 1, "adafactor"),
+        ("flux", "bare", 0, 0, "adamw"),
+        ("flux", "lightning", 2, 0, "adamw"),
+    ],
 )
-def test_bench_runs_our_module_on_a_tiny_model(family: str, loop: str, offload: int) -> None:
+def test_bench_runs_our_module_on_a_tiny_model(
+    family: str, loop: str, offload: int, offload_act: int, opt: str
+) -> None:
     args = argparse.Namespace(
         family=family,
         quant="none",
         rank=4,
         targets="attention",
-        gc=0,
+        gc=offload_act,
         every=1,
         h=64,
         w=64,
@@ -33,9 +40,10 @@ def test_bench_runs_our_module_on_a_tiny_model(family: str, loop: str, offload: 
         batch=1,
         steps=1,
         warm=1,
-        opt="adamw",
+        opt=opt,
         compile=0,
         offload=offload,
+        offload_act=offload_act,
         attention="auto",
         plan=1,
         tiny=True,
@@ -48,6 +56,7 @@ def test_bench_runs_our_module_on_a_tiny_model(family: str, loop: str, offload: 
     assert out["s_per_step"] > 0 and out["lora_params_M"] > 0 and out["loss"] > 0
     assert out["planned_peak_GiB"] >= out["planned"]["overhead"] > 0  # tiny model: little beyond the CUDA context
     assert {"weights", "lora", "activations", "transient"} <= out["planned"].keys()
+    assert ("offloaded_inputs_GiB_per_step" in out) == bool(offload_act)  # on the CPU nothing moves
     if offload:  # 1 warm-up + 1 timed step: each block copied in forward and backward, less the one left in place
         assert out["block_copies"] == 2 * (2 * offload - 1) - 1 and out["offloaded_GiB"] >= 0
 

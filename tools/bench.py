@@ -354,6 +354,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         "attention": a.attention,
         "targets": a.targets,
         "offload": a.offload,
+        "offload_act": a.offload_act,
     }
     module = LoraModule(
         pretrained="random-init",
@@ -366,6 +367,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         attention=a.attention,
         compile_blocks=bool(a.compile),
         offload_blocks=a.offload,
+        offload_activations=bool(a.offload_act),
         optimizer=make_optimizer(a.opt),
     )
     dataset = Synthetic(a.family, config, a.h, a.w, a.tlen, family_obj=family)
@@ -406,6 +408,10 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     out["wall_s"] = round(time.perf_counter() - t0, 1)
     assert module.denoiser is not None
     offloader = getattr(module.denoiser, "_lora_offloader", None)
+    input_offloader = getattr(module.denoiser, "_lora_input_offloader", None)
+    if input_offloader is not None:
+        steps = a.warm + a.steps
+        out["offloaded_inputs_GiB_per_step"] = round(input_offloader.moved_bytes / steps / 2**30, 3)
     if offloader is not None:
         out["offloaded_GiB"] = round(offloader.offloaded_bytes / 2**30, 2)
         out["block_copies"] = offloader.loads
@@ -438,6 +444,7 @@ def main() -> None:
     p.add_argument("--compile", type=int, default=0)
     p.add_argument("--compile-mode", default=None, help="experiment: torch.compile mode of the blocks (--compile 1)")
     p.add_argument("--offload", type=int, default=0, help="model.offload_blocks")
+    p.add_argument("--offload-act", type=int, default=0, help="model.offload_activations (0/1; needs --gc 1)")
     p.add_argument("--attention", default="auto")
     p.add_argument("--plan", type=int, default=1)
     p.add_argument("--tiny", action="store_true")

@@ -1,0 +1,137 @@
+"""model.offload_activations: the inputs checkpointed blocks keep for their recomputation wait in CPU memory.
+
+On the GPU they are copied to pinned memory on a side stream; these CPU tests run the same hooks with a plain copy
+(``copy_devices=("cpu",)``), so that what the forward keeps, and the gradients, can be checked.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_offload import _two_steps
+
+from lightning_lora.assembly import LoraOptions, build_lora_model
+from lightning_lora.errors import ConfigError
+from lightning_lora.families.base import ModelSource
+from lightning_lora.families.flux import Flux
+from lightning_lora.recompute import InputOffloader
+
+
+def _build(folder: Path, offload_activations: bool, every: int = 1, family: Any = None) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = build_lora_model(
+        family or Flux(),
+        ModelSource(str(folder), dtype=torch.float32),
+        LoraOptions(rank=2),
+        gradient_checkpointing=True,
+        checkpoint_every=every,
+        offload_activations=offload_activations,
+    )
+    generator = torch.Generator().manual_seed(2)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # B starts at zero: make it non-zero so that A gets gradients too
+            p.data = 0.1 * torch.randn(p.shape, generator=generator)
+    offloader = model._lora_input_offloader
+    assert (offloader is not None) == offload_activations
+    if offloader is not None:  # move CPU tensors too, however small: the GPU path, observable here
+        offloader.copy_devices, offloader.min_bytes = ("cpu",), 0
+    return model
+
+
+@pytest.mark.parametrize("every", [1, 2])
+def test_offloaded_inputs_give_the_same_gradients(tiny_flux_dir: Path, every: int) -> None:
+    plain = _two_steps(_build(tiny_flux_dir, False, every))
+    model = _build(tiny_flux_dir, True, every)
+    offloaded = _two_steps(model)
+    assert model._lora_input_offloader.moved_bytes > 0
+    for before, after in zip(plain, offloaded, strict=True):
+        assert before.keys() == after.keys()
+        for name, grad in before.items():
+            assert grad.abs().max() > 0, name
+            torch.testing.assert_close(after[name], grad, rtol=0, atol=0)
+
+
+def test_offloaded_inputs_of_a_unet(tiny_sdxl_dir: Path) -> None:
+    """The UNet's checkpointing wraps ResNets and transformer blocks: their inputs go the same way."""
+    from lightning_lora.families.sdxl import SDXL
+
+    plain = _two_steps(_build(tiny_sdxl_dir, False, family=SDXL()), SDXL())
+    model = _build(tiny_sdxl_dir, True, family=SDXL())
+    offloaded = _two_steps(model, SDXL())
+    assert model._lora_input_offloader.moved_bytes > 0
+    for before, after in zip(plain, offloaded, strict=True):
+        for name, grad in before.items():
+            torch.testing.assert_close(after[name], grad, rtol=0, atol=0)
+
+
+def test_the_forward_keeps_no_block_input(tiny_flux_dir: Path) -> None:
+    """After the forward, every block input that was moved is gone from its device (nothing else holds it), and
+    each checkpointed block moved its hidden states: the memory is really given back."""
+    from test_offload import random_inputs
+
+    model = _build(tiny_flux_dir, True)
+    offloader = model._lora_input_offloader
+    originals: list[weakref.ref] = []
+    pack = offloader.pack
+
+    def recording_pack(t: torch.Tensor) -> Any:
+        originals.append(weakref.ref(t))
+        return pack(t)
+
+    offloader.pack = recording_pack
+    output = model(**random_inputs(model, 1))[0]
+    gc.collect()
+    blocks = len(model.transformer_blocks) + len(model.single_transformer_blocks)
+    hidden = [r for r in originals if r() is None or r().dim() == 3]
+    assert len(hidden) >= blocks  # each block's hidden states (and the double blocks' text states)
+    alive = [r() for r in originals if r() is not None and r().dim() == 3]
+    assert not alive, [t.shape for t in alive]
+    output.square().mean().backward()  # and the backward still finds them
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_small_inputs_and_other_devices_stay_where_they_are() -> None:
+    offloader = InputOffloader(min_bytes=1024)
+    small, cpu = torch.zeros(8), torch.zeros(1024)
+    assert offloader.pack(small) is small and offloader.pack(cpu) is cpu  # CPU training: nothing to move
+    assert offloader.moved_bytes == 0
+    meta = torch.empty(1024, device="meta")
+    assert offloader.pack(meta) is meta and offloader.moved_bytes == 4096  # the planner: counted, not copied
+
+
+def test_offload_activations_needs_checkpointing(tiny_flux_dir: Path) -> None:
+    from lightning_lora.module import LoraModule
+
+    with pytest.raises(ConfigError, match="model.offload_activations.*gradient_checkpointing: true"):
+        LoraModule(str(tiny_flux_dir), offload_activations=True)
+    with pytest.raises(ConfigError, match="gradient_checkpointing: true"):
+        build_lora_model(Flux(), ModelSource(str(tiny_flux_dir)), LoraOptions(rank=2), offload_activations=True)
+
+
+def test_planner_counts_the_inputs_off_the_device(tiny_flux_dir: Path) -> None:
+    """The planned activations drop by exactly what the offloader moves on the meta device; the rest is unchanged."""
+    from lightning_lora.module import LoraModule
+    from lightning_lora.plan import plan_training
+
+    def plan(offload: bool) -> Any:
+        module = LoraModule(
+            str(tiny_flux_dir),
+            base_dtype="fp32",
+            lora=LoraOptions(rank=2),
+            gradient_checkpointing=True,
+            offload_activations=offload,
+        )
+        return plan_training(module, 2048, 2048, 1, 64)  # block inputs of 2 MiB: above MIN_OFFLOAD_BYTES
+
+    kept, moved = plan(False), plan(True)
+    assert moved.activations < kept.activations
+    assert any("offload_activations" in note for note in moved.notes)
+    gib = float(moved.notes[-1].split(": ")[1].split(" GiB")[0])
+    assert moved.activations == pytest.approx(kept.activations - gib, abs=0.006)
+    assert moved.transient == pytest.approx(kept.transient)
+    assert moved.weights == kept.weights
