@@ -24,8 +24,9 @@ from transformers.optimization import Adafactor as _HFAdafactor
 
 __all__ = ["Adafactor"]
 
-#: At most this many elements are stacked at once (bounds the step's transient memory to a few hundred MiB).
-MAX_STACKED_ELEMENTS = 1 << 24
+#: At most this many elements are stacked at once: 16 MiB per stacked float32 tensor, so the step's transient memory
+#: stays under ~100 MiB (with checkpointing, a LoRA step's peak can be in the optimizer step) for a few more launches.
+MAX_STACKED_ELEMENTS = 1 << 22
 
 
 class Adafactor(_HFAdafactor):
