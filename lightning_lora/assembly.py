@@ -163,7 +163,7 @@ def build_lora_model(
     offload_blocks(denoiser, offloaded, device or torch.device("cpu"))
     configure_attention(denoiser, attention, device or torch.device("cpu"), family.cudnn_attention_in_auto)
     if compile_blocks:
-        compile_repeated_blocks(denoiser)
+        compile_repeated_blocks(denoiser, extra=family.compiled_regions)
     return denoiser.train()
 
 
@@ -260,8 +260,9 @@ def configure_attention(
     cuda.enable_math_sdp(every or backend == "math")
 
 
-def compile_repeated_blocks(denoiser: nn.Module, mode: str | None = None) -> None:
-    """Regional compilation: compile each repeated transformer block in place (diffusers' ``compile_repeated_blocks``).
+def compile_repeated_blocks(denoiser: nn.Module, mode: str | None = None, extra: tuple[str, ...] = ()) -> None:
+    """Regional compilation: compile each repeated transformer block in place (diffusers' ``compile_repeated_blocks``),
+    and each module of the ``extra`` classes (the family's ``compiled_regions``).
 
     Compiling the whole 12B model did not finish in 150 s on an H200; the blocks compile once and are reused by
     every layer, and parameter names stay unchanged (no ``_orig_mod.`` prefix in checkpoints).
@@ -270,3 +271,6 @@ def compile_repeated_blocks(denoiser: nn.Module, mode: str | None = None) -> Non
     if compile_fn is None or not getattr(denoiser, "_repeated_blocks", None):
         raise ConfigError(f"model.compile_blocks: {type(denoiser).__name__} declares no repeated blocks to compile.")
     compile_fn(fullgraph=False, mode=mode)
+    for module in denoiser.modules():
+        if type(module).__name__ in extra:
+            module.compile(fullgraph=False, mode=mode)

@@ -239,3 +239,26 @@ def test_input_casts_are_skipped_only_under_mixed_precision(tiny_flux_dir: Path,
     layers = [m for m in module.denoiser.modules() if hasattr(m, "cast_input_dtype_enabled")]
     assert len(layers) == 14
     assert all(m.cast_input_dtype_enabled is (precision == "32-true") for m in layers)
+
+
+@pytest.mark.parametrize("family_name", ["flux", "sdxl"])
+def test_compile_blocks_compiles_the_repeated_blocks_and_the_family_regions(
+    tiny_flux_dir: Path, tiny_sdxl_dir: Path, monkeypatch: pytest.MonkeyPatch, family_name: str
+) -> None:
+    """FLUX: its double and single blocks. The UNets: the transformer blocks and the ResNets (eager, those were
+    ~600 small kernels a step), each once, nothing else (``nn.Module.compile`` is recorded, not run)."""
+    from lightning_lora.families.sdxl import SDXL
+
+    compiled: list[str] = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kwargs: compiled.append(type(self).__name__))
+    family, folder = (Flux(), tiny_flux_dir) if family_name == "flux" else (SDXL(), tiny_sdxl_dir)
+    model = build_lora_model(
+        family, ModelSource(str(folder), dtype=torch.float32), LoraOptions(rank=2), compile_blocks=True
+    )
+    kinds = {
+        "flux": {"FluxTransformerBlock", "FluxSingleTransformerBlock"},
+        "sdxl": {"BasicTransformerBlock", "ResnetBlock2D"},
+    }
+    expected = sorted(type(m).__name__ for m in model.modules() if type(m).__name__ in kinds[family_name])
+    assert len(set(expected)) == 2
+    assert sorted(compiled) == expected

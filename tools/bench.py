@@ -371,6 +371,11 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         optimizer=make_optimizer(a.opt),
     )
     dataset = Synthetic(a.family, config, a.h, a.w, a.tlen, family_obj=family)
+    if getattr(a, "cpp_wrapper", 0):  # experiment: inductor's C++ wrapper launches kernels without Python
+        from torch._inductor import config as inductor_config
+
+        inductor_config.cpp_wrapper = True
+        out["cpp_wrapper"] = 1
     if getattr(a, "compile_mode", None):
         import functools
 
@@ -444,6 +449,7 @@ def main() -> None:
     p.add_argument("--compile", type=int, default=0)
     p.add_argument("--compile-mode", default=None, help="experiment: torch.compile mode of the blocks (--compile 1)")
     p.add_argument("--offload", type=int, default=0, help="model.offload_blocks")
+    p.add_argument("--cpp-wrapper", type=int, default=0, help="experiment: torch._inductor.config.cpp_wrapper")
     p.add_argument("--offload-act", type=int, default=0, help="model.offload_activations (0/1; needs --gc 1)")
     p.add_argument("--attention", default="auto")
     p.add_argument("--plan", type=int, default=1)

@@ -166,6 +166,8 @@ class DiffusionFamily(ABC):
     """Named LoRA target sets: preset name -> regular expression over module names (peft ``target_modules``)."""
     cudnn_attention_in_auto: ClassVar[bool] = True
     """Whether ``model.attention: auto`` may use PyTorch's cuDNN SDPA backend with this family's model."""
+    compiled_regions: ClassVar[tuple[str, ...]] = ()
+    """Module classes ``model.compile_blocks`` compiles besides the model's repeated blocks (``_repeated_blocks``)."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

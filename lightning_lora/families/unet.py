@@ -93,6 +93,8 @@ class UNetFamily(DiffusionFamily):
     """
 
     denoiser_subfolder: ClassVar[str] = "unet"
+    # The transformer blocks alone leave the ResNets' ~600 small kernels a step eager (group norms, SiLU, convs).
+    compiled_regions: ClassVar[tuple[str, ...]] = ("ResnetBlock2D",)
     latent_divisor: ClassVar[int] = 8
     vae_scale_factor: ClassVar[int] = 8
     lora_presets: ClassVar[dict[str, str]] = {
