@@ -18,7 +18,12 @@ from lightning_lora.quant import QuantOptions
 
 
 def build_tiny(
-    folder: Path, offload: int, checkpointing: bool = False, every: int = 1, family: Any = None
+    folder: Path,
+    offload: int,
+    checkpointing: bool = False,
+    every: int = 1,
+    family: Any = None,
+    offload_activations: bool = False,
 ) -> torch.nn.Module:
     torch.manual_seed(0)
     model = build_lora_model(
@@ -28,6 +33,7 @@ def build_tiny(
         gradient_checkpointing=checkpointing,
         checkpoint_every=every,
         offload=offload,
+        offload_activations=offload_activations,
     )
     generator = torch.Generator().manual_seed(2)
     for name, p in model.named_parameters():

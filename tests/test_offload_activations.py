@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_offload import _two_steps
+from test_offload import _two_steps, build_tiny
 
 from lightning_lora.assembly import LoraOptions, build_lora_model
 from lightning_lora.errors import ConfigError
@@ -23,19 +23,7 @@ from lightning_lora.recompute import InputOffloader
 
 
 def _build(folder: Path, offload_activations: bool, every: int = 1, family: Any = None) -> torch.nn.Module:
-    torch.manual_seed(0)
-    model = build_lora_model(
-        family or Flux(),
-        ModelSource(str(folder), dtype=torch.float32),
-        LoraOptions(rank=2),
-        gradient_checkpointing=True,
-        checkpoint_every=every,
-        offload_activations=offload_activations,
-    )
-    generator = torch.Generator().manual_seed(2)
-    for name, p in model.named_parameters():
-        if "lora_B" in name:  # B starts at zero: make it non-zero so that A gets gradients too
-            p.data = 0.1 * torch.randn(p.shape, generator=generator)
+    model = build_tiny(folder, 0, True, every, family, offload_activations)
     offloader = model._lora_input_offloader
     assert (offloader is not None) == offload_activations
     if offloader is not None:  # move CPU tensors too, however small: the GPU path, observable here
@@ -54,6 +42,28 @@ def test_offloaded_inputs_give_the_same_gradients(tiny_flux_dir: Path, every: in
         for name, grad in before.items():
             assert grad.abs().max() > 0, name
             torch.testing.assert_close(after[name], grad, rtol=0, atol=0)
+
+
+def test_with_offloaded_blocks_too(tiny_flux_dir: Path) -> None:
+    """Offloaded blocks that checkpoint_every leaves out are recomputed anyway: their inputs move as well."""
+    plain = _two_steps(_build(tiny_flux_dir, False, 2))
+    model = build_tiny(tiny_flux_dir, 3, True, 2, offload_activations=True)
+    offloader = model._lora_input_offloader
+    offloader.copy_devices, offloader.min_bytes = ("cpu",), 0
+    moved: list[int] = []
+    pack = offloader.pack
+    offloader.pack = lambda t: moved.append(t.numel()) or pack(t)
+    offloaded = _two_steps(model)
+    # Blocks 0 and 2 (every 2nd) plus the offloaded block 1 or 3: more checkpointed blocks than checkpoint_every's.
+    plain_model = _build(tiny_flux_dir, True, 2)
+    plain_moved: list[int] = []
+    plain_pack = plain_model._lora_input_offloader.pack
+    plain_model._lora_input_offloader.pack = lambda t: plain_moved.append(t.numel()) or plain_pack(t)
+    _two_steps(plain_model)
+    assert len(moved) > len(plain_moved)
+    for before, after in zip(plain, offloaded, strict=True):
+        for name, grad in before.items():
+            torch.testing.assert_close(after[name], grad)  # recomputing more blocks: rounding
 
 
 def test_offloaded_inputs_of_a_unet(tiny_sdxl_dir: Path) -> None:
