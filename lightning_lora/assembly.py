@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -167,20 +167,21 @@ def build_lora_model(
     return denoiser.train()
 
 
-def skip_lora_input_casts(denoiser: nn.Module) -> int:
-    """Let the LoRA layers take their input as it comes; for models whose every forward runs under autocast.
+def set_lora_input_casts(denoiser: nn.Module, enabled: bool) -> int:
+    """Whether the LoRA layers cast their input to the adapter's float32; off only where every forward runs under
+    autocast.
 
     peft casts each LoRA layer's input to the adapter's float32 (``cast_input_dtype_enabled``), and autocast casts
     it straight back to bf16 for the matmul: two copies of the activation per layer in the forward and two in the
     backward, the same values (~2,800 of a FLUX step's ~9,800 kernels). Without autocast the cast is needed (a bf16
-    input would meet float32 adapter weights), so :class:`~lightning_lora.module.LoraModule` calls this only under a
-    mixed-precision plugin. Returns how many layers were changed.
+    input would meet float32 adapter weights), so :class:`~lightning_lora.module.LoraModule` turns it off under a
+    mixed-precision plugin and on under any other, each time it is fitted. Returns how many layers were set.
     """
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     layers = [m for m in denoiser.modules() if isinstance(m, BaseTunerLayer)]
     for layer in layers:
-        layer.cast_input_dtype_enabled = False
+        layer.cast_input_dtype_enabled = enabled
     return len(layers)
 
 
@@ -274,3 +275,23 @@ def compile_repeated_blocks(denoiser: nn.Module, mode: str | None = None, extra:
     for module in denoiser.modules():
         if type(module).__name__ in extra:
             module.compile(fullgraph=False, mode=mode)
+    raise_recompile_limit(denoiser, (*denoiser._repeated_blocks, *extra))
+
+
+def raise_recompile_limit(denoiser: nn.Module, classes: tuple[str, ...]) -> int:
+    """Let dynamo keep a graph for every shape variant of the compiled classes; returns the limit set.
+
+    dynamo keeps at most ``recompile_limit`` (8) graphs per function and runs the rest eagerly, with a warning; it
+    treats parameter shapes as static, so each distinct layout of a class needs its own graph: SDXL's and SD1.5's
+    ResNets come in 12 (channel counts, with or without a shortcut conv). Each layout may recompile once or twice more
+    for new input shapes (aspect-ratio buckets) before dynamo makes those dimensions dynamic: room for four each.
+    """
+    layouts: dict[str, set[tuple[Any, ...]]] = {}
+    for module in denoiser.modules():
+        if type(module).__name__ in classes:
+            shapes = tuple((name, tuple(p.shape)) for name, p in module.named_parameters())
+            layouts.setdefault(type(module).__name__, set()).add(shapes)
+    most = max((len(v) for v in layouts.values()), default=0)
+    limit = max(torch._dynamo.config.recompile_limit, 4 * most)
+    torch._dynamo.config.recompile_limit = limit
+    return limit

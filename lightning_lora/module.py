@@ -33,7 +33,7 @@ from lightning_lora.assembly import (
     build_lora_model,
     check_checkpoint_every,
     check_offload_activations,
-    skip_lora_input_casts,
+    set_lora_input_casts,
     trainable_parameters,
 )
 from lightning_lora.errors import ConfigError
@@ -133,8 +133,8 @@ class LoraModule(LightningModule):
             self.build(torch.device("cpu"))
             return
         denoiser = self.build(self.trainer.strategy.root_device)
-        if isinstance(self.trainer.precision_plugin, MixedPrecision):  # every forward runs under autocast
-            skip_lora_input_casts(denoiser)
+        # Under a mixed-precision plugin every forward (training, samples, evaluation) runs under autocast.
+        set_lora_input_casts(denoiser, enabled=not isinstance(self.trainer.precision_plugin, MixedPrecision))
 
     def build(self, device: torch.device) -> torch.nn.Module:
         """Load the backbone on ``device`` and inject LoRA, once (``configure_model`` calls this with the trainer's

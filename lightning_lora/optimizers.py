@@ -38,12 +38,14 @@ class Adafactor(_HFAdafactor):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        if not all(self._groupable(group) for group in self.param_groups):
-            return super().step(closure)
         loss = None
-        if closure is not None:
+        if closure is not None:  # first: under Lightning the closure computes the gradients looked at below
             with torch.enable_grad():
                 loss = closure()
+        if not all(self._groupable(group) for group in self.param_groups):
+            hf_step = _HFAdafactor.step  # torch wraps it with the optimizer hooks once an instance exists: ours ran
+            (hf_step.__wrapped__ if getattr(hf_step, "hooked", False) else hf_step)(self)
+            return loss
         for group in self.param_groups:
             for params in self._buckets(group):
                 self._step_bucket(group, params)
@@ -58,8 +60,8 @@ class Adafactor(_HFAdafactor):
         """The parameters with gradients, by (shape, step count), in chunks of at most ``MAX_STACKED_ELEMENTS``."""
         by_key: dict[tuple[Any, ...], list[torch.Tensor]] = defaultdict(list)
         for p in group["params"]:
-            if p.grad is not None:
-                by_key[(p.shape, p.device, self.state[p].get("step", 0))].append(p)
+            if p.grad is not None:  # a scalar alone: a stack of scalars would share one update RMS
+                by_key[(p.shape, p.device, self.state[p].get("step", 0), id(p) if p.dim() == 0 else 0)].append(p)
         for params in by_key.values():
             per_chunk = max(1, MAX_STACKED_ELEMENTS // max(1, params[0].numel()))
             for start in range(0, len(params), per_chunk):

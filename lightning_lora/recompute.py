@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -45,14 +46,18 @@ class InputOffloader:
         self.keep: Callable[[torch.Tensor], torch.Tensor] = _unchanged
         self.count: Callable[[torch.Tensor], torch.Tensor] = _unchanged
         self._streams: dict[torch.device, Any] = {}
+        self._packed: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()  # moved, alive
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
     def pack(self, t: torch.Tensor) -> Any:
         size = t.numel() * t.element_size()
-        if size < self.min_bytes or t.device.type not in (*self.copy_devices, "meta"):
+        if size < self.min_bytes or t.device.type not in (*self.copy_devices, "meta") or self._packed.get(id(t)) is t:
+            # A tensor handed to several blocks (SDXL's text embeddings go to all 70 transformer blocks) is alive
+            # elsewhere: moving it again frees nothing, and each copy would come back in the backward.
             return self.keep(t)
+        self._packed[id(t)] = t
         self.moved_bytes += size
         if t.device.type == "meta":
             return self.count(t)
@@ -60,7 +65,7 @@ class InputOffloader:
             return t.detach().clone()
         stream = self._stream(t.device)
         stream.wait_stream(torch.cuda.current_stream(t.device))  # t is computed
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host = torch.empty_like(t, device="cpu", pin_memory=True)  # same strides: the recompute runs the same kernels
         with torch.cuda.stream(stream):
             host.copy_(t, non_blocking=True)
             done = torch.cuda.Event()

@@ -114,6 +114,18 @@ def test_small_inputs_and_other_devices_stay_where_they_are() -> None:
     assert offloader.pack(meta) is meta and offloader.moved_bytes == 4096  # the planner: counted, not copied
 
 
+def test_an_input_shared_by_several_blocks_moves_once() -> None:
+    """SDXL hands the same text embeddings to every transformer block: alive elsewhere, moving them again frees
+    nothing and each copy would come back in the backward."""
+    offloader = InputOffloader(copy_devices=("cpu",), min_bytes=0)
+    shared, other = torch.randn(64), torch.randn(64)
+    first = offloader.pack(shared)
+    assert first is not shared and torch.equal(offloader.unpack(first), shared)  # moved (a copy)
+    assert offloader.pack(shared) is shared  # the second block's: kept as it is
+    assert offloader.pack(other) is not other
+    assert offloader.moved_bytes == 2 * 64 * 4
+
+
 def test_offload_activations_needs_checkpointing(tiny_flux_dir: Path) -> None:
     from lightning_lora.module import LoraModule
 

@@ -162,3 +162,22 @@ def test_grouped_adafactor_kernels_do_not_grow_with_the_number_of_tensors() -> N
     assert ops_per_step(Adafactor, 100) == ops_per_step(Adafactor, 10)
     assert ops_per_step(HFAdafactor, 100) > 5 * ops_per_step(HFAdafactor, 10)
     assert ops_per_step(Adafactor, 100) * 20 < ops_per_step(HFAdafactor, 100)
+
+
+def test_grouped_adafactor_keeps_scalars_apart_and_runs_hooks_once() -> None:
+    """0-d tensors are not stacked (a stack would share one RMS clip); the fallback path runs step hooks once."""
+    from transformers.optimization import Adafactor as HFAdafactor
+
+    from lightning_lora.optimizers import Adafactor
+
+    def scalars() -> list[torch.nn.Parameter]:
+        return [torch.nn.Parameter(torch.tensor(v)) for v in (0.5, -2.0, 3.0)]
+
+    _assert_same_state(_train(Adafactor, scalars(), 3, **KOHYA), _train(HFAdafactor, scalars(), 3, **KOHYA))
+    calls: list[str] = []
+    auto = {"lr": None, "scale_parameter": True, "relative_step": True, "warmup_init": False}
+    optimizer = _train(Adafactor, _lora_like_params(), 1, **auto)
+    optimizer.register_step_pre_hook(lambda *args: calls.append("pre"))
+    optimizer.register_step_post_hook(lambda *args: calls.append("post"))
+    optimizer.step()
+    assert calls == ["pre", "post"]

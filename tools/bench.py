@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from lightning.pytorch import Callback, LightningDataModule, Trainer  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
-from lightning_lora.assembly import LoraOptions, skip_lora_input_casts  # noqa: E402
+from lightning_lora.assembly import LoraOptions, set_lora_input_casts  # noqa: E402
 from lightning_lora.families.base import ModelSource, build_from_config  # noqa: E402
 from lightning_lora.families.flux import Flux  # noqa: E402
 from lightning_lora.module import LoraModule  # noqa: E402
@@ -304,7 +304,7 @@ def make_optimizer(name: str):
 def bare_loop(module: LoraModule, dataset: Dataset, a: argparse.Namespace, device: str) -> dict[str, Any]:
     """The same model and loss in a plain PyTorch loop (no Trainer): separates Lightning's overhead from ours."""
     denoiser = module.build(torch.device(device))
-    skip_lora_input_casts(denoiser)  # as LoraModule does under bf16-mixed: this loop runs under autocast too
+    set_lora_input_casts(denoiser, enabled=False)  # as LoraModule under bf16-mixed: this loop runs under autocast
     optimizer = make_optimizer(a.opt)([p for p in denoiser.parameters() if p.requires_grad])
     loader = DataLoader(dataset, batch_size=a.batch, pin_memory=device == "cuda")
     for step, batch in enumerate(loader):
