@@ -217,20 +217,11 @@ def saved_activation_bytes(model: nn.Module, inputs: dict[str, Any]) -> tuple[fl
         return t
 
     offloader = getattr(model, "_lora_input_offloader", None)  # its hooks hide the checkpoints' inputs from ours
-    if offloader is not None:
-        offloader.keep, offloader.count = pack, pack_moved
-    try:
-        with _flash_like_attention(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model(**inputs)
-    finally:
-        if offloader is not None:
-            offloader.keep = offloader.count = _unchanged
+    observed = offloader.observed(pack, pack_moved) if offloader is not None else contextlib.nullcontext()
+    with observed, _flash_like_attention(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(**inputs)
     offloaded = sum(n for key, n in moved.items() if key not in seen)
     return float(sum(sizes)), float(max(sizes, default=0)), float(offloaded)
-
-
-def _unchanged(t: torch.Tensor) -> torch.Tensor:
-    return t
 
 
 def plan_training(

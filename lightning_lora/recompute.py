@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -50,6 +50,18 @@ class InputOffloader:
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    @contextlib.contextmanager
+    def observed(
+        self, keep: Callable[[torch.Tensor], torch.Tensor], count: Callable[[torch.Tensor], torch.Tensor]
+    ) -> Iterator[None]:
+        """Within the block, tensors that stay go through ``keep`` and meta tensors that would move through
+        ``count`` (the memory planner's counting hooks)."""
+        self.keep, self.count = keep, count
+        try:
+            yield
+        finally:
+            self.keep = self.count = _unchanged
 
     def pack(self, t: torch.Tensor) -> Any:
         size = t.numel() * t.element_size()
