@@ -12,14 +12,24 @@
   (``auto_configure_optimizers=False``).
 * ``config.yaml`` is overwritten on resume (Lightning refuses by default, LT#17115); the seed defaults to 42 so a
   resumed run reuses it.
+* ``--ckpt_path FILE`` never configures anything from the file. LightningCLI would merge the checkpoint's
+  ``hyper_parameters`` into the config before anything runs (so ``--model.lora.rank 4`` with a rank-8 checkpoint
+  trained at rank 8, and a crafted file could name any installed class to import); here the config is the user's,
+  and the file goes through the same compatibility check as ``last``.
 * A :class:`~lightning_lora.errors.ConfigError` (wrong path, typo, impossible combination) is printed as one line
-  naming the option, with exit status 2.
+  naming the option, with exit status 2; so is a file that cannot be written (full disk, no permission), naming the
+  file. Files already written stay intact (every write is atomic).
+* Exit status after Ctrl-C / SIGTERM is 130 / 143 (128 + the signal, the shell's convention), also when the run
+  stopped cleanly with ``last.ckpt`` written, so a job scheduler can tell an interrupted run from a finished one.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import signal
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -34,10 +44,10 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_lora.callbacks.evaluation import FixedEvalLoss
 from lightning_lora.callbacks.lora_export import LoraExport
-from lightning_lora.callbacks.monitor import ConfigSummary, Throughput, VRAMMonitor
-from lightning_lora.callbacks.resume import GracefulStop, RNGState
+from lightning_lora.callbacks.monitor import ConfigSummary, StartSummary, Throughput, VRAMMonitor
+from lightning_lora.callbacks.resume import GracefulStop, RNGState, RunFolder
 from lightning_lora.callbacks.samples import SampleImages
-from lightning_lora.checkpoint import AtomicCheckpointIO, check_compatible, load_checkpoint, resolve_resume
+from lightning_lora.checkpoint import AtomicCheckpointIO, check_compatible, read_checkpoint, resolve_resume
 from lightning_lora.data.datamodule import LatentDataModule
 from lightning_lora.errors import ConfigError
 from lightning_lora.module import LoraModule, primitive_hparams
@@ -66,8 +76,13 @@ class LoraCLI(LightningCLI):
             run=run,
         )
 
+    def _parse_ckpt_path(self) -> None:
+        """Nothing: LightningCLI would merge the checkpoint's hyper-parameters into the config here (see the module
+        docstring). :meth:`fit` reads the file safely and checks it against the config instead."""
+
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         config = self._get(self.config_init, "trainer", default={})
+        check_run_length(config.get("max_steps"))
         root = Path(config.get("default_root_dir") or DEFAULT_RUN_DIR)
         if config.get("logger") in (None, True):
             config["logger"] = TensorBoardLogger(save_dir=str(root), name="", version="", default_hp_metric=False)
@@ -93,7 +108,7 @@ class LoraCLI(LightningCLI):
             callbacks.append(LoraExport())
         if not any(isinstance(c, FixedEvalLoss) for c in callbacks):
             callbacks.append(FixedEvalLoss())
-        for required in (RNGState, GracefulStop, VRAMMonitor, Throughput, ConfigSummary):
+        for required in (RNGState, RunFolder, GracefulStop, VRAMMonitor, Throughput, ConfigSummary, StartSummary):
             if not any(isinstance(c, required) for c in callbacks):
                 callbacks.append(required())
         config["callbacks"] = callbacks
@@ -113,6 +128,8 @@ class LoraCLI(LightningCLI):
         # Cross-object checks, before any weights load: the data resolution must suit the model family.
         # Every resolution and bucket option against the model family (raises ConfigError naming the option).
         self.datamodule.spec(self.model.family)
+        check_writable(Path(self.trainer.default_root_dir), "trainer.default_root_dir")
+        check_writable(self._checkpoint_dir(), "ModelCheckpoint dirpath")
         check_strategy(self.trainer.strategy, self.model.quantization.mode, self.model.offload_blocks)
         if torch.cuda.is_available() and self.trainer.strategy.root_device.type == "cuda":
             planned = warn_if_too_big(self.model, self.datamodule, self.trainer.strategy.root_device)
@@ -129,13 +146,17 @@ class LoraCLI(LightningCLI):
             path, checkpoint = resolve_resume(self._checkpoint_dir())
             ckpt_path = str(path) if path is not None else None
         elif ckpt_path is not None:
-            if not Path(ckpt_path).is_file():
-                raise ConfigError(f"--ckpt_path: {ckpt_path} does not exist. Use a .ckpt file of a run, or 'last'.")
-            checkpoint = load_checkpoint(ckpt_path)
+            checkpoint = read_checkpoint(ckpt_path)
         if checkpoint is not None:
             check_compatible(
                 checkpoint.get("hyper_parameters", {}), primitive_hparams(dict(model.hparams)), ckpt_path or ""
             )
+            step, end = checkpoint.get("global_step", 0), self.trainer.max_steps
+            if end and 0 < end <= step:
+                rank_zero_info(
+                    f"{ckpt_path} is at step {step}, and trainer.max_steps is {end}: nothing to train. Set a larger "
+                    "trainer.max_steps to train longer (a schedule sized from it stretches to the new length)."
+                )
         kwargs["weights_only"] = True  # a checkpoint is data, never code
         self.trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, **kwargs)
 
@@ -148,6 +169,58 @@ class LoraCLI(LightningCLI):
     def after_fit(self) -> None:
         if self.trainer.is_global_zero:
             print(run_summary(self.trainer), flush=True)
+
+
+def check_run_length(max_steps: Any) -> None:
+    """``trainer.max_steps`` is a number of optimizer steps, or -1 (no limit: ``trainer.max_epochs`` ends the run)."""
+    if max_steps is None or max_steps == -1:
+        return
+    if not isinstance(max_steps, int) or max_steps < 1:
+        what = "trains nothing" if max_steps == 0 else "is not a number of steps"
+        raise ConfigError(
+            f"trainer.max_steps: {max_steps} {what}. Set the run length in optimizer steps (e.g. 1000), or -1 to let "
+            "trainer.max_epochs end the run."
+        )
+
+
+def check_writable(folder: Path, option: str) -> None:
+    """Write (then remove) a file in ``folder``, or in its nearest existing parent if it does not exist yet (nothing is
+    left behind): a run folder that cannot be written stops the run before any weights load, naming the option,
+    instead of at the first checkpoint."""
+    existing = folder.absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    try:
+        if not existing.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, f"{existing} is a file, not a folder")
+        fd, probe = tempfile.mkstemp(prefix=".write-test-", dir=existing)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ConfigError(
+            f"{option}: cannot write to {folder} ({e.strerror or e}). Choose a folder you can write to, or fix its "
+            "permissions."
+        ) from None
+
+
+def write_error(e: OSError) -> str | None:
+    """The one-line message for a file that cannot be written (full disk, no permission); None for other errors."""
+    hints = {
+        errno.ENOSPC: "the disk is full: free some space, or put trainer.default_root_dir / data.cache_dir on another "
+        "disk",
+        errno.EDQUOT: "the disk quota is used up: free some space, or put trainer.default_root_dir / data.cache_dir "
+        "elsewhere",
+        errno.EACCES: "no permission: fix the permissions, or choose another trainer.default_root_dir / data.cache_dir",
+        errno.EPERM: "no permission: fix the permissions, or choose another trainer.default_root_dir / data.cache_dir",
+        errno.EROFS: "the file system is read-only: choose another trainer.default_root_dir / data.cache_dir",
+    }
+    if e.errno not in hints:
+        return None
+    where = e.filename or "a file"
+    return (
+        f"cannot write {where} ({e.strerror or e}); {hints[e.errno]}. Files already written are intact (every write is "
+        "atomic): run the same command again to continue (add --ckpt_path last if training had started)."
+    )
 
 
 def warn_if_too_big(model: LoraModule, datamodule: LatentDataModule, device: torch.device) -> float | None:
@@ -177,6 +250,12 @@ def run_summary(trainer: Trainer) -> str:
     """Where a run wrote its outputs, and how to look at them."""
     root = Path(trainer.default_root_dir)
     lines = [f"\nRun folder: {root}  (step {trainer.global_step})"]
+    stop = next((cb for cb in trainer.callbacks if isinstance(cb, GracefulStop)), None)  # type: ignore[attr-defined]
+    if stop is not None and stop.stopped_by_signal and stop.requested is not None:
+        lines.append(
+            f"  stopped by {signal.Signals(stop.requested).name} at step {trainer.global_step}; the checkpoint is "
+            "written: resume with --ckpt_path last"
+        )
     for cb in trainer.callbacks:  # type: ignore[attr-defined]
         if isinstance(cb, LoraExport) and cb.last_path is not None:
             lines.append(f"  LoRA (diffusers format):  {cb.last_path}")
@@ -221,11 +300,41 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(plan_main(args[1:]))
     for pattern in _NOISE:
         warnings.filterwarnings("ignore", message=pattern)
+    # A file name with a byte that is not UTF-8 must not crash a print under a strict UTF-8 locale.
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(errors="backslashreplace")
     try:
-        LoraCLI(args=argv)
+        cli = LoraCLI(args=argv)
     except ConfigError as e:
         print(f"lightning-lora: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    except OSError as e:
+        message = write_error(e)
+        if message is None:
+            raise
+        print(f"lightning-lora: error: {message}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except SystemExit as e:
+        # Lightning turns a Ctrl-C it did not expect (before training, or a second one) into exit status 1.
+        if isinstance(e.__context__, KeyboardInterrupt) and e.code == 1:
+            print(
+                "lightning-lora: interrupted. Files already written are intact; run the same command again to "
+                "continue (add --ckpt_path last if training had started).",
+                file=sys.stderr,
+            )
+            raise SystemExit(128 + signal.SIGINT) from None
+        raise
+    status = interrupted_status(cli.trainer) if cli.trainer is not None else None
+    if status is not None:
+        raise SystemExit(status)
+
+
+def interrupted_status(trainer: Trainer) -> int | None:
+    """128 + the signal when Ctrl-C or SIGTERM stopped the run (after its checkpoint was written), else None."""
+    for cb in trainer.callbacks:  # type: ignore[attr-defined]
+        if isinstance(cb, GracefulStop) and cb.stopped_by_signal and cb.requested is not None:
+            return 128 + int(cb.requested)
+    return None
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 Every file lightning-lora writes (cache entries, LoRA exports, sample images) goes through :func:`atomic_write`:
 the bytes are written to a temporary file in the same folder, flushed and fsynced, then renamed over the target.
 ``os.replace`` is atomic on POSIX and Windows, so a crash or a full disk leaves either the old file or the new one,
-never half a file that a later run would load.
+never half a file that a later run would load. A failed write raises an ``OSError`` that names the file it was
+writing (a bare ``write()`` error names none), so the command line can say which file and why in one line.
 """
 
 from __future__ import annotations
@@ -46,11 +47,21 @@ def _temporary_sibling(path: Path) -> Iterator[Path]:
 def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
     """Call ``write(tmp_path)`` and move the finished file to ``path`` atomically."""
     path = Path(path)
-    with _temporary_sibling(path) as tmp:
-        write(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+    try:
+        with _temporary_sibling(path) as tmp:
+            try:
+                write(tmp)
+                with open(tmp, "rb+") as f:
+                    os.fsync(f.fileno())
+                os.replace(tmp, path)
+            except OSError as e:
+                if e.errno is None or (e.filename is not None and str(e.filename) != str(tmp)):
+                    raise
+                raise OSError(e.errno, e.strerror, str(path)) from e  # name the file, not its temporary sibling
+    except OSError as e:
+        if e.errno is not None and e.filename is None:  # e.g. mkstemp without a name
+            raise OSError(e.errno, e.strerror, str(path)) from e
+        raise
     fsync_dir(path.parent)
     return path
 

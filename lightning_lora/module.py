@@ -36,6 +36,7 @@ from lightning_lora.assembly import (
     set_lora_input_casts,
     trainable_parameters,
 )
+from lightning_lora.checkpoint import STAMP, configured_record, reconcile_training_state
 from lightning_lora.errors import ConfigError
 from lightning_lora.families.base import DiffusionFamily, ModelSource
 from lightning_lora.families.flux import Flux
@@ -122,6 +123,10 @@ class LoraModule(LightningModule):
         self._optimizer_factory = optimizer
         self._scheduler_factory = scheduler
         self.denoiser: torch.nn.Module | None = None
+        self._configured: tuple[dict[str, Any], list[Any], list[Any]] | None = None
+        self._resume_checkpoint: dict[str, Any] | None = None
+        self.resume_notes: list[str] = []
+        """What a resume took from the config instead of the checkpoint, one line each (the start summary prints)."""
         # A partial checkpoint (LoRA only) must load into the full model; on_load_checkpoint does the strict check.
         self.strict_loading = False
         family.check_source(self.source)
@@ -190,11 +195,11 @@ class LoraModule(LightningModule):
     @override
     def configure_optimizers(self) -> Any:
         params = trainable_parameters(self._require_model())
-        optimizer = self._optimizer_factory(params)
-        if self._scheduler_factory is None:
-            return optimizer
-        scheduler = self._scheduler_factory(optimizer)
-        if getattr(scheduler, "total_steps", 0) is None:
+        optimizer = _build("model.optimizer", self._optimizer_factory, params)
+        scheduler = (
+            None if self._scheduler_factory is None else _build("model.scheduler", self._scheduler_factory, optimizer)
+        )
+        if scheduler is not None and getattr(scheduler, "total_steps", 0) is None:
             # Sized from max_steps, not trainer.estimated_stepping_batches (LT#20550: reading that here skips the
             # restore of the dataloader state on resume).
             if self.trainer.max_steps is None or self.trainer.max_steps < 1:
@@ -203,7 +208,22 @@ class LoraModule(LightningModule):
                     "set. Set trainer.max_steps (the run length in optimizer steps) or the scheduler's total_steps."
                 )
             scheduler.total_steps = self.trainer.max_steps
+        schedulers = [] if scheduler is None else [scheduler]
+        # What the config asked for, before a checkpoint is restored into these objects (see checkpoint.py).
+        self._configured = (configured_record([optimizer], schedulers), [optimizer], schedulers)
+        if self._resume_checkpoint is not None:
+            self._reconcile(self._resume_checkpoint)
+        if scheduler is None:
+            return optimizer
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
+
+    def _reconcile(self, checkpoint: dict[str, Any]) -> None:
+        """Take the settings this run's config changed since ``checkpoint`` was written (learning rate, a longer
+        ``trainer.max_steps``...) from the config; keep the rest of the optimizer and scheduler state."""
+        assert self._configured is not None
+        record, optimizers, schedulers = self._configured
+        self.resume_notes = reconcile_training_state(checkpoint, optimizers, schedulers, record)
+        self._resume_checkpoint = None
 
     # -- checkpoints -------------------------------------------------------------------------------------------
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
@@ -215,9 +235,17 @@ class LoraModule(LightningModule):
         trainable = {n for n, p in self.named_parameters() if p.requires_grad}
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
         checkpoint["hyper_parameters"] = primitive_hparams(checkpoint.get("hyper_parameters", {}))
+        if self._configured is not None:
+            checkpoint.setdefault(STAMP, {})["configured"] = self._configured[0]
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Lightning restores the optimizer and scheduler from this same dict later; configure_optimizers (which runs
+        # in between, except under strategies that restore after set-up) reconciles their settings with the config.
+        if self._configured is not None:
+            self._reconcile(checkpoint)
+        else:
+            self._resume_checkpoint = checkpoint
         expected = {n: tuple(p.shape) for n, p in self.named_parameters() if p.requires_grad}
         saved = checkpoint.get("state_dict", {})
         missing = sorted(set(expected) - set(saved))
@@ -237,6 +265,14 @@ class LoraModule(LightningModule):
                 "It was written with other model.lora.rank / model.lora.targets / model.pretrained settings: "
                 "resume with the settings of that run, or start a new run folder."
             )
+
+
+def _build(option: str, factory: Any, argument: Any) -> Any:
+    """Call an injected optimizer / scheduler factory; the class's refusal of a setting names the option."""
+    try:
+        return factory(argument)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"{option}: {e}. Fix {option}.init_args.") from None
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -5,8 +5,10 @@ steps these per optimizer step. Their length comes from the config (``total_step
 rather than from ``trainer.estimated_stepping_batches``: reading that inside ``configure_optimizers`` triggers a
 Lightning bug (LT#20550) that skips restoring the dataloader's position on resume.
 
-Each is a ``LambdaLR`` whose factor is a pure function of the step, so its state is just the step counter and a
-resumed run continues the curve exactly.
+Each is a ``LambdaLR`` whose factor is a pure function of the step and of the settings it keeps as attributes
+(``total_steps``, ``warmup_steps``, ``min_factor``). A resumed run with the same settings continues the curve exactly; a
+resume that changes a setting (most often a longer ``trainer.max_steps``) continues at the same step on the new curve
+(:func:`lightning_lora.checkpoint.reconcile_training_state`). :meth:`describe` says in one line what the schedule does.
 """
 
 from __future__ import annotations
@@ -42,8 +44,13 @@ class ConstantWithWarmup(LambdaLR):
     """
 
     def __init__(self, optimizer: Optimizer, warmup_steps: int = 0) -> None:
+        _check(warmup_steps=warmup_steps)
         self.warmup_steps = warmup_steps
-        super().__init__(optimizer, lambda step: warmup_cosine_factor(step, warmup_steps, None))
+        super().__init__(optimizer, lambda step: warmup_cosine_factor(step, self.warmup_steps, None))
+
+    def describe(self) -> str:
+        warmup = f"linear warm-up over {self.warmup_steps} steps, then " if self.warmup_steps else ""
+        return f"{warmup}constant"
 
 
 class CosineWithWarmup(LambdaLR):
@@ -59,6 +66,25 @@ class CosineWithWarmup(LambdaLR):
     def __init__(
         self, optimizer: Optimizer, total_steps: int | None = None, warmup_steps: int = 0, min_factor: float = 0.0
     ) -> None:
+        _check(total_steps=total_steps, warmup_steps=warmup_steps)
+        if not 0.0 <= min_factor <= 1.0:
+            raise ValueError(f"min_factor {min_factor} must be between 0 and 1")
         self.total_steps = total_steps
-        # Read self.total_steps at each step: the module fills it in from trainer.max_steps when it is None.
-        super().__init__(optimizer, lambda step: warmup_cosine_factor(step, warmup_steps, self.total_steps, min_factor))
+        self.warmup_steps = warmup_steps
+        self.min_factor = min_factor
+        # Read the attributes at each step: the module fills total_steps in from trainer.max_steps when it is None.
+        super().__init__(
+            optimizer,
+            lambda step: warmup_cosine_factor(step, self.warmup_steps, self.total_steps, self.min_factor),
+        )
+
+    def describe(self) -> str:
+        warmup = f"linear warm-up over {self.warmup_steps} steps, then " if self.warmup_steps else ""
+        end = f"{self.min_factor:g} x the base rate" if self.min_factor else "0"
+        return f"{warmup}cosine decay to {end} at step {self.total_steps}"
+
+
+def _check(**steps: int | None) -> None:
+    for name, value in steps.items():
+        if value is not None and value < 0:
+            raise ValueError(f"{name} {value} must be 0 or more")

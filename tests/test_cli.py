@@ -328,3 +328,106 @@ def test_held_out_validation_loss_is_logged(tmp_path: Path, tiny_flux_dir: Path,
     events = EventAccumulator(str(tmp_path / "run")).Reload()
     steps = [e.step for e in events.Scalars("val/loss")]
     assert steps == [0, 3]  # before training and at the end, on the held-out image only
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--trainer.max_steps", "-5"], "trainer.max_steps: -5 is not a number of steps"),
+        (["--trainer.max_steps", "0"], "trainer.max_steps: 0 trains nothing"),
+        (
+            ["--model.optimizer.init_args.lr", "-0.1"],
+            "model.optimizer: Invalid learning rate: -0.1. Fix model.optimizer.init_args",
+        ),
+    ],
+)
+def test_impossible_numbers_are_one_line(
+    tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path, capsys, args: list[str], expected: str
+) -> None:
+    config = write_config(tmp_path, tiny_flux_dir, photos_dir)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(config), *args])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert expected in err and "Traceback" not in err, err
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_run_folder_that_cannot_be_written_stops_before_loading(
+    tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path, capsys
+) -> None:
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    config = write_config(tmp_path, tiny_flux_dir, photos_dir, **{"trainer.default_root_dir": str(blocker / "run")})
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(config)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "trainer.default_root_dir: cannot write to" in err and "is a file" in err, err
+    assert blocker.read_text() == "not a folder"
+
+
+def _failing_writes(monkeypatch: pytest.MonkeyPatch, suffix: str, after: int, error: int) -> list[str]:
+    """Make the file system refuse (``error``, e.g. ENOSPC) every write of a ``suffix`` file after the first ``after``,
+    the way a full disk does: part of the bytes land, then the write fails without naming a file."""
+    import pathlib
+
+    original = pathlib.Path.write_bytes
+    written: list[str] = []
+
+    def write_bytes(self: pathlib.Path, data: bytes) -> int:
+        if suffix in self.name:
+            if len(written) >= after:
+                with open(self, "wb") as f:
+                    f.write(data[: len(data) // 3])
+                raise OSError(error, os.strerror(error))
+            written.append(self.name)
+        return original(self, data)
+
+    monkeypatch.setattr(pathlib.Path, "write_bytes", write_bytes)
+    return written
+
+
+def test_a_full_disk_while_checkpointing_keeps_the_last_checkpoint(
+    tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path, capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+
+    every_step = {
+        "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+        "init_args": {"every_n_train_steps": 1, "save_last": True, "save_top_k": -1},
+    }
+    config = write_config(tmp_path, tiny_flux_dir, photos_dir, **{"trainer.callbacks": [every_step]})
+    _failing_writes(monkeypatch, ".ckpt", after=4, error=errno.ENOSPC)  # steps 1 and 2 (step file + last.ckpt)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(config)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "cannot write" in err and ".ckpt" in err and "disk is full" in err and "Traceback" not in err, err
+    monkeypatch.undo()
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert torch.load(checkpoints / "last.ckpt", weights_only=True)["global_step"] == 2
+    assert not list(checkpoints.glob(".*.tmp")), "a temporary file was left behind"
+    cli = run_cli(["fit", "--config", str(config), "--ckpt_path", "last"])
+    assert cli.trainer.global_step == 8
+
+
+@pytest.mark.parametrize("error", ["ENOSPC", "EACCES"])
+def test_a_cache_that_cannot_be_written_is_one_line_and_keeps_what_was_written(
+    tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path, capsys, monkeypatch: pytest.MonkeyPatch, error: str
+) -> None:
+    import errno
+
+    config = write_config(tmp_path, tiny_flux_dir, photos_dir, **{"trainer.max_steps": 1})
+    written = _failing_writes(monkeypatch, ".safetensors", after=2, error=getattr(errno, error))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(config)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "cannot write" in err and str(tmp_path / "cache") in err and "Traceback" not in err, err
+    monkeypatch.undo()
+    kept = sorted(p.name for p in (tmp_path / "cache").rglob("*.safetensors"))
+    assert len(kept) == 2 and len(written) == 2
+    cli = run_cli(["fit", "--config", str(config)])
+    assert cli.trainer.global_step == 1
+    assert cli.datamodule.report is not None and cli.datamodule.report.latents_reused >= 1

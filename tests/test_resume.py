@@ -255,15 +255,17 @@ def test_checkpoint_holds_only_the_adapter(uninterrupted) -> None:
 def test_second_ctrl_c_exits_at_once(tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path) -> None:
     import signal
 
+    from lightning_lora.cli import main
+
     interrupt = {"class_path": "resume_helpers.InterruptAt", "init_args": {"batch": 3, "times": 2}}
     config = resume_config(tmp_path, tiny_flux_dir, photos_dir, "b", callbacks=[interrupt])
     previous = signal.getsignal(signal.SIGINT)
     try:
-        with pytest.raises(SystemExit) as exit_info:  # Lightning turns the KeyboardInterrupt into exit status 1
-            run_cli(["fit", "--config", str(config)])
+        with pytest.raises(SystemExit) as exit_info:  # Lightning exits with 1 on a KeyboardInterrupt; we say 130
+            main(["fit", "--config", str(config)])
     finally:
         signal.signal(signal.SIGINT, previous)  # Lightning ignores SIGINT while it shuts down
-    assert exit_info.value.code == 1
+    assert exit_info.value.code == 130
     last = torch.load(config.parent / "run" / "checkpoints" / "last.ckpt", weights_only=True)
     assert last["global_step"] == 3  # the step checkpoints before the interrupt are intact; no step was added
 
@@ -312,3 +314,156 @@ def test_failed_checkpoint_write_keeps_the_previous_file(tmp_path: Path, monkeyp
     monkeypatch.undo()
     assert path.read_bytes() == before and load_checkpoint(path)["global_step"] == 1
     assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
+
+
+# -- resume flows that used to lose training with exit status 0 -------------------------------------------------------
+def _lr_curve(run: Path) -> dict[int, float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    return {e.step: e.value for e in EventAccumulator(str(run)).Reload().Scalars("train/lr")}
+
+
+def test_extending_a_finished_run_stretches_its_schedule(
+    tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path, capsys
+) -> None:
+    """A run of 4 steps extended to 8: the learning rate continues on the 8-step schedule (it was 0 at step 4)."""
+    from lightning_lora.schedules import warmup_cosine_factor
+
+    schedule = {"class_path": "lightning_lora.schedules.CosineWithWarmup", "init_args": {"warmup_steps": 1}}
+    config = resume_config(tmp_path, tiny_flux_dir, photos_dir, "b", **{"model.scheduler": schedule})
+    first = run_cli(["fit", "--config", str(config), "--trainer.max_steps", "4"])
+    lora_at_4 = {k: v.clone() for k, v in first.model.trainable_state_dict().items()}
+    capsys.readouterr()
+    second = run_cli(["fit", "--config", str(config), "--ckpt_path", "last", "--trainer.max_steps", "8"])
+    assert second.trainer.global_step == 8
+    lr = _lr_curve(config.parent / "run")
+    # Logged under the global step the rate is used for (0-based); the first run logged steps 0-3 of its 4-step curve.
+    expected = {s: 0.01 * warmup_cosine_factor(s, 1, 8) for s in range(4, 8)}
+    assert [lr[s] for s in expected] == pytest.approx(list(expected.values()), rel=1e-6)
+    assert lr[4] > 0.006
+    lora = second.model.trainable_state_dict()
+    assert any(not torch.equal(lora[k], lora_at_4[k]) for k in lora), "the extended run did not train"
+    out = capsys.readouterr().out
+    assert "Resumed from" in out and "total_steps 4 -> 8" in out, out
+    assert "cosine decay to 0 at step 8" in out
+
+
+def test_explicit_checkpoint_file_never_replaces_the_users_options(
+    tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path, capsys
+) -> None:
+    from lightning_lora.cli import main
+
+    other = resume_config(tmp_path, tiny_flux_dir, photos_dir, "r8", **{"model.lora.rank": 8, "trainer.max_steps": 2})
+    run_cli(["fit", "--config", str(other)])
+    ckpt = other.parent / "run" / "checkpoints" / "last.ckpt"
+    config = resume_config(tmp_path, tiny_flux_dir, photos_dir, "r4", **{"model.lora.rank": 4})
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(config), "--ckpt_path", str(ckpt)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "model.lora.rank was 8, now 4" in err, err
+    saved = config.parent / "run" / "config.yaml"
+    assert not saved.exists() or yaml.safe_load(saved.read_text())["model"]["lora"]["rank"] == 4
+    # The same settings may start a new run folder from another run's checkpoint.
+    same = resume_config(tmp_path, tiny_flux_dir, photos_dir, "fork", **{"model.lora.rank": 8, "trainer.max_steps": 3})
+    cli = run_cli(["fit", "--config", str(same), "--ckpt_path", str(ckpt)])
+    assert cli.trainer.global_step == 3 and cli.model.lora.rank == 8
+
+
+def test_a_crafted_checkpoint_imports_and_configures_nothing(
+    tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path, capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lightning_lora.cli import main
+
+    marker = tmp_path / "imported"
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "evil_family.py").write_text(
+        f"from pathlib import Path\nPath({str(marker)!r}).write_text('ran')\nclass Evil:\n    pass\n"
+    )
+    monkeypatch.syspath_prepend(str(package))
+    crafted = tmp_path / "crafted.ckpt"
+    torch.save(
+        {
+            "global_step": 1,
+            "state_dict": {},
+            "loops": {},
+            "optimizer_states": [],
+            "hyper_parameters": {"family": {"class_path": "evil_family.Evil"}, "pretrained": "/somewhere/else"},
+        },
+        crafted,
+    )
+    config = resume_config(tmp_path, tiny_flux_dir, photos_dir, "b")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(config), "--ckpt_path", str(crafted)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "model.family was 'evil_family.Evil'" in err and "model.pretrained" in err, err
+    assert not marker.exists(), "the checkpoint made the CLI import a module"
+
+
+@pytest.mark.parametrize("kind", ["truncated", "pickled", "lora file"])
+def test_an_unreadable_checkpoint_file_is_one_clear_line(
+    tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path, capsys, kind: str
+) -> None:
+    import pickle
+
+    from safetensors.torch import save_file
+
+    from lightning_lora.cli import main
+
+    bad = tmp_path / "bad.ckpt"
+    if kind == "truncated":
+        torch.save({"global_step": 1, "state_dict": {"w": torch.ones(1000)}, "loops": {}, "optimizer_states": []}, bad)
+        bad.write_bytes(bad.read_bytes()[:2000])
+    elif kind == "pickled":
+        bad.write_bytes(pickle.dumps({"state_dict": os.getcwd}))
+    else:
+        save_file({"a.lora_A.weight": torch.ones(2, 2)}, bad)
+    config = resume_config(tmp_path, tiny_flux_dir, photos_dir, "b")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(config), "--ckpt_path", str(bad)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--ckpt_path: {bad} cannot be used" in err and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_a_moved_run_folder_resumes_where_it_stopped(tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path) -> None:
+    import shutil
+
+    from lightning_lora.checkpoint import resolve_resume
+
+    config = resume_config(tmp_path, tiny_flux_dir, photos_dir, "a", **{"trainer.max_steps": 2})
+    run_cli(["fit", "--config", str(config)])
+    moved = tmp_path / "moved"
+    shutil.move(config.parent, moved)
+    config = moved / "config.yaml"
+    data = yaml.safe_load(config.read_text())
+    data["trainer"]["default_root_dir"] = str(moved / "run")
+    config.write_text(yaml.safe_dump(data))
+    checkpoints = moved / "run" / "checkpoints"
+    for end in (4, 6):
+        cli = run_cli(["fit", "--config", str(config), "--ckpt_path", "last", "--trainer.max_steps", str(end)])
+        assert cli.trainer.global_step == end
+        path, ckpt = resolve_resume(checkpoints)
+        assert ckpt is not None and ckpt["global_step"] == end, (
+            f"'last' is {path} at step {ckpt and ckpt['global_step']}"
+        )
+    assert not list(checkpoints.glob("*-v*.ckpt")), sorted(p.name for p in checkpoints.iterdir())
+
+
+@pytest.mark.parametrize(("signal_name", "status"), [("SIGINT", 130), ("SIGTERM", 143)])
+def test_an_interrupted_fit_exits_non_zero_after_saving(
+    tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path, capsys, signal_name: str, status: int
+) -> None:
+    from lightning_lora.cli import main
+
+    interrupt = {"class_path": "resume_helpers.InterruptAt", "init_args": {"batch": 2, "signal_name": signal_name}}
+    config = resume_config(tmp_path, tiny_flux_dir, photos_dir, "b", callbacks=[interrupt])
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(config)])
+    assert exit_info.value.code == status
+    last = torch.load(config.parent / "run" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert last["global_step"] == 3
+    assert f"stopped by {signal_name} at step 3" in capsys.readouterr().out

@@ -2,7 +2,19 @@
 
 from lightning_lora.callbacks.evaluation import FixedEvalLoss
 from lightning_lora.callbacks.lora_export import LoraExport
-from lightning_lora.callbacks.monitor import ConfigSummary, Throughput, VRAMMonitor
+from lightning_lora.callbacks.monitor import ConfigSummary, StartSummary, Throughput, VRAMMonitor
+from lightning_lora.callbacks.resume import GracefulStop, RNGState, RunFolder
 from lightning_lora.callbacks.samples import SampleImages
 
-__all__ = ["ConfigSummary", "FixedEvalLoss", "LoraExport", "SampleImages", "Throughput", "VRAMMonitor"]
+__all__ = [
+    "ConfigSummary",
+    "FixedEvalLoss",
+    "GracefulStop",
+    "LoraExport",
+    "RNGState",
+    "RunFolder",
+    "SampleImages",
+    "StartSummary",
+    "Throughput",
+    "VRAMMonitor",
+]

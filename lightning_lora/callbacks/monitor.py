@@ -8,6 +8,9 @@
   minutes left to ``max_steps``; the progress bar shows the minutes left (Lightning's own estimate is per epoch).
 * :class:`ConfigSummary` puts the resolved ``config.yaml`` into TensorBoard's Text tab, so the settings of every
   curve are one click away.
+* :class:`StartSummary` prints, when training starts (after a checkpoint is restored), what the run will do: the steps
+  from here to ``max_steps``, the batch, the learning-rate schedule and the rate now, and after a resume which file it
+  continues and every setting it took from the config instead of the checkpoint (e.g. a longer schedule).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-__all__ = ["ConfigSummary", "Throughput", "VRAMMonitor"]
+__all__ = ["ConfigSummary", "StartSummary", "Throughput", "VRAMMonitor", "start_summary"]
 
 GIB = 2**30
 
@@ -131,3 +134,39 @@ class ConfigSummary(Callback):
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):
                 logger.experiment.add_text("config", text, trainer.global_step)
+
+
+def start_summary(trainer: Trainer, pl_module: LightningModule) -> str:
+    """The lines :class:`StartSummary` prints."""
+    step, end = trainer.global_step, trainer.max_steps
+    length = f"steps {step} -> {end} (trainer.max_steps)" if end and end > 0 else f"from step {step}"
+    batch = getattr(trainer.datamodule, "batch_size", None)
+    parts = [length]
+    if batch is not None:
+        parts.append(f"batch {batch} x {trainer.accumulate_grad_batches} accumulated x {trainer.world_size} device(s)")
+    trainable = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
+    parts.append(f"{trainable:,} trainable parameters")
+    lines = ["Training: " + ", ".join(parts)]
+    if trainer.optimizers:
+        lr = trainer.optimizers[0].param_groups[0]["lr"]
+        configs = trainer.lr_scheduler_configs
+        if configs:
+            scheduler = configs[0].scheduler
+            describe = getattr(scheduler, "describe", None)
+            shape = describe() if callable(describe) else "its own schedule"
+            lines.append(f"Learning rate: {type(scheduler).__name__}: {shape}; {lr:.3g} at step {step}")
+        else:
+            lines.append(f"Learning rate: constant {lr:.3g}")
+    if trainer.ckpt_path:
+        lines.append(f"Resumed from {trainer.ckpt_path} at step {step}")
+        lines.extend(f"  {note}" for note in getattr(pl_module, "resume_notes", []))
+    return "\n".join(lines)
+
+
+class StartSummary(Callback):
+    """Print what the run will do when training starts; see the module docstring."""
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.is_global_zero:
+            print(start_summary(trainer, pl_module), flush=True)

@@ -1,4 +1,5 @@
-"""Exact resume: the random state is saved in every checkpoint, and a signal stops the run at a step boundary.
+"""Exact resume: the random state is saved in every checkpoint, a run folder can move, and a signal stops the run at a
+step boundary.
 
 Lightning restores the model, optimizer, scheduler, loop counters and (for a stateful loader, see
 :mod:`lightning_lora.data.buckets`) the position in the epoch, but not the random number generators. The noise and
@@ -10,6 +11,14 @@ in between (model set-up, evaluation, sample images) can shift the sequence.
 :class:`GracefulStop` turns SIGTERM (a cluster's preemption notice, ``kill``) and Ctrl-C into "finish this optimizer
 step, write ``last.ckpt``, stop": a checkpoint taken in the middle of a step could not be resumed exactly. A second
 Ctrl-C or SIGTERM exits at once, as users expect.
+
+:class:`RunFolder` makes a run folder movable (to another disk or machine, or renamed). Lightning's ``ModelCheckpoint``
+keeps absolute paths in its state; restored into a folder with another path it drops its bookkeeping (with a
+warning), then finds ``last.ckpt`` "taken" by a file it does not know and writes ``last-v1.ckpt`` beside it: the next
+resume picked the older ``last.ckpt`` and rolled the run back. So the recorded paths are rebased onto the folder the
+checkpoints are in now, before ``ModelCheckpoint`` reads them, and every checkpoint is stamped with the time it was
+saved, which :func:`lightning_lora.checkpoint.resolve_resume` uses to find the newest (modification times do not
+survive a copy).
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +37,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-__all__ = ["GracefulStop", "RNGState", "capture_rng", "restore_rng"]
+from lightning_lora.checkpoint import STAMP
+
+__all__ = ["GracefulStop", "RNGState", "RunFolder", "capture_rng", "rebase_paths", "restore_rng"]
 
 
 def capture_rng() -> dict[str, Any]:
@@ -103,6 +115,46 @@ class RNGState(Callback):
         if self._pending is not None:
             restore_rng(self._pending)
             self._pending = None
+
+
+_PATH_FIELDS = ("best_model_path", "kth_best_model_path", "last_model_path")
+
+
+def rebase_paths(state: dict[str, Any], new_dirpath: str) -> dict[str, Any]:
+    """A ``ModelCheckpoint`` state whose paths inside its old ``dirpath`` now point into ``new_dirpath``."""
+    old = state.get("dirpath")
+    if not old or old == new_dirpath:
+        return state
+
+    def move(path: Any) -> Any:
+        if not isinstance(path, str) or not path:
+            return path
+        relative = os.path.relpath(path, old)
+        return path if relative.startswith(os.pardir) else os.path.join(new_dirpath, relative)
+
+    state = {**state, "dirpath": new_dirpath}
+    for field in _PATH_FIELDS:
+        if field in state:
+            state[field] = move(state[field])
+    if isinstance(state.get("best_k_models"), dict):
+        state["best_k_models"] = {move(k): v for k, v in state["best_k_models"].items()}
+    return state
+
+
+class RunFolder(Callback):
+    """Stamp each checkpoint with the time it is saved; rebase ``ModelCheckpoint`` paths after a move."""
+
+    @override
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        checkpoint.setdefault(STAMP, {})["saved_at_ns"] = time.time_ns()
+
+    @override
+    def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        # Runs before Lightning hands each callback its state (callbacks' on_load_checkpoint come first).
+        states = checkpoint.get("callbacks") or {}
+        for cb in trainer.checkpoint_callbacks:
+            if isinstance(cb, ModelCheckpoint) and cb.dirpath and isinstance(states.get(cb.state_key), dict):
+                states[cb.state_key] = rebase_paths(states[cb.state_key], cb.dirpath)
 
 
 class GracefulStop(Callback):
