@@ -222,21 +222,22 @@ def test_bad_inputs_are_skipped_counted_and_named(
     before = tree_digest(data), tree_digest(empty_folder)
     with caplog.at_level(logging.WARNING, logger="lightning_lora.data.build"):
         report = _build(_cache(tmp_path / "cache", tiny_flux_dir), data, empty_folder, batch_size=2)
-    assert [e.image.name for e in report.train] == ["img0.png", "img1.png"]
+    assert [e.image.name for e in report.train] == ["img0.png", "img1.png", "latin1.png"]  # a cp1252 caption is read
     reasons = {s.path.name: (s.kind, s.reason) for s in report.skipped}
     assert reasons["noise.png"][0] == "not an image" and reasons["notes.webp"][0] == "not an image"
     assert reasons["empty.jpg"] == ("empty file", "empty file (0 bytes)")
     assert reasons["half.png"][0] == "cannot decode"
     assert reasons["tiny.png"][0] == "too small" and "data.small_images: upscale" in reasons["tiny.png"][1]
-    assert reasons["latin1.png"][0] == "caption" and "not UTF-8" in reasons["latin1.png"][1]
+    assert reasons["latin1.txt"][0] == "not UTF-8" and "Windows-1252" in reasons["latin1.txt"][1]  # a note
     assert reasons["blank.png"][0] == "caption" and "is empty" in reasons["blank.png"][1]
     assert reasons["empty"][0] == "empty folder"
     # One warning line per skipped file, naming it and the reason; the summary counts them by kind.
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("skipped ")]
-    assert len(lines) == 8 and all("\n" not in line for line in lines)
+    assert len(lines) == 7 and all("\n" not in line for line in lines)
     assert any(str(data / "half.png") in line and "cannot decode" in line for line in lines)
     summary = report.format()
-    assert "skipped:         8 (1 cannot decode, 2 caption, 1 empty file, 1 empty folder, 2 not an image" in summary
+    assert "skipped:         7 (1 cannot decode, 1 caption, 1 empty file, 1 empty folder, 2 not an image" in summary
+    assert "notes:           1 (1 not UTF-8)" in summary
     assert "images found:    9" in summary
     # Nothing in the user's folders was created or modified.
     assert (tree_digest(data), tree_digest(empty_folder)) == before
@@ -451,3 +452,168 @@ def test_text_encoders_in_fp8_for_caching(tmp_path: Path, tiny_flux_dir: Path) -
     for key in ("prompt_embeds", "pooled_prompt_embeds"):
         assert not torch.equal(a[key], b[key])
         assert (a[key] - b[key]).norm() < 0.1 * a[key].norm()  # FP8 e4m3 with per-channel scales: close
+
+
+def test_image_replaced_during_the_build_is_not_cached_under_its_old_key(
+    tmp_path: Path, tiny_flux_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The key of an image is made from the hash of its bytes when the build is planned; its pixels are decoded
+    later. A file replaced in between (a sync tool, an editor saving) must not leave a latent of other pixels under
+    the old key: the decoder hashes the bytes it decodes and skips the image when they differ."""
+    from lightning_lora.data import build as build_module
+
+    data = _dataset(tmp_path / "data", n=2)
+    original = (data / "img1.png").read_bytes()
+    clean = _build(_cache(tmp_path / "clean", tiny_flux_dir), data)  # the same data, never replaced
+    planned: list = []
+
+    def replace_after_planning(*args, **kwargs):
+        jobs, reused = real_missing_jobs(*args, **kwargs)
+        planned.extend(jobs)
+        _noise_image(data / "img1.png", seed=99, size=(64, 32))  # other pixels, same name and size
+        return jobs, reused
+
+    real_missing_jobs = build_module.missing_jobs
+    monkeypatch.setattr(build_module, "missing_jobs", replace_after_planning)
+    cache = _cache(tmp_path / "cache", tiny_flux_dir)
+    report = _build(cache, data)
+    monkeypatch.undo()
+
+    (job,) = [j for j in planned if j.image.name == "img1.png"]
+    assert job.plain_key == clean.train[1].latent_key  # planned from the original bytes
+    assert not cache.latent_path(job.plain_key).exists()  # never a latent of the new pixels under that key
+    assert [e.image.name for e in report.train] == ["img0.png"]
+    (skip,) = report.skipped
+    assert skip.path.name == "img1.png" and skip.kind == "changed"
+    assert "changed while the cache was built" in skip.reason and "encoded on the next run" in skip.reason
+    # The image that did not change is encoded exactly as in the clean build.
+    key = report.train[0].latent_key
+    assert key == clean.train[0].latent_key
+    assert torch.equal(
+        cache.load_latents(key)["latents"], _cache(tmp_path / "clean", tiny_flux_dir).load_latents(key)["latents"]
+    )
+
+    # Put back: the next build encodes it, and the entry is the one a clean build made.
+    (data / "img1.png").write_bytes(original)
+    again = _build(cache, data)
+    assert (again.latents_encoded, again.latents_reused, len(again.skipped)) == (1, 1, 0)
+    assert again.train == clean.train
+    for e in clean.train:
+        expected = _cache(tmp_path / "clean", tiny_flux_dir).load_latents(e.latent_key)
+        assert torch.equal(cache.load_latents(e.latent_key)["latents"], expected["latents"])
+
+
+def test_long_captions_do_not_flood_the_output_and_are_reported_once(
+    tmp_path: Path, tiny_flux_dir: Path, capfd: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture
+) -> None:
+    """diffusers prints the whole cut-off text of every truncated caption (for a 10 MB caption: minutes and hundreds
+    of MB of output). A caption is cut to 20,000 characters when read (one note), the encoders' truncation warnings
+    are silenced while caching (and the loggers restored), and the summary says once how many were truncated."""
+    data = _dataset(tmp_path / "data", n=3)
+    (data / "img0.txt").write_text("a photo of sks cat, on a mat; " * 20_000)  # 600 KB, cut when read
+    (data / "img1.txt").write_text(" ".join(f"tag{i}" for i in range(60)))  # an ordinary long caption
+    watched = ["diffusers.pipelines.flux.pipeline_flux", "transformers.tokenization_utils_base"]
+    levels = [logging.getLogger(name).level for name in watched]
+    capfd.readouterr()
+    with caplog.at_level(logging.WARNING):
+        report = _build(_cache(tmp_path / "cache", tiny_flux_dir), data)
+    out, err = capfd.readouterr()
+    assert len(out) + len(err) < 4000, err[-2000:]
+    assert len(caplog.text) < 4000, caplog.text[-2000:]
+    assert [logging.getLogger(name).level for name in watched] == levels
+    assert len(report.train) == 3 and report.train[0].caption.startswith("a photo of sks cat, on a mat; ")
+    assert len(report.train[0].caption) == 20_000
+    summary = report.format()
+    assert "skipped:         0" in summary
+    assert "img0.txt: 599,999 characters long; only the first 20,000 are kept" in summary
+    # The tiny pipeline's T5 reads 16 tokens: both long captions are cut, the short one is not.
+    (tokens,) = [s for s in report.skipped if s.kind == "over token limit"]
+    assert tokens.path.name == "img0.png"
+    assert "2 captions are longer than the text encoder reads (16 T5 tokens)" in tokens.reason
+    assert '"a photo of sks cat, on a mat; a photo' in tokens.reason and len(tokens.reason) < 300
+    assert sum("longer than the text encoder reads" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_notes_are_listed_and_do_not_stop_on_bad_file_error(tmp_path: Path, tiny_flux_dir: Path) -> None:
+    """A caption read as Windows-1252 and a metadata row that names no image are notes: the images are trained on,
+    the summary lists each note, and data.on_bad_file: error (which stops on a file that cannot be used) goes on."""
+    data = _dataset(tmp_path / "data", n=2)
+    (data / "img0.txt").write_bytes("caf\u00e9 \u201cx\u201d".encode("cp1252"))
+    (data / "metadata.jsonl").write_text('{"file_name": "../x.png", "text": "outside"}\n')
+    report = _build(_cache(tmp_path / "cache", tiny_flux_dir), data, on_bad_file="error")
+    assert [(e.image.name, e.caption) for e in report.train] == [
+        ("img0.png", "caf\u00e9 \u201cx\u201d"),
+        ("img1.png", "a photo of sks dog"),
+    ]
+    summary = report.format()
+    assert "images found:    2" in summary and "skipped:         0" in summary
+    assert "notes:           2 (1 metadata, 1 not UTF-8)" in summary
+    assert f"{data / 'img0.txt'}: not UTF-8" in summary
+    assert f"{data}: metadata.jsonl:1: names ../x.png, which is outside this folder" in summary
+
+
+def test_unreadable_formats_and_broken_links_are_skipped_and_counted(tmp_path: Path, tiny_flux_dir: Path) -> None:
+    data = _dataset(tmp_path / "data", n=2)
+    Image.new("P", (40, 40), 3).save(data / "anim.gif")  # found now, and cached
+    (data / "phone.heic").write_bytes(b"\x00\x00\x00\x18ftypheic")
+    (data / "gone.png").symlink_to("nowhere.png")
+    (data / "link.png").symlink_to("img0.png")
+    report = _build(_cache(tmp_path / "cache", tiny_flux_dir), data, default_caption="x")
+    assert [e.image.name for e in report.train] == ["anim.gif", "img0.png", "img1.png", "link.png"]
+    reasons = {s.path.name: (s.kind, s.reason) for s in report.skipped}
+    assert reasons["gone.png"] == ("broken link", "broken symbolic link (target nowhere.png does not exist)")
+    assert reasons["phone.heic"][0] == "unsupported format" and "pillow-heif" in reasons["phone.heic"][1]
+    summary = report.format()
+    assert "images found:    6" in summary and "skipped:         2 (1 broken link, 1 unsupported format)" in summary
+    with pytest.raises(ConfigError, match=r"gone\.png: broken symbolic link"):
+        _build(_cache(tmp_path / "cache", tiny_flux_dir), data, default_caption="x", on_bad_file="error")
+
+
+def test_file_names_that_are_not_utf8_build_and_print(tmp_path: Path, tiny_flux_dir: Path) -> None:
+    """A name with a Latin-1 byte: the validation split, the build, the memo and the summary all work, and the
+    summary and the log lines encode as strict UTF-8 (how they are printed under a UTF-8 locale)."""
+    from lightning_lora.data.sources import split_validation
+
+    data = _dataset(tmp_path / "data", n=3)
+    (data / "img1.png").rename(data / os.fsdecode(b"caf\xe9.png"))
+    (data / "img1.txt").rename(data / os.fsdecode(b"caf\xe9.txt"))
+    (data / os.fsdecode(b"\xff.png")).write_bytes(b"not a png")  # a bad file with such a name
+    (data / os.fsdecode(b"\xff.txt")).write_text("x")
+    items, skips = scan([ImageFolder(str(data))])
+    train, val = split_validation(items, 0.4)  # used to raise UnicodeEncodeError
+    assert val
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger("lightning_lora.data.build").addHandler(handler)
+    try:
+        report = build(_cache(tmp_path / "cache", tiny_flux_dir), train, val, _spec(), CPU, scan_skips=skips)
+    finally:
+        logging.getLogger("lightning_lora.data.build").removeHandler(handler)
+    summary = report.format()
+    summary.encode("utf-8")  # strict
+    assert f"{data}/\\xff.png: not an image" in summary
+    assert records and all(r.getMessage().encode("utf-8") for r in records)
+    assert len(report.train) + len(report.validation) == 3
+    again = build(_cache(tmp_path / "cache", tiny_flux_dir), train, val, _spec(), CPU, scan_skips=skips)
+    assert again.latents_encoded == 0 and again.latents_reused == 3
+
+
+@pytest.mark.parametrize("name", ["sd15", "sdxl"])
+def test_clip_families_count_captions_longer_than_77_tokens(
+    tmp_path: Path, request: pytest.FixtureRequest, name: str, capfd: pytest.CaptureFixture
+) -> None:
+    """The default :meth:`DiffusionFamily.prompt_limit` (CLIP's 77 tokens) counts the captions the SD families cut,
+    and their pipelines' truncation warnings are silenced too."""
+    from lightning_lora.families.sd15 import SD15
+    from lightning_lora.families.sdxl import SDXL
+
+    family = {"sd15": SD15(), "sdxl": SDXL()}[name]
+    model = request.getfixturevalue(f"tiny_{name}_dir")
+    cache = LatentCache(tmp_path / "cache", family, ModelSource(str(model), dtype=torch.float32))
+    long = " ".join(f"tag{i}" for i in range(200))
+    capfd.readouterr()
+    result = cache.encode_texts(["a photo", long, ""], CPU)
+    out, err = capfd.readouterr()
+    assert (result.encoded, result.truncated, result.limit) == (3, [long], "77 CLIP tokens")
+    assert len(out) + len(err) < 2000, err[-2000:]

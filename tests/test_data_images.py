@@ -220,3 +220,71 @@ def test_very_large_images_decode_in_bounded_memory(tmp_path: Path) -> None:
     # A PNG has no reduced decode: one full-size decode (Pillow keeps RGB in 4 bytes a pixel: 384 MB), and no
     # copy of it (no full-size rotation, conversion or float array). The lower bound shows the measurement is real.
     assert 300 < results["big.png"]["peak_increase_mb"] < 1.5 * 384
+
+
+def test_gif_tiff_and_animations_decode_their_first_frame(tmp_path: Path) -> None:
+    """Formats a folder may hold beside JPEG and PNG, written by Pillow: GIF (a palette with a transparent index,
+    grayscale, animated), TIFF (multi-page, 16-bit, float), APNG and animated WebP. An animation or a multi-page file
+    is used for its first frame."""
+    red, blue, green = (255, 0, 0), (0, 0, 255), (0, 255, 0)
+    # A palette GIF: index 2 (blue) on the left, index 1 transparent on the right.
+    pal = Image.new("P", (RES, RES), 1)
+    pal.putpalette([0, 0, 0, *red, *blue] + [0] * 759)
+    pal.paste(2, (0, 0, RES // 2, RES))
+    pal.save(tmp_path / "half.gif", transparency=1)
+    x = _decode(tmp_path / "half.gif").astype(int)
+    assert np.abs(x[:, : RES // 2 - 3] - blue).max() <= 3 and x[:, RES // 2 + 3 :].min() >= 252
+    # A grayscale GIF (Pillow opens it as "L") whose transparent index is its only colour.
+    Image.new("L", (RES, RES), 7).save(tmp_path / "gray.gif", transparency=7)
+    assert (_decode(tmp_path / "gray.gif") == 255).all()
+    assert (_decode(tmp_path / "gray.gif", background=(0, 0, 0)) == 0).all()
+    frames = [Image.new("RGB", (RES, RES), c) for c in (red, blue, green)]
+    frames[0].save(tmp_path / "anim.gif", save_all=True, append_images=frames[1:], duration=100, loop=0)
+    frames[0].save(tmp_path / "anim.png", save_all=True, append_images=frames[1:], duration=100)  # APNG
+    frames[0].save(tmp_path / "anim.webp", save_all=True, append_images=frames[1:], duration=100, lossless=True)
+    for name in ("anim.gif", "anim.png", "anim.webp"):
+        assert getattr(Image.open(tmp_path / name), "n_frames", 1) == 3, name
+        assert np.abs(_decode(tmp_path / name).astype(int) - red).max() <= 3, name
+    # A multi-page TIFF: green page first, then red and blue.
+    pages = [Image.new("RGB", (RES, RES), c) for c in (green, red, blue)]
+    pages[0].save(tmp_path / "pages.tif", save_all=True, append_images=pages[1:])
+    assert Image.open(tmp_path / "pages.tif").n_frames == 3
+    assert (_decode(tmp_path / "pages.tif") == green).all()
+    # 16-bit grayscale TIFF (little- and big-endian) keeps its ramp; a float TIFF in [0, 1] too.
+    ramp = np.tile(np.linspace(0, 65535, 64).astype(np.uint16), (64, 1))
+    Image.fromarray(ramp).save(tmp_path / "deep.tif")
+    Image.frombytes("I;16B", (64, 64), ramp.astype(">u2").tobytes()).save(tmp_path / "deep_be.tif")
+    Image.fromarray((ramp / 65535.0).astype(np.float32)).save(tmp_path / "float.tif")
+    for name in ("deep.tif", "deep_be.tif", "float.tif"):
+        mode = Image.open(tmp_path / name).mode
+        assert mode.startswith("I;16") or mode == "F", (name, mode)
+        row = _signed(_decode(tmp_path / name, (64, 64)))[32, :, 0]
+        assert row[0] < -0.9 and row[-1] > 0.9 and (np.diff(row) >= -1e-6).all(), name
+    # CMYK and RGBA TIFFs.
+    Image.new("CMYK", (RES, RES), (0, 255, 255, 0)).save(tmp_path / "cmyk.tif")
+    assert np.abs(_decode(tmp_path / "cmyk.tif").astype(int) - red).max() <= 3
+    Image.new("RGBA", (RES, RES), (0, 0, 0, 0)).save(tmp_path / "clear.tif")
+    assert (_decode(tmp_path / "clear.tif") == 255).all()
+    # 16 bits per channel RGB (48-bit, as scanners and raw converters write it; Pillow cannot write it).
+    tifffile = pytest.importorskip("tifffile")  # ships with scikit-image
+    deep_rgb = np.zeros((RES, RES, 3), dtype=np.uint16)
+    deep_rgb[..., 0], deep_rgb[..., 2] = 65535, 32896  # full red, half blue
+    tifffile.imwrite(tmp_path / "rgb48.tif", deep_rgb)
+    assert np.abs(_decode(tmp_path / "rgb48.tif").astype(int) - [255, 0, 128]).max() <= 1
+
+
+@pytest.mark.parametrize("fmt", ["jpg", "png", "webp", "gif"])
+def test_decoding_bytes_gives_the_pixels_decoding_the_file_gives(tmp_path: Path, fmt: str) -> None:
+    """The cache decodes the very bytes it hashed (io.BytesIO), so a file replaced meanwhile cannot put other pixels
+    under its key; the result is identical to decoding the file, including the JPEG decoder's reduced-size draft."""
+    rng = np.random.default_rng(1)
+    coarse = Image.fromarray(rng.integers(0, 256, (6, 8, 3), dtype=np.uint8))
+    coarse.resize((400, 300), Image.Resampling.BICUBIC).save(tmp_path / f"photo.{fmt}")
+    path = tmp_path / f"photo.{fmt}"
+    p = cover(*probe(path), (RES, RES))  # 400x300 -> 32 px: the JPEG decoder reduces by 1/8 first
+    from_file = decode(path, p.source_box(), p.bucket)
+    from_bytes = decode(path.read_bytes(), p.source_box(), p.bucket)
+    assert from_bytes.dtype == np.uint8 and np.array_equal(from_bytes, from_file)
+    assert probe(path.read_bytes()) == probe(path) == (400, 300)
+    with pytest.raises(BadImage, match="0 bytes"):
+        decode(b"", p.source_box(), p.bucket)

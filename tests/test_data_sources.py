@@ -1,8 +1,11 @@
-"""Finding images and captions: caption files, metadata files, defaults, trigger words, tag variants, bad captions,
-empty and missing folders, per-folder options, and the validation split."""
+"""Finding images and captions: caption files (encodings, length), metadata files, defaults, trigger words, tag
+variants, bad captions, empty and missing folders, per-folder options, every format Pillow reads and the ones it
+cannot, symbolic links, file names that are not UTF-8, and the validation split."""
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 import pytest
@@ -81,8 +84,9 @@ def test_bad_captions_are_skipped_with_a_reason(tmp_path: Path) -> None:
     (tmp_path / "tag.txt").write_text("[trigger] on a beach")
     (tmp_path / "ok.txt").write_bytes("\ufeffcaf\u00e9".encode())  # UTF-8 with a byte-order mark is fine
     items, skips = _scan(tmp_path)
-    assert [(i.image.name, i.caption) for i in items] == [("ok.png", "caf\u00e9")]
-    assert "latin1.txt is not UTF-8" in skips["latin1.png"] and "0xe9 at position 3" in skips["latin1.png"]
+    # A caption that is not UTF-8 is read as Windows-1252 (a superset of Latin-1's letters) and noted, not skipped.
+    assert [(i.image.name, i.caption) for i in items] == [("latin1.png", "caf\u00e9 au lait"), ("ok.png", "caf\u00e9")]
+    assert "not UTF-8" in skips["latin1.txt"] and "0xe9 at position 3" in skips["latin1.txt"]
     assert "empty.txt is empty" in skips["empty.png"] and "data.default_caption" in skips["empty.png"]
     assert "no caption file none.txt" in skips["none.png"]
     assert "[trigger] but data.trigger is not set" in skips["tag.png"]
@@ -91,6 +95,7 @@ def test_bad_captions_are_skipped_with_a_reason(tmp_path: Path) -> None:
     assert {i.image.name: i.caption for i in items}["empty.png"] == "a photo"
     items, _ = _scan(tmp_path, trigger="sks")
     assert {i.image.name: apply_trigger(i.caption, i.trigger) for i in items} == {
+        "latin1.png": "sks, caf\u00e9 au lait",
         "empty.png": "sks",
         "none.png": "sks",
         "tag.png": "sks on a beach",
@@ -148,3 +153,164 @@ def test_validation_split_is_deterministic_and_stable(tmp_path: Path) -> None:
     assert len(split_validation(items[:3], 0.01)[1]) == 1
     assert split_validation(items[:1], 0.5) == (items[:1], [])
     assert split_validation(items, 0.0) == (items, [])
+
+
+def test_captions_in_other_encodings_are_read_and_noted(tmp_path: Path) -> None:
+    """UTF-8 (with or without BOM) and UTF-16 with a BOM are read as they are; anything else as Windows-1252 (the
+    encoding of Notepad's "ANSI" captions), with one note naming the file. The image is never dropped for it."""
+    _touch(tmp_path, "plain.png", "bom.png", "le.png", "be.png", "ansi.png", "meta.png")
+    (tmp_path / "plain.txt").write_bytes("caf\u00e9".encode())
+    (tmp_path / "bom.txt").write_bytes("\ufeffcaf\u00e9".encode())
+    (tmp_path / "le.txt").write_bytes("\ufeffcaf\u00e9\r\nau lait".encode("utf-16-le"))
+    (tmp_path / "be.txt").write_bytes("\ufeffcaf\u00e9".encode("utf-16-be"))
+    # cp1252: e-acute, curly quotes, the euro sign, and 0x81 (undefined in cp1252: read as U+0081, never an error).
+    (tmp_path / "ansi.txt").write_bytes(b"caf\xe9 \x93au lait\x94 \x80 \x81")
+    (tmp_path / "metadata.csv").write_bytes(b"file_name,text\nmeta.png,cr\xe8me br\xfbl\xe9e\n")
+    items, skips = scan([ImageFolder(str(tmp_path))])
+    assert {i.image.name: i.caption for i in items} == {
+        "ansi.png": "caf\u00e9 \u201cau lait\u201d \u20ac \x81",
+        "be.png": "caf\u00e9",
+        "bom.png": "caf\u00e9",
+        "le.png": "caf\u00e9 au lait",
+        "meta.png": "cr\u00e8me br\u00fbl\u00e9e",
+        "plain.png": "caf\u00e9",
+    }
+    assert all(s.note for s in skips) and len(skips) == 2  # notes, not skipped images
+    (ansi,) = [s for s in skips if s.path.name == "ansi.txt"]
+    assert "not UTF-8" in ansi.reason and "Windows-1252" in ansi.reason and "save it as UTF-8" in ansi.reason
+    (meta,) = [s for s in skips if "metadata.csv" in s.line()]
+    assert "not UTF-8" in meta.reason and "Windows-1252" in meta.reason
+
+
+def test_a_huge_caption_is_cut_at_read_time_with_one_note(tmp_path: Path) -> None:
+    """A 10 MB caption (a log pasted by mistake) is cut to MAX_CAPTION_CHARS: far more than any text encoder reads,
+    so what the encoder sees is unchanged, but nothing downstream tokenizes, hashes or prints megabytes."""
+    _touch(tmp_path, "huge.png", "meta.png", "short.png")
+    (tmp_path / "huge.txt").write_text("word " * 2_000_000)
+    (tmp_path / "short.txt").write_text("a short caption")
+    (tmp_path / "metadata.jsonl").write_text(json.dumps({"file_name": "meta.png", "text": "tag, " * 10_000}) + "\n")
+    items, skips = scan([ImageFolder(str(tmp_path))])
+    captions = {i.image.name: i.caption for i in items}
+    assert len(captions["huge.png"]) == 20_000 and captions["huge.png"].startswith("word word ")
+    assert len(captions["meta.png"]) == 20_000 and captions["short.png"] == "a short caption"
+    from lightning_lora.data.captions import MAX_CAPTION_CHARS
+
+    assert MAX_CAPTION_CHARS == 20_000
+    assert len(skips) == 2 and all(s.note for s in skips)
+    (huge,) = [s for s in skips if s.path.name == "huge.txt"]
+    assert "9,999,999 characters" in huge.reason and "first 20,000" in huge.reason
+    (meta,) = [s for s in skips if "metadata.jsonl:1" in s.line()]
+    assert "meta.png" in meta.reason and "first 20,000" in meta.reason
+
+
+def test_file_names_that_are_not_utf8_are_hashed_and_shown(tmp_path: Path) -> None:
+    """A name with a byte that is not UTF-8 (Latin-1 names from old cameras and Windows archives): the validation
+    split hashes its raw bytes, and every message shows the byte as \\xNN (printable under a strict UTF-8 locale)."""
+    folder = tmp_path / os.fsdecode(b"f\xf6tos")
+    folder.mkdir()
+    latin1 = os.fsdecode(b"caf\xe9.png")
+    (folder / latin1).write_bytes(b"")
+    (folder / os.fsdecode(b"caf\xe9.txt")).write_text("a cafe")
+    _touch(folder, "plain.png", os.fsdecode(b"\xff.svg"))
+    items, skips = scan([ImageFolder(str(folder))], default_caption="x")
+    assert sorted(i.image.name for i in items) == sorted([latin1, "plain.png"])
+    train, val = split_validation(items, 0.5)  # used to raise UnicodeEncodeError
+    assert len(train) == len(val) == 1
+    assert split_validation(items, 0.5) == (train, val)
+    from lightning_lora.data.sources import display
+
+    shown = display(folder / latin1)
+    assert shown.endswith("f\\xf6tos/caf\\xe9.png") and shown.encode("utf-8")
+    (svg,) = skips
+    assert svg.line().startswith(display(folder)) and "\\xff.svg" in svg.line()
+    assert svg.line().encode("utf-8")  # strict: no surrogate escapes left
+    assert display("caf\u00e9.png") == "caf\u00e9.png"  # valid names are shown as they are
+
+
+def test_validation_split_of_ordinary_names_never_moves(tmp_path: Path) -> None:
+    """The split decides which images existing runs train on: hashing raw bytes leaves every UTF-8 name's hash as
+    it was (these values were recorded before the change)."""
+    items = [Item(tmp_path / "set" / f"img{i:03d}.png", "c") for i in range(40)]
+    held = [v.image.name for v in split_validation(items, 0.2)[1]]
+    assert held == [f"img{i:03d}.png" for i in (1, 7, 12, 15, 18, 19, 20, 24, 29, 33, 38)]
+    from lightning_lora.data.sources import _name_hash
+
+    recorded = {
+        "set/img000.png": "0x1.d853b0190e18bp-1",
+        "fotos/caf\u00e9.jpg": "0x1.625c1314d197cp-1",
+        "\u00dcn\u00efc\u00f6d\u00e9/\u5199\u771f.png": "0x1.ecd6d4d811f77p-2",
+    }
+    for name, value in recorded.items():
+        assert _name_hash(Item(tmp_path / name, "c")) == float.fromhex(value), name
+
+
+def test_every_format_pillow_reads_is_used_and_the_others_are_named(tmp_path: Path) -> None:
+    """GIF, TIFF, JFIF, AVIF... are images too; a known image format this installation cannot read (HEIC, camera
+    RAW, SVG) is listed with what to do; other files (captions, videos, documents) are ignored without a word."""
+    from lightning_lora.data.sources import IMAGE_EXTENSIONS
+
+    readable = ["anim.gif", "scan.tif", "page.TIFF", "photo.jfif", "old.pcx", "tex.tga", "d.png"]
+    named = ["phone.heic", "raw.CR2", "raw.nef", "raw.dng", "logo.svg", "photo.jxl"]
+    _touch(tmp_path, *readable, *named, "pic.avif", "clip.mp4", "movie.mpg", "data.json", "doc.pdf", "x.h5")
+    items, skips = _scan(tmp_path, default_caption="x")
+    avif_ok = ".avif" in IMAGE_EXTENSIONS
+    assert sorted(i.image.name for i in items) == sorted(readable + (["pic.avif"] if avif_ok else []))
+    heic_ok = ".heic" in IMAGE_EXTENSIONS  # only with the pillow-heif plugin installed
+    assert set(skips) == set(named) - ({"phone.heic"} if heic_ok else set()) | (set() if avif_ok else {"pic.avif"})
+    if not heic_ok:
+        assert "HEIC" in skips["phone.heic"] and "pip install pillow-heif" in skips["phone.heic"]
+        assert "JPEG" in skips["phone.heic"]
+    assert "camera RAW" in skips["raw.CR2"] and "camera RAW" in skips["raw.nef"] and "camera RAW" in skips["raw.dng"]
+    assert "SVG" in skips["logo.svg"] and "PNG" in skips["logo.svg"]
+    assert "JPEG XL" in skips["photo.jxl"]
+    assert all(ext.startswith(".") and ext == ext.lower() for ext in IMAGE_EXTENSIONS)
+    assert {".gif", ".tif", ".tiff", ".jpg", ".png", ".webp", ".bmp"} <= set(IMAGE_EXTENSIONS)
+    assert not {".eps", ".ps", ".pdf", ".mpg", ".h5"} & set(IMAGE_EXTENSIONS)  # need Ghostscript, or not pixels
+    # A folder of nothing but unreadable formats says so instead of "no images".
+    only = tmp_path / "only"
+    _touch(only, "a.cr2")
+    with pytest.raises(ConfigError, match=r"(?s)holds no images.*a\.cr2.*camera RAW"):
+        _scan(only)
+
+
+def test_a_pillow_without_avif_names_avif_files(monkeypatch: pytest.MonkeyPatch) -> None:
+    from PIL import features
+
+    from lightning_lora.data import images
+
+    check = features.check_module
+    monkeypatch.setattr(features, "check_module", lambda name: False if name == "avif" else check(name))
+    extensions = images._readable_formats()
+    assert ".avif" not in extensions and extensions[".png"] == "PNG" and extensions[".gif"] == "GIF"
+    assert "AVIF" in images.UNREADABLE[".avif"] and "pillow" in images.UNREADABLE[".avif"].lower()
+
+
+def test_links_and_metadata_rows_that_match_no_image_are_named(tmp_path: Path) -> None:
+    _touch(tmp_path, "good.png")
+    (tmp_path / "link.png").symlink_to("good.png")  # a link to an image is an image
+    (tmp_path / "dangling.png").symlink_to("gone.png")
+    (tmp_path / "loop.jpg").symlink_to("loop.jpg")
+    (tmp_path / "notes.txt").symlink_to("missing.txt")  # not an image name: not our business
+    rows = [
+        {"file_name": "good.png", "text": "good"},
+        {"file_name": "./link.png", "text": "linked"},
+        {"file_name": "../../x.png", "text": "outside"},
+        {"file_name": "missing.png", "text": "nothing"},
+        {"file_name": "sub/y.png", "text": "nested"},
+        {"file_name": "dangling.png", "text": "named once, as a broken link"},
+    ]
+    (tmp_path / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    items, skips = scan([ImageFolder(str(tmp_path))])
+    assert [(i.image.name, i.caption) for i in items] == [("good.png", "good"), ("link.png", "linked")]
+    by_name = {s.path.name: s for s in skips if not s.note}
+    assert set(by_name) == {"dangling.png", "loop.jpg"}
+    assert by_name["dangling.png"].kind == "broken link"
+    assert by_name["dangling.png"].reason == "broken symbolic link (target gone.png does not exist)"
+    assert by_name["loop.jpg"].kind == "broken link" and "symbolic link loop" in by_name["loop.jpg"].reason
+    notes = sorted(s.reason for s in skips if s.note)
+    assert notes == [
+        "metadata.jsonl:3: names ../../x.png, which is outside this folder",
+        "metadata.jsonl:4: names missing.png, which is not an image in this folder",
+        "metadata.jsonl:5: names sub/y.png, which is not an image in this folder (subfolders are not searched)",
+    ]
+    assert all(s.kind == "metadata" and s.path == tmp_path for s in skips if s.note)

@@ -8,7 +8,8 @@ entry has neither (it is evaluated as written).
 
 :func:`build` runs the plan, encodes the latents that are missing (images that turn out not to decode are skipped),
 then the texts that are missing (always including the empty prompt, which caption dropout needs), and returns a
-:class:`CacheReport`: what was found, encoded, reused, skipped and why, the buckets, and the time.
+:class:`CacheReport`: what was found, encoded, reused, skipped and why, the notes (findings that leave no image out:
+see :mod:`lightning_lora.data.sources`), the buckets, and the time. Each skip and note is also logged once.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from lightning_lora.data.buckets import BucketSpec, Placement
 from lightning_lora.data.cache import ImageIndex, LatentCache, LatentJob, readable
 from lightning_lora.data.captions import apply_trigger, tag_variants
 from lightning_lora.data.images import BadImage
-from lightning_lora.data.sources import Item, Skip
+from lightning_lora.data.sources import Item, Skip, display
 from lightning_lora.errors import ConfigError, first_line
 
 __all__ = ["CacheEntry", "CacheReport", "DataSpec", "build", "entry_texts", "missing_jobs", "plan", "usable"]
@@ -61,6 +62,7 @@ class CacheEntry:
     flip_key: str | None
     texts: tuple[str, ...]  # [0] is `caption`; the others are shuffled tag variants
     text_keys: tuple[str, ...]  # the cache keys of `texts`
+    digest: str  # sha256 of the image's bytes the latent keys were made from
     repeats: int = 1
 
     @property
@@ -121,6 +123,7 @@ def plan(
                     flip_key=flip_key,
                     texts=tuple(texts),
                     text_keys=text_keys,
+                    digest=digest,
                     repeats=1 if validation else item.repeats,
                 )
             )
@@ -148,7 +151,7 @@ def missing_jobs(cache: LatentCache, entries: Sequence[CacheEntry]) -> tuple[lis
             old = jobs.get((e.image, e.placement))
             if old is not None:  # the same file listed twice (e.g. as training and validation image)
                 plain, flip = plain or old.plain_key, flip or old.flip_key
-            jobs[(e.image, e.placement)] = LatentJob(e.image, e.placement, plain, flip)
+            jobs[(e.image, e.placement)] = LatentJob(e.image, e.placement, plain, flip, e.digest)
     return list(jobs.values()), reused
 
 
@@ -185,11 +188,11 @@ class CacheReport:
         return self.images_encoded / self.encode_seconds if self.encode_seconds > 0 else 0.0
 
     def format(self) -> str:
-        bad = [s for s in self.skipped if s.kind not in ("metadata",)]
-        kinds = Counter(s.kind for s in bad)
+        bad = [s for s in self.skipped if not s.note]
+        notes = [s for s in self.skipped if s.note]
         train_images = len({e.image for e in self.train})
         lines = [
-            f"Cache {self.root}",
+            f"Cache {display(self.root)}",
             f"  images found:    {self.images}"
             + (f" ({self.validation_images} held out for validation)" if self.validation_images else ""),
             f"  training:        {train_images} images, {len(self.train)} entries (image x resolution), "
@@ -197,20 +200,26 @@ class CacheReport:
             + (f"; {len({e.image for e in self.validation})} validation images" if self.validation else ""),
             f"  latents:         {self.latents_encoded} encoded, {self.latents_reused} reused",
             f"  text embeddings: {self.texts_encoded} encoded, {self.texts_reused} reused",
-            f"  skipped:         {len(bad)}"
-            + (" (" + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) + ")" if bad else ""),
+            *_listed("skipped:        ", bad, always=True),
+            *_listed("notes:          ", notes),
         ]
-        lines += [f"    {s.line()}" for s in bad[:20]]
-        if len(bad) > 20:
-            lines.append(f"    ... and {len(bad) - 20} more (listed above)")
-        notes = [s for s in self.skipped if s.kind == "metadata"]
-        if notes:
-            lines.append(f"  metadata:        {len(notes)} record(s) ignored (listed above)")
         buckets = sorted(self.buckets.items(), key=lambda kv: (kv[0][0] * kv[0][1], kv[0]))
         lines.append("  buckets:         " + ", ".join(f"{w}x{h}: {n}" for (w, h), n in buckets))
         rate = f", {self.images_per_second:.1f} images/s encoded" if self.images_encoded else ""
         lines.append(f"  time:            {self.seconds:.1f} s{rate}")
         return "\n".join(lines)
+
+
+def _listed(title: str, skips: Sequence[Skip], always: bool = False, shown: int = 20) -> list[str]:
+    """``title count (n kind, ...)`` and the first ``shown`` lines (nothing when there are none, unless ``always``)."""
+    if not skips and not always:
+        return []
+    kinds = Counter(s.kind for s in skips)
+    counts = " (" + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) + ")" if skips else ""
+    lines = [f"  {title} {len(skips)}{counts}"] + [f"    {s.line()}" for s in skips[:shown]]
+    if len(skips) > shown:
+        lines.append(f"    ... and {len(skips) - shown} more (each is in the log above)")
+    return lines
 
 
 def _fatal(skips: Sequence[Skip]) -> ConfigError:
@@ -247,8 +256,8 @@ def build(
     cache.root.mkdir(parents=True, exist_ok=True)
     index.save()
     report.skipped = [*scan_skips, *skips, *val_skips]
-    report.images += sum(1 for s in scan_skips if s.kind not in ("empty folder", "metadata"))
-    fatal = [s for s in report.skipped if s.kind != "metadata"]
+    report.images += sum(1 for s in scan_skips if not s.note and s.kind != "empty folder")
+    fatal = [s for s in report.skipped if not s.note]
     if on_bad_file == "error" and fatal:
         raise _fatal(fatal)
 
@@ -275,9 +284,9 @@ def build(
     report.train = [e for e in train if e.image not in bad]
     report.validation = [e for e in validation if e.image not in bad]
     for s in report.skipped:
-        log.warning("%s", s.reason if s.kind == "metadata" else f"skipped {s.line()}")
+        log.warning("%s", s.line() if s.note else f"skipped {s.line()}")
     if not report.train:
-        kinds = Counter(s.kind for s in report.skipped if s.kind not in ("metadata", "empty folder"))
+        kinds = Counter(s.kind for s in report.skipped if not s.note and s.kind != "empty folder")
         why = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) or "no images"
         raise ConfigError(
             f"data.images: none of the images can be used for training ({why}); the lines above name each file and "
@@ -289,7 +298,7 @@ def build(
         texts.update(zip(e.text_keys, e.texts, strict=True))
     missing = cache.missing_texts(texts.values())
     try:
-        report.texts_encoded = cache.encode_texts(missing, device, batch_size, progress=progress)
+        encoded_texts = cache.encode_texts(missing, device, batch_size, progress=progress)
     except torch.OutOfMemoryError as e:
         mode = cache.text_encoder_quantization
         fix = (
@@ -302,6 +311,25 @@ def build(
             f"data.text_encoder_quantization: out of GPU memory while encoding captions with the text encoders "
             f"({first_line(e, 160)}). {fix}. The embeddings written so far stay in the cache."
         ) from None
+    report.texts_encoded = encoded_texts.encoded
+    if encoded_texts.truncated:
+        entries = [*report.train, *report.validation]
+        note = _truncation_note(cache.root, entries, encoded_texts.truncated, encoded_texts.limit)
+        report.skipped.append(note)
+        log.warning("%s", note.line())
     report.texts_reused = len(texts) - len(missing)
     report.seconds = time.perf_counter() - start
     return report
+
+
+def _truncation_note(root: Path, entries: Sequence[CacheEntry], truncated: Sequence[str], limit: str) -> Skip:
+    """One note for all the captions the text encoder cuts, naming an image whose caption is one of them."""
+    owner = {t: e.image for e in reversed(entries) for t in e.texts}  # the first entry with the text wins
+    first, n = truncated[0], len(truncated)
+    start = " ".join(first[:60].split())
+    return Skip(
+        owner.get(first, root),
+        "over token limit",
+        f"{n} caption{'s are' if n > 1 else ' is'} longer than the text encoder reads ({limit}) and cut there (the "
+        f'rest is not trained on); e.g. this image\'s: "{start}..."',
+    )

@@ -31,6 +31,18 @@ could hide an edit): such files are hashed again.
 Encoding is a pipeline: DataLoader worker processes decode and resize (:mod:`lightning_lora.data.images`) while the
 main process encodes batches of one bucket on the device and two threads write the files. The VAE is loaded only
 when the first image decoded, and the VAE and text encoders are deleted (and the CUDA cache emptied) when done.
+
+**A file replaced during the build.** A latent's key is made from the hash of the image's bytes when the build is
+planned; the pixels are decoded later, in a worker. The worker reads the file once, hashes those bytes and decodes
+them (never the file again): when the hash is not the planned one, the image was replaced in between (a sync tool,
+an editor saving), and it is skipped ("changed while the cache was built") instead of writing other pixels under
+the key. The next build plans it afresh.
+
+**Captions longer than the text encoder reads** are cut by the encoder (FLUX's T5 reads ``max_sequence_length``
+tokens, CLIP 77). diffusers' pipelines warn about each such batch and print the whole cut-off text (for one huge
+caption: minutes and hundreds of megabytes of output); while captions are encoded those warnings are silenced (the
+loggers' levels are restored afterwards) and :meth:`LatentCache.encode_texts` counts them instead, through the
+family's :meth:`~lightning_lora.families.base.DiffusionFamily.prompt_limit`, for one line in the summary.
 """
 
 from __future__ import annotations
@@ -43,8 +55,9 @@ import os
 import re
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,11 +70,11 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_lora.data.buckets import Placement
 from lightning_lora.data.images import DECODE_RULE, BadImage, decode, probe
-from lightning_lora.data.sources import Skip
+from lightning_lora.data.sources import Skip, display
 from lightning_lora.families.base import DiffusionFamily, ModelSource
 from lightning_lora.io import atomic_write_bytes, save_safetensors
 
-__all__ = ["EncodeResult", "ImageIndex", "LatentCache", "LatentJob", "decode_loader", "readable"]
+__all__ = ["EncodeResult", "ImageIndex", "LatentCache", "LatentJob", "TextResult", "decode_loader", "readable"]
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +106,7 @@ def readable(path: Path) -> bool:
         with safe_open(path, framework="pt") as f:
             f.keys()
     except (SafetensorError, OSError, RuntimeError):
-        log.warning("cache file %s is unreadable; it will be rebuilt", path)
+        log.warning("cache file %s is unreadable; it will be rebuilt", display(path))
         return False
     return True
 
@@ -146,12 +159,14 @@ class ImageIndex:
 
 @dataclass(frozen=True)
 class LatentJob:
-    """One image to decode once and encode into up to two entries: as is, and mirrored."""
+    """One image to decode once and encode into up to two entries: as is, and mirrored. ``digest`` is the sha256 of
+    the bytes the keys were made from: other bytes are not encoded under them."""
 
     image: Path
     placement: Placement
     plain_key: str | None
     flip_key: str | None
+    digest: str
 
 
 @dataclass
@@ -160,6 +175,18 @@ class EncodeResult:
     written: int = 0  # latent files written (an image with its mirror counts two)
     skips: list[Skip] = field(default_factory=list)
     seconds: float = 0.0
+
+
+@dataclass
+class TextResult:
+    """What :meth:`LatentCache.encode_texts` did."""
+
+    encoded: int = 0  # texts encoded
+    truncated: list[str] = field(default_factory=list)  # those longer than the text encoder reads
+    limit: str = ""  # what the text encoder reads, e.g. "512 T5 tokens"
+
+
+_CHANGED = "changed while the cache was built; it is encoded on the next run"
 
 
 class _DecodeJobs(Dataset):
@@ -175,7 +202,13 @@ class _DecodeJobs(Dataset):
     def __getitem__(self, index: int) -> tuple[int, np.ndarray | None, str, str]:
         job = self.jobs[index]
         try:
-            pixels = decode(job.image, job.placement.source_box(), job.placement.bucket, self.background)
+            try:
+                data = job.image.read_bytes()
+            except OSError as e:
+                raise BadImage("unreadable file", f"cannot read the file ({e.strerror or e})") from e
+            if hashlib.sha256(data).hexdigest() != job.digest:
+                return index, None, "changed", _CHANGED
+            pixels = decode(data, job.placement.source_box(), job.placement.bucket, self.background)
             return index, pixels, "", ""
         except BadImage as e:
             return index, None, e.kind, e.reason
@@ -237,6 +270,21 @@ def decode_loader(
         # random state (a run that built its cache would otherwise train differently from one that reused it).
         generator=torch.Generator().manual_seed(0),
     )
+
+
+@contextmanager
+def _quiet_truncation(encoders: Any) -> Iterator[None]:
+    """Silence the warnings the pipeline of ``encoders`` (diffusers) and transformers' tokenizers give for a prompt
+    longer than the encoder reads, and restore the loggers' levels afterwards (see the module docstring)."""
+    loggers = [logging.getLogger(type(encoders).__module__), logging.getLogger("transformers.tokenization_utils_base")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
 
 
 def _progress(total: int, desc: str, enabled: bool) -> Any:
@@ -393,27 +441,35 @@ class LatentCache:
 
     def encode_texts(
         self, texts: Sequence[str], device: torch.device, batch_size: int = 4, progress: bool = False
-    ) -> int:
-        """Encode texts (captions, variants, the empty prompt, sample prompts) into the text cache."""
+    ) -> TextResult:
+        """Encode texts (captions, variants, the empty prompt, sample prompts) into the text cache; the result counts
+        them and lists those longer than the text encoder reads (cut by it; no warning is printed per batch)."""
         texts = list(dict.fromkeys(texts))
+        result = TextResult()
         if not texts:
-            return 0
+            return result
         encoders = self.family.load_text_encoders(self.source)
         quantize_text_encoders(encoders, self.text_encoder_quantization, device, self.source.dtype)
         encoders = encoders.to(device)
+        limit = self.family.prompt_limit(encoders)
+        result.limit = str(limit) if limit is not None else ""
         bar = _progress(len(texts), "Encoding captions", progress)
         try:
-            for i in range(0, len(texts), batch_size):
-                chunk = texts[i : i + batch_size]
-                embeds = self.family.encode_prompts(encoders, chunk)
-                for j, text in enumerate(chunk):
-                    save_safetensors({k: v[j] for k, v in embeds.items()}, self.text_path(self.text_key(text)))
-                bar.update(len(chunk))
+            with _quiet_truncation(encoders):
+                for i in range(0, len(texts), batch_size):
+                    chunk = texts[i : i + batch_size]
+                    if limit is not None:
+                        result.truncated += [t for t, cut in zip(chunk, limit.truncated(chunk), strict=True) if cut]
+                    embeds = self.family.encode_prompts(encoders, chunk)
+                    for j, text in enumerate(chunk):
+                        save_safetensors({k: v[j] for k, v in embeds.items()}, self.text_path(self.text_key(text)))
+                    result.encoded += len(chunk)
+                    bar.update(len(chunk))
         finally:
             bar.close()
             del encoders
             _free(device)
-        return len(texts)
+        return result
 
     def missing_texts(self, texts: Iterable[str]) -> list[str]:
         return [t for t in dict.fromkeys(texts) if not readable(self.text_path(self.text_key(t)))]
@@ -422,7 +478,9 @@ class LatentCache:
         """Embeddings for ``prompts`` (batch of 1 each), encoding only those not cached yet."""
         missing = self.missing_texts(prompts)
         if missing:
-            self.encode_texts(missing, device)
+            result = self.encode_texts(missing, device)
+            for text in result.truncated:
+                log.warning("prompt %r is longer than the text encoder reads (%s); it is cut there", text, result.limit)
         return [{k: v.unsqueeze(0) for k, v in self.load_text(self.text_key(p)).items()} for p in prompts]
 
     def remove_stale_temporaries(self, older_than_s: float = 3600.0) -> int:

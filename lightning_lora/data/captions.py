@@ -2,12 +2,21 @@
 
 Sources, for an image ``photo.jpg`` in a folder, in this order:
 
-1. ``photo.txt`` beside it (the extension is ``data.caption_ext``), read as UTF-8 (a byte-order mark is allowed);
-   lines are joined with spaces. A file that is not UTF-8 is a reason to skip the image, never guessed at.
+1. ``photo.txt`` beside it (the extension is ``data.caption_ext``); lines are joined with spaces.
 2. A ``metadata.jsonl`` (one JSON object per line) or ``metadata.csv`` (with a header) in the folder, as Hugging
    Face's ``imagefolder`` writes them: the file column is ``file_name`` (or ``file``, ``image``), the caption column
-   ``text`` (or ``caption``, ``prompt``).
+   ``text`` (or ``caption``, ``prompt``). A row naming a file outside the folder is noted and ignored.
 3. The folder's or the data section's ``default_caption`` (an instance prompt such as ``a photo of sks dog``).
+
+**Encodings** (:func:`decode_text`, for caption and metadata files alike). UTF-8, with or without a byte-order mark,
+and UTF-16 with one (LE or BE: Windows' "Unicode") are read as they are. Anything else is read as Windows-1252, the
+"ANSI" encoding Notepad and older Windows tools save in (a superset of Latin-1's letters; the five bytes it leaves
+undefined are read as Latin-1), with a note naming the file: a caption in the wrong encoding still describes its image
+much better than no caption, so the image is kept.
+
+**Length.** A caption is cut to :data:`MAX_CAPTION_CHARS` characters when read, with a note: far more than any text
+encoder reads (FLUX's T5 reads 512 tokens, CLIP 77), so the encoder sees the same text, but a log pasted into a caption
+file by mistake is never tokenized, hashed and printed in full.
 
 **Trigger word.** ``[trigger]`` in a caption is replaced by it; otherwise it is prepended as the first tag
 (``sks, a photo of a dog``), unless the caption already contains it as a word.
@@ -22,18 +31,25 @@ always stays first.
 
 from __future__ import annotations
 
+import codecs
 import csv
 import hashlib
 import io
 import json
+import posixpath
 import random
 import re
 from pathlib import Path
+from typing import NamedTuple
 
 __all__ = [
     "CaptionError",
+    "MAX_CAPTION_CHARS",
     "METADATA_FILES",
+    "MetadataCaption",
+    "Note",
     "apply_trigger",
+    "decode_text",
     "read_caption_file",
     "read_metadata",
     "split_tags",
@@ -45,28 +61,77 @@ _FILE_COLUMNS = ("file_name", "file", "image")
 _CAPTION_COLUMNS = ("text", "caption", "prompt")
 TRIGGER = "[trigger]"
 
+MAX_CAPTION_CHARS = 20_000
+"""Captions are cut to this many characters when read (512 T5 tokens rarely hold 3,000)."""
+
+_BOMS = ((codecs.BOM_UTF8, "utf-8"), (codecs.BOM_UTF16_LE, "utf-16-le"), (codecs.BOM_UTF16_BE, "utf-16-be"))
+_CP1252_UNDEFINED = re.compile("[\udc81\udc8d\udc8f\udc90\udc9d]")  # as cp1252 + surrogateescape decodes them
+
 
 class CaptionError(Exception):
     """A caption source that cannot be read; the message is a one-line reason."""
 
 
-def _decode(data: bytes, name: str) -> str:
-    try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise CaptionError(
-            f"caption file {name} is not UTF-8 text (byte 0x{data[e.start]:02x} at position {e.start}); "
-            "save it as UTF-8"
-        ) from e
+class Note(NamedTuple):
+    """Something worth telling about a caption source that does not drop its image: a short ``kind`` (``"not
+    UTF-8"``, ``"long caption"``, ``"metadata"``) and a one-line ``message``."""
+
+    kind: str
+    message: str
 
 
-def read_caption_file(path: Path) -> str:
-    """The caption in ``path``: UTF-8, lines joined with spaces, stripped."""
+class MetadataCaption(NamedTuple):
+    """A caption from a metadata file, and where it was written (``metadata.jsonl:3``), for messages."""
+
+    caption: str
+    where: str
+
+
+def decode_text(data: bytes) -> tuple[str, str | None]:
+    """The text of a caption or metadata file, and ``None`` when it was UTF-8 (a byte-order mark allowed) or UTF-16
+    with a byte-order mark, else a note saying it was read as Windows-1252 (see the module docstring)."""
+    position = 0
+    for bom, encoding in _BOMS:
+        if data.startswith(bom):
+            try:
+                return data[len(bom) :].decode(encoding), None
+            except UnicodeDecodeError as e:
+                position = len(bom) + e.start
+                break
+    else:
+        try:
+            return data.decode("utf-8"), None
+        except UnicodeDecodeError as e:
+            position = e.start
+    text = data.decode("cp1252", errors="surrogateescape")
+    text = _CP1252_UNDEFINED.sub(lambda m: chr(ord(m.group()) - 0xDC00), text)
+    return text, (
+        f"not UTF-8 (byte 0x{data[position]:02x} at position {position}); read as Windows-1252. If a character looks "
+        "wrong, save it as UTF-8"
+    )
+
+
+def _cut(caption: str) -> tuple[str, str | None]:
+    """The caption cut to :data:`MAX_CAPTION_CHARS`, and a note when it was longer."""
+    if len(caption) <= MAX_CAPTION_CHARS:
+        return caption, None
+    return caption[:MAX_CAPTION_CHARS], (
+        f"{len(caption):,} characters long; only the first {MAX_CAPTION_CHARS:,} are kept (far more than a text "
+        "encoder reads)"
+    )
+
+
+def read_caption_file(path: Path) -> tuple[str, list[Note]]:
+    """The caption in ``path`` (lines joined with spaces, stripped, cut to :data:`MAX_CAPTION_CHARS`), and the notes
+    about it (its encoding, its length). Raises :class:`CaptionError` when the file cannot be read."""
     try:
         data = path.read_bytes()
     except OSError as e:
         raise CaptionError(f"cannot read caption file {path.name} ({e.strerror or e})") from e
-    return " ".join(line.strip() for line in _decode(data, path.name).splitlines() if line.strip())
+    text, encoding = decode_text(data)
+    caption, cut = _cut(" ".join(line.strip() for line in text.splitlines() if line.strip()))
+    notes = [Note("not UTF-8", encoding)] if encoding else []
+    return caption, notes + ([Note("long caption", cut)] if cut else [])
 
 
 def _pick(row: dict, columns: tuple[str, ...]) -> str | None:
@@ -77,19 +142,30 @@ def _pick(row: dict, columns: tuple[str, ...]) -> str | None:
     return None
 
 
-def read_metadata(folder: Path) -> tuple[dict[str, str], list[str]]:
-    """Captions by file name from the folder's metadata files, and one warning line per unusable record."""
-    captions: dict[str, str] = {}
-    problems: list[str] = []
+def _inside(file_name: str) -> str | None:
+    """A metadata row's file name relative to its folder (``./a.png`` -> ``a.png``), or None when it points outside."""
+    name = posixpath.normpath(file_name)
+    if posixpath.isabs(name) or name == ".." or name.startswith("../"):
+        return None
+    return name
+
+
+def read_metadata(folder: Path) -> tuple[dict[str, MetadataCaption], list[Note]]:
+    """Captions by file name from the folder's metadata files, and a note per unusable record or file (messages
+    start with the metadata file's name, ``metadata.jsonl:3: ...``). Captions are cut like caption files."""
+    captions: dict[str, MetadataCaption] = {}
+    notes: list[Note] = []
     for name in METADATA_FILES:
         path = folder / name
         if not path.is_file():
             continue
         try:
-            text = _decode(path.read_bytes(), name)
-        except (OSError, CaptionError) as e:
-            problems.append(f"{path}: ignored ({e})")
+            text, encoding = decode_text(path.read_bytes())
+        except OSError as e:
+            notes.append(Note("metadata", f"{name}: ignored (cannot read it: {e.strerror or e})"))
             continue
+        if encoding:
+            notes.append(Note("not UTF-8", f"{name}: {encoding}"))
         rows: list[tuple[int, object]] = []
         if name.endswith(".jsonl"):
             for number, line in enumerate(text.splitlines(), start=1):
@@ -98,23 +174,34 @@ def read_metadata(folder: Path) -> tuple[dict[str, str], list[str]]:
                 try:
                     rows.append((number, json.loads(line)))
                 except json.JSONDecodeError as e:
-                    problems.append(f"{path}:{number}: ignored (not JSON: {e.msg})")
+                    notes.append(Note("metadata", f"{name}:{number}: ignored (not JSON: {e.msg})"))
         else:
             try:
                 rows = [(n, row) for n, row in enumerate(csv.DictReader(io.StringIO(text)), start=2)]
             except csv.Error as e:
-                problems.append(f"{path}: ignored (not CSV: {e})")
+                notes.append(Note("metadata", f"{name}: ignored (not CSV: {e})"))
         for number, row in rows:
             file_name = _pick(row, _FILE_COLUMNS) if isinstance(row, dict) else None
             caption = _pick(row, _CAPTION_COLUMNS) if isinstance(row, dict) else None
+            where = f"{name}:{number}"
             if file_name is None or caption is None:
-                problems.append(
-                    f"{path}:{number}: ignored (needs a {'/'.join(_FILE_COLUMNS)} and a {'/'.join(_CAPTION_COLUMNS)} "
-                    "field)"
+                notes.append(
+                    Note(
+                        "metadata",
+                        f"{where}: ignored (needs a {'/'.join(_FILE_COLUMNS)} and a {'/'.join(_CAPTION_COLUMNS)} "
+                        "field)",
+                    )
                 )
                 continue
-            captions.setdefault(Path(file_name).as_posix(), " ".join(caption.split()))
-    return captions, problems
+            inside = _inside(file_name)
+            if inside is None:
+                notes.append(Note("metadata", f"{where}: names {file_name}, which is outside this folder"))
+                continue
+            caption, cut = _cut(" ".join(caption.split()))
+            if cut:
+                notes.append(Note("long caption", f"{where}: the caption of {inside} is {cut}"))
+            captions.setdefault(inside, MetadataCaption(caption, where))
+    return captions, notes
 
 
 def apply_trigger(caption: str, trigger: str | None) -> str:

@@ -143,8 +143,9 @@ class LatentDataModule(LightningDataModule):
     """Training data from folders of captioned images, served from the latent cache.
 
     Args:
-        images: a folder, or a list of folders, of images (jpg, jpeg, png, webp, bmp). A list item may be a mapping
-            with per-folder options: ``{path: data/me, repeats: 5, default_caption: ..., trigger: ...}``.
+        images: a folder, or a list of folders, of images (jpg, png, webp, gif, tif, bmp, avif or any other format
+            Pillow reads; the first frame of an animation). A list item may be a mapping with per-folder options:
+            ``{path: data/me, repeats: 5, default_caption: ..., trigger: ...}``.
         resolution: the target size in pixels (an image is resized to about ``resolution²`` pixels in the bucket of
             its aspect ratio), or a list of sizes (each image is used at every listed size it is large enough for).
             Multiples of the family's latent divisor (16 for FLUX).
@@ -152,7 +153,8 @@ class LatentDataModule(LightningDataModule):
         cache_dir: where latents and text embeddings are cached; shared safely between runs and configs (keys are
             content hashes). Default: ``<trainer.default_root_dir>/cache``.
         caption_ext: captions are read from the same-named file with this extension; then from ``metadata.jsonl``
-            / ``metadata.csv`` in the folder.
+            / ``metadata.csv`` in the folder. UTF-8 or UTF-16 (with a byte-order mark); anything else is read as
+            Windows-1252 with a note.
         default_caption: the caption (instance prompt) of images without one; null skips them.
         trigger: a trigger word: replaces ``[trigger]`` in captions, else is prepended as the first tag.
         caption_dropout: probability of training a sample with the empty prompt (its embedding is cached).
@@ -174,7 +176,7 @@ class LatentDataModule(LightningDataModule):
         val_images: folder(s) of held-out validation images (same caption rules); never trained on.
         val_fraction: hold out this fraction of the training images (chosen by file-name hash, so stable).
         on_bad_file: ``skip`` files that cannot be used (one line each, counted in the summary), or stop with an
-            ``error``.
+            ``error``. Notes (a caption read as Windows-1252 or cut, a metadata row naming no image) never stop.
         num_workers: DataLoader worker processes for training.
         cache_workers: worker processes that decode and resize images while the encoder runs; default: CPU cores
             (at most 8).

@@ -1,5 +1,13 @@
 """Decode a user's image file into the exact pixels of one bucket, whatever the folder holds.
 
+**Which files are images.** Every format this installation of Pillow opens (:func:`readable_extensions`: JPEG, PNG,
+WebP, GIF, TIFF, BMP, AVIF, JPEG 2000, TGA, ... and HEIC or JPEG XL when the ``pillow-heif`` / ``pillow-jxl-plugin``
+package is installed; they are registered here). Left out: formats whose pixels need an external program (EPS and
+PostScript need Ghostscript), files Pillow only identifies (MPEG video, scientific data stubs) or only writes (PDF).
+A file with a known image extension that cannot be read here (HEIC without its plugin, camera RAW, SVG, JPEG XL,
+AVIF on an old Pillow, ...) gets :data:`UNREADABLE`'s one-line reason: what it is and how to make it usable. An
+animation (GIF, APNG, WebP) or a multi-page TIFF is used for its first frame.
+
 :func:`probe` reads only the header: the size *as viewed* (after the EXIF orientation), so a portrait photo that a
 phone stored as landscape pixels plus a "rotate 90" tag gets a portrait bucket. :func:`decode` cuts a box of that
 viewed image and resamples it to the bucket size in one Lanczos resize (``Image.resize(size, box=...)``), so the
@@ -12,7 +20,9 @@ What real folders hold, and what happens to it:
 * **Transparency** (RGBA, LA, a palette with a transparent colour): resampled with premultiplied alpha (Pillow does it
   for RGBA/LA), then composited on a stated background colour (``data.alpha_background``), never on black by accident.
 * **Grayscale, palette, CMYK, 1-bit**: converted to RGB. **16-bit and 32-bit integer** grayscale is resized at full
-  depth and scaled to 8 bits by its full scale (a naive ``convert("RGB")`` clips everything above 255 to white).
+  depth and scaled to 8 bits by its full scale (a naive ``convert("RGB")`` clips everything above 255 to white);
+  float grayscale (TIFF) by 1.0 or 255. 16 bits per channel RGB (scanner and raw-converter TIFFs) Pillow reads as
+  8-bit RGB.
 * **Very large files**: a 12000x8000 photo is 288 MB decoded. JPEGs are decoded at a reduced size by the decoder
   itself (``draft``: DCT scaling by 1/2, 1/4 or 1/8), never smaller than the bucket needs; other formats decode
   once at full size and are reduced directly to the bucket. Pillow's decompression-bomb limit (about 179 MP) still
@@ -21,18 +31,30 @@ What real folders hold, and what happens to it:
   never "repaired" (``LOAD_TRUNCATED_IMAGES`` stays off): a half-gray photo would be trained on silently.
 
 Pure Pillow and numpy (no torch), so it runs cheaply in DataLoader worker processes. The output is ``uint8 [h, w, 3]``
-(one byte per value through the worker queue; the conversion to floats happens on the encoding device).
+(one byte per value through the worker queue; the conversion to floats happens on the encoding device). :func:`probe`
+and :func:`decode` take a path or the file's bytes: the cache decodes the very bytes whose hash made the key.
 """
 
 from __future__ import annotations
 
+import functools
+import io
 import warnings
 from pathlib import Path
 
 import numpy as np
-from PIL import Image, ImageColor, UnidentifiedImageError
+from PIL import Image, ImageColor, ImageFile, UnidentifiedImageError, features
 
-__all__ = ["BadImage", "DECODE_RULE", "decode", "parse_color", "probe"]
+__all__ = [
+    "BadImage",
+    "DECODE_RULE",
+    "UNREADABLE",
+    "decode",
+    "parse_color",
+    "probe",
+    "readable_extensions",
+    "unreadable_reason",
+]
 
 DECODE_RULE = "exif+box-lanczos-rg3+jpeg-draft+premultiplied-alpha-v2"
 """Names the decoding rule; part of every latent cache key, so a change here re-encodes."""
@@ -40,6 +62,102 @@ DECODE_RULE = "exif+box-lanczos-rg3+jpeg-draft+premultiplied-alpha-v2"
 _ROTATED = {5, 6, 7, 8}  # EXIF orientations that swap width and height
 _RESAMPLE = Image.Resampling.LANCZOS
 _REDUCING_GAP = 3.0  # Pillow: box-reduce by an integer factor first; "indistinguishable from fair resampling" at 3
+
+
+_NO_PIXELS = {"EPS", "MPEG", "PDF", "IPTC"}
+"""Formats Pillow registers without giving pixels itself: EPS/PostScript are rendered by Ghostscript (an external
+program), MPEG is only identified (a video), PDF only written; IPTC files are news metadata records."""
+
+_NEEDS = {"AVIF": "avif", "WEBP": "webp", "JPEG2000": "jpg_2000"}
+"""Formats Pillow always registers but reads only when built with the library (``PIL.features`` names)."""
+
+_PLUGINS = (("pillow_heif", "register_heif_opener"), ("pillow_jxl", None), ("pillow_avif", None))
+"""Pillow plugins used when installed: module, and the function that registers it (None: importing registers)."""
+
+_CONVERT = "convert it to JPEG or PNG"
+_RAW = "a camera RAW file (sensor data, not a finished picture); develop it to JPEG, PNG or TIFF in your photo software"
+_RAW_EXTENSIONS = (
+    ".cr2 .cr3 .crw .nef .nrw .arw .srf .sr2 .dng .raf .orf .rw2 .pef .srw .x3f .3fr .erf .kdc .mrw .rwl .iiq .raw"
+).split()
+_VECTOR = "(vector graphics, no pixels); export it as PNG at about the training resolution"
+UNREADABLE: dict[str, str] = {
+    **dict.fromkeys(
+        (".heic", ".heif", ".hif"),
+        f"a HEIC/HEIF photo (the iPhone's format), which Pillow reads only with a plugin; {_CONVERT}, or "
+        "`pip install pillow-heif` (used when installed)",
+    ),
+    **dict.fromkeys(
+        (".avif", ".avifs"),
+        f"an AVIF image, which this installation of Pillow cannot read; {_CONVERT}, or install Pillow 11.2 or newer "
+        "(pip wheels read AVIF) or `pip install pillow-avif-plugin`",
+    ),
+    ".jxl": f"a JPEG XL image, which Pillow reads only with a plugin; {_CONVERT}, or `pip install pillow-jxl-plugin` "
+    "(used when installed)",
+    ".webp": f"a WebP image, which this installation of Pillow cannot read (built without libwebp); {_CONVERT}, or "
+    "install Pillow from a pip wheel (they read WebP)",
+    **dict.fromkeys(
+        (".jp2", ".j2k", ".jpx", ".jpf", ".jpc", ".j2c"),
+        f"a JPEG 2000 image, which this installation of Pillow cannot read (built without OpenJPEG); {_CONVERT}, or "
+        "install Pillow from a pip wheel",
+    ),
+    **dict.fromkeys(_RAW_EXTENSIONS, _RAW),
+    **dict.fromkeys((".svg", ".svgz"), f"an SVG drawing {_VECTOR}"),
+    **dict.fromkeys((".eps", ".ps", ".ai"), f"a PostScript/EPS/Illustrator drawing {_VECTOR}"),
+    **dict.fromkeys((".wmf", ".emf"), f"a Windows metafile {_VECTOR}"),
+    ".psb": "a large Photoshop document (PSB), which Pillow cannot read; save a flattened PNG or TIFF",
+    ".xcf": "a GIMP document, which Pillow cannot read; export it as PNG",
+    **dict.fromkeys(
+        (".exr", ".hdr"),
+        "a high-dynamic-range image (OpenEXR/Radiance), which Pillow cannot read; tone-map it and save it as PNG or "
+        "TIFF",
+    ),
+}
+"""Known image extensions and why a file of that kind cannot be used here (used when Pillow cannot read it)."""
+
+
+def _register_plugins() -> None:
+    import importlib
+
+    for module, register in _PLUGINS:
+        try:
+            plugin = importlib.import_module(module)
+        except (ImportError, OSError):  # not installed, or its native library is missing
+            continue
+        if register is not None:
+            getattr(plugin, register)()
+
+
+def _readable_formats() -> dict[str, str]:
+    """Extension (lower case, with the dot) -> Pillow format, for every format this installation reads pixels of."""
+    _register_plugins()
+    Image.init()
+    readable: dict[str, str] = {}
+    for extension, fmt in Image.registered_extensions().items():
+        factory = Image.OPEN.get(fmt, (None,))[0]
+        if factory is None or fmt in _NO_PIXELS:
+            continue
+        if isinstance(factory, type) and issubclass(factory, ImageFile.StubImageFile):
+            continue  # a stub needs a handler registered by another library (BUFR, GRIB, HDF5, WMF off Windows)
+        feature = _NEEDS.get(fmt)
+        if feature is not None and (feature in features.modules or feature in features.codecs):
+            if not features.check(feature):
+                continue
+        readable[extension.lower()] = fmt
+    return readable
+
+
+@functools.cache
+def readable_extensions() -> frozenset[str]:
+    """The extensions (``".jpg"``, lower case) of the formats this installation of Pillow reads; see the module
+    docstring. Computed once per process (it also registers the installed Pillow plugins)."""
+    return frozenset(_readable_formats())
+
+
+def unreadable_reason(extension: str) -> str | None:
+    """Why a file with this extension cannot be used here (a known image format Pillow cannot read), or ``None``
+    when it is readable or not an image extension at all (``.txt``, ``.mp4``)."""
+    extension = extension.lower()
+    return None if extension in readable_extensions() else UNREADABLE.get(extension)
 
 
 class BadImage(Exception):
@@ -60,17 +178,21 @@ def parse_color(value: str, option: str = "data.alpha_background") -> tuple[int,
     return int(rgb[0]), int(rgb[1]), int(rgb[2])
 
 
-def _open(path: Path) -> Image.Image:
-    try:
-        size = path.stat().st_size
-    except OSError as e:
-        raise BadImage("unreadable file", f"cannot read the file ({e.strerror or e})") from e
+def _open(source: str | Path | bytes) -> Image.Image:
+    readable_extensions()  # the installed plugins registered (in a spawned worker process too)
+    if isinstance(source, bytes):
+        size = len(source)
+    else:
+        try:
+            size = Path(source).stat().st_size
+        except OSError as e:
+            raise BadImage("unreadable file", f"cannot read the file ({e.strerror or e})") from e
     if size == 0:
         raise BadImage("empty file", "empty file (0 bytes)")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            return Image.open(path)
+            return Image.open(io.BytesIO(source) if isinstance(source, bytes) else Path(source))
     except UnidentifiedImageError as e:
         raise BadImage("not an image", "not an image file (no known image format in its bytes)") from e
     except Image.DecompressionBombError as e:
@@ -86,9 +208,10 @@ def _orientation(im: Image.Image) -> int:
         return 1
 
 
-def probe(path: str | Path) -> tuple[int, int]:
-    """The ``(width, height)`` of the image as viewed (EXIF orientation applied), from the header only."""
-    with _open(Path(path)) as im:
+def probe(source: str | Path | bytes) -> tuple[int, int]:
+    """The ``(width, height)`` of the image (a path, or the file's bytes) as viewed (EXIF orientation applied), from
+    the header only."""
+    with _open(source) as im:
         width, height = im.size
         if _orientation(im) in _ROTATED:
             width, height = height, width
@@ -143,19 +266,19 @@ _UPRIGHT = {
 
 
 def decode(
-    path: str | Path,
+    source: str | Path | bytes,
     box: tuple[float, float, float, float],
     size: tuple[int, int],
     background: tuple[int, int, int] = (255, 255, 255),
 ) -> np.ndarray:
-    """Pixels ``uint8 [size[1], size[0], 3]``: the ``box`` (left, top, right, bottom, in viewed-image pixels of the
-    size :func:`probe` returns) resampled to ``size`` (width, height). Raises :class:`BadImage`.
+    """Pixels ``uint8 [size[1], size[0], 3]`` of the image (a path, or the file's bytes): the ``box`` (left, top,
+    right, bottom, in viewed-image pixels of the size :func:`probe` returns) resampled to ``size`` (width, height).
+    The first frame of an animation or multi-page file. Raises :class:`BadImage`.
 
     The box is resampled in the stored orientation and only the small result is rotated, so a full-size copy of the
     image is never made (``ImageOps.exif_transpose`` would make one, even for an upright image)."""
-    path = Path(path)
     out_w, out_h = size
-    im = _open(path)
+    im = _open(source)
     try:
         stored_w, stored_h = im.size
         transpose, to_stored = _UPRIGHT.get(_orientation(im), (None, None))

@@ -5,27 +5,81 @@ image's caption (:mod:`lightning_lora.data.captions`) and returns the usable :cl
 (file + one-line reason) for every image it cannot use. It reads caption files only, never image pixels, so it is
 cheap enough to run when the configuration is parsed.
 
+An image is a file in any format this installation of Pillow reads (:data:`IMAGE_EXTENSIONS`, from
+:func:`~lightning_lora.data.images.readable_extensions`: JPEG, PNG, WebP, GIF, TIFF, BMP, AVIF, ...). Listed as
+skipped, with what to do: a known image format Pillow cannot read here (HEIC without ``pillow-heif``, camera RAW,
+SVG, ...), a broken symbolic link and a symbolic link loop. Other files (captions, ``.json``, videos) are ignored
+without a word; a symbolic link to an image is an image.
+
+Some findings do not drop an image; they are *notes* (:data:`NOTE_KINDS`, :attr:`Skip.note`), listed in the cache
+summary but never counted as skipped and never fatal under ``data.on_bad_file: error``: a caption read as Windows-1252,
+a caption cut to :data:`~lightning_lora.data.captions.MAX_CAPTION_CHARS`, a metadata record that is unusable or names
+no image of the folder, and (from the cache build) captions longer than the text encoder reads.
+
 Fatal, because they are configuration mistakes rather than bad files: a folder that does not exist, and data in
 which no folder holds any image. A folder without images among others is a skip.
 
 :func:`split_validation` holds out a deterministic fraction of the images: those whose folder/file name hashes to a
 number below the fraction. The choice is made per image from its name only, so editing or adding images never moves
-an image between the splits (the count is about the fraction; at least one image is held out).
+an image between the splits (the count is about the fraction; at least one image is held out). The name's raw bytes
+are hashed, so a name that is not UTF-8 (Latin-1 names from old cameras and Windows archives) works too.
+
+**Names that are not UTF-8.** Python keeps such a byte as a "surrogate escape", which cannot be printed under a
+UTF-8 locale; every path that goes into a message passes :func:`display`, which shows the byte as ``\\xNN``.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from lightning_lora.data.captions import METADATA_FILES, TRIGGER, CaptionError, read_caption_file, read_metadata
+from lightning_lora.data.captions import (
+    METADATA_FILES,
+    TRIGGER,
+    CaptionError,
+    MetadataCaption,
+    read_caption_file,
+    read_metadata,
+)
+from lightning_lora.data.images import readable_extensions, unreadable_reason
 from lightning_lora.errors import ConfigError
 
-__all__ = ["IMAGE_EXTENSIONS", "ImageFolder", "Item", "Skip", "list_images", "scan", "split_validation"]
+__all__ = [
+    "IMAGE_EXTENSIONS",
+    "NOTE_KINDS",
+    "ImageFolder",
+    "Item",
+    "Skip",
+    "display",
+    "list_images",
+    "scan",
+    "split_validation",
+]
 
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
+IMAGE_EXTENSIONS: tuple[str, ...] = tuple(sorted(readable_extensions()))
+"""The extensions (lower case, with the dot) of the image files :func:`scan` uses: every format Pillow reads here."""
+
+NOTE_KINDS = frozenset({"metadata", "not UTF-8", "long caption", "over token limit"})
+"""Kinds of :class:`Skip` that are notes: reported, but the image (if any) is used."""
+
+_COMMON = (".jpg", ".png", ".webp", ".gif", ".tif", ".bmp", ".avif")
+FORMATS = ", ".join(e[1:] for e in _COMMON if e in IMAGE_EXTENSIONS) + " or another format Pillow reads"
+"""The readable formats in words, for messages."""
+
+
+def display(path: str | os.PathLike[str]) -> str:
+    """``path`` (or any text) as printable text: a byte of a file name that is not UTF-8 (a surrogate escape) is shown
+    as ``\\xNN``; valid names are unchanged."""
+    text = os.fspath(path)
+    try:
+        raw = text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # a lone surrogate that is no escaped byte (invalid UTF-16 from Windows)
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return raw.decode("utf-8", "backslashreplace")
 
 
 @dataclass
@@ -58,14 +112,21 @@ class Item:
 
 @dataclass(frozen=True)
 class Skip:
-    """A file (or folder) that is left out: a short ``kind`` for counting and a one-line ``reason``."""
+    """A file (or folder) that is left out, or a note about one: a short ``kind`` for counting and a one-line
+    ``reason``."""
 
     path: Path
     kind: str
     reason: str
 
+    @property
+    def note(self) -> bool:
+        """A note (:data:`NOTE_KINDS`): reported, but nothing is left out for it."""
+        return self.kind in NOTE_KINDS
+
     def line(self) -> str:
-        return f"{self.path}: {self.reason}"
+        """``path: reason``, printable whatever bytes the file name holds."""
+        return f"{display(self.path)}: {display(self.reason)}"
 
 
 def as_folders(images: str | ImageFolder | Sequence[str | ImageFolder], option: str) -> list[ImageFolder]:
@@ -78,13 +139,55 @@ def as_folders(images: str | ImageFolder | Sequence[str | ImageFolder], option: 
     return folders
 
 
-def list_images(folder: Path) -> list[Path]:
-    """The image files directly in ``folder`` (by extension, any case), sorted; hidden files are ignored."""
-    return sorted(
-        p
-        for p in folder.iterdir()
-        if p.suffix.lower() in IMAGE_EXTENSIONS and not p.name.startswith(".") and p.is_file()
-    )
+def _broken_link(path: Path) -> str | None:
+    """Why the symbolic link ``path`` leads to no file, or None when it does."""
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        return f"broken symbolic link (target {os.readlink(path)} does not exist)"
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return f"symbolic link loop (following {os.readlink(path)} leads back to it)"
+        return f"cannot follow the symbolic link ({e.strerror or e})"
+    return None
+
+
+def list_images(folder: Path) -> tuple[list[Path], list[Skip]]:
+    """The image files directly in ``folder`` (by extension, any case; sorted), and a :class:`Skip` for each file
+    that looks like an image but cannot be used (a format Pillow cannot read here, a broken link). Hidden files,
+    folders and other files are ignored."""
+    readable = readable_extensions()
+    images: list[Path] = []
+    skips: list[Skip] = []
+    for p in sorted(folder.iterdir()):
+        if p.name.startswith("."):
+            continue
+        suffix = p.suffix.lower()
+        reason = None if suffix in readable else unreadable_reason(suffix)
+        if suffix not in readable and reason is None:
+            continue  # not an image: a caption, metadata, a video...
+        broken = _broken_link(p) if p.is_symlink() else None
+        if broken is not None:
+            skips.append(Skip(p, "broken link", broken))
+        elif not p.is_file():
+            continue  # a folder named like an image is not an image
+        elif reason is not None:
+            skips.append(Skip(p, "unsupported format", reason))
+        else:
+            images.append(p)
+    return images, skips
+
+
+def _unmatched(root: Path, names: set[str], metadata: dict[str, MetadataCaption]) -> list[Skip]:
+    """A note for each metadata record whose file is not an image of the folder."""
+    notes = []
+    for name, entry in metadata.items():
+        if name not in names:
+            nested = " (subfolders are not searched)" if "/" in name else ""
+            notes.append(
+                Skip(root, "metadata", f"{entry.where}: names {name}, which is not an image in this folder{nested}")
+            )
+    return notes
 
 
 def scan(
@@ -95,7 +198,7 @@ def scan(
     trigger: str | None = None,
     option: str = "data.images",
 ) -> tuple[list[Item], list[Skip]]:
-    """Usable images with their captions, and the skipped ones with reasons. See the module docstring."""
+    """Usable images with their captions, and the skipped ones (and notes) with reasons. See the module docstring."""
     items: list[Item] = []
     skips: list[Skip] = []
     found_any = False
@@ -103,23 +206,28 @@ def scan(
         root = Path(folder.path).expanduser()
         if not root.is_dir():
             raise ConfigError(f"{option}: folder {folder.path!r} does not exist. Check the path.")
-        images = list_images(root)
+        images, unusable = list_images(root)
+        skips.extend(unusable)
         if not images:
-            skips.append(Skip(root, "empty folder", f"holds no images ({', '.join(IMAGE_EXTENSIONS)})"))
+            if not unusable:
+                skips.append(Skip(root, "empty folder", f"holds no images ({FORMATS})"))
             continue
         found_any = True
-        metadata, problems = read_metadata(root)
-        skips.extend(Skip(root, "metadata", p) for p in problems)
+        metadata, notes = read_metadata(root)
+        skips.extend(Skip(root, kind, message) for kind, message in notes)
+        skips.extend(_unmatched(root, {p.name for p in images} | {s.path.name for s in unusable}, metadata))
         default = folder.default_caption if folder.default_caption is not None else default_caption
         word = folder.trigger if folder.trigger is not None else trigger
         for image in images:
             caption_file = image.with_suffix(caption_ext)
             try:
                 if caption_file.is_file():
-                    caption: str | None = read_caption_file(caption_file)
+                    caption, caption_notes = read_caption_file(caption_file)
+                    skips.extend(Skip(caption_file, kind, message) for kind, message in caption_notes)
                     origin = f"caption file {caption_file.name} is empty"
                 else:
-                    caption = metadata.get(image.name)
+                    entry = metadata.get(image.name)
+                    caption = entry.caption if entry is not None else ""
                     origin = f"no caption file {caption_file.name}" + (
                         " and no metadata entry" if any((root / m).is_file() for m in METADATA_FILES) else ""
                     )
@@ -141,16 +249,27 @@ def scan(
             items.append(Item(image, caption, word, folder.repeats))
     if not found_any:
         names = ", ".join(repr(f.path) for f in folders)
+        unusable = [s for s in skips if s.kind in ("unsupported format", "broken link")]
+        example = f"; {len(unusable)} file(s) cannot be used, e.g. {unusable[0].line()}" if unusable else ""
         raise ConfigError(
-            f"{option}: folder {names} holds no images ({', '.join(IMAGE_EXTENSIONS)}). Put your training images "
-            f"there, or point {option} at the right folder."
+            f"{option}: folder {names} holds no images ({FORMATS}){example}. Put your training images there, or "
+            f"point {option} at the right folder."
         )
     return items, skips
 
 
+def _name_bytes(name: str) -> bytes:
+    """The bytes of a file name as the file system holds them: what ``str.encode()`` gives for every valid name (so
+    the hash, and the split, of existing names never changes), and the raw bytes of a name that is not UTF-8."""
+    try:
+        return name.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # a lone surrogate from an invalid UTF-16 name (Windows)
+        return name.encode("utf-8", "surrogatepass")
+
+
 def _name_hash(item: Item) -> float:
     """A number in [0, 1) from the folder and file name."""
-    digest = hashlib.sha256(f"{item.image.parent.name}/{item.image.name}".encode()).digest()
+    digest = hashlib.sha256(_name_bytes(f"{item.image.parent.name}/{item.image.name}")).digest()
     return int.from_bytes(digest[:8], "big") / 2.0**64
 
 

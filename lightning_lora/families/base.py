@@ -28,14 +28,27 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, NamedTuple, TypeVar
 
 import torch
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from lightning_lora.errors import ConfigError
+from lightning_lora.errors import ConfigError, first_line
 
-__all__ = ["DiffusionFamily", "ModelSource", "build_from_config", "check_source", "load_component", "FAMILIES"]
+__all__ = [
+    "DiffusionFamily",
+    "ModelSource",
+    "PromptLimit",
+    "build_from_config",
+    "check_source",
+    "load_component",
+    "load_weights",
+    "FAMILIES",
+]
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+"""Weight files in Python's pickle format, which can run code when loaded: never read from a user's folder."""
 
 FAMILIES: dict[str, type[DiffusionFamily]] = {}
 """The registry: family name -> class. Filled by :meth:`DiffusionFamily.__init_subclass__`."""
@@ -85,6 +98,23 @@ class ModelSource:
         return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
+class PromptLimit(NamedTuple):
+    """How much of a prompt a family's text encoder reads: its ``tokenizer``, the number of ``tokens`` it reads
+    (special tokens included; the rest of a longer prompt is cut off), and the encoder's ``name`` for messages."""
+
+    tokenizer: Any
+    tokens: int
+    name: str
+
+    def truncated(self, prompts: list[str]) -> list[bool]:
+        """Whether each prompt is longer than the encoder reads (so it is cut)."""
+        ids = self.tokenizer(prompts, truncation=False).input_ids
+        return [len(i) > self.tokens for i in ids]
+
+    def __str__(self) -> str:
+        return f"{self.tokens} {self.name} tokens"
+
+
 def check_source(source: ModelSource, pipeline_classes: tuple[str, ...]) -> None:
     """Validate a :class:`ModelSource` cheaply (no weights are read); raise :class:`ConfigError` with the fix."""
     path = Path(source.pretrained).expanduser()
@@ -124,6 +154,14 @@ def check_source(source: ModelSource, pipeline_classes: tuple[str, ...]) -> None
                 f"model.denoiser_file: {source.denoiser_file!r} is not a .safetensors file. Only safetensors weights "
                 "are loaded (pickled .ckpt/.pt/.bin files can run code); convert it or download the safetensors file."
             )
+        try:  # the header only (a few KB): a truncated download or another format fails here, not after minutes
+            with safe_open(f, framework="pt") as header:
+                header.keys()
+        except (SafetensorError, OSError) as e:
+            raise ConfigError(
+                f"model.denoiser_file: {source.denoiser_file!r} is not a readable safetensors file ({first_line(e)}). "
+                "A download cut short is the usual cause: download it again (its size should match the source's)."
+            ) from None
 
 
 def load_component(load: Callable[..., T], source: ModelSource, subfolder: str, **kwargs: Any) -> T:
@@ -135,6 +173,23 @@ def load_component(load: Callable[..., T], source: ModelSource, subfolder: str, 
         raise ConfigError(
             f"model.pretrained: could not load {subfolder!r} from {source.pretrained!r} ({where}): {e}"
         ) from e
+
+
+def load_weights(load: Callable[..., T], source: ModelSource, subfolder: str, **kwargs: Any) -> T:
+    """:func:`load_component` for a component with weights: safetensors files only. A local folder that holds only
+    pickled weights (``pytorch_model.bin``...) is refused naming the file (pickle can run code when loaded; diffusers
+    and transformers would load it); a hub repository without safetensors fails to load."""
+    if source.is_local:
+        folder = Path(source.local_path) / subfolder
+        files = sorted(folder.iterdir()) if folder.is_dir() else []
+        pickled = [f for f in files if f.suffix.lower() in PICKLE_SUFFIXES]
+        if pickled and not any(f.name.endswith(".safetensors") for f in files):
+            raise ConfigError(
+                f"model.pretrained: {pickled[0]} holds the {subfolder!r} weights in Python's pickle format, which can "
+                "run code when loaded; lightning-lora reads only safetensors weights. Download the safetensors version "
+                "of the model, or convert the file with a tool you trust (torch.load + safetensors.torch.save_file)."
+            )
+    return load_component(load, source, subfolder, use_safetensors=True, **kwargs)
 
 
 def build_from_config(cls: Any, config: dict[str, Any], dtype: torch.dtype, device: str = "meta") -> nn.Module:
@@ -186,7 +241,7 @@ class DiffusionFamily(ABC):
         """The VAE (``vae/`` of ``source``), frozen, in eval mode."""
         from diffusers import AutoencoderKL
 
-        vae = load_component(AutoencoderKL.from_pretrained, source, "vae", torch_dtype=source.dtype)
+        vae = load_weights(AutoencoderKL.from_pretrained, source, "vae", torch_dtype=source.dtype)
         return vae.requires_grad_(False).eval()
 
     def load_denoiser_weights(self, cls: Any, source: ModelSource) -> nn.Module:
@@ -202,7 +257,7 @@ class DiffusionFamily(ABC):
                 local_files_only=source.is_local,
             )
         else:
-            model = load_component(cls.from_pretrained, source, self.denoiser_subfolder, torch_dtype=source.dtype)
+            model = load_weights(cls.from_pretrained, source, self.denoiser_subfolder, torch_dtype=source.dtype)
         return model.requires_grad_(False).eval()
 
     @abstractmethod
@@ -217,6 +272,13 @@ class DiffusionFamily(ABC):
     @abstractmethod
     def encode_images(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
         """Encode images in [-1, 1], ``[B, 3, H, W]``, to normalized latents ``[B, C, H/8, W/8]`` (float32)."""
+
+    def prompt_limit(self, encoders: Any) -> PromptLimit | None:
+        """How much of a prompt the text encoder that carries it reads, for reporting captions that are cut (the
+        cache counts them instead of the pipelines' per-batch warnings). Default: the CLIP tokenizer
+        (``encoders.tokenizer``) and its ``model_max_length`` (77); ``None`` when ``encoders`` has none."""
+        tokenizer = getattr(encoders, "tokenizer", None)
+        return None if tokenizer is None else PromptLimit(tokenizer, int(tokenizer.model_max_length), "CLIP")
 
     @abstractmethod
     def text_cache_tag(self) -> str:

@@ -24,7 +24,14 @@ import torch
 from torch import nn
 
 from lightning_lora import objectives
-from lightning_lora.families.base import DiffusionFamily, ModelSource, build_from_config, load_component
+from lightning_lora.families.base import (
+    DiffusionFamily,
+    ModelSource,
+    PromptLimit,
+    build_from_config,
+    load_component,
+    load_weights,
+)
 from lightning_lora.objectives import TimestepSampling
 
 __all__ = ["Flux", "pack_latents", "unpack_latents", "latent_image_ids"]
@@ -124,8 +131,8 @@ class Flux(DiffusionFamily):
 
         transformers_logging.disable_progress_bar()
 
-        te = load_component(CLIPTextModel.from_pretrained, source, "text_encoder", dtype=source.dtype)
-        te2 = load_component(T5EncoderModel.from_pretrained, source, "text_encoder_2", dtype=source.dtype)
+        te = load_weights(CLIPTextModel.from_pretrained, source, "text_encoder", dtype=source.dtype)
+        te2 = load_weights(T5EncoderModel.from_pretrained, source, "text_encoder_2", dtype=source.dtype)
         # A pipeline with only its text parts: encode_prompt is then exactly what inference does.
         return FluxPipeline(
             scheduler=None,
@@ -155,6 +162,10 @@ class Flux(DiffusionFamily):
 
     def text_cache_tag(self) -> str:
         return f"flux-t5len{self.max_sequence_length}"
+
+    def prompt_limit(self, encoders: Any) -> PromptLimit:
+        # T5 carries the prompt (CLIP-L gives only the pooled vector, from its first 77 tokens).
+        return PromptLimit(encoders.tokenizer_2, self.max_sequence_length, "T5")
 
     # -- training ----------------------------------------------------------------------------------------------
     def sample_timesteps(self, latents: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
