@@ -7,11 +7,14 @@ says what was found, encoded, reused and skipped (with reasons), the buckets wit
 ``fit`` reuses everything (the keys are content hashes) and builds only what is still missing.
 
 Exit status: 0 when done, 2 for a configuration error (wrong path, no usable image, a bad file with
-``data.on_bad_file: error``), printed as one message without a traceback.
+``data.on_bad_file: error``) or a cache file that cannot be written (full disk, no permission), printed as one message
+without a traceback; 130 after Ctrl-C. An interrupted or failed build keeps every file it finished (each is written
+atomically): the same command continues where it stopped.
 """
 
 from __future__ import annotations
 
+import signal
 import sys
 import warnings
 from typing import Any
@@ -39,7 +42,7 @@ def main(argv: list[str]) -> int:
     if not args or args[0] in ("-h", "--help"):
         print(_USAGE)
         return 0 if args else 2
-    from lightning_lora.cli import LoraCLI
+    from lightning_lora.cli import LoraCLI, write_error
     from lightning_lora.errors import ConfigError
 
     # `args` differs from sys.argv (which starts with "cache"): that is intended here.
@@ -56,6 +59,19 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"lightning-lora cache: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        message = write_error(e)
+        if message is None:
+            raise
+        print(f"lightning-lora cache: error: {message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(
+            "\nlightning-lora cache: interrupted. Every entry finished so far is kept; run the same command again to "
+            "continue (it encodes only what is missing).",
+            file=sys.stderr,
+        )
+        return 128 + signal.SIGINT
     print(report.format(), flush=True)
     return 0
 

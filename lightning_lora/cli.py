@@ -286,6 +286,9 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``lightning-lora`` command: ``cache``, ``plan`` and ``export`` are ours, everything else
     (``fit``, ``--help``...) is LightningCLI's."""
     args = sys.argv[1:] if argv is None else list(argv)
+    # A file name with a byte that is not UTF-8 must not crash a print under a strict UTF-8 locale.
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(errors="backslashreplace")
     if args[:1] == ["export"]:
         from lightning_lora.export_cli import main as export_main
 
@@ -300,9 +303,6 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(plan_main(args[1:]))
     for pattern in _NOISE:
         warnings.filterwarnings("ignore", message=pattern)
-    # A file name with a byte that is not UTF-8 must not crash a print under a strict UTF-8 locale.
-    if hasattr(sys.stdout, "reconfigure"):
-        sys.stdout.reconfigure(errors="backslashreplace")
     try:
         cli = LoraCLI(args=argv)
     except ConfigError as e:

@@ -431,3 +431,32 @@ def test_a_cache_that_cannot_be_written_is_one_line_and_keeps_what_was_written(
     cli = run_cli(["fit", "--config", str(config)])
     assert cli.trainer.global_step == 1
     assert cli.datamodule.report is not None and cli.datamodule.report.latents_reused >= 1
+
+
+def test_ctrl_c_during_cache_keeps_what_was_written(
+    tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path, capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C while `lightning-lora cache` encodes (with decoding worker processes running): exit 130, one message,
+    the finished entries stay, and the same command continues."""
+    from lightning_lora.cache_cli import main as cache_main
+    from lightning_lora.families.flux import Flux
+
+    config = write_config(tmp_path, tiny_flux_dir, photos_dir, **{"data.encode_batch_size": 1, "data.cache_workers": 2})
+    encode = Flux.encode_images
+    calls = []
+
+    def interrupted(self, vae, pixels):
+        calls.append(len(pixels))
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return encode(self, vae, pixels)
+
+    monkeypatch.setattr(Flux, "encode_images", interrupted)
+    assert cache_main(["--config", str(config)]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted" in err and "run the same command again" in err and "Traceback" not in err, err
+    monkeypatch.undo()
+    assert len(list((tmp_path / "cache" / "latents").glob("*.safetensors"))) == 2
+    assert not list((tmp_path / "cache").rglob("*.tmp"))
+    assert cache_main(["--config", str(config)]) == 0
+    assert "latents:         2 encoded, 2 reused" in capsys.readouterr().out

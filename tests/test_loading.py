@@ -78,3 +78,32 @@ def test_hub_id_offline_fails_with_a_clear_message(monkeypatch: pytest.MonkeyPat
     Flux().check_source(source)  # a hub id is accepted before anything is loaded
     with pytest.raises(ConfigError, match=r"model\.pretrained.*black-forest-labs/FLUX\.1-dev.*offline"):
         Flux().load_vae(source)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not safetensors"])
+def test_a_damaged_denoiser_file_is_refused_before_loading(tmp_path: Path, tiny_flux_dir: Path, damage: str) -> None:
+    file = tmp_path / "flux1-dev.safetensors"
+    save_file({k: v.contiguous() for k, v in _reference(tiny_flux_dir).items()}, file)
+    data = file.read_bytes()
+    file.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"<html>404 Not Found</html>")
+    with pytest.raises(ConfigError, match=r"model\.denoiser_file: .* is not a readable safetensors file .*download"):
+        Flux().check_source(ModelSource(str(tiny_flux_dir), denoiser_file=str(file)))
+
+
+@pytest.mark.parametrize("component", ["text_encoder", "vae", "transformer"])
+def test_pickled_weights_in_a_pipeline_folder_are_refused(tmp_path: Path, tiny_flux_dir: Path, component: str) -> None:
+    """diffusers and transformers would load a folder's pytorch_model.bin (pickle); we read safetensors only."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    folder = tmp_path / "flux"
+    shutil.copytree(tiny_flux_dir, folder)
+    weights = next((folder / component).glob("*.safetensors"))
+    pickled = weights.with_suffix(".bin")
+    torch.save(load_file(weights), pickled)
+    weights.unlink()
+    family, source = Flux(max_sequence_length=16), ModelSource(str(folder), dtype=torch.float32)
+    load = {"text_encoder": family.load_text_encoders, "vae": family.load_vae, "transformer": family.load_denoiser}
+    with pytest.raises(ConfigError, match=rf"model\.pretrained: {pickled} holds the '{component}' weights in .*pickle"):
+        load[component](source)

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from lightning_lora.families.base import ModelSource, load_component
+from lightning_lora.families.base import ModelSource, load_component, load_weights
 from lightning_lora.families.unet import UNetFamily
 
 __all__ = ["SD15"]
@@ -38,7 +38,7 @@ class SD15(UNetFamily):
         from transformers.utils import logging as transformers_logging
 
         transformers_logging.disable_progress_bar()
-        te = load_component(CLIPTextModel.from_pretrained, source, "text_encoder", dtype=source.dtype)
+        te = load_weights(CLIPTextModel.from_pretrained, source, "text_encoder", dtype=source.dtype)
         return StableDiffusionPipeline(
             vae=None,
             text_encoder=te.requires_grad_(False).eval(),

@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from lightning_lora.families.base import ModelSource, load_component
+from lightning_lora.families.base import ModelSource, load_component, load_weights
 from lightning_lora.families.unet import UNetFamily
 
 __all__ = ["SDXL", "sdxl_time_ids"]
@@ -71,8 +71,8 @@ class SDXL(UNetFamily):
         from transformers.utils import logging as transformers_logging
 
         transformers_logging.disable_progress_bar()
-        te = load_component(CLIPTextModel.from_pretrained, source, "text_encoder", dtype=source.dtype)
-        te2 = load_component(CLIPTextModelWithProjection.from_pretrained, source, "text_encoder_2", dtype=source.dtype)
+        te = load_weights(CLIPTextModel.from_pretrained, source, "text_encoder", dtype=source.dtype)
+        te2 = load_weights(CLIPTextModelWithProjection.from_pretrained, source, "text_encoder_2", dtype=source.dtype)
         # A pipeline with only its text parts: encode_prompt is then exactly what inference does.
         return StableDiffusionXLPipeline(
             vae=None,
