@@ -14,7 +14,7 @@ __version__ = "0.1.0"
 
 _PUBLIC = {
     "LoraModule": "lightning_lora.module",
-    "LoraOptions": "lightning_lora.assembly",
+    "LoraOptions": "lightning_lora.lora",
     "QuantOptions": "lightning_lora.quant",
     "LatentDataModule": "lightning_lora.data.datamodule",
     "Flux": "lightning_lora.families",

@@ -14,15 +14,11 @@ The order matters and is fixed here, once:
    (:mod:`lightning_lora.offload`; before Lightning moves the model to the GPU, so they never all land there);
 7. the attention backend, and regional compilation of the repeated blocks, if asked.
 
-Target modules are given as a preset name of the family (``attention``, ``attention_all``, ``all_linear``), a regular
-expression over module names, or a list of module-name suffixes (``to_q``, ``attn.to_out.0``). A list entry that
-matches nothing is an error: peft would silently ignore it, and the user would train fewer layers than they think.
+The adapter itself (its options, targets, peft config, which parameters are its own) is :mod:`lightning_lora.lora`.
 """
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -31,91 +27,19 @@ from torch import nn
 from lightning_lora.errors import ConfigError
 from lightning_lora.families.base import DiffusionFamily, ModelSource
 from lightning_lora.hardware import check_attention
+from lightning_lora.lora import LoraOptions, inject_lora, trainable_parameters
 from lightning_lora.offload import check_offload_blocks, offload_blocks, offloaded_blocks, repeated_blocks
 from lightning_lora.quant import QuantOptions, quantize_base
 from lightning_lora.recompute import InputOffloader, checkpoint_function, recomputed
 
 __all__ = [
     "AttentionBackend",
-    "LoraOptions",
     "apply_gradient_checkpointing",
     "build_lora_model",
     "check_checkpoint_every",
     "compile_repeated_blocks",
     "configure_attention",
-    "resolve_targets",
-    "trainable_parameters",
 ]
-
-
-@dataclass
-class LoraOptions:
-    """LoRA adapter settings.
-
-    Args:
-        rank: the rank r of the update ``B @ A`` (A: r x in, B: out x r).
-        alpha: the update is scaled by ``alpha / rank``; null means alpha = rank (scale 1).
-        targets: a family preset (``attention``, ``attention_all``, ``all_linear``), a regular expression over module
-            names, or a list of module-name suffixes.
-        dropout: dropout on the LoRA input during training.
-        init: ``gaussian`` (A ~ N(0, 1/r), B = 0, as the diffusers scripts) or ``kaiming`` (peft's default).
-    """
-
-    rank: int = 16
-    alpha: float | None = None
-    targets: str | list[str] = "attention"
-    dropout: float = 0.0
-    init: Literal["gaussian", "kaiming"] = "gaussian"
-
-    def __post_init__(self) -> None:
-        if self.rank < 1:
-            raise ConfigError(f"model.lora.rank: {self.rank} must be a positive integer (typical: 4 to 64).")
-        if self.alpha is not None and self.alpha <= 0:
-            raise ConfigError(f"model.lora.alpha: {self.alpha} must be positive, or null for alpha = rank.")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"model.lora.dropout: {self.dropout} must be in [0, 1).")
-
-    @property
-    def scale_alpha(self) -> float:
-        return float(self.alpha if self.alpha is not None else self.rank)
-
-
-def resolve_targets(targets: str | list[str], family: DiffusionFamily, model: nn.Module) -> str | list[str]:
-    """Turn the user's ``targets`` into a peft ``target_modules`` value, checking that each part matches a layer."""
-    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear | nn.Conv2d) or _is_quantized_linear(m)]
-    if isinstance(targets, str):
-        pattern = family.lora_presets.get(targets, targets)
-        try:
-            regex = re.compile(pattern)
-        except re.error as e:
-            raise ConfigError(
-                f"model.lora.targets: {targets!r} is neither a preset ({', '.join(family.lora_presets)}) nor a valid "
-                f"regular expression ({e})."
-            ) from e
-        if not any(regex.fullmatch(n) for n in names):
-            raise ConfigError(
-                f"model.lora.targets: {targets!r} matches no linear or convolution layer of the {family.name} "
-                f"model. Use a preset ({', '.join(family.lora_presets)}) or a module-name pattern such as "
-                f"{names[len(names) // 2]!r}."
-            )
-        return pattern
-    unmatched = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
-    if unmatched or not targets:
-        example = sorted({n.rsplit(".", 1)[-1] for n in names})[:12]
-        raise ConfigError(
-            f"model.lora.targets: {unmatched or targets} match no linear or convolution layer of the "
-            f"{family.name} model. Layer names end in e.g. {example}; or use a preset "
-            f"({', '.join(family.lora_presets)})."
-        )
-    return list(targets)
-
-
-def _is_quantized_linear(module: nn.Module) -> bool:
-    return type(module).__name__ in ("Linear4bit", "Linear8bitLt", "FP8Linear")
-
-
-def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
-    return [p for p in model.parameters() if p.requires_grad]
 
 
 def build_lora_model(
@@ -136,26 +60,16 @@ def build_lora_model(
     ``device`` is where quantized layers are created (the training device); the rest of the model is moved there by
     Lightning afterwards. Returns the denoiser in train mode.
     """
-    from peft import LoraConfig
-
     check_offload_blocks(offload, None, quantization.mode if quantization else "none", compile_blocks)
     check_offload_activations(offload_activations, gradient_checkpointing)
     denoiser = family.load_denoiser(source)
     denoiser.requires_grad_(False)
-    target_modules = resolve_targets(lora.targets, family, denoiser)
     offloaded = offloaded_blocks(denoiser, offload)  # the same modules after quantization and LoRA injection
     if quantization is not None:
         # The blocks to offload are quantized on the CPU, where they will stay: the GPU never holds them all.
         on_cpu = frozenset(id(m) for block in offloaded for m in block.modules())
         quantize_base(denoiser, quantization, device or torch.device("cpu"), source.dtype, on_cpu)
-    config = LoraConfig(
-        r=lora.rank,
-        lora_alpha=lora.scale_alpha,
-        lora_dropout=lora.dropout,
-        init_lora_weights="gaussian" if lora.init == "gaussian" else True,
-        target_modules=target_modules,
-    )
-    denoiser.add_adapter(config)
+    inject_lora(denoiser, family, lora)
     for p in trainable_parameters(denoiser):
         p.data = p.data.to(torch.float32)
     if gradient_checkpointing:
@@ -165,24 +79,6 @@ def build_lora_model(
     if compile_blocks:
         compile_repeated_blocks(denoiser, extra=family.compiled_regions)
     return denoiser.train()
-
-
-def set_lora_input_casts(denoiser: nn.Module, enabled: bool) -> int:
-    """Whether the LoRA layers cast their input to the adapter's float32; off only where every forward runs under
-    autocast.
-
-    peft casts each LoRA layer's input to the adapter's float32 (``cast_input_dtype_enabled``), and autocast casts
-    it straight back to bf16 for the matmul: two copies of the activation per layer in the forward and two in the
-    backward, the same values (~2,800 of a FLUX step's ~9,800 kernels). Without autocast the cast is needed (a bf16
-    input would meet float32 adapter weights), so :class:`~lightning_lora.module.LoraModule` turns it off under a
-    mixed-precision plugin and on under any other, each time it is fitted. Returns how many layers were set.
-    """
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    layers = [m for m in denoiser.modules() if isinstance(m, BaseTunerLayer)]
-    for layer in layers:
-        layer.cast_input_dtype_enabled = enabled
-    return len(layers)
 
 
 def check_checkpoint_every(every: int) -> None:

@@ -44,9 +44,9 @@ from lightning_lora.export_kohya import (
     kohya_sdxl_metadata,
     sd15_to_kohya,
     sdxl_to_kohya,
-    split_lora_state,
 )
 from lightning_lora.io import save_safetensors
+from lightning_lora.lora import LoraOptions, adapter_state, peft_config, split_lora_state
 
 __all__ = ["FORMATS", "checkpoint_lora", "export_lora", "read_metadata", "save_lora"]
 
@@ -167,21 +167,14 @@ def _peft_config(modules: list[str], rank: int, alpha: float, lora: Mapping[str,
     not the user's preset: a list of names would be matched as suffixes (``proj_out`` would also hit every single
     block's ``proj_out``), and a preset could change meaning between versions.
     """
-    from peft import LoraConfig
-
-    config = LoraConfig(
-        r=rank,
-        lora_alpha=alpha,
-        target_modules="(" + "|".join(re.escape(m) for m in modules) + ")",
-        lora_dropout=float(lora.get("dropout") or 0.0),
-        init_lora_weights="gaussian" if lora.get("init", "gaussian") == "gaussian" else True,
-    ).to_dict()
+    options = LoraOptions(
+        rank=rank, alpha=alpha, dropout=float(lora.get("dropout") or 0.0), init=lora.get("init") or "gaussian"
+    )
+    config = peft_config(options, "(" + "|".join(re.escape(m) for m in modules) + ")").to_dict()
     return {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
 
 
 # --------------------------------------------------------------------------------------------- from a checkpoint
-
-_CHECKPOINT_KEY = re.compile(r"^denoiser\.(?P<module>.+)\.lora_(?P<part>[AB])\.default\.weight$")
 
 
 def checkpoint_lora(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
@@ -208,11 +201,7 @@ def checkpoint_lora(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str
             "checkpoint of `lightning-lora fit`: pass another .ckpt from the run's checkpoints/ folder."
         ) from None
     saved = checkpoint.get("state_dict") if isinstance(checkpoint, dict) else None
-    state: dict[str, torch.Tensor] = {}
-    for key, tensor in (saved or {}).items():
-        match = _CHECKPOINT_KEY.match(key)
-        if match is not None:
-            state[f"{match['module']}.lora_{match['part']}.weight"] = tensor
+    state = adapter_state(saved or {})  # every adapter tensor: a variant a format cannot hold is refused by name
     if not state:
         raise ConfigError(
             f"{path}: holds no LoRA tensors (keys denoiser.<module>.lora_A.default.weight); it is not a checkpoint of "

@@ -67,6 +67,7 @@ from torch import Tensor
 
 from lightning_lora.families.flux_bfl import BflSlice, FluxDims, bfl_slice, swap_halves
 from lightning_lora.families.unet_ldm import SDXL_LAYOUT, UNetLayout, diffusers_to_ldm
+from lightning_lora.lora import split_lora_state
 
 __all__ = [
     "KOHYA_PREFIX",
@@ -85,37 +86,8 @@ __all__ = [
 #: Prefix of the denoiser's LoRA keys in kohya / ComfyUI files (text encoders use ``lora_te1_`` / ``lora_te2_``).
 KOHYA_PREFIX = "lora_unet_"
 
-_PEFT_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<part>[AB])\.weight$")
 # Modules whose LoRA input is the transformer width (``inner_dim``) and that are parts of a fused BFL layer.
 _FUSED_PART = re.compile(r"(^|\.)(attn\.(to_[qkv]|add_[qkv]_proj)|proj_mlp)$")
-
-
-def split_lora_state(state: Mapping[str, Tensor]) -> dict[str, tuple[Tensor, Tensor]]:
-    """``{module: (lora_A [r, in], lora_B [out, r])}`` from a peft state dict (``<module>.lora_A.weight`` keys).
-
-    A convolution's LoRA is 4-D (``lora_A [r, in, k, k]``, ``lora_B [out, r, 1, 1]``). Raises ``ValueError`` for keys
-    that are not plain LoRA weights (DoRA magnitudes, LoRA biases, adapter names) and for modules that lack one of the
-    two matrices or whose shapes do not chain.
-    """
-    found: dict[str, dict[str, Tensor]] = {}
-    for key, tensor in state.items():
-        match = _PEFT_KEY.match(key)
-        if match is None or ".lora_" in match["module"]:
-            raise ValueError(
-                f"{key!r} is not a plain LoRA weight (<module>.lora_A.weight / <module>.lora_B.weight); DoRA, LoRA "
-                "biases and adapter names in keys cannot be exported."
-            )
-        found.setdefault(match["module"], {})[match["part"]] = tensor
-    pairs: dict[str, tuple[Tensor, Tensor]] = {}
-    for module, parts in found.items():
-        if set(parts) != {"A", "B"}:
-            raise ValueError(f"{module}: has lora_{''.join(parts)} but not both lora_A and lora_B")
-        a, b = parts["A"], parts["B"]
-        chained = a.ndim == b.ndim and a.shape[0] == b.shape[1] and (a.ndim == 2 or b.shape[2:] == (1, 1))
-        if a.ndim not in (2, 4) or not chained:
-            raise ValueError(f"{module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not form B @ A")
-        pairs[module] = (a, b)
-    return pairs
 
 
 def flux_lora_dims(pairs: Mapping[str, tuple[Tensor, Tensor]]) -> FluxDims:

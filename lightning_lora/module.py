@@ -29,17 +29,15 @@ from typing_extensions import override
 
 from lightning_lora.assembly import (
     AttentionBackend,
-    LoraOptions,
     build_lora_model,
     check_checkpoint_every,
     check_offload_activations,
-    set_lora_input_casts,
-    trainable_parameters,
 )
 from lightning_lora.checkpoint import STAMP, configured_record, reconcile_training_state
 from lightning_lora.errors import ConfigError
 from lightning_lora.families.base import DiffusionFamily, ModelSource
 from lightning_lora.families.flux import Flux
+from lightning_lora.lora import LoraOptions, set_lora_input_casts, trainable_parameters
 from lightning_lora.offload import check_offload_blocks
 from lightning_lora.quant import QuantOptions
 

@@ -234,9 +234,8 @@ def plan_training(
     sample_size: tuple[int, int] | None = None,
 ) -> MemoryPlan:
     """Predict the training peak of a :class:`~lightning_lora.module.LoraModule` configuration."""
-    from peft import LoraConfig
-
-    from lightning_lora.assembly import apply_gradient_checkpointing, resolve_targets
+    from lightning_lora.assembly import apply_gradient_checkpointing
+    from lightning_lora.lora import inject_lora
     from lightning_lora.recompute import ensure_recomputed
 
     family, source = module.family, module.source
@@ -247,8 +246,7 @@ def plan_training(
     offloaded = offloaded_blocks(model, offload)
     weights = weight_bytes(model, module.quantization, source.dtype)
     resident = weights - offloaded_weight_bytes(model, offloaded, module.quantization, source.dtype)
-    targets = resolve_targets(module.lora.targets, family, model)
-    model.add_adapter(LoraConfig(r=module.lora.rank, lora_alpha=module.lora.scale_alpha, target_modules=targets))
+    inject_lora(model, family, module.lora)
     lora_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     for p in model.parameters():  # autocast computes the LoRA path in the base dtype
         if p.requires_grad:

@@ -9,10 +9,11 @@ import torch
 from diffusers import FluxTransformer2DModel
 from test_offload import build_tiny, random_inputs
 
-from lightning_lora.assembly import LoraOptions, build_lora_model, resolve_targets, trainable_parameters
+from lightning_lora.assembly import build_lora_model
 from lightning_lora.errors import ConfigError
 from lightning_lora.families.base import ModelSource
 from lightning_lora.families.flux import Flux
+from lightning_lora.lora import LoraOptions, resolve_targets, trainable_parameters
 
 ATTENTION_SUFFIXES = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0")
 
@@ -185,7 +186,7 @@ def _bf16_step(folder: Path, skip_casts: bool) -> tuple[torch.Tensor, dict[str, 
     """Loss, LoRA gradients and the number of dtype copies of one autocast step on a bf16 base."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from lightning_lora.assembly import set_lora_input_casts
+    from lightning_lora.lora import set_lora_input_casts
 
     class CountCopies(TorchDispatchMode):
         copies = 0

@@ -10,10 +10,11 @@ import torch
 from diffusers import FluxPipeline
 from safetensors import safe_open
 
-from lightning_lora.assembly import LoraOptions, build_lora_model
+from lightning_lora.assembly import build_lora_model
 from lightning_lora.export import read_metadata, save_lora
 from lightning_lora.families.base import ModelSource
 from lightning_lora.families.flux import Flux, latent_image_ids
+from lightning_lora.lora import LoraOptions
 
 RANK, ALPHA = 4, 8.0
 

@@ -35,9 +35,10 @@ from unet_helpers import ALPHA, RANK, lora_model
 
 from lightning_lora.export import checkpoint_lora, export_lora, read_metadata
 from lightning_lora.export_cli import main as export_main
-from lightning_lora.export_kohya import flux_lora_dims, flux_to_kohya, kohya_name, split_lora_state
+from lightning_lora.export_kohya import flux_lora_dims, flux_to_kohya, kohya_name
 from lightning_lora.families.flux import Flux, latent_image_ids
 from lightning_lora.families.flux_bfl import FluxDims, bfl_to_diffusers, diffusers_to_bfl
+from lightning_lora.lora import split_lora_state
 
 INFO = {"family": "flux", "base_model": "tiny", "steps": 3}
 INNER, MLP = 32, 128  # the tiny FLUX of lightning_lora.tiny (dim64=False)

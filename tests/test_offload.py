@@ -9,10 +9,11 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_lora.assembly import LoraOptions, build_lora_model
+from lightning_lora.assembly import build_lora_model
 from lightning_lora.errors import ConfigError
 from lightning_lora.families.base import ModelSource
 from lightning_lora.families.flux import Flux
+from lightning_lora.lora import LoraOptions
 from lightning_lora.offload import BlockOffloader, pick_offloaded, repeated_blocks
 from lightning_lora.quant import QuantOptions
 

@@ -15,10 +15,11 @@ import pytest
 import torch
 from test_offload import _two_steps, build_tiny
 
-from lightning_lora.assembly import LoraOptions, build_lora_model
+from lightning_lora.assembly import build_lora_model
 from lightning_lora.errors import ConfigError
 from lightning_lora.families.base import ModelSource
 from lightning_lora.families.flux import Flux
+from lightning_lora.lora import LoraOptions
 from lightning_lora.recompute import InputOffloader
 
 

@@ -10,9 +10,10 @@ import torch
 from test_cli import run_cli, write_config
 from torch import nn
 
-from lightning_lora.assembly import LoraOptions, build_lora_model, configure_attention
+from lightning_lora.assembly import build_lora_model, configure_attention
 from lightning_lora.errors import ConfigError
 from lightning_lora.families import Flux, ModelSource
+from lightning_lora.lora import LoraOptions
 from lightning_lora.quant import QuantOptions, quantize_base
 from lightning_lora.quant.fp8 import FP8Linear, _ScaledMatmul, quantize_rowwise
 

@@ -10,8 +10,9 @@ import yaml
 from safetensors.torch import load_file
 from test_cli import run_cli, write_config
 
-from lightning_lora.assembly import LoraOptions, build_lora_model
+from lightning_lora.assembly import build_lora_model
 from lightning_lora.families.base import DiffusionFamily, ModelSource
+from lightning_lora.lora import LoraOptions
 
 RANK, ALPHA = 4, 8.0
 

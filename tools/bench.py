@@ -30,9 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from lightning.pytorch import Callback, LightningDataModule, Trainer  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
-from lightning_lora.assembly import LoraOptions, set_lora_input_casts  # noqa: E402
 from lightning_lora.families.base import ModelSource, build_from_config  # noqa: E402
 from lightning_lora.families.flux import Flux  # noqa: E402
+from lightning_lora.lora import LoraOptions, set_lora_input_casts  # noqa: E402
 from lightning_lora.module import LoraModule  # noqa: E402
 from lightning_lora.parallel import resolve_strategy  # noqa: E402
 from lightning_lora.quant import QuantOptions  # noqa: E402

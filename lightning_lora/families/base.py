@@ -42,6 +42,7 @@ __all__ = [
     "PromptLimit",
     "build_from_config",
     "check_source",
+    "compute_dtype",
     "load_component",
     "load_weights",
     "FAMILIES",
@@ -190,6 +191,16 @@ def load_weights(load: Callable[..., T], source: ModelSource, subfolder: str, **
                 "of the model, or convert the file with a tool you trust (torch.load + safetensors.torch.save_file)."
             )
     return load_component(load, source, subfolder, use_safetensors=True, **kwargs)
+
+
+def compute_dtype(module: nn.Module) -> torch.dtype:
+    """The dtype the frozen base computes in: that of its first floating-point parameter that is not the adapter's."""
+    from lightning_lora.lora import is_adapter_param
+
+    for name, p in module.named_parameters():
+        if p.is_floating_point() and not is_adapter_param(name):
+            return p.dtype
+    return torch.float32
 
 
 def build_from_config(cls: Any, config: dict[str, Any], dtype: torch.dtype, device: str = "meta") -> nn.Module:

@@ -29,6 +29,7 @@ from lightning_lora.families.base import (
     ModelSource,
     PromptLimit,
     build_from_config,
+    compute_dtype,
     load_component,
     load_weights,
 )
@@ -64,14 +65,6 @@ def latent_image_ids(
     cols = torch.arange(w // 2, device=device).repeat(h // 2)
     ids = torch.stack([torch.zeros_like(rows), rows, cols], dim=1)
     return ids.to(dtype)
-
-
-def compute_dtype(module: nn.Module) -> torch.dtype:
-    """The dtype the frozen base computes in: that of its first floating-point, non-LoRA parameter."""
-    for name, p in module.named_parameters():
-        if p.is_floating_point() and "lora_" not in name:
-            return p.dtype
-    return torch.float32
 
 
 class Flux(DiffusionFamily):

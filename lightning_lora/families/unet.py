@@ -40,8 +40,13 @@ from typing_extensions import override
 
 from lightning_lora import objectives
 from lightning_lora.errors import ConfigError
-from lightning_lora.families.base import DiffusionFamily, ModelSource, build_from_config, load_component
-from lightning_lora.families.flux import compute_dtype
+from lightning_lora.families.base import (
+    DiffusionFamily,
+    ModelSource,
+    build_from_config,
+    compute_dtype,
+    load_component,
+)
 from lightning_lora.objectives import PredictionType
 
 __all__ = ["NoiseSchedule", "UNetFamily", "noise_schedule_of"]
