@@ -1,4 +1,5 @@
-"""Build the trainable model: load the frozen backbone, inject LoRA with peft, prepare it for training.
+"""Build the trainable model a :class:`~lightning_lora.recipe.ModelRecipe` describes: load the frozen backbone,
+inject LoRA with peft, prepare it for training.
 
 The order matters and is fixed here, once:
 
@@ -19,79 +20,47 @@ The adapter itself (its options, targets, peft config, which parameters are its 
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 
 from lightning_lora.errors import ConfigError
-from lightning_lora.families.base import DiffusionFamily, ModelSource
 from lightning_lora.hardware import check_attention
-from lightning_lora.lora import LoraOptions, inject_lora, trainable_parameters
-from lightning_lora.offload import check_offload_blocks, offload_blocks, offloaded_blocks, repeated_blocks
-from lightning_lora.quant import QuantOptions, quantize_base
+from lightning_lora.lora import inject_lora, trainable_parameters
+from lightning_lora.offload import offload_blocks, offloaded_blocks, repeated_blocks
+from lightning_lora.quant import quantize_base
+from lightning_lora.recipe import AttentionBackend, ModelRecipe
 from lightning_lora.recompute import InputOffloader, checkpoint_function, recomputed
 
-__all__ = [
-    "AttentionBackend",
-    "apply_gradient_checkpointing",
-    "build_lora_model",
-    "check_checkpoint_every",
-    "compile_repeated_blocks",
-    "configure_attention",
-]
+__all__ = ["apply_gradient_checkpointing", "build_lora_model", "compile_repeated_blocks", "configure_attention"]
 
 
-def build_lora_model(
-    family: DiffusionFamily,
-    source: ModelSource,
-    lora: LoraOptions,
-    gradient_checkpointing: bool = False,
-    quantization: QuantOptions | None = None,
-    device: torch.device | None = None,
-    attention: AttentionBackend = "auto",
-    compile_blocks: bool = False,
-    checkpoint_every: int = 1,
-    offload: int = 0,
-    offload_activations: bool = False,
-) -> nn.Module:
-    """Load, freeze, quantize, inject LoRA, upcast LoRA to float32, checkpointing, offloading, attention, compile.
+def build_lora_model(recipe: ModelRecipe, device: torch.device | None = None) -> nn.Module:
+    """Load, freeze, quantize, inject LoRA, upcast LoRA to float32, checkpointing, offloading, attention, compile:
+    the model ``recipe`` describes (its options were checked when it was made).
 
     ``device`` is where quantized layers are created (the training device); the rest of the model is moved there by
     Lightning afterwards. Returns the denoiser in train mode.
     """
-    check_offload_blocks(offload, None, quantization.mode if quantization else "none", compile_blocks)
-    check_offload_activations(offload_activations, gradient_checkpointing)
+    device = device or torch.device("cpu")
+    family, source = recipe.family, recipe.source
     denoiser = family.load_denoiser(source)
     denoiser.requires_grad_(False)
-    offloaded = offloaded_blocks(denoiser, offload)  # the same modules after quantization and LoRA injection
-    if quantization is not None:
-        # The blocks to offload are quantized on the CPU, where they will stay: the GPU never holds them all.
-        on_cpu = frozenset(id(m) for block in offloaded for m in block.modules())
-        quantize_base(denoiser, quantization, device or torch.device("cpu"), source.dtype, on_cpu)
-    inject_lora(denoiser, family, lora)
+    offloaded = offloaded_blocks(denoiser, recipe.offload_blocks)  # the same modules after quantization and LoRA
+    # The blocks to offload are quantized on the CPU, where they will stay: the GPU never holds them all.
+    on_cpu = frozenset(id(m) for block in offloaded for m in block.modules())
+    quantize_base(denoiser, recipe.quantization, device, source.dtype, on_cpu)
+    inject_lora(denoiser, family, recipe.lora)
     for p in trainable_parameters(denoiser):
         p.data = p.data.to(torch.float32)
-    if gradient_checkpointing:
-        apply_gradient_checkpointing(denoiser, checkpoint_every, offload_activations)
-    offload_blocks(denoiser, offloaded, device or torch.device("cpu"))
-    configure_attention(denoiser, attention, device or torch.device("cpu"), family.cudnn_attention_in_auto)
-    if compile_blocks:
+    if recipe.gradient_checkpointing:
+        apply_gradient_checkpointing(denoiser, recipe.checkpoint_every, recipe.offload_activations)
+    offload_blocks(denoiser, offloaded, device)
+    configure_attention(denoiser, recipe.attention, device, family.cudnn_attention_in_auto)
+    if recipe.compile_blocks:
         compile_repeated_blocks(denoiser, extra=family.compiled_regions)
     return denoiser.train()
-
-
-def check_checkpoint_every(every: int) -> None:
-    if every < 1:
-        raise ConfigError(f"model.checkpoint_every: {every} must be at least 1 (1: every block).")
-
-
-def check_offload_activations(offload_activations: bool, gradient_checkpointing: bool) -> None:
-    if offload_activations and not gradient_checkpointing:
-        raise ConfigError(
-            "model.offload_activations: true moves the inputs that checkpointed blocks keep for the backward to CPU "
-            "memory; it needs model.gradient_checkpointing: true."
-        )
 
 
 def apply_gradient_checkpointing(denoiser: nn.Module, every: int = 1, offload_inputs: bool = False) -> int:
@@ -104,7 +73,8 @@ def apply_gradient_checkpointing(denoiser: nn.Module, every: int = 1, offload_in
     ``offload_inputs``: the inputs checkpointed blocks keep wait in CPU memory (:class:`InputOffloader`, kept as
     ``denoiser._lora_input_offloader``). Returns how many blocks were wrapped (0 for ``every=1``).
     """
-    check_checkpoint_every(every)
+    if every < 1:
+        raise ConfigError(f"model.checkpoint_every: {every} must be at least 1 (1: every block).")
     offloader = InputOffloader() if offload_inputs else None
     denoiser._lora_input_offloader = offloader
     if every == 1:
@@ -119,9 +89,6 @@ def apply_gradient_checkpointing(denoiser: nn.Module, every: int = 1, offload_in
     for block in chosen:
         block.forward = recomputed(block.forward, offloader)  # type: ignore[method-assign]
     return len(chosen)
-
-
-AttentionBackend = Literal["auto", "sdpa", "flash", "efficient", "cudnn", "math", "xformers"]
 
 
 def configure_attention(

@@ -88,6 +88,8 @@ def _load_training_checkpoint(path: Path, *, mmap: bool = False) -> dict[str, An
     try:
         ckpt = load_checkpoint(path, mmap=mmap)
     except pickle.UnpicklingError as e:
+        if "Weights only load failed" not in str(e):  # not a pickle at all: garbage, an HTML error page...
+            raise UnreadableCheckpoint(f"not a checkpoint ({first_line(e, 120)})") from e
         raise UnreadableCheckpoint(
             "it holds Python objects that safe loading (weights_only) refuses, so it was not written by "
             "`lightning-lora fit`, and loading it could run code"
@@ -101,17 +103,19 @@ def _load_training_checkpoint(path: Path, *, mmap: bool = False) -> dict[str, An
     return ckpt
 
 
-def read_checkpoint(path: str | Path, option: str = "--ckpt_path") -> dict[str, Any]:
-    """A training checkpoint, or :class:`ConfigError` naming ``option``, the file and the reason."""
+def read_checkpoint(
+    path: str | Path,
+    option: str = "--ckpt_path",
+    fix: str = "Pass a .ckpt from a run's checkpoints/ folder, or 'last'.",
+) -> dict[str, Any]:
+    """A training checkpoint, or :class:`ConfigError` naming ``option``, the file, the reason and the ``fix``."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"{option}: {path} does not exist. Use a .ckpt file of a run, or 'last'.")
+        raise ConfigError(f"{option}: {path} does not exist. {fix}")
     try:
         return _load_training_checkpoint(path)
     except UnreadableCheckpoint as e:
-        raise ConfigError(
-            f"{option}: {path} cannot be used: {e}. Pass a .ckpt from a run's checkpoints/ folder, or 'last'."
-        ) from None
+        raise ConfigError(f"{option}: {path} cannot be used: {e}. {fix}") from None
 
 
 def _readable(path: Path) -> dict[str, Any] | None:

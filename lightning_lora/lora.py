@@ -33,7 +33,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -42,8 +42,6 @@ from lightning_lora.errors import ConfigError
 
 if TYPE_CHECKING:
     from peft import LoraConfig
-
-    from lightning_lora.families.base import DiffusionFamily
 
 __all__ = [
     "ADAPTER_PREFIXES",
@@ -70,6 +68,14 @@ _KEY = re.compile(
     r"^(?:denoiser\.)?(?P<module>.+?)\.(?P<tensor>(?:" + "|".join(ADAPTER_PREFIXES) + r")[A-Za-z0-9_]*)"
     r"(?:\.(?P<adapter>(?!weight$)[^.]+))?(?:\.weight)?$"
 )
+
+
+class TargetPresets(Protocol):
+    """What target resolution needs of a model family (:class:`~lightning_lora.families.base.DiffusionFamily`): its
+    name and its named target sets (``lora_presets``). The adapter is a lower layer than the families."""
+
+    name: str
+    lora_presets: Mapping[str, str]
 
 
 @dataclass
@@ -134,7 +140,7 @@ def _is_quantized_linear(module: nn.Module) -> bool:
     return type(module).__name__ in ("Linear4bit", "Linear8bitLt", "FP8Linear")
 
 
-def resolve_targets(targets: str | list[str], family: DiffusionFamily, model: nn.Module) -> str | list[str]:
+def resolve_targets(targets: str | list[str], family: TargetPresets, model: nn.Module) -> str | list[str]:
     """Turn the user's ``targets`` into a peft ``target_modules`` value, checking that each part matches a layer."""
     names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear | nn.Conv2d) or _is_quantized_linear(m)]
     if isinstance(targets, str):
@@ -164,7 +170,7 @@ def resolve_targets(targets: str | list[str], family: DiffusionFamily, model: nn
     return list(targets)
 
 
-def inject_lora(model: nn.Module, family: DiffusionFamily, options: LoraOptions) -> str | list[str]:
+def inject_lora(model: nn.Module, family: TargetPresets, options: LoraOptions) -> str | list[str]:
     """Add the adapter to ``model`` (a frozen diffusers model, possibly on the meta device) and return the resolved
     ``target_modules``. Its parameters are created in the layers' dtype; the caller decides their training dtype."""
     target_modules = resolve_targets(options.targets, family, model)

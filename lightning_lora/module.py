@@ -27,19 +27,14 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.plugins.precision import MixedPrecision
 from typing_extensions import override
 
-from lightning_lora.assembly import (
-    AttentionBackend,
-    build_lora_model,
-    check_checkpoint_every,
-    check_offload_activations,
-)
+from lightning_lora.assembly import build_lora_model
 from lightning_lora.checkpoint import STAMP, configured_record, reconcile_training_state
 from lightning_lora.errors import ConfigError
 from lightning_lora.families.base import DiffusionFamily, ModelSource
 from lightning_lora.families.flux import Flux
 from lightning_lora.lora import LoraOptions, set_lora_input_casts, trainable_parameters
-from lightning_lora.offload import check_offload_blocks
 from lightning_lora.quant import QuantOptions
+from lightning_lora.recipe import AttentionBackend, ModelRecipe
 
 __all__ = ["DTYPES", "LoraModule", "primitive_hparams"]
 
@@ -105,19 +100,20 @@ class LoraModule(LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["optimizer", "scheduler"])
-        self.family = family
-        self.source = ModelSource(pretrained, denoiser_file, revision, DTYPES[base_dtype])
-        self.lora = lora
-        self.gradient_checkpointing = gradient_checkpointing
-        check_checkpoint_every(checkpoint_every)
-        self.checkpoint_every = checkpoint_every
-        self.quantization = quantization
-        self.attention = attention
-        self.compile_blocks = compile_blocks
-        check_offload_blocks(offload_blocks, None, quantization.mode, compile_blocks)
-        self.offload_blocks = offload_blocks
-        check_offload_activations(offload_activations, gradient_checkpointing)
-        self.offload_activations = offload_activations
+        source = ModelSource(pretrained, denoiser_file, revision, DTYPES[base_dtype])
+        #: Everything that decides how the model is built, checked once (lightning_lora.recipe).
+        self.recipe = ModelRecipe(
+            family=family,
+            source=source,
+            lora=lora,
+            quantization=quantization,
+            gradient_checkpointing=gradient_checkpointing,
+            checkpoint_every=checkpoint_every,
+            attention=attention,
+            compile_blocks=compile_blocks,
+            offload_blocks=offload_blocks,
+            offload_activations=offload_activations,
+        )
         self._optimizer_factory = optimizer
         self._scheduler_factory = scheduler
         self.denoiser: torch.nn.Module | None = None
@@ -127,7 +123,25 @@ class LoraModule(LightningModule):
         """What a resume took from the config instead of the checkpoint, one line each (the start summary prints)."""
         # A partial checkpoint (LoRA only) must load into the full model; on_load_checkpoint does the strict check.
         self.strict_loading = False
-        family.check_source(self.source)
+
+    @property
+    def family(self) -> DiffusionFamily:
+        return self.recipe.family
+
+    @property
+    def source(self) -> ModelSource:
+        return self.recipe.source
+
+    @property
+    def lora(self) -> LoraOptions:
+        return self.recipe.lora
+
+    @property
+    def optimizer_name(self) -> str:
+        """The class name of the optimizer this module builds (the memory planner sizes its state by it)."""
+        from lightning_lora.plan import optimizer_name
+
+        return optimizer_name(self._optimizer_factory)
 
     # -- model -------------------------------------------------------------------------------------------------
     @override
@@ -144,19 +158,7 @@ class LoraModule(LightningModule):
         device; a script without a Trainer can call it directly)."""
         if self.denoiser is not None:
             return self.denoiser
-        self.denoiser = build_lora_model(
-            self.family,
-            self.source,
-            self.lora,
-            gradient_checkpointing=self.gradient_checkpointing,
-            quantization=self.quantization,
-            device=device,
-            attention=self.attention,
-            compile_blocks=self.compile_blocks,
-            checkpoint_every=self.checkpoint_every,
-            offload=self.offload_blocks,
-            offload_activations=self.offload_activations,
-        )
+        self.denoiser = build_lora_model(self.recipe, device)
         return self.denoiser
 
     def _require_model(self) -> torch.nn.Module:

@@ -34,7 +34,7 @@ from lightning_lora.recompute import ensure_recomputed
 
 __all__ = [
     "BlockOffloader",
-    "check_offload_blocks",
+    "check_block_count",
     "offload_blocks",
     "offloaded_blocks",
     "pick_offloaded",
@@ -77,7 +77,7 @@ def offloaded_blocks(denoiser: nn.Module, count: int) -> list[nn.Module]:
             f"model.offload_blocks: {type(denoiser).__name__} declares no repeated blocks to offload; set "
             "model.offload_blocks: 0."
         )
-    check_offload_blocks(count, len(blocks))
+    check_block_count(count, len(blocks))
     return [blocks[i] for i in pick_offloaded(count, len(blocks))]
 
 
@@ -86,28 +86,12 @@ def pick_offloaded(count: int, total: int) -> list[int]:
     return [(2 * i + 1) * total // (2 * count) for i in range(count)]
 
 
-def check_offload_blocks(
-    count: int, total: int | None = None, quantization: str = "none", compiled: bool = False
-) -> None:
-    """Refuse what offloading cannot do, naming the option to change."""
-    if count < 0:
-        raise ConfigError(f"model.offload_blocks: {count} must be 0 (off) or a number of blocks.")
-    if count == 0:
-        return
-    if total is not None and count > total:
+def check_block_count(count: int, total: int) -> None:
+    """Refuse more offloaded blocks than the model has (the other offloading rules are the recipe's:
+    :meth:`lightning_lora.recipe.ModelRecipe.check`)."""
+    if count > total:
         raise ConfigError(
             f"model.offload_blocks: {count} is more than the model's {total} repeated blocks: use at most {total}."
-        )
-    if quantization == "nf4":
-        raise ConfigError(
-            "model.offload_blocks works with a bf16 or FP8 base, not with NF4 (bitsandbytes keeps each layer's "
-            "packed weight from the forward to the backward, so evicting it would free nothing). NF4 is already a "
-            "quarter of bf16: set model.offload_blocks: 0, or use model.quantization.mode: fp8."
-        )
-    if compiled:
-        raise ConfigError(
-            "model.offload_blocks and model.compile_blocks cannot be combined (the compiled blocks would capture "
-            "the placeholders). Set one of them off."
         )
 
 

@@ -20,17 +20,19 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_lora.errors import ConfigError
+from lightning_lora.recipe import ModelRecipe
 
 __all__ = ["SHARDING_STRATEGIES", "LoraDDPStrategy", "check_strategy", "resolve_strategy"]
 
 SHARDING_STRATEGIES: tuple[type[Strategy], ...] = (FSDPStrategy, ModelParallelStrategy, DeepSpeedStrategy)
 
 
-def check_strategy(strategy: Strategy, quantization_mode: str, offload_blocks: int = 0) -> None:
+def check_strategy(strategy: Strategy, recipe: ModelRecipe) -> None:
     """Raise a :class:`ConfigError` for a sharding strategy over a quantized or partly offloaded base."""
     if not isinstance(strategy, SHARDING_STRATEGIES):
         return
     name = type(strategy).__name__
+    quantization_mode, offload_blocks = recipe.quantization.mode, recipe.offload_blocks
     if offload_blocks:
         raise ConfigError(
             f"trainer.strategy: {name} shards the base model's weights, which does not work with "

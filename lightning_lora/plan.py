@@ -21,6 +21,7 @@ Sampling needs the frozen weights, the VAE and one forward pass's largest interm
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,12 +29,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_lora.offload import check_offload_blocks, offloaded_blocks
+from lightning_lora.errors import ConfigError
+from lightning_lora.offload import offloaded_blocks
 from lightning_lora.quant import QuantOptions
 from lightning_lora.quant.options import linear_layers
+from lightning_lora.recipe import ModelRecipe
 
 __all__ = [
     "MemoryPlan",
+    "fitting_changes",
+    "optimizer_name",
+    "plan_for",
     "module_weight_bytes",
     "offloaded_weight_bytes",
     "optimizer_bytes_per_param",
@@ -225,7 +231,7 @@ def saved_activation_bytes(model: nn.Module, inputs: dict[str, Any]) -> tuple[fl
 
 
 def plan_training(
-    module: Any,
+    recipe: ModelRecipe,
     height: int,
     width: int,
     batch: int,
@@ -233,40 +239,36 @@ def plan_training(
     optimizer: str = "AdamW",
     sample_size: tuple[int, int] | None = None,
 ) -> MemoryPlan:
-    """Predict the training peak of a :class:`~lightning_lora.module.LoraModule` configuration."""
+    """Predict the training peak of the model ``recipe`` describes, at this image size, batch and text length."""
     from lightning_lora.assembly import apply_gradient_checkpointing
     from lightning_lora.lora import inject_lora
     from lightning_lora.recompute import ensure_recomputed
 
-    family, source = module.family, module.source
-    offload = getattr(module, "offload_blocks", 0)
-    check_offload_blocks(offload, None, module.quantization.mode, getattr(module, "compile_blocks", False))
+    family, source = recipe.family, recipe.source
     model = family.denoiser_skeleton(source)  # meta device: shapes only
     model.requires_grad_(False)
-    offloaded = offloaded_blocks(model, offload)
-    weights = weight_bytes(model, module.quantization, source.dtype)
-    resident = weights - offloaded_weight_bytes(model, offloaded, module.quantization, source.dtype)
-    inject_lora(model, family, module.lora)
+    offloaded = offloaded_blocks(model, recipe.offload_blocks)
+    weights = weight_bytes(model, recipe.quantization, source.dtype)
+    resident = weights - offloaded_weight_bytes(model, offloaded, recipe.quantization, source.dtype)
+    inject_lora(model, family, recipe.lora)
     lora_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     for p in model.parameters():  # autocast computes the LoRA path in the base dtype
         if p.requires_grad:
             p.data = p.data.to(source.dtype)
-    if module.gradient_checkpointing:
+    if recipe.gradient_checkpointing:
         # Only checkpointed blocks' inputs stay saved; in the backward one block's activations are recomputed at a
         # time (the calibration of TRANSIENT_BLOCKS was made with this measurement order).
-        apply_gradient_checkpointing(
-            model, getattr(module, "checkpoint_every", 1), getattr(module, "offload_activations", False)
-        )
+        apply_gradient_checkpointing(model, recipe.checkpoint_every, recipe.offload_activations)
     for block in offloaded:  # recomputed, as offload_blocks() makes them
         ensure_recomputed(model, block)
     model.train()
     inputs = family.example_inputs(model, batch, height, width, text_len, device="meta", dtype=source.dtype)
     saved, largest, moved = saved_activation_bytes(model, inputs)  # moved: block inputs kept in CPU memory
-    if getattr(module, "compile_blocks", False) and not module.gradient_checkpointing:
+    if recipe.compile_blocks and not recipe.gradient_checkpointing:
         saved *= COMPILED_SAVED_FRACTION  # checkpointed blocks keep only their inputs, which compiling cannot shrink
     per_block = (saved + moved) / max(family.block_count(model), 1)
     transient = TRANSIENT_BLOCKS * per_block
-    if module.gradient_checkpointing or offload:
+    if recipe.gradient_checkpointing or recipe.offload_blocks:
         transient += per_block
     plan = MemoryPlan(
         weights=resident / GIB,
@@ -276,10 +278,10 @@ def plan_training(
         activations=saved / GIB,
         transient=(transient + largest) / GIB,
     )
-    if offload:
+    if recipe.offload_blocks:
         plan.notes.append(
-            f"offload_blocks {offload}: {(weights - resident) / GIB:.2f} GiB less frozen weight on the GPU (the blocks "
-            "wait in pinned CPU memory and are copied in twice per step, two at a time)"
+            f"offload_blocks {recipe.offload_blocks}: {(weights - resident) / GIB:.2f} GiB less frozen weight on the "
+            "GPU (the blocks wait in pinned CPU memory and are copied in twice per step, two at a time)"
         )
     if moved:
         plan.notes.append(
@@ -290,3 +292,81 @@ def plan_training(
         resident / GIB + plan.lora + family.sampling_bytes(model, sh, sw, text_len) / GIB + plan.overhead
     )
     return plan
+
+
+# -- the planner's library API: a run's plan, and the changes that make it fit ------------------------------------
+
+
+def optimizer_name(factory: Any) -> str:
+    """The class name of the optimizer ``factory`` (an injected ``OptimizerCallable``) builds, probed on a dummy
+    parameter."""
+    probe = torch.nn.Parameter(torch.zeros(64, 64))
+    try:
+        return type(factory([probe])).__name__
+    except Exception:  # noqa: BLE001 - an optimizer that cannot run here (e.g. needs CUDA): assume AdamW
+        return "AdamW"
+
+
+def plan_for(
+    recipe: ModelRecipe, datamodule: Any, optimizer: str = "AdamW", sample_size: tuple[int, int] | None = None
+) -> MemoryPlan:
+    """The plan of a run: ``recipe`` at the data module's largest resolution and batch size, the family's text
+    length."""
+    resolution = getattr(datamodule, "resolution", 512)
+    side = max(resolution) if isinstance(resolution, list | tuple) else int(resolution)
+    text_len = getattr(recipe.family, "max_sequence_length", 77)
+    return plan_training(
+        recipe, side, side, datamodule.batch_size, text_len, optimizer=optimizer, sample_size=sample_size
+    )
+
+
+OFFLOAD_TRIES = (3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48)  # 1-2 save nothing: two are on the GPU at once
+
+
+def _candidates(recipe: ModelRecipe) -> list[tuple[str, dict[str, Any]]]:
+    """Alternatives to try, fastest first: (command-line options, the recipe fields they change)."""
+    checkpointing = {"gradient_checkpointing": True, "checkpoint_every": 1}
+    tries: list[tuple[str, dict[str, Any]]] = []
+    if not recipe.gradient_checkpointing:
+        # Fastest first: checkpointing one block in 3 or 2 recomputes less than checkpointing every block.
+        for every in (3, 2):
+            flag = f"--model.gradient_checkpointing true --model.checkpoint_every {every}"
+            tries.append((flag, {"gradient_checkpointing": True, "checkpoint_every": every}))
+        tries.append(("--model.gradient_checkpointing true", checkpointing))
+    elif recipe.checkpoint_every > 1:
+        tries.append(("--model.checkpoint_every 1", {"checkpoint_every": 1}))
+    if not recipe.offload_activations:
+        flag = "--model.offload_activations true"
+        if not recipe.gradient_checkpointing or recipe.checkpoint_every > 1:
+            flag = f"--model.gradient_checkpointing true --model.checkpoint_every 1 {flag}"
+        tries.append((flag, {**checkpointing, "offload_activations": True}))
+    for mode in ("fp8", "nf4"):
+        if recipe.quantization.mode != mode:
+            quantization = {"quantization": dataclasses.replace(recipe.quantization, mode=mode)}
+            tries.append((f"--model.quantization.mode {mode}", quantization))
+            flag = f"--model.quantization.mode {mode} --model.gradient_checkpointing true"
+            tries.append((flag, {**quantization, **checkpointing}))
+    return tries
+
+
+def fitting_changes(recipe: ModelRecipe, datamodule: Any, vram: float, optimizer: str = "AdamW") -> list[str]:
+    """Changes (as command-line options, with the planned peak) that bring the plan under ``vram`` GiB, fastest first;
+    each is tried as a new recipe (``recipe.replace``), so a combination the recipe refuses is never suggested."""
+    fits = []
+    for flag, changes in _candidates(recipe):
+        try:
+            peak = plan_for(recipe.replace(**changes), datamodule, optimizer).peak_gib
+        except ConfigError:  # a change the other settings refuse (e.g. NF4 with model.offload_blocks): not a fix
+            continue
+        if peak <= vram * 0.95:
+            fits.append(f"{flag}   (~{peak:.1f} GiB)")
+    # Offloading costs PCIe copies per block and step: the fewest blocks that fit.
+    for count in OFFLOAD_TRIES:
+        try:
+            peak = plan_for(recipe.replace(offload_blocks=count), datamodule, optimizer).peak_gib
+        except ConfigError:  # more blocks than the model has, or a setting offloading refuses (NF4, compile_blocks)
+            break
+        if peak <= vram * 0.95:
+            fits.append(f"--model.offload_blocks {count}   (~{peak:.1f} GiB; slower by the blocks' copies)")
+            break
+    return fits

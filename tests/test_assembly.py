@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 from diffusers import FluxTransformer2DModel
+from helpers import build_model
 from test_offload import build_tiny, random_inputs
 
-from lightning_lora.assembly import build_lora_model
 from lightning_lora.errors import ConfigError
 from lightning_lora.families.base import ModelSource
 from lightning_lora.families.flux import Flux
@@ -19,7 +19,7 @@ ATTENTION_SUFFIXES = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0")
 
 
 def _build(folder: Path, dtype: torch.dtype = torch.float32, **lora: object) -> torch.nn.Module:
-    return build_lora_model(Flux(), ModelSource(pretrained=str(folder), dtype=dtype), LoraOptions(**lora))  # type: ignore[arg-type]
+    return build_model(Flux(), ModelSource(pretrained=str(folder), dtype=dtype), LoraOptions(**lora))  # type: ignore[arg-type]
 
 
 def _base_linears(folder: Path) -> dict[str, torch.nn.Linear]:
@@ -91,7 +91,7 @@ def test_dropout_is_passed_through(tiny_flux_dir: Path) -> None:
 def test_gradient_checkpointing_flag(tiny_flux_dir: Path) -> None:
     assert _build(tiny_flux_dir, rank=2).gradient_checkpointing is False
     assert (
-        build_lora_model(
+        build_model(
             Flux(),
             ModelSource(str(tiny_flux_dir), dtype=torch.float32),
             LoraOptions(rank=2),
@@ -196,7 +196,7 @@ def _bf16_step(folder: Path, skip_casts: bool) -> tuple[torch.Tensor, dict[str, 
             return func(*args, **(kwargs or {}))
 
     torch.manual_seed(0)
-    model = build_lora_model(Flux(), ModelSource(str(folder), dtype=torch.bfloat16), LoraOptions(rank=2))
+    model = build_model(Flux(), ModelSource(str(folder), dtype=torch.bfloat16), LoraOptions(rank=2))
     for name, p in model.named_parameters():
         if "lora_B" in name:  # B starts at zero: make it non-zero so that A gets gradients too
             p.data = 0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name)))
@@ -258,7 +258,7 @@ def test_compile_blocks_compiles_the_repeated_blocks_and_the_family_regions(
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kwargs: compiled.append(type(self).__name__))
     family, folder = (Flux(), tiny_flux_dir) if family_name == "flux" else (SDXL(), tiny_sdxl_dir)
     with torch._dynamo.config.patch(recompile_limit=1):  # restored afterwards
-        model = build_lora_model(
+        model = build_model(
             family, ModelSource(str(folder), dtype=torch.float32), LoraOptions(rank=2), compile_blocks=True
         )
         kinds = {

@@ -617,3 +617,50 @@ def test_clip_families_count_captions_longer_than_77_tokens(
     out, err = capfd.readouterr()
     assert (result.encoded, result.truncated, result.limit) == (3, [long], "77 CLIP tokens")
     assert len(out) + len(err) < 2000, err[-2000:]
+
+
+def _encoder_folders(root: Path, *names: str) -> Path:
+    """A model folder with one weight file per text encoder (what :meth:`ModelSource.identity` looks at)."""
+    for name in names:
+        (root / name).mkdir(parents=True, exist_ok=True)
+        (root / name / "model.safetensors").write_bytes(b"weights of " + name.encode())
+    return root
+
+
+def test_text_keys_are_made_of_the_family_text_encoders(tmp_path: Path) -> None:
+    """FLUX and SDXL keys are what they were (both encoders, in order); SD1.5's come from its one encoder."""
+    from lightning_lora.data.cache import _hash
+    from lightning_lora.families.sd15 import SD15
+    from lightning_lora.families.sdxl import SDXL
+
+    source = ModelSource(str(_encoder_folders(tmp_path / "model", "text_encoder", "text_encoder_2")))
+    te, te2 = source.identity("text_encoder"), source.identity("text_encoder_2")
+    text = "a photo of sks cat"
+    for family in (Flux(max_sequence_length=16), SDXL(clip_skip=1)):
+        key = LatentCache(tmp_path / "cache", family, source).text_key(text)
+        assert key == _hash(text, te + te2, family.text_cache_tag()), family.name
+        fp8 = LatentCache(tmp_path / "cache", family, source, text_encoder_quantization="fp8").text_key(text)
+        assert fp8 == _hash(text, f"{te + te2}|fp8", family.text_cache_tag())
+    sd15 = SD15()
+    assert LatentCache(tmp_path / "cache", sd15, source).text_key(text) == _hash(text, te, sd15.text_cache_tag())
+
+
+def test_a_third_text_encoder_is_part_of_the_text_key(tmp_path: Path) -> None:
+    """A family that encodes prompts with a third encoder declares it, and a new version of that encoder's weights
+    gives new keys (a key made of the first two would serve the old encoder's embeddings)."""
+
+    class ThreeEncoders(Flux):  # not registered: no `name` of its own
+        text_encoders = ("text_encoder", "text_encoder_2", "text_encoder_3")
+
+    model = _encoder_folders(tmp_path / "model", "text_encoder", "text_encoder_2", "text_encoder_3")
+    source = ModelSource(str(model))
+
+    def keys() -> tuple[str, str]:  # a new cache object each time: identities are read once per cache
+        return tuple(LatentCache(tmp_path / "cache", f, source).text_key("a cat") for f in (ThreeEncoders(), Flux()))
+
+    three, two = keys()
+    assert three != two
+    (model / "text_encoder_3" / "model.safetensors").write_bytes(b"retrained weights of text_encoder_3")
+    three_after, two_after = keys()
+    assert three_after != three
+    assert two_after == two  # FLUX's own encoders did not change

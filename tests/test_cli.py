@@ -17,7 +17,8 @@ import pytest
 import torch
 import yaml
 
-from lightning_lora.cli import LoraCLI, main
+from lightning_lora.cli import main
+from lightning_lora.cli.fit import LoraCLI
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
 
@@ -438,7 +439,7 @@ def test_ctrl_c_during_cache_keeps_what_was_written(
 ) -> None:
     """Ctrl-C while `lightning-lora cache` encodes (with decoding worker processes running): exit 130, one message,
     the finished entries stay, and the same command continues."""
-    from lightning_lora.cache_cli import main as cache_main
+    from lightning_lora.cli.cache import main as cache_main
     from lightning_lora.families.flux import Flux
 
     config = write_config(tmp_path, tiny_flux_dir, photos_dir, **{"data.encode_batch_size": 1, "data.cache_workers": 2})

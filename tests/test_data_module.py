@@ -15,7 +15,7 @@ from PIL import Image
 from test_cli import run_cli, write_config
 from test_resume import assert_same_run
 
-from lightning_lora.cache_cli import main as cache_main
+from lightning_lora.cli.cache import main as cache_main
 from lightning_lora.data.datamodule import LatentDataModule, uniform
 from lightning_lora.errors import ConfigError
 from lightning_lora.families.base import ModelSource

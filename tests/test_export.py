@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 from diffusers import FluxPipeline
+from helpers import build_model
 from safetensors import safe_open
 
-from lightning_lora.assembly import build_lora_model
 from lightning_lora.export import read_metadata, save_lora
 from lightning_lora.families.base import ModelSource
 from lightning_lora.families.flux import Flux, latent_image_ids
@@ -44,7 +44,7 @@ def exported(
     tiny_flux_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[Path, torch.Tensor, torch.nn.Module]:
     """A LoRA (rank 4, alpha 8, non-zero B) saved to a file, and the in-memory model's output on fixed inputs."""
-    model = build_lora_model(
+    model = build_model(
         Flux(),
         ModelSource(str(tiny_flux_dir), dtype=torch.float32),
         LoraOptions(rank=RANK, alpha=ALPHA, targets="all_linear"),
@@ -58,8 +58,8 @@ def exported(
     save_lora(
         model,
         path,
-        family="flux",
-        lora={"rank": RANK, "alpha": ALPHA},
+        family=Flux(),
+        lora=LoraOptions(rank=RANK, alpha=ALPHA, targets="all_linear"),
         info={"family": "flux", "base_model": str(tiny_flux_dir), "steps": 7},
     )
     return path, _forward(model, _inputs(model)), model
@@ -114,8 +114,8 @@ def test_lora_file_metadata(tiny_flux_dir: Path, exported: tuple[Path, torch.Ten
 
 def test_save_lora_bf16_file(tmp_path: Path, exported: tuple[Path, torch.Tensor, torch.nn.Module]) -> None:
     path32, _, model = exported
-    lora = {"rank": RANK, "alpha": ALPHA}
-    path16 = save_lora(model, tmp_path / "lora16.safetensors", family="flux", lora=lora, info={}, dtype=torch.bfloat16)
+    lora = LoraOptions(rank=RANK, alpha=ALPHA, targets="all_linear")
+    path16 = save_lora(model, tmp_path / "lora16.safetensors", family=Flux(), lora=lora, info={}, dtype=torch.bfloat16)
     with safe_open(str(path16), framework="pt") as f16, safe_open(str(path32), framework="pt") as f32:
         assert set(f16.keys()) == set(f32.keys())
         for k in f16.keys():

@@ -5,7 +5,7 @@ Three independent witnesses:
 * diffusers' own kohya converter (``pipe.load_lora_weights`` on the kohya file) must give the transformer output of
   the in-memory peft model and of the diffusers-format file;
 * merging the kohya file into the BFL weights the way ComfyUI does (``W += alpha / R * up @ down`` on the module named
-  by ``lora_unet_<key with _>``), then converting back with :mod:`lightning_lora.families.flux_bfl`, must give the
+  by ``lora_unet_<key with _>``), then converting back with :mod:`lightning_lora.formats.bfl`, must give the
   same output too (this also covers the global layers that diffusers' converter drops, see below);
 * the math on small random tensors.
 
@@ -33,12 +33,12 @@ from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file
 from unet_helpers import ALPHA, RANK, lora_model
 
+from lightning_lora.cli.export import main as export_main
 from lightning_lora.export import checkpoint_lora, export_lora, read_metadata
-from lightning_lora.export_cli import main as export_main
-from lightning_lora.export_kohya import flux_lora_dims, flux_to_kohya, kohya_name
 from lightning_lora.families.flux import Flux, latent_image_ids
-from lightning_lora.families.flux_bfl import FluxDims, bfl_to_diffusers, diffusers_to_bfl
-from lightning_lora.lora import split_lora_state
+from lightning_lora.formats.bfl import FluxDims, bfl_to_diffusers, diffusers_to_bfl
+from lightning_lora.formats.kohya import flux_lora_dims, flux_to_kohya, kohya_name
+from lightning_lora.lora import LoraOptions, split_lora_state
 
 INFO = {"family": "flux", "base_model": "tiny", "steps": 3}
 INNER, MLP = 32, 128  # the tiny FLUX of lightning_lora.tiny (dim64=False)
@@ -83,9 +83,11 @@ def _forward(transformer: torch.nn.Module) -> torch.Tensor:
 
 def _export_both(model: torch.nn.Module, folder: Path, targets: object) -> tuple[Path, Path]:
     state = get_peft_model_state_dict(model)
-    lora = {"rank": RANK, "alpha": ALPHA, "targets": targets}
-    diffusers_file = export_lora(state, folder / "d.safetensors", format="diffusers", lora=lora, info=INFO)
-    kohya_file = export_lora(state, folder / "k.safetensors", format="kohya", lora=lora, info=INFO)
+    lora = LoraOptions(rank=RANK, alpha=ALPHA, targets=targets)  # type: ignore[arg-type]
+    diffusers_file = export_lora(
+        state, folder / "d.safetensors", format="diffusers", lora=lora, family=Flux(), info=INFO
+    )
+    kohya_file = export_lora(state, folder / "k.safetensors", format="kohya", lora=lora, family=Flux(), info=INFO)
     return diffusers_file, kohya_file
 
 
@@ -189,9 +191,13 @@ def test_what_cannot_be_exported_is_named() -> None:
         )
     state = {"x_embedder.lora_A.weight": a, "x_embedder.lora_B.weight": b}
     with pytest.raises(ValueError, match="rank 2 but the LoRA options say rank 4"):
-        export_lora(state, "/nonexistent/x.safetensors", format="kohya", lora={"rank": 4}, info={})
-    with pytest.raises(ValueError, match="sdxx"):
-        export_lora(state, "/nonexistent/x.safetensors", format="kohya", lora={"rank": 2}, info={}, family="sdxx")
+        export_lora(
+            state, "/nonexistent/x.safetensors", format="kohya", lora=LoraOptions(rank=4), family=Flux(), info={}
+        )
+    with pytest.raises(ValueError, match="'comfy' is not one of diffusers, kohya"):
+        export_lora(
+            state, "/nonexistent/x.safetensors", format="comfy", lora=LoraOptions(rank=2), family=Flux(), info={}
+        )  # type: ignore[arg-type]
 
 
 # ------------------------------------------------------------------------------------------ against diffusers
@@ -326,9 +332,10 @@ def checkpoint(tiny_flux_dir: Path, photos_dir: Path, tmp_path_factory: pytest.T
 
 
 def test_checkpoint_lora_reads_only_the_lora(checkpoint: Path) -> None:
-    state, lora, info = checkpoint_lora(checkpoint)
+    state, lora, family, info = checkpoint_lora(checkpoint)
     assert state and all(k.endswith((".lora_A.weight", ".lora_B.weight")) and ".default" not in k for k in state)
-    assert lora == {"rank": 4, "alpha": 8.0, "targets": "attention", "dropout": 0.0, "init": "gaussian"}
+    assert lora == LoraOptions(rank=4, alpha=8.0, targets="attention", dropout=0.0, init="gaussian")
+    assert isinstance(family, Flux) and family.max_sequence_length == 16  # built with the run's family options
     assert info["family"] == "flux" and info["steps"] == 2 and info["checkpoint"] == "last.ckpt"
     # The same tensors the training run exported at its end.
     trained = load_file(checkpoint.parent.parent / "lora" / "lora.safetensors")
@@ -383,10 +390,10 @@ def test_export_command_bad_input(checkpoint: Path, tmp_path: Path, capsys) -> N
     corrupt.write_bytes(checkpoint.read_bytes()[: checkpoint.stat().st_size // 2])
     out = tmp_path / "out.safetensors"
     cases = [
-        ([str(corrupt), "--format", "kohya", "--out", str(out)], [str(corrupt), "damaged"]),
+        ([str(corrupt), "--format", "kohya", "--out", str(out)], [str(corrupt), "truncated"]),
         (
             [str(tmp_path / "missing.ckpt"), "--format", "kohya", "--out", str(out)],
-            ["missing.ckpt", "no such checkpoint"],
+            ["missing.ckpt", "does not exist"],
         ),
         ([str(checkpoint), "--format", "kohya", "--out", str(tmp_path / "lora.pt")], ["lora.pt", ".safetensors"]),
         ([str(checkpoint), "--format", "comfy", "--out", str(out)], ["--format", "kohya"]),
@@ -399,5 +406,9 @@ def test_export_command_bad_input(checkpoint: Path, tmp_path: Path, capsys) -> N
     not_a_checkpoint = tmp_path / "plain.ckpt"
     torch.save({"state_dict": {"w": torch.zeros(1)}}, not_a_checkpoint)
     assert export_main([str(not_a_checkpoint), "--format", "diffusers", "--out", str(out)]) == 2
+    assert "not a training checkpoint" in capsys.readouterr().err
+    no_lora = tmp_path / "no_lora.ckpt"
+    torch.save({"state_dict": {"w": torch.zeros(1)}, "loops": {}, "optimizer_states": []}, no_lora)
+    assert export_main([str(no_lora), "--format", "diffusers", "--out", str(out)]) == 2
     assert "holds no LoRA tensors" in capsys.readouterr().err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["corrupt.ckpt", "plain.ckpt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corrupt.ckpt", "no_lora.ckpt", "plain.ckpt"]

@@ -9,7 +9,7 @@ import torch
 from diffusers import FluxTransformer2DModel
 from safetensors.torch import save_file
 
-from lightning_lora.families.flux_bfl import (
+from lightning_lora.formats.bfl import (
     BFL_PREFIX_COMFY,
     FluxDims,
     bfl_slice,

@@ -13,7 +13,7 @@ from test_flux_bfl import _allow_any_width
 
 from lightning_lora.errors import ConfigError
 from lightning_lora.families import Flux, ModelSource
-from lightning_lora.families.flux_bfl import BFL_PREFIX_COMFY, diffusers_to_bfl, flux_dims_from_config
+from lightning_lora.formats.bfl import BFL_PREFIX_COMFY, diffusers_to_bfl, flux_dims_from_config
 
 
 def _reference(folder: Path) -> dict[str, torch.Tensor]:

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import build_model
 
-from lightning_lora.assembly import build_lora_model
 from lightning_lora.errors import ConfigError
 from lightning_lora.families.base import ModelSource
 from lightning_lora.families.flux import Flux
@@ -27,13 +27,13 @@ def build_tiny(
     offload_activations: bool = False,
 ) -> torch.nn.Module:
     torch.manual_seed(0)
-    model = build_lora_model(
+    model = build_model(
         family or Flux(),
         ModelSource(str(folder), dtype=torch.float32),
         LoraOptions(rank=2),
         gradient_checkpointing=checkpointing,
         checkpoint_every=every,
-        offload=offload,
+        offload_blocks=offload,
         offload_activations=offload_activations,
     )
     generator = torch.Generator().manual_seed(2)
@@ -177,15 +177,15 @@ def test_pick_offloaded_spreads_the_blocks() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"offload": 5}, "more than the model's 4 repeated blocks"),
-        ({"offload": -1}, "must be 0"),
-        ({"offload": 2, "quantization": QuantOptions(mode="nf4")}, "not with NF4"),
-        ({"offload": 3, "compile_blocks": True}, "compile_blocks"),
+        ({"offload_blocks": 5}, "more than the model's 4 repeated blocks"),
+        ({"offload_blocks": -1}, "must be 0"),
+        ({"offload_blocks": 2, "quantization": QuantOptions(mode="nf4")}, "not with NF4"),
+        ({"offload_blocks": 3, "compile_blocks": True}, "compile_blocks"),
     ],
 )
 def test_offload_refusals(tiny_flux_dir: Path, kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
-        build_lora_model(Flux(), ModelSource(str(tiny_flux_dir), dtype=torch.float32), LoraOptions(rank=2), **kwargs)
+        build_model(Flux(), ModelSource(str(tiny_flux_dir), dtype=torch.float32), LoraOptions(rank=2), **kwargs)
 
 
 def test_the_module_refuses_before_loading(tiny_flux_dir: Path) -> None:
@@ -200,8 +200,8 @@ def test_fp8_storage_base_offloads_its_buffers(tiny_flux_dir: Path) -> None:
     torch.manual_seed(0)
     source = ModelSource(str(tiny_flux_dir), dtype=torch.bfloat16)
     kwargs: dict[str, Any] = {"quantization": QuantOptions(mode="fp8")}
-    reference = build_lora_model(Flux(), source, LoraOptions(rank=2), **kwargs)
-    model = build_lora_model(Flux(), source, LoraOptions(rank=2), offload=3, **kwargs)
+    reference = build_model(Flux(), source, LoraOptions(rank=2), **kwargs)
+    model = build_model(Flux(), source, LoraOptions(rank=2), offload_blocks=3, **kwargs)
     offloaded = model._lora_offloader.blocks
     assert any(not slot.is_param and slot.host.dtype == torch.float8_e4m3fn for b in offloaded for slot in b.slots)
     assert all(all(_empty(b.module)) for b in offloaded)
@@ -233,8 +233,8 @@ def test_planner_counts_the_weights_left_on_the_device(tiny_flux_dir: Path) -> N
     offloader._turn = measured_turn
     model(**random_inputs(model, 1))[0].square().mean().backward()
     assert len(held) >= 3 + 2  # a turn per block forward, and per output gradient backward
-    plan = plan_training(module, 32, 48, 1, 8)
-    without = plan_training(LoraModule(str(tiny_flux_dir), base_dtype="fp32", lora=LoraOptions(rank=2)), 32, 48, 1, 8)
+    plan = plan_training(module.recipe, 32, 48, 1, 8)
+    without = plan_training(module.recipe.replace(offload_blocks=0), 32, 48, 1, 8)
     assert plan.weights * GIB == pytest.approx(max(held))
     assert plan.weights < without.weights
     assert any("offload_blocks 3" in note for note in plan.notes)
@@ -266,13 +266,13 @@ def test_evicted_weights_are_freed(tiny_flux_dir: Path, mode: str, checkpointing
     from torch.multiprocessing.reductions import StorageWeakRef
 
     dtype = torch.bfloat16 if mode == "fp8" else torch.float32
-    model = build_lora_model(
+    model = build_model(
         Flux(),
         ModelSource(str(tiny_flux_dir), dtype=dtype),
         LoraOptions(rank=2),
         quantization=QuantOptions(mode=mode),
         gradient_checkpointing=checkpointing,
-        offload=4,
+        offload_blocks=4,
     )
     offloader = model._lora_offloader
     loaded: dict[int, list[StorageWeakRef]] = {}

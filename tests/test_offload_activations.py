@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import build_model
 from test_offload import _two_steps, build_tiny
 
-from lightning_lora.assembly import build_lora_model
 from lightning_lora.errors import ConfigError
 from lightning_lora.families.base import ModelSource
 from lightning_lora.families.flux import Flux
@@ -133,7 +133,7 @@ def test_offload_activations_needs_checkpointing(tiny_flux_dir: Path) -> None:
     with pytest.raises(ConfigError, match="model.offload_activations.*gradient_checkpointing: true"):
         LoraModule(str(tiny_flux_dir), offload_activations=True)
     with pytest.raises(ConfigError, match="gradient_checkpointing: true"):
-        build_lora_model(Flux(), ModelSource(str(tiny_flux_dir)), LoraOptions(rank=2), offload_activations=True)
+        build_model(Flux(), ModelSource(str(tiny_flux_dir)), LoraOptions(rank=2), offload_activations=True)
 
 
 def test_planner_counts_the_inputs_off_the_device(tiny_flux_dir: Path) -> None:
@@ -149,7 +149,7 @@ def test_planner_counts_the_inputs_off_the_device(tiny_flux_dir: Path) -> None:
             gradient_checkpointing=True,
             offload_activations=offload,
         )
-        return plan_training(module, 2048, 2048, 1, 64)  # block inputs of 2 MiB: above MIN_OFFLOAD_BYTES
+        return plan_training(module.recipe, 2048, 2048, 1, 64)  # block inputs of 2 MiB: above MIN_OFFLOAD_BYTES
 
     kept, moved = plan(False), plan(True)
     assert moved.activations < kept.activations

@@ -9,27 +9,41 @@ from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParalle
 from test_cli import run_cli, write_config
 
 from lightning_lora.errors import ConfigError
+from lightning_lora.families.base import ModelSource
+from lightning_lora.families.flux import Flux
 from lightning_lora.parallel import LoraDDPStrategy, check_strategy, resolve_strategy
+from lightning_lora.quant import QuantOptions
+from lightning_lora.recipe import ModelRecipe
+
+
+def recipe(mode: str = "none", offload_blocks: int = 0) -> ModelRecipe:
+    """A recipe for the hub's FLUX.1-dev (nothing is loaded: a hub id is accepted as it is)."""
+    return ModelRecipe(
+        Flux(),
+        ModelSource("black-forest-labs/FLUX.1-dev"),
+        quantization=QuantOptions(mode=mode),
+        offload_blocks=offload_blocks,
+    )
 
 
 @pytest.mark.parametrize("strategy", [FSDPStrategy, ModelParallelStrategy])
 @pytest.mark.parametrize("mode", ["nf4", "fp8", "fp8_compute"])
 def test_sharding_a_quantized_base_is_refused(strategy: type, mode: str) -> None:
     with pytest.raises(ConfigError, match=rf"trainer.strategy: {strategy.__name__}.*quantization.mode: {mode}.*ddp"):
-        check_strategy(strategy(), mode)
+        check_strategy(strategy(), recipe(mode))
 
 
 @pytest.mark.parametrize("strategy", [FSDPStrategy, ModelParallelStrategy])
 def test_sharding_an_offloaded_base_is_refused(strategy: type) -> None:
     with pytest.raises(ConfigError, match=rf"trainer.strategy: {strategy.__name__}.*offload_blocks: 4.*ddp"):
-        check_strategy(strategy(), "none", offload_blocks=4)
-    check_strategy(DDPStrategy(), "fp8", offload_blocks=4)
+        check_strategy(strategy(), recipe("none", offload_blocks=4))
+    check_strategy(DDPStrategy(), recipe("fp8", offload_blocks=4))
 
 
 @pytest.mark.parametrize("mode", ["none", "nf4", "fp8", "fp8_compute"])
 def test_ddp_takes_every_backend_and_fsdp_a_plain_base(mode: str) -> None:
-    check_strategy(DDPStrategy(), mode)
-    check_strategy(FSDPStrategy(), "none")
+    check_strategy(DDPStrategy(), recipe(mode))
+    check_strategy(FSDPStrategy(), recipe())
 
 
 @pytest.mark.parametrize(

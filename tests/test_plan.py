@@ -44,7 +44,7 @@ def test_meta_count_matches_a_real_forward() -> None:
 def test_plan_of_the_tiny_flux(tiny_flux_dir: Path, photos_dir: Path) -> None:
     def plan(**options: object) -> MemoryPlan:
         module = LoraModule(str(tiny_flux_dir), **options)
-        return plan_training(module, 256, 256, 2, 32)
+        return plan_training(module.recipe, 256, 256, 2, 32)
 
     full, checkpointed = plan(), plan(gradient_checkpointing=True)
     assert checkpointed.activations < full.activations
@@ -73,39 +73,32 @@ def test_plan_verb(tmp_path: Path, photos_dir: Path, capsys, request: pytest.Fix
     assert not (tmp_path / "run").exists()  # planning writes nothing
 
 
-def test_suggestions_try_partial_checkpointing_first(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The planner's suggestions, fastest first: one block in 3, in 2, then every block, then quantization."""
-    import dataclasses
+def test_suggestions_try_partial_checkpointing_first(tiny_flux_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planner's suggestions, fastest first: one block in 3, in 2, then every block, then quantization. Each is
+    a new recipe; one the recipe refuses (NF4 with offloading) is left out."""
     from types import SimpleNamespace
 
-    from lightning_lora import plan_cli
-    from lightning_lora.quant import QuantOptions
+    from lightning_lora import plan
+    from lightning_lora.families.base import ModelSource
+    from lightning_lora.families.flux import Flux
+    from lightning_lora.recipe import ModelRecipe
 
-    def fake_plan(module: object, datamodule: object) -> SimpleNamespace:
-        m: object = module
-        if not m.gradient_checkpointing:  # type: ignore[attr-defined]
+    def fake_plan(recipe: ModelRecipe, datamodule: object, optimizer: str) -> SimpleNamespace:
+        if not recipe.gradient_checkpointing:
             peak = 30.0
         else:
-            peak = {1: 20.0, 2: 24.0, 3: 26.0}[m.checkpoint_every]  # type: ignore[attr-defined]
-        if m.quantization.mode != "none":  # type: ignore[attr-defined]
+            peak = {1: 20.0, 2: 24.0, 3: 26.0}[recipe.checkpoint_every]
+        if recipe.quantization.mode != "none":
             peak -= 12.0
-        if m.offload_activations:  # type: ignore[attr-defined]
+        if recipe.offload_activations:
             peak -= 1.0
-        if m.offload_blocks > 16:  # type: ignore[attr-defined]
+        if recipe.offload_blocks > 16:
             raise ConfigError("more than the model's 16 repeated blocks")
-        if m.offload_blocks and m.quantization.mode == "nf4":  # type: ignore[attr-defined]
-            raise ConfigError("model.offload_blocks works with a bf16 or FP8 base, not with NF4")
-        return SimpleNamespace(peak_gib=peak - 0.5 * m.offload_blocks)  # type: ignore[attr-defined]
+        return SimpleNamespace(peak_gib=peak - 0.5 * recipe.offload_blocks)
 
-    monkeypatch.setattr(plan_cli, "plan_for", fake_plan)
-    options = {
-        "compile_blocks": False,
-        "offload_blocks": 0,
-        "offload_activations": False,
-        "quantization": QuantOptions(),
-    }
-    module = SimpleNamespace(gradient_checkpointing=False, checkpoint_every=1, **options)
-    fits = plan_cli._alternatives(module, None, vram=26.0)  # 0.95 x 26 = 24.7: every 2 and every 1 fit, 3 does not
+    monkeypatch.setattr(plan, "plan_for", fake_plan)
+    recipe = ModelRecipe(Flux(), ModelSource(str(tiny_flux_dir)))
+    fits = plan.fitting_changes(recipe, None, vram=26.0)  # 0.95 x 26 = 24.7: every 2 and every 1 fit, 3 does not
     assert fits[0].startswith("--model.gradient_checkpointing true --model.checkpoint_every 2")
     assert fits[1].startswith("--model.gradient_checkpointing true   ")
     assert fits[2].startswith(
@@ -115,17 +108,13 @@ def test_suggestions_try_partial_checkpointing_first(monkeypatch: pytest.MonkeyP
     assert not any("checkpoint_every 3" in f for f in fits)
     # The fewest offloaded blocks that fit, without checkpointing: 30 - 0.5 x 12 = 24 <= 24.7 (10 gives 25).
     assert [f.split("   ")[0] for f in fits if "offload_blocks" in f] == ["--model.offload_blocks 12"]
-    assert module.gradient_checkpointing is False and module.checkpoint_every == 1  # restored
-    assert module.offload_blocks == 0
-    assert not any(
-        "offload_blocks" in f for f in plan_cli._alternatives(module, None, vram=10.0)
-    )  # 16 blocks: not enough
-    # Already offloading: the NF4 alternatives, which offloading refuses, are left out instead of ending `plan`.
-    offloading = SimpleNamespace(gradient_checkpointing=True, checkpoint_every=1, **{**options, "offload_blocks": 4})
-    suggested = plan_cli._alternatives(offloading, None, vram=10.0)
+    assert recipe.gradient_checkpointing is False and recipe.offload_blocks == 0  # a recipe never changes
+    assert not any("offload_blocks" in f for f in plan.fitting_changes(recipe, None, vram=10.0))  # 16: not enough
+    # Already offloading: the NF4 alternatives, which the recipe refuses with offloading, are left out.
+    offloading = recipe.replace(gradient_checkpointing=True, offload_blocks=4)
+    suggested = plan.fitting_changes(offloading, None, vram=10.0)
     assert suggested and not any("nf4" in f for f in suggested) and any("fp8" in f for f in suggested)
-    partial = SimpleNamespace(gradient_checkpointing=True, checkpoint_every=3, **options)
-    assert plan_cli._alternatives(partial, None, vram=22.0)[0].startswith("--model.checkpoint_every 1")
-    checkpointed = SimpleNamespace(gradient_checkpointing=True, checkpoint_every=1, **options)
-    assert plan_cli._alternatives(checkpointed, None, vram=20.5)[0].startswith("--model.offload_activations true   ")
-    assert dataclasses.is_dataclass(module.quantization)
+    partial = recipe.replace(gradient_checkpointing=True, checkpoint_every=3)
+    assert plan.fitting_changes(partial, None, vram=22.0)[0].startswith("--model.checkpoint_every 1")
+    checkpointed = recipe.replace(gradient_checkpointing=True)
+    assert plan.fitting_changes(checkpointed, None, vram=20.5)[0].startswith("--model.offload_activations true   ")

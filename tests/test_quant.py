@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import build_model
 from test_cli import run_cli, write_config
 from torch import nn
 
-from lightning_lora.assembly import build_lora_model, configure_attention
+from lightning_lora.assembly import configure_attention
 from lightning_lora.errors import ConfigError
 from lightning_lora.families import Flux, ModelSource
 from lightning_lora.lora import LoraOptions
@@ -94,15 +95,19 @@ def test_skip_patterns_leave_layers_unquantized() -> None:
     model.add_module("quant", _linear(n_in=96, n_out=64))
     quantize_base(model, QuantOptions(mode="fp8", skip=["keep"]), torch.device("cpu"), torch.bfloat16)
     assert type(model.keep) is nn.Linear and isinstance(model.quant, FP8Linear)
+    # An invalid pattern is refused when the options are read, before any weight loads.
+    from lightning_lora.families.base import ModelSource
+    from lightning_lora.recipe import ModelRecipe
+
     with pytest.raises(ConfigError, match="model.quantization.skip"):
-        quantize_base(model, QuantOptions(mode="fp8", skip=["("]), torch.device("cpu"), torch.bfloat16)
+        ModelRecipe(Flux(), ModelSource("black-forest-labs/FLUX.1-dev"), quantization=QuantOptions(skip=["("]))
 
 
 @pytest.mark.parametrize("mode", ["nf4", "fp8"])
 def test_lora_on_a_quantized_tiny_flux(tiny_flux64_dir: Path, mode: str) -> None:
     import bitsandbytes as bnb
 
-    model = build_lora_model(
+    model = build_model(
         Flux(max_sequence_length=8),
         ModelSource(str(tiny_flux64_dir), dtype=torch.bfloat16),
         LoraOptions(rank=4, targets="all_linear"),

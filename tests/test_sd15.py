@@ -35,7 +35,8 @@ from lightning_lora.export import save_lora
 from lightning_lora.families import SD15
 from lightning_lora.families.base import ModelSource
 from lightning_lora.families.unet import noise_schedule_of
-from lightning_lora.families.unet_ldm import UNetLayout, unet_state_dict_to_ldm
+from lightning_lora.formats.ldm import UNetLayout, unet_state_dict_to_ldm
+from lightning_lora.lora import LoraOptions
 
 
 @pytest.fixture(scope="module")
@@ -141,9 +142,9 @@ def test_export_both_formats_load_into_a_fresh_pipeline(tmp_path: Path, tiny_sd1
     model = lora_model(SD15(), tiny_sd15_dir, "locon")
     inputs = unet_inputs(model)
     expected = unet_output(model, inputs)
-    lora = {"rank": RANK, "alpha": ALPHA}
+    lora = LoraOptions(rank=RANK, alpha=ALPHA, targets="locon")
     files = {
-        fmt: save_lora(model, tmp_path / f"{fmt}.safetensors", family="sd15", lora=lora, info={}, format=fmt)
+        fmt: save_lora(model, tmp_path / f"{fmt}.safetensors", family=SD15(), lora=lora, info={}, format=fmt)
         for fmt in ("diffusers", "kohya")
     }
     # kohya's SD1 names are diffusers' module names: diffusers' own converter gives the same keys (it writes

@@ -35,7 +35,8 @@ from lightning_lora.families import SDXL
 from lightning_lora.families.base import ModelSource
 from lightning_lora.families.sdxl import default_size_conditioning, sdxl_time_ids
 from lightning_lora.families.unet import noise_schedule_of
-from lightning_lora.families.unet_ldm import SDXL_LAYOUT, UNetLayout, diffusers_to_ldm, unet_state_dict_to_ldm
+from lightning_lora.formats.ldm import SDXL_LAYOUT, UNetLayout, diffusers_to_ldm, unet_state_dict_to_ldm
+from lightning_lora.lora import LoraOptions
 
 
 @pytest.fixture(scope="module")
@@ -253,9 +254,10 @@ def test_fit_lowers_the_fixed_eval_loss(tmp_path: Path, tiny_sdxl_dir: Path, pho
         "step000016_00.png",
     ]
     # The checkpoint knows its family: `lightning-lora export` picks the SDXL kohya layout without the base model.
-    state, lora, info = checkpoint_lora(tmp_path / "run" / "checkpoints" / "last.ckpt")
-    assert info["family"] == "sdxl" and lora["rank"] == 4
-    kohya = export_lora(state, tmp_path / "k.safetensors", format="kohya", lora=lora, info=info, family="sdxl")
+    state, lora, family, info = checkpoint_lora(tmp_path / "run" / "checkpoints" / "last.ckpt")
+    assert info["family"] == "sdxl" and lora.rank == 4
+    assert isinstance(family, SDXL) and family.noise_offset == 0.05  # built with the run's family options
+    kohya = export_lora(state, tmp_path / "k.safetensors", format="kohya", lora=lora, family=family, info=info)
     assert any(k.startswith("lora_unet_input_blocks_") for k in load_file(kohya))
 
 
@@ -264,9 +266,9 @@ def test_export_both_formats_load_into_a_fresh_pipeline(tmp_path: Path, tiny_sdx
     model = lora_model(SDXL(), tiny_sdxl_dir, "locon")
     inputs = unet_inputs(model)
     expected = unet_output(model, inputs)
-    lora = {"rank": RANK, "alpha": ALPHA}
+    lora = LoraOptions(rank=RANK, alpha=ALPHA, targets="locon")
     files = {
-        fmt: save_lora(model, tmp_path / f"{fmt}.safetensors", family="sdxl", lora=lora, info={}, format=fmt)
+        fmt: save_lora(model, tmp_path / f"{fmt}.safetensors", family=SDXL(), lora=lora, info={}, format=fmt)
         for fmt in ("diffusers", "kohya")
     }
     kohya = load_file(files["kohya"])

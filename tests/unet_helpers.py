@@ -7,10 +7,10 @@ from typing import Any
 
 import torch
 import yaml
+from helpers import build_model
 from safetensors.torch import load_file
 from test_cli import run_cli, write_config
 
-from lightning_lora.assembly import build_lora_model
 from lightning_lora.families.base import DiffusionFamily, ModelSource
 from lightning_lora.lora import LoraOptions
 
@@ -38,7 +38,7 @@ def family_config(
 def lora_model(family: DiffusionFamily, model_dir: Path, targets: str | list[str], seed: int = 0) -> torch.nn.Module:
     """The tiny model of ``family`` with a rank-4, alpha-8 LoRA whose B matrices are random (a fresh LoRA would be a
     no-op)."""
-    model = build_lora_model(
+    model = build_model(
         family, ModelSource(str(model_dir), dtype=torch.float32), LoraOptions(rank=RANK, alpha=ALPHA, targets=targets)
     ).eval()
     g = torch.Generator().manual_seed(seed)

@@ -17,25 +17,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 import traceback
-from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.pytorch import Callback, LightningDataModule, Trainer
+from torch.utils.data import DataLoader, Dataset
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from lightning.pytorch import Callback, LightningDataModule, Trainer  # noqa: E402
-from torch.utils.data import DataLoader, Dataset  # noqa: E402
-
-from lightning_lora.families.base import ModelSource, build_from_config  # noqa: E402
-from lightning_lora.families.flux import Flux  # noqa: E402
-from lightning_lora.lora import LoraOptions, set_lora_input_casts  # noqa: E402
-from lightning_lora.module import LoraModule  # noqa: E402
-from lightning_lora.parallel import resolve_strategy  # noqa: E402
-from lightning_lora.quant import QuantOptions  # noqa: E402
+from lightning_lora.families.base import ModelSource, build_from_config
+from lightning_lora.families.flux import Flux
+from lightning_lora.lora import LoraOptions, set_lora_input_casts
+from lightning_lora.module import LoraModule
+from lightning_lora.parallel import resolve_strategy
+from lightning_lora.quant import QuantOptions
 
 FLUX_DEV = dict(
     patch_size=1,
@@ -425,7 +420,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         from lightning_lora.plan import plan_training
 
         names = {"adamw8bit": "AdamW8bit", "adafactor": "Adafactor", "adafactor-hf": "Adafactor", "adamw": "AdamW"}
-        plan = plan_training(module, a.h, a.w, a.batch, a.tlen if a.family == "flux" else 77, optimizer=names[a.opt])
+        plan = plan_training(
+            module.recipe, a.h, a.w, a.batch, a.tlen if a.family == "flux" else 77, optimizer=names[a.opt]
+        )
         out["planned_peak_GiB"] = round(plan.peak_gib, 2)
         out["planned"] = {k: round(v, 3) for k, v in vars(plan).items() if isinstance(v, float)}
     return out

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -34,14 +33,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from lightning_lora.data.buckets import BucketSpec  # noqa: E402
-from lightning_lora.data.build import DataSpec, missing_jobs, plan  # noqa: E402
-from lightning_lora.data.cache import ImageIndex, LatentCache, decode_loader  # noqa: E402
-from lightning_lora.data.sources import ImageFolder, scan  # noqa: E402
-from lightning_lora.families.base import ModelSource  # noqa: E402
-from lightning_lora.families.flux import Flux  # noqa: E402
+from lightning_lora.data.buckets import BucketSpec
+from lightning_lora.data.build import DataSpec, missing_jobs, plan
+from lightning_lora.data.cache import ImageIndex, LatentCache, decode_loader
+from lightning_lora.data.sources import ImageFolder, scan
+from lightning_lora.families.base import ModelSource
+from lightning_lora.families.flux import Flux
 
 FLUX_VAE_CONFIG = {
     "in_channels": 3,

@@ -24,16 +24,13 @@ import copy
 import json
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from lightning_lora.data.cache import quantize_text_encoders  # noqa: E402
-from lightning_lora.families.flux import Flux  # noqa: E402
-from lightning_lora.tiny import CAPTION_WORDS, make_clip_tokenizer, make_t5_tokenizer  # noqa: E402
+from lightning_lora.data.cache import quantize_text_encoders
+from lightning_lora.families.flux import Flux
+from lightning_lora.tiny import CAPTION_WORDS, make_clip_tokenizer, make_t5_tokenizer
 
 # google/t5-v1_1-xxl (FLUX.1-dev's text_encoder_2) and openai/clip-vit-large-patch14 (its text_encoder).
 T5_XXL = dict(d_model=4096, d_ff=10240, d_kv=64, num_heads=64, num_layers=24, vocab_size=32128)

@@ -8,15 +8,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from lightning_lora.quant.fp8 import FP8Linear  # noqa: E402
+from lightning_lora.quant.fp8 import FP8Linear
 
 SHAPES = {"qkv": (3072, 3072), "mlp_up": (3072, 12288), "mlp_down": (12288, 3072), "single_out": (15360, 3072)}
 

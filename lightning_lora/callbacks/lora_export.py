@@ -8,7 +8,6 @@ writes are atomic.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 from pathlib import Path
 from typing import Any, Literal
@@ -17,7 +16,9 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from lightning_lora.errors import ConfigError
 from lightning_lora.export import save_lora
+from lightning_lora.formats import LoraFormat
 from lightning_lora.module import DTYPES
 
 __all__ = ["LoraExport"]
@@ -31,7 +32,8 @@ class LoraExport(Callback):
     Args:
         name: file name stem.
         every_n_steps: also export every this many optimizer steps (0: only at the end).
-        formats: ``diffusers`` and/or ``kohya`` (ComfyUI / Forge / sd-scripts key layout).
+        formats: ``diffusers`` and/or ``kohya`` (ComfyUI / Forge / sd-scripts key layout); each must be one the
+            model's family writes (checked at setup, before training).
         dtype: tensor dtype in the file (``fp32`` keeps full precision; ``bf16`` halves the size).
         trigger: the trigger word, recorded in the file's metadata.
         dirname: folder under the run folder.
@@ -41,7 +43,7 @@ class LoraExport(Callback):
         self,
         name: str = "lora",
         every_n_steps: int = 0,
-        formats: list[Literal["diffusers", "kohya"]] | None = None,
+        formats: list[LoraFormat] | None = None,
         dtype: Literal["fp32", "bf16", "fp16"] = "fp32",
         trigger: str | None = None,
         dirname: str = "lora",
@@ -54,6 +56,17 @@ class LoraExport(Callback):
         self.dirname = dirname
         self.last_path: Path | None = None
         self.written: list[Path] = []
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        """Refuse a format the model's family does not write now, not after training."""
+        family = getattr(pl_module, "family", None)
+        missing = [f for f in self.formats if family is not None and f not in family.lora_formats]
+        if missing:
+            raise ConfigError(
+                f"LoraExport.formats: there is no {missing[0]} layout for the {family.name!r} family yet; choose from "
+                f"{', '.join(family.lora_formats)}."
+            )
 
     def paths(self, trainer: Trainer, stem: str) -> dict[str, Path]:
         folder = Path(trainer.default_root_dir) / self.dirname
@@ -73,13 +86,12 @@ class LoraExport(Callback):
                     Path(trainer.default_root_dir) / "config.yaml"
                 ),  # no log_dir: it broadcasts
             }
-            lora = dataclasses.asdict(module.lora)
             for fmt, path in self.paths(trainer, stem).items():
                 save_lora(
                     module.denoiser,
                     path,
-                    family=module.family.name,
-                    lora=lora,
+                    family=module.family,
+                    lora=module.lora,
                     info=info,
                     format=fmt,  # type: ignore[arg-type]
                     dtype=DTYPES[self.dtype],

@@ -53,11 +53,12 @@ class VRAMMonitor(Callback):
         self.static_gib = torch.cuda.memory_allocated(pl_module.device) / GIB
         metrics = {"vram/static_GiB": self.static_gib}
         if self.plan and trainer.is_global_zero:
-            from lightning_lora.plan_cli import plan_for
+            from lightning_lora.plan import plan_for
 
+            module: Any = pl_module
             try:
                 if self.planned_gib is None:  # the CLI hands over the prediction of its start-up check
-                    self.planned_gib = plan_for(pl_module, trainer.datamodule).peak_gib
+                    self.planned_gib = plan_for(module.recipe, trainer.datamodule, module.optimizer_name).peak_gib
                 metrics["vram/planned_peak_GiB"] = self.planned_gib
             except (NotImplementedError, ValueError, OSError) as e:
                 rank_zero_info(f"VRAMMonitor: no planner prediction ({e})")

@@ -3,8 +3,13 @@
 A *family* (FLUX, SDXL, SD1.5) is everything that differs between diffusion models from the trainer's point of view:
 which classes to load from which subfolder, how prompts and images become tensors, how a noisy latent and a timestep
 become a prediction and a loss, which layers LoRA targets, and which diffusers pipeline draws sample images. The rest
-of lightning-lora (assembly, cache, module, callbacks) talks to a family only through :class:`DiffusionFamily`, so no
-code outside ``families/`` asks "is this FLUX?".
+of lightning-lora (assembly, cache, module, callbacks, export) talks to a family only through :class:`DiffusionFamily`,
+so no code outside ``families/`` asks "is this FLUX?".
+
+A family also owns its identity and interop: the text encoders its cached embeddings depend on
+(:attr:`DiffusionFamily.text_encoders`, part of every text cache key) and the LoRA file formats it writes
+(:attr:`DiffusionFamily.lora_formats`; the kohya/ComfyUI layout through :meth:`DiffusionFamily.kohya_lora` and
+:meth:`DiffusionFamily.kohya_metadata`, which call the key maps of :mod:`lightning_lora.formats`).
 
 Families are chosen in the YAML by class path, with their own typed options::
 
@@ -25,7 +30,7 @@ import hashlib
 import json
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple, TypeVar
@@ -234,6 +239,14 @@ class DiffusionFamily(ABC):
     """Whether ``model.attention: auto`` may use PyTorch's cuDNN SDPA backend with this family's model."""
     compiled_regions: ClassVar[tuple[str, ...]] = ()
     """Module classes ``model.compile_blocks`` compiles besides the model's repeated blocks (``_repeated_blocks``)."""
+    text_encoders: ClassVar[tuple[str, ...]]
+    """The pipeline components (subfolders) whose weights the prompt embeddings depend on: every one the family's
+    :meth:`encode_prompts` runs. The text cache key is made from their identities, so a changed encoder never serves
+    stale embeddings; a family that forgets one would."""
+    lora_formats: ClassVar[tuple[str, ...]] = ("diffusers",)
+    """The LoRA file formats (:data:`lightning_lora.formats.FORMATS`) this family writes. ``diffusers`` (peft keys under
+    ``denoiser_subfolder``) needs nothing of the family; a family listing ``kohya`` implements :meth:`kohya_lora` and
+    :meth:`kohya_metadata`."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -335,6 +348,36 @@ class DiffusionFamily(ABC):
         ``negative`` holds the empty prompt's embeddings (same keys), the negative side of classifier-free guidance
         for the families that use it; a family without CFG (FLUX.1-dev) ignores it.
         """
+
+    # -- interop: LoRA file formats (lightning_lora.formats) -------------------------------------------------------
+    def kohya_lora(
+        self, state: Mapping[str, torch.Tensor], alpha: float, *, dtype: torch.dtype | None = None
+    ) -> dict[str, torch.Tensor]:
+        """The LoRA ``state`` (peft keys without prefix or adapter name) in the kohya / ComfyUI layout of this family
+        (``lora_unet_<module>.lora_down.weight`` / ``.lora_up.weight`` / ``.alpha``; see
+        :mod:`lightning_lora.formats.kohya`), weights cast to ``dtype`` when given. Raises ``ValueError`` naming a
+        module that has no kohya name. Default: the family has no kohya layout (:class:`ConfigError`)."""
+        raise self.format_refused("kohya")
+
+    def kohya_metadata(self, rank: int, alpha: float, *, title: str = "") -> dict[str, str]:
+        """kohya sd-scripts / modelspec header entries (``ss_*``, ``modelspec.*``) of a kohya file of this family.
+        Default: the family has no kohya layout (:class:`ConfigError`)."""
+        raise self.format_refused("kohya")
+
+    def format_refused(self, format: str) -> ConfigError:
+        """The error for a LoRA file ``format`` this family does not write; it names the formats it does write."""
+        instead = " or ".join(f"--format {f}" for f in self.lora_formats)
+        return ConfigError(
+            f"--format {format}: there is no {format} layout for the {self.name!r} family yet; use {instead}."
+        )
+
+    # -- tests and the demo ----------------------------------------------------------------------------------------
+    @classmethod
+    def save_tiny(cls, folder: Path, seed: int = 0) -> Path:
+        """Save a tiny random pipeline of this family (a few MB, built from a config, offline) to ``folder`` and return
+        it: what the CPU demo trains and what the family contract test (tests/families/test_contract.py) runs every
+        registered family on. See :mod:`lightning_lora.tiny`."""
+        raise NotImplementedError(f"the {cls.name} family has no tiny pipeline for tests yet")
 
     # -- memory planning (lightning_lora.plan) -------------------------------------------------------------------
     def denoiser_skeleton(self, source: ModelSource) -> nn.Module:

@@ -18,10 +18,13 @@ The objective (rectified flow, timestep sampling) is in :mod:`lightning_lora.obj
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
+from typing_extensions import override
 
 from lightning_lora import objectives
 from lightning_lora.families.base import (
@@ -33,6 +36,7 @@ from lightning_lora.families.base import (
     load_component,
     load_weights,
 )
+from lightning_lora.formats import kohya
 from lightning_lora.objectives import TimestepSampling
 
 __all__ = ["Flux", "pack_latents", "unpack_latents", "latent_image_ids"]
@@ -86,6 +90,9 @@ class Flux(DiffusionFamily):
     latent_divisor: ClassVar[int] = 16
     # cuDNN's SDPA backend crashed in FLUX's backward on an H200 (torch 2.11, illegal memory access; REFERENCE.md).
     cudnn_attention_in_auto: ClassVar[bool] = False
+    text_encoders: ClassVar[tuple[str, ...]] = ("text_encoder", "text_encoder_2")  # CLIP-L (pooled), T5-XXL
+    # kohya: BFL module names, q/k/v (and the single blocks' MLP input) fused.
+    lora_formats: ClassVar[tuple[str, ...]] = ("diffusers", "kohya")
     lora_presets: ClassVar[dict[str, str]] = {
         # The set the public FLUX LoRA recipes (and our reference benchmark) use.
         "attention": rf".*transformer_blocks\.\d+\.{_ATTENTION}",
@@ -136,6 +143,12 @@ class Flux(DiffusionFamily):
             tokenizer_2=load_component(T5TokenizerFast.from_pretrained, source, "tokenizer_2"),
             transformer=None,
         )
+
+    @classmethod
+    def save_tiny(cls, folder: Path, seed: int = 0) -> Path:
+        from lightning_lora.tiny import save_tiny_flux
+
+        return save_tiny_flux(folder, seed=seed)
 
     # -- encoding ----------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -239,6 +252,17 @@ class Flux(DiffusionFamily):
             prompt_embeds=embeddings["prompt_embeds"].to(device=device, dtype=dtype),
             pooled_prompt_embeds=embeddings["pooled_prompt_embeds"].to(device=device, dtype=dtype),
         )
+
+    # -- interop -----------------------------------------------------------------------------------------------
+    @override
+    def kohya_lora(
+        self, state: Mapping[str, torch.Tensor], alpha: float, *, dtype: torch.dtype | None = None
+    ) -> dict[str, torch.Tensor]:
+        return kohya.flux_to_kohya(state, alpha, dtype=dtype)
+
+    @override
+    def kohya_metadata(self, rank: int, alpha: float, *, title: str = "") -> dict[str, str]:
+        return kohya.kohya_flux_metadata(rank, alpha, title=title)
 
     # -- memory planning ---------------------------------------------------------------------------------------
     def denoiser_skeleton(self, source: ModelSource) -> nn.Module:

@@ -11,12 +11,16 @@ Classifier-free guidance at sampling time uses the embedding of the empty prompt
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
+from typing_extensions import override
 
 from lightning_lora.families.base import ModelSource, load_component, load_weights
 from lightning_lora.families.unet import UNetFamily
+from lightning_lora.formats import kohya
 
 __all__ = ["SD15"]
 
@@ -30,6 +34,9 @@ class SD15(UNetFamily):
 
     name: ClassVar[str] = "sd15"
     pipeline_classes: ClassVar[tuple[str, ...]] = ("StableDiffusionPipeline",)
+    text_encoders: ClassVar[tuple[str, ...]] = ("text_encoder",)  # CLIP-L (OpenCLIP-H for SD2)
+    # kohya: diffusers' module names with "_", as sd-scripts trains SD1.x.
+    lora_formats: ClassVar[tuple[str, ...]] = ("diffusers", "kohya")
 
     # -- loading -----------------------------------------------------------------------------------------------
     def load_text_encoders(self, source: ModelSource) -> Any:
@@ -49,6 +56,12 @@ class SD15(UNetFamily):
             feature_extractor=None,
             requires_safety_checker=False,
         )
+
+    @classmethod
+    def save_tiny(cls, folder: Path, seed: int = 0) -> Path:
+        from lightning_lora.tiny import save_tiny_sd15
+
+        return save_tiny_sd15(folder, seed=seed)
 
     # -- encoding ----------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -70,6 +83,17 @@ class SD15(UNetFamily):
 
     def text_cache_tag(self) -> str:
         return f"sd15-{self._clip_tag()}"
+
+    # -- interop -----------------------------------------------------------------------------------------------
+    @override
+    def kohya_lora(
+        self, state: Mapping[str, torch.Tensor], alpha: float, *, dtype: torch.dtype | None = None
+    ) -> dict[str, torch.Tensor]:
+        return kohya.sd15_to_kohya(state, alpha, dtype=dtype)
+
+    @override
+    def kohya_metadata(self, rank: int, alpha: float, *, title: str = "") -> dict[str, str]:
+        return kohya.kohya_sd15_metadata(rank, alpha, title=title)
 
     # -- training ----------------------------------------------------------------------------------------------
     def unet_conditions(

@@ -21,12 +21,16 @@ The objective and LoRA presets are in :mod:`lightning_lora.families.unet`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
+from typing_extensions import override
 
 from lightning_lora.families.base import ModelSource, load_component, load_weights
 from lightning_lora.families.unet import UNetFamily
+from lightning_lora.formats import kohya
 
 __all__ = ["SDXL", "sdxl_time_ids"]
 
@@ -63,6 +67,9 @@ class SDXL(UNetFamily):
 
     name: ClassVar[str] = "sdxl"
     pipeline_classes: ClassVar[tuple[str, ...]] = ("StableDiffusionXLPipeline",)
+    text_encoders: ClassVar[tuple[str, ...]] = ("text_encoder", "text_encoder_2")  # CLIP-L, OpenCLIP-G
+    # kohya: the original SGM UNet's module names, as sd-scripts trains SDXL.
+    lora_formats: ClassVar[tuple[str, ...]] = ("diffusers", "kohya")
 
     # -- loading -----------------------------------------------------------------------------------------------
     def load_text_encoders(self, source: ModelSource) -> Any:
@@ -85,6 +92,12 @@ class SDXL(UNetFamily):
             add_watermarker=False,
         )
 
+    @classmethod
+    def save_tiny(cls, folder: Path, seed: int = 0) -> Path:
+        from lightning_lora.tiny import save_tiny_sdxl
+
+        return save_tiny_sdxl(folder, seed=seed)
+
     # -- encoding ----------------------------------------------------------------------------------------------
     @torch.no_grad()
     def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
@@ -100,6 +113,17 @@ class SDXL(UNetFamily):
 
     def text_cache_tag(self) -> str:
         return f"sdxl-{self._clip_tag()}"
+
+    # -- interop -----------------------------------------------------------------------------------------------
+    @override
+    def kohya_lora(
+        self, state: Mapping[str, torch.Tensor], alpha: float, *, dtype: torch.dtype | None = None
+    ) -> dict[str, torch.Tensor]:
+        return kohya.sdxl_to_kohya(state, alpha, dtype=dtype)
+
+    @override
+    def kohya_metadata(self, rank: int, alpha: float, *, title: str = "") -> dict[str, str]:
+        return kohya.kohya_sdxl_metadata(rank, alpha, title=title)
 
     # -- training ----------------------------------------------------------------------------------------------
     def unet_conditions(

@@ -9,6 +9,47 @@ Why before LoRA: peft's adapters are ``nn.Linear`` too, so a quantizer that runs
 quantized layers and the adapters stay float32.
 """
 
-from lightning_lora.quant.options import QuantOptions, quantize_base
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lightning_lora.quant.options import QuantOptions
 
 __all__ = ["QuantOptions", "quantize_base"]
+
+
+def quantize_base(
+    model: nn.Module,
+    options: QuantOptions,
+    device: torch.device,
+    compute_dtype: torch.dtype,
+    on_cpu: frozenset[int] = frozenset(),
+) -> int:
+    """Swap the base's linear layers for quantized ones on ``device``; returns how many were swapped.
+
+    FP8 layers whose ``id`` is in ``on_cpu`` are quantized on the CPU instead (the blocks ``model.offload_blocks``
+    keeps in CPU memory: the GPU never holds them whole).
+    """
+    if options.mode == "none":
+        return 0
+    if options.mode == "nf4":
+        from lightning_lora.quant.nf4 import quantize_nf4
+
+        return quantize_nf4(model, options, device, compute_dtype)
+    from lightning_lora.hardware import fp8_compute_supported
+    from lightning_lora.quant.fp8 import quantize_fp8
+
+    compute = options.mode == "fp8_compute"
+    if compute:
+        supported, reason = fp8_compute_supported(device)
+        if not supported:
+            import warnings
+
+            warnings.warn(
+                f"model.quantization.mode: fp8_compute needs FP8 matrix units ({reason}); using fp8 storage "
+                "instead (same memory, bf16 matmuls).",
+                stacklevel=2,
+            )
+            compute = False
+    return quantize_fp8(model, options, device, compute=compute, on_cpu=on_cpu)

@@ -1,4 +1,4 @@
-"""The quantization options of the frozen base, and the one function that applies them."""
+"""The quantization options of the frozen base, and the layers they apply to."""
 
 from __future__ import annotations
 
@@ -6,12 +6,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
-import torch
 from torch import nn
 
-from lightning_lora.errors import ConfigError
-
-__all__ = ["QuantOptions", "quantize_base", "linear_layers"]
+__all__ = ["QuantOptions", "linear_layers"]
 
 
 @dataclass
@@ -46,44 +43,3 @@ def linear_layers(model: nn.Module, skip: list[str]) -> list[tuple[nn.Module, st
             if type(child) is nn.Linear and not any(p.fullmatch(full) or p.search(full) for p in patterns):
                 found.append((parent, name, full, child))
     return found
-
-
-def quantize_base(
-    model: nn.Module,
-    options: QuantOptions,
-    device: torch.device,
-    compute_dtype: torch.dtype,
-    on_cpu: frozenset[int] = frozenset(),
-) -> int:
-    """Swap the base's linear layers for quantized ones on ``device``; returns how many were swapped.
-
-    FP8 layers whose ``id`` is in ``on_cpu`` are quantized on the CPU instead (the blocks ``model.offload_blocks``
-    keeps in CPU memory: the GPU never holds them whole).
-    """
-    if options.mode == "none":
-        return 0
-    for pattern in options.skip:
-        try:
-            re.compile(pattern)
-        except re.error as e:
-            raise ConfigError(f"model.quantization.skip: {pattern!r} is not a regular expression ({e}).") from e
-    if options.mode == "nf4":
-        from lightning_lora.quant.nf4 import quantize_nf4
-
-        return quantize_nf4(model, options, device, compute_dtype)
-    from lightning_lora.hardware import fp8_compute_supported
-    from lightning_lora.quant.fp8 import quantize_fp8
-
-    compute = options.mode == "fp8_compute"
-    if compute:
-        supported, reason = fp8_compute_supported(device)
-        if not supported:
-            import warnings
-
-            warnings.warn(
-                f"model.quantization.mode: fp8_compute needs FP8 matrix units ({reason}); using fp8 storage "
-                "instead (same memory, bf16 matmuls).",
-                stacklevel=2,
-            )
-            compute = False
-    return quantize_fp8(model, options, device, compute=compute, on_cpu=on_cpu)

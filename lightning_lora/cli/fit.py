@@ -1,4 +1,4 @@
-"""The ``lightning-lora`` command: Lightning's CLI with the run-folder conventions of a LoRA trainer.
+"""``lightning-lora fit``: Lightning's CLI with the run-folder conventions of a LoRA trainer.
 
 ``lightning-lora fit --config X.yaml`` is ``LightningCLI(LoraModule, LatentDataModule)`` with these defaults:
 
@@ -53,7 +53,7 @@ from lightning_lora.errors import ConfigError
 from lightning_lora.module import LoraModule, primitive_hparams
 from lightning_lora.parallel import check_strategy, resolve_strategy
 
-__all__ = ["LoraCLI", "main"]
+__all__ = ["LoraCLI", "main", "run_summary", "write_error"]
 
 DEFAULT_RUN_DIR = "runs/lora"
 DEFAULT_CHECKPOINT_EVERY = 250
@@ -130,7 +130,7 @@ class LoraCLI(LightningCLI):
         self.datamodule.spec(self.model.family)
         check_writable(Path(self.trainer.default_root_dir), "trainer.default_root_dir")
         check_writable(self._checkpoint_dir(), "ModelCheckpoint dirpath")
-        check_strategy(self.trainer.strategy, self.model.quantization.mode, self.model.offload_blocks)
+        check_strategy(self.trainer.strategy, self.model.recipe)
         if torch.cuda.is_available() and self.trainer.strategy.root_device.type == "cuda":
             planned = warn_if_too_big(self.model, self.datamodule, self.trainer.strategy.root_device)
             for cb in self.trainer.callbacks:  # type: ignore[attr-defined]
@@ -226,10 +226,10 @@ def write_error(e: OSError) -> str | None:
 def warn_if_too_big(model: LoraModule, datamodule: LatentDataModule, device: torch.device) -> float | None:
     """Run the memory planner at start and warn before an out-of-memory crash (never blocks the run). Returns the
     predicted training peak in GiB (None when the planner cannot run)."""
-    from lightning_lora.plan_cli import plan_for
+    from lightning_lora.plan import plan_for
 
     try:
-        plan = plan_for(model, datamodule)
+        plan = plan_for(model.recipe, datamodule, model.optimizer_name)
     except (ConfigError, NotImplementedError, OSError) as e:
         rank_zero_info(f"memory planner skipped: {e}")
         return None
@@ -282,38 +282,21 @@ _NOISE = (
 )
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Entry point of the ``lightning-lora`` command: ``cache``, ``plan`` and ``export`` are ours, everything else
-    (``fit``, ``--help``...) is LightningCLI's."""
-    args = sys.argv[1:] if argv is None else list(argv)
-    # A file name with a byte that is not UTF-8 must not crash a print under a strict UTF-8 locale.
-    if hasattr(sys.stdout, "reconfigure"):
-        sys.stdout.reconfigure(errors="backslashreplace")
-    if args[:1] == ["export"]:
-        from lightning_lora.export_cli import main as export_main
-
-        raise SystemExit(export_main(args[1:]))
-    if args[:1] == ["cache"]:
-        from lightning_lora.cache_cli import main as cache_main
-
-        raise SystemExit(cache_main(args[1:]))
-    if args[:1] == ["plan"]:
-        from lightning_lora.plan_cli import main as plan_main
-
-        raise SystemExit(plan_main(args[1:]))
+def main(argv: list[str] | None = None) -> int:
+    """``lightning-lora fit ...`` (and LightningCLI's other subcommands and ``--help``); returns the exit status."""
     for pattern in _NOISE:
         warnings.filterwarnings("ignore", message=pattern)
     try:
         cli = LoraCLI(args=argv)
     except ConfigError as e:
         print(f"lightning-lora: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+        return 2
     except OSError as e:
         message = write_error(e)
         if message is None:
             raise
         print(f"lightning-lora: error: {message}", file=sys.stderr)
-        raise SystemExit(2) from None
+        return 2
     except SystemExit as e:
         # Lightning turns a Ctrl-C it did not expect (before training, or a second one) into exit status 1.
         if isinstance(e.__context__, KeyboardInterrupt) and e.code == 1:
@@ -322,11 +305,10 @@ def main(argv: list[str] | None = None) -> None:
                 "continue (add --ckpt_path last if training had started).",
                 file=sys.stderr,
             )
-            raise SystemExit(128 + signal.SIGINT) from None
+            return 128 + signal.SIGINT
         raise
     status = interrupted_status(cli.trainer) if cli.trainer is not None else None
-    if status is not None:
-        raise SystemExit(status)
+    return status or 0
 
 
 def interrupted_status(trainer: Trainer) -> int | None:
@@ -335,7 +317,3 @@ def interrupted_status(trainer: Trainer) -> int | None:
         if isinstance(cb, GracefulStop) and cb.stopped_by_signal and cb.requested is not None:
             return 128 + int(cb.requested)
     return None
-
-
-if __name__ == "__main__":
-    main()

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from lightning_lora.errors import ConfigError
+from lightning_lora.errors import ConfigError, first_line
 from lightning_lora.export import FORMATS, checkpoint_lora, export_lora
 
 __all__ = ["main", "build_parser"]
@@ -67,10 +67,10 @@ def _export(checkpoint: Path, format: str, out: Path, dtype: torch.dtype, overwr
         raise ConfigError(f"--out {out}: is a folder; give a file name such as {out / 'lora.safetensors'}.")
     if out.exists() and not overwrite:
         raise ConfigError(f"--out {out}: exists. Pass --overwrite to replace it, or choose another --out file.")
-    state, lora, info = checkpoint_lora(checkpoint)
+    state, lora, family, info = checkpoint_lora(checkpoint)
     try:
-        return export_lora(state, out, format=format, lora=lora, info=info, family=info["family"], dtype=dtype)  # type: ignore[arg-type]
-    except ConfigError:
+        return export_lora(state, out, format=format, lora=lora, family=family, info=info, dtype=dtype)  # type: ignore[arg-type]
+    except ConfigError:  # names the option and the fix (a format the family lacks, a variant the format cannot hold)
         raise
     except ValueError as e:  # a LoRA this format cannot express, e.g. a layer without a kohya name
-        raise ConfigError(f"{checkpoint}: {e}") from None
+        raise ConfigError(f"{checkpoint}: {first_line(e)}") from None

@@ -3,7 +3,7 @@
 The format
 ----------
 kohya's sd-scripts (``networks/lora_flux.py``) and ComfyUI name a LoRA after the module of the *original* Black Forest
-Labs checkpoint it modifies (``flux1-dev.safetensors``, see :mod:`lightning_lora.families.flux_bfl`), with the dots
+Labs checkpoint it modifies (``flux1-dev.safetensors``, see :mod:`lightning_lora.formats.bfl`), with the dots
 replaced by underscores and a ``lora_unet_`` prefix. Each module has three tensors::
 
     lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight   [R, in]     (peft's lora_A)
@@ -48,13 +48,16 @@ UNet LoRAs need no fusing: every peft module becomes one kohya module with the s
   (``lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q``); diffusers' own
   ``convert_state_dict_to_kohya`` gives the same keys (but writes ``alpha = rank`` whatever the LoRA's alpha was);
 * SDXL: sd-scripts trains on Stability AI's original UNet, so the names are the original (SGM) ones
-  (``lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q``, see :mod:`lightning_lora.families.unet_ldm`).
+  (``lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q``, see :mod:`lightning_lora.formats.ldm`).
 
 ComfyUI accepts both namings for both families; diffusers' ``load_lora_weights`` converts both. Convolution LoRAs
 (the ``locon`` preset) keep their 4-D shapes (``lora_down [r, in, k, k]``, ``lora_up [out, r, 1, 1]``), as kohya's
 LoCon files have them.
 
-This module is pure tensor code (torch only); :func:`lightning_lora.export.export_lora` writes the file.
+This module is pure tensor code (torch only). The families that have a kohya layout call it from
+:meth:`~lightning_lora.families.base.DiffusionFamily.kohya_lora` and
+:meth:`~lightning_lora.families.base.DiffusionFamily.kohya_metadata`; :func:`lightning_lora.export.export_lora`
+writes the file.
 """
 
 from __future__ import annotations
@@ -65,8 +68,8 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from lightning_lora.families.flux_bfl import BflSlice, FluxDims, bfl_slice, swap_halves
-from lightning_lora.families.unet_ldm import SDXL_LAYOUT, UNetLayout, diffusers_to_ldm
+from lightning_lora.formats.bfl import BflSlice, FluxDims, bfl_slice, swap_halves
+from lightning_lora.formats.ldm import SDXL_LAYOUT, UNetLayout, diffusers_to_ldm
 from lightning_lora.lora import split_lora_state
 
 __all__ = [

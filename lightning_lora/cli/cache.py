@@ -42,7 +42,7 @@ def main(argv: list[str]) -> int:
     if not args or args[0] in ("-h", "--help"):
         print(_USAGE)
         return 0 if args else 2
-    from lightning_lora.cli import LoraCLI, write_error
+    from lightning_lora.cli.fit import LoraCLI, write_error
     from lightning_lora.errors import ConfigError
 
     # `args` differs from sys.argv (which starts with "cache"): that is intended here.

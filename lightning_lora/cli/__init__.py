@@ -1,0 +1,42 @@
+"""The ``lightning-lora`` command: one entry point and a table of verbs.
+
+* ``lightning-lora fit|validate|--help ...`` is Lightning's CLI with our defaults (:mod:`lightning_lora.cli.fit`);
+* ``lightning-lora cache --config X.yaml`` builds the latent cache ahead of training (:mod:`lightning_lora.cli.cache`);
+* ``lightning-lora plan --config X.yaml [--vram 24]`` predicts peak GPU memory (:mod:`lightning_lora.cli.plan`);
+* ``lightning-lora export CKPT --format kohya --out F`` writes a checkpoint's LoRA (:mod:`lightning_lora.cli.export`).
+
+This package is the top layer: nothing else in ``lightning_lora`` imports from it. A verb module exposes
+``main(argv) -> int`` (the exit status: 0 done, 2 a problem the user can fix, printed as one line, 130 / 143 after
+Ctrl-C / SIGTERM) and is imported only when its verb runs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+__all__ = ["VERBS", "main"]
+
+VERBS: dict[str, str] = {
+    "cache": "lightning_lora.cli.cache",
+    "plan": "lightning_lora.cli.plan",
+    "export": "lightning_lora.cli.export",
+}
+"""Our verbs -> the module whose ``main(argv)`` runs it; any other first argument goes to :mod:`.fit`."""
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the ``lightning-lora`` command; exits with the verb's status."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    # A file name with a byte that is not UTF-8 must not crash a print under a strict UTF-8 locale.
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(errors="backslashreplace")
+    if args[:1] and args[0] in VERBS:
+        verb = importlib.import_module(VERBS[args[0]])
+        raise SystemExit(verb.main(args[1:]))
+    from lightning_lora.cli.fit import main as fit
+
+    # ``argv`` as given: None lets LightningCLI read sys.argv itself (its --help shows the program's name).
+    status = fit(argv)
+    if status:
+        raise SystemExit(status)
