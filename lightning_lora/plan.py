@@ -314,7 +314,7 @@ def plan_for(
     length."""
     resolution = getattr(datamodule, "resolution", 512)
     side = max(resolution) if isinstance(resolution, list | tuple) else int(resolution)
-    text_len = getattr(recipe.family, "max_sequence_length", 77)
+    text_len = recipe.family.text_tokens
     return plan_training(
         recipe, side, side, datamodule.batch_size, text_len, optimizer=optimizer, sample_size=sample_size
     )

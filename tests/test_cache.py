@@ -437,7 +437,7 @@ def test_text_encoders_in_fp8_for_caching(tmp_path: Path, tiny_flux_dir: Path) -
     text = "a photo of sks cat"
     assert plain.text_key(text) != fp8.text_key(text)  # both can live in one cache folder
     encoders = plain.family.load_text_encoders(plain.source)
-    swapped = quantize_text_encoders(encoders, "fp8", torch.device("cpu"), torch.float32)
+    swapped = quantize_text_encoders(encoders, Flux.text_encoders, "fp8", torch.device("cpu"), torch.float32)
     t5 = encoders.text_encoder_2
     layers = {n: type(m) for n, m in t5.named_modules() if isinstance(m, nn.Linear)}
     both = [*encoders.text_encoder.modules(), *t5.modules()]
@@ -445,7 +445,7 @@ def test_text_encoders_in_fp8_for_caching(tmp_path: Path, tiny_flux_dir: Path) -
     assert all(t is nn.Linear for n, t in layers.items() if n.endswith(".wo"))  # kept as the model wants
     assert any(t is FP8Linear for n, t in layers.items() if n.endswith((".q", ".wi_0")))
     assert any(isinstance(m, FP8Linear) for m in encoders.text_encoder.modules())  # CLIP too
-    assert quantize_text_encoders(encoders, "none", torch.device("cpu"), torch.float32) == 0
+    assert quantize_text_encoders(encoders, Flux.text_encoders, "none", torch.device("cpu"), torch.float32) == 0
     plain.encode_texts([text], torch.device("cpu"))
     fp8.encode_texts([text], torch.device("cpu"))
     a, b = plain.load_text(plain.text_key(text)), fp8.load_text(fp8.text_key(text))

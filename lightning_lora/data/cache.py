@@ -295,17 +295,21 @@ def _progress(total: int, desc: str, enabled: bool) -> Any:
     return tqdm(total=total, desc=desc, unit="img" if "image" in desc else "text", disable=None if enabled else True)
 
 
-def quantize_text_encoders(encoders: Any, mode: str, device: torch.device, dtype: torch.dtype) -> int:
-    """Store the linear layers of every text encoder of ``encoders`` (a pipeline holding only its text parts) in
-    ``nf4`` or ``fp8`` on ``device``, so that caching FLUX's 4.7 B-parameter T5 fits a small card (bf16: 9.5 GB;
-    NF4: ~2.7 GB). Layers the model keeps in float32 (T5's ``wo``) stay unquantized. Returns how many were swapped."""
+def quantize_text_encoders(
+    encoders: Any, components: Sequence[str], mode: str, device: torch.device, dtype: torch.dtype
+) -> int:
+    """Store the linear layers of the text encoders ``components`` (the family's ``text_encoders``) of ``encoders``
+    (a pipeline holding only its text parts) in ``nf4`` or ``fp8`` on ``device``, so that caching FLUX's 4.7 B-parameter
+    T5 fits a small card (bf16: 9.5 GB; NF4: ~2.7 GB). Layers the model keeps in float32 (T5's ``wo``) stay
+    unquantized. Returns how many were swapped."""
     if mode == "none":
         return 0
     from lightning_lora.quant import QuantOptions, quantize_base
 
     swapped = 0
-    for name, component in encoders.components.items():
-        if name.startswith("text_encoder") and isinstance(component, torch.nn.Module):
+    for name in components:
+        component = getattr(encoders, name, None)
+        if isinstance(component, torch.nn.Module):
             keep = [rf"(^|\.){re.escape(m)}$" for m in getattr(component, "_keep_in_fp32_modules", None) or []]
             swapped += quantize_base(component, QuantOptions(mode=mode, skip=keep), device, dtype)  # type: ignore[arg-type]
     return swapped
@@ -450,7 +454,9 @@ class LatentCache:
         if not texts:
             return result
         encoders = self.family.load_text_encoders(self.source)
-        quantize_text_encoders(encoders, self.text_encoder_quantization, device, self.source.dtype)
+        quantize_text_encoders(
+            encoders, self.family.text_encoders, self.text_encoder_quantization, device, self.source.dtype
+        )
         encoders = encoders.to(device)
         limit = self.family.prompt_limit(encoders)
         result.limit = str(limit) if limit is not None else ""

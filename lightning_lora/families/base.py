@@ -304,6 +304,11 @@ class DiffusionFamily(ABC):
         tokenizer = getattr(encoders, "tokenizer", None)
         return None if tokenizer is None else PromptLimit(tokenizer, int(tokenizer.model_max_length), "CLIP")
 
+    @property
+    def text_tokens(self) -> int:
+        """The length of the prompt embeddings the denoiser sees, in tokens (CLIP's 77 by default)."""
+        return 77
+
     @abstractmethod
     def text_cache_tag(self) -> str:
         """The options that change prompt embeddings (e.g. the max token length); part of the text cache key."""

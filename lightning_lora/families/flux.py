@@ -166,6 +166,12 @@ class Flux(DiffusionFamily):
         z = posterior.mode()
         return ((z - vae.config.shift_factor) * vae.config.scaling_factor).float()
 
+    @property
+    @override
+    def text_tokens(self) -> int:
+        return self.max_sequence_length
+
+    @override
     def text_cache_tag(self) -> str:
         return f"flux-t5len{self.max_sequence_length}"
 
