@@ -1,6 +1,6 @@
 # The two commands of the README:
 #   make demo   create .venv, install, train a tiny LoRA end to end on CPU (a few minutes at most)
-#   make test   create .venv with the dev extras, run the test suite on CPU
+#   make test   create .venv with the dev extras, run `make check` (lint, format, type check), then the tests on CPU
 #
 # TORCH=cpu (default) pins the CPU build of torch through constraints-cpu.txt, so pip can never pull a multi-GB
 # CUDA build by accident. On a GPU machine use TORCH=keep: the venv then sees the torch already installed in the
@@ -29,7 +29,7 @@ export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: demo test install lint clean-demo
+.PHONY: demo test check install lint clean-demo
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
@@ -45,11 +45,15 @@ demo: $(VENV)/.installed
 	$(BIN)/lightning-lora fit --config configs/tiny_cpu.yaml \
 		--trainer.default_root_dir runs/demo/$$(date +%Y%m%d-%H%M%S)
 
-test: $(VENV)/.installed
+test: check
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
 
-lint: $(VENV)/.installed
+check: $(VENV)/.installed
 	$(BIN)/ruff check lightning_lora tests tools
+	$(BIN)/ruff format --check lightning_lora tests tools
+	$(BIN)/mypy
+
+lint: check
 
 clean-demo:
 	rm -rf $(DEMO_DIR) runs/demo

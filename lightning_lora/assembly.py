@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from lightning_lora.errors import ConfigError
+from lightning_lora.families.base import DiffusersModel
 from lightning_lora.hardware import check_attention
 from lightning_lora.lora import inject_lora, trainable_parameters
 from lightning_lora.offload import offload_blocks, offloaded_blocks, repeated_blocks
@@ -63,7 +64,7 @@ def build_lora_model(recipe: ModelRecipe, device: torch.device | None = None) ->
     return denoiser.train()
 
 
-def apply_gradient_checkpointing(denoiser: nn.Module, every: int = 1, offload_inputs: bool = False) -> int:
+def apply_gradient_checkpointing(denoiser: DiffusersModel, every: int = 1, offload_inputs: bool = False) -> int:
     """Recompute block activations in the backward pass instead of keeping them.
 
     ``every=1`` is the model's own checkpointing (diffusers' ``enable_gradient_checkpointing``: every block, and the
@@ -92,14 +93,14 @@ def apply_gradient_checkpointing(denoiser: nn.Module, every: int = 1, offload_in
 
 
 def configure_attention(
-    denoiser: nn.Module, backend: AttentionBackend, device: torch.device, cudnn_in_auto: bool = False
+    denoiser: DiffusersModel, backend: AttentionBackend, device: torch.device, cudnn_in_auto: bool = False
 ) -> None:
     """Choose the attention kernel.
 
     ``auto`` lets PyTorch's SDPA pick among its backends, with cuDNN's switched off unless ``cudnn_in_auto`` (the
     family's ``cudnn_attention_in_auto``): it crashed in the backward pass of full-size FLUX in bf16 on an H200 with
     torch 2.11 (illegal memory access in ``mha_graph.execute``), while the SDXL reference ran with it, faster
-    (REFERENCE.md). ``sdpa`` is PyTorch's own choice among all its backends. ``flash`` / ``efficient`` / ``cudnn`` /
+    (BENCHMARKS.md). ``sdpa`` is PyTorch's own choice among all its backends. ``flash`` / ``efficient`` / ``cudnn`` /
     ``math`` allow only that SDPA backend (the process-wide ``torch.backends.cuda`` switches); ``xformers`` uses
     diffusers' xformers processors (CUDA only).
     """
@@ -124,7 +125,7 @@ def configure_attention(
     cuda.enable_math_sdp(every or backend == "math")
 
 
-def compile_repeated_blocks(denoiser: nn.Module, mode: str | None = None, extra: tuple[str, ...] = ()) -> None:
+def compile_repeated_blocks(denoiser: DiffusersModel, mode: str | None = None, extra: tuple[str, ...] = ()) -> None:
     """Regional compilation: compile each repeated transformer block in place (diffusers' ``compile_repeated_blocks``),
     and each module of the ``extra`` classes (the family's ``compiled_regions``).
 

@@ -275,7 +275,7 @@ def lr_at(scheduler: Any, step: int) -> list[float] | None:
     from torch.optim.lr_scheduler import LambdaLR
 
     if isinstance(scheduler, LambdaLR):
-        return [base * fn(step) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)]
+        return [float(base * fn(step)) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)]
     closed_form = getattr(scheduler, "_get_closed_form_lr", None)
     if closed_form is None:
         return None
@@ -315,20 +315,22 @@ def reconcile_training_state(
         ("scheduler", configured["schedulers"], (then or {}).get("schedulers"), "model.scheduler"),
     ):
         if then_list is not None and [c["class"] for c in then_list] != [c["class"] for c in now_list]:
-            old = ", ".join(c["class"] for c in then_list) or "none"
-            new = ", ".join(c["class"] for c in now_list) or "none"
+            before = ", ".join(c["class"] for c in then_list) or "none"
+            after = ", ".join(c["class"] for c in now_list) or "none"
             raise ConfigError(
-                f"{option}: the checkpoint was trained with {kind} {old}, this run configures {new}; its state cannot "
-                f"carry over. Resume with the {option} of the run's config.yaml, or start a new run in another folder "
-                "(trainer.default_root_dir)."
+                f"{option}: the checkpoint was trained with {kind} {before}, this run configures {after}; its state "
+                f"cannot carry over. Resume with the {option} of the run's config.yaml, or start a new run in another "
+                "folder (trainer.default_root_dir)."
             )
     if len(sched_states) != len(schedulers) or len(opt_states) != len(optimizers):
         return notes  # Lightning reports the mismatch itself when it restores
 
     scheduled: set[int] = set()  # optimizers whose learning rate a scheduler sets
     for i, (scheduler, state) in enumerate(zip(schedulers, sched_states, strict=True)):
-        now = configured["schedulers"][i]["settings"]
-        old = then["schedulers"][i]["settings"] if then else {k: v for k, v in state.items() if k not in _NOT_SETTINGS}
+        now: dict[str, Any] = configured["schedulers"][i]["settings"]
+        old: dict[str, Any] = (
+            then["schedulers"][i]["settings"] if then else {k: v for k, v in state.items() if k not in _NOT_SETTINGS}
+        )
         opt_index = next((j for j, o in enumerate(optimizers) if o is scheduler.optimizer), 0)
         scheduled.add(opt_index)
         changed = [k for k in now if k in old and not _same(old[k], now[k])]
@@ -344,7 +346,7 @@ def reconcile_training_state(
                 "the checkpoint's schedule is kept. Use lightning_lora.schedules.* to change a schedule on resume."
             )
             continue
-        before = state.get("_last_lr") or []
+        previous = state.get("_last_lr") or []
         state.update(copy.deepcopy(now))
         state["_last_lr"] = list(lrs)
         groups = opt_states[opt_index].get("param_groups", [])
@@ -354,7 +356,7 @@ def reconcile_training_state(
                 group["initial_lr"] = base
         notes.append(
             f"model.scheduler: {name} {what}: the learning rate at step {step} is {_show(lrs)} "
-            f"(the checkpoint's schedule gave {_show(list(before)) if before else 'nothing'})."
+            f"(the checkpoint's schedule gave {_show(list(previous)) if previous else 'nothing'})."
         )
     if then is None:
         return notes

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -64,7 +65,7 @@ def prepare(out: Path) -> tuple[Path, Path]:
         image_path = photos / f"{name}.png"
         if not image_path.exists():
             image = Image.fromarray(_photo(name))
-            atomic_write(image_path, lambda tmp, im=image: im.save(tmp, format="PNG"))
+            atomic_write(image_path, functools.partial(image.save, format="PNG"))
         caption_path = photos / f"{name}.txt"
         if not caption_path.exists():
             atomic_write_bytes(caption_path, (caption + "\n").encode())

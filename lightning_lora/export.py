@@ -178,6 +178,7 @@ def checkpoint_lora(path: str | Path) -> CheckpointLora:
     """
     from lightning_lora.checkpoint import read_checkpoint
 
+    path = Path(path)
     checkpoint = read_checkpoint(
         path,
         option="checkpoint",

@@ -64,7 +64,7 @@ class Backend:
 
     def describe(self) -> str:
         """One line for messages and logs: ``NVIDIA H200 (CUDA, compute capability 9.0)``."""
-        if self.kind == "cuda":
+        if self.kind == "cuda" and self.capability is not None:
             return f"{self.name} (CUDA, compute capability {self.capability[0]}.{self.capability[1]})"
         if self.kind == "rocm":
             return f"{self.name} (ROCm, {self.arch})"
@@ -94,7 +94,7 @@ def fp8_compute_supported(device: torch.device | str | Backend) -> tuple[bool, s
     if backend.kind == "rocm":
         ok = backend.arch is not None and backend.arch.startswith(_ROCM_FP8_ARCHS)
         return ok, f"{backend.describe()}; needs MI300 / gfx94x or newer"
-    if backend.kind == "cuda":
+    if backend.kind == "cuda" and backend.capability is not None:
         return backend.capability >= (8, 9), f"{backend.describe()}; needs 8.9 or newer"
     return False, f"device {backend.kind} has none"
 

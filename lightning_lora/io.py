@@ -44,7 +44,7 @@ def _temporary_sibling(path: Path) -> Iterator[Path]:
             os.unlink(tmp)
 
 
-def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
+def atomic_write(path: str | os.PathLike, write: Callable[[Path], object]) -> Path:
     """Call ``write(tmp_path)`` and move the finished file to ``path`` atomically."""
     path = Path(path)
     try:

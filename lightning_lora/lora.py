@@ -74,8 +74,11 @@ class TargetPresets(Protocol):
     """What target resolution needs of a model family (:class:`~lightning_lora.families.base.DiffusionFamily`): its
     name and its named target sets (``lora_presets``). The adapter is a lower layer than the families."""
 
-    name: str
-    lora_presets: Mapping[str, str]
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def lora_presets(self) -> Mapping[str, str]: ...
 
 
 @dataclass
@@ -129,7 +132,7 @@ def peft_config(options: LoraOptions, target_modules: str | list[str]) -> LoraCo
 
     return LoraConfig(
         r=options.rank,
-        lora_alpha=options.scale_alpha,
+        lora_alpha=options.scale_alpha,  # type: ignore[arg-type]  # peft accepts a float (it divides by r)
         lora_dropout=options.dropout,
         init_lora_weights="gaussian" if options.init == "gaussian" else True,
         target_modules=target_modules,
@@ -271,7 +274,7 @@ def set_lora_input_casts(denoiser: nn.Module, enabled: bool) -> int:
     """
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    layers = [m for m in denoiser.modules() if isinstance(m, BaseTunerLayer)]
+    layers: list[Any] = [m for m in denoiser.modules() if isinstance(m, BaseTunerLayer)]
     for layer in layers:
         layer.cast_input_dtype_enabled = enabled
     return len(layers)

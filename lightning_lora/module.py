@@ -1,18 +1,20 @@
 """The LightningModule: a frozen diffusion backbone carrying a LoRA adapter.
 
-Lifecycle (Lightning calls these; see research/aesthetics-and-lightning.md B3 for the order):
+Lifecycle (during ``fit`` Lightning calls these in this order):
 
-* ``__init__`` only stores and validates options (cheap): a wrong path fails here, before any weights load.
+* ``__init__`` only stores and validates options (cheap): it builds the :class:`~lightning_lora.recipe.ModelRecipe`,
+  so a wrong path or an impossible combination fails here, before any weights load.
 * ``configure_model`` loads the backbone and injects LoRA (:mod:`lightning_lora.assembly`). It runs before a
   checkpoint is restored and is idempotent, as Lightning requires.
-* ``training_step`` takes the batch's per-sample noise and timesteps and asks the family for the loss. Batches
-  come from the latent cache: no VAE or text encoder runs while training.
+* On a resume, ``on_load_checkpoint`` checks that every LoRA tensor is present with the right shape (the non-strict
+  loading that a partial checkpoint needs would otherwise hide a missing or mismatched key).
 * ``configure_optimizers`` builds the injected optimizer and scheduler over the *trainable* parameters only (the CLI
   runs with ``auto_configure_optimizers=False`` because its automatic optimizer would be built before
-  ``configure_model``, over every parameter).
-* Checkpoints hold only the trainable tensors: ``on_save_checkpoint`` drops the frozen base, and
-  ``on_load_checkpoint`` checks that every LoRA tensor is present with the right shape, since the non-strict loading
-  that a partial checkpoint needs would otherwise hide a missing or mismatched key.
+  ``configure_model``, over every parameter), and makes a restored checkpoint continue under this run's settings
+  (:func:`lightning_lora.checkpoint.reconcile_training_state`).
+* ``training_step`` takes the batch's per-sample noise and timesteps and asks the family for the loss. Batches
+  come from the latent cache: no VAE or text encoder runs while training.
+* Checkpoints hold only the trainable tensors: ``on_save_checkpoint`` drops the frozen base.
 """
 
 from __future__ import annotations

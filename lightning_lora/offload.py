@@ -140,7 +140,9 @@ class BlockOffloader:
     def _offload(index: int, module: nn.Module, pin: bool) -> _Block:
         slots: list[_Slot] = []
         for owner in module.modules():
-            named = [(n, p, True) for n, p in owner._parameters.items() if p is not None and not p.requires_grad]
+            named: list[tuple[str, torch.Tensor, bool]] = [
+                (n, p, True) for n, p in owner._parameters.items() if p is not None and not p.requires_grad
+            ]
             named += [(n, b, False) for n, b in owner._buffers.items() if b is not None]
             for name, tensor, is_param in named:
                 host = tensor.detach().to("cpu", copy=True)

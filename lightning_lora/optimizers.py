@@ -44,7 +44,8 @@ class Adafactor(_HFAdafactor):
                 loss = closure()
         if not all(self._groupable(group) for group in self.param_groups):
             hf_step = _HFAdafactor.step  # torch wraps it with the optimizer hooks once an instance exists: ours ran
-            (hf_step.__wrapped__ if getattr(hf_step, "hooked", False) else hf_step)(self)
+            step: Any = hf_step
+            (step.__wrapped__ if getattr(step, "hooked", False) else step)(self)
             return loss
         for group in self.param_groups:
             for params in self._buckets(group):
@@ -91,7 +92,7 @@ class Adafactor(_HFAdafactor):
             state["step"] = step
         lr = group["lr"]
         beta2t = 1.0 - math.pow(step, group["decay_rate"])
-        grads = torch.stack([p.grad for p in params]).float()
+        grads = torch.stack([p.grad for p in params if p.grad is not None]).float()  # _groupable: every p has one
         update = grads.square().add_(group["eps"][0])
         if factored:
             rows = [s["exp_avg_sq_row"] for s in states]

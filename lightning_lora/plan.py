@@ -140,12 +140,13 @@ def module_weight_bytes(model: nn.Module, quantization: QuantOptions, dtype: tor
         total = 0.0
         own = list(module.parameters(recurse=False))
         if id(module) in quantized:
-            n = module.weight.numel()
+            weight: Any = module.weight
+            n = weight.numel()
             if quantization.mode == "nf4":
                 absmax = n / 64 * (1 + 4 / 256) if quantization.double_quant else n / 64 * 4
                 total += n / 2 + absmax
             else:
-                total += n + module.out_features * 4
+                total += n + weight.shape[0] * 4
             # The bias stays in the compute dtype (NF4: bitsandbytes casts it there anyway).
             total += sum(p.numel() * base for p in own if p is not module.weight)
             own = []

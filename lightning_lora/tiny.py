@@ -43,7 +43,8 @@ The ``dim64`` variant
 ---------------------
 ``dim64=True`` uses 16 latent channels (so the transformer's ``in_channels`` is 64, exactly like real FLUX) and sizes
 every ``nn.Linear`` of the transformer and both text encoders so that ``in_features`` is a multiple of 64. bitsandbytes'
-CPU 4-bit path crashes on layers with ``in_features < 64`` (see shared/research/cpu-feasibility.md, section 4).
+CPU 4-bit path crashes on layers with ``in_features < 64`` in eval mode without gradients (bitsandbytes 0.50:
+``shape '[32, 0]' is invalid``).
 
 SDXL and SD1.5
 --------------
@@ -80,7 +81,7 @@ from diffusers import (
     StableDiffusionXLPipeline,
     UNet2DConditionModel,
 )
-from transformers import (
+from transformers import (  # type: ignore[attr-defined]  # T5TokenizerFast: a lazy attribute of transformers 5
     CLIPTextConfig,
     CLIPTextModel,
     CLIPTextModelWithProjection,
@@ -165,7 +166,7 @@ T5_MAX_LENGTH = 512
 END_OF_WORD = "</w>"
 METASPACE = "\u2581"  # "▁", SentencePiece's word-start marker
 
-_Module = TypeVar("_Module", bound=torch.nn.Module)
+_Module = TypeVar("_Module")  # a diffusers / transformers model (their stubs do not all say nn.Module)
 
 # Fixed per-component seed offsets: the weights of one component do not depend on how the others are built.
 _SEED_OFFSETS = {"transformer": 0, "vae": 1, "text_encoder": 2, "text_encoder_2": 3, "unet": 4}
@@ -234,7 +235,7 @@ def make_clip_tokenizer(words: Sequence[str] = CAPTION_WORDS, pad_token: str = C
     ``pad_token="!"`` gives SDXL's second tokenizer (OpenCLIP-G pads with ``!``, token id 0).
     """
     vocab, merges = clip_vocab_and_merges(words)
-    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=CLIP_MAX_LENGTH, pad_token=pad_token)
+    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=CLIP_MAX_LENGTH, pad_token=pad_token)  # type: ignore[arg-type]
 
 
 def make_t5_tokenizer(words: Sequence[str] = CAPTION_WORDS) -> T5TokenizerFast:
@@ -274,7 +275,7 @@ def _build(seed: int, component: str, factory: Callable[[], _Module]) -> _Module
         torch.manual_seed(seed * 1009 + _SEED_OFFSETS[component])
         torch.set_default_dtype(torch.float32)
         try:
-            module = factory()
+            module: Any = factory()
         finally:
             torch.set_default_dtype(default_dtype)
     return module.eval()
@@ -335,7 +336,7 @@ def build_tiny_flux(seed: int = 0, dim64: bool = False, guidance_embeds: bool = 
         eos_token_id=clip_tok.eos_token_id,
         pad_token_id=clip_tok.pad_token_id,
     )))  # fmt: skip
-    text_encoder_2 = _build(seed, "text_encoder_2", lambda: T5EncoderModel(T5Config(
+    text_encoder_2 = _build(seed, "text_encoder_2", lambda: T5EncoderModel(T5Config(  # type: ignore[call-arg]
         vocab_size=len(t5_tok),
         d_model=width,
         d_kv=width // 4,

@@ -6,8 +6,8 @@ have the real compute and memory. Prints one JSON line per run: seconds per step
 ``--warm`` warm-up steps), peak allocated / reserved GiB over the timed steps, the static footprint after set-up,
 and the memory planner's prediction for the same settings.
 
-Compare with shared/bench/ref_recipe.py run in the same GPU call on the same shapes (REFERENCE.md): a time on a
-shared machine is only meaningful as a ratio.
+Compare with the plain diffusers + peft reference recipe (``ref_recipe.py``, BENCHMARKS.md) run in the same GPU call on
+the same shapes: a time on a shared machine is only meaningful as a ratio.
 
     python tools/bench.py --quant nf4 --rank 4 --gc 1          # FLUX.1-dev, 512x768, T5 length 512
     python tools/bench.py --tiny --steps 2 --warm 1             # a CPU smoke run of the same code

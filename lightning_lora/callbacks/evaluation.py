@@ -57,7 +57,7 @@ class FixedEvalLoss(Callback):
 
     def evaluate(self, trainer: Trainer, pl_module: LightningModule) -> float:
         """Log ``eval/loss`` (and ``val/loss`` when the data has held-out images); return ``eval/loss``."""
-        datamodule: Any = trainer.datamodule
+        datamodule: Any = trainer.datamodule  # type: ignore[attr-defined]
         step = trainer.global_step
         value = self._mean_loss(trainer, pl_module, datamodule.eval_dataloader())
         self.history.append((step, value))

@@ -62,7 +62,7 @@ class LoraExport(Callback):
         """Refuse a format the model's family does not write now, not after training."""
         family = getattr(pl_module, "family", None)
         missing = [f for f in self.formats if family is not None and f not in family.lora_formats]
-        if missing:
+        if family is not None and missing:
             raise ConfigError(
                 f"LoraExport.formats: there is no {missing[0]} layout for the {family.name!r} family yet; choose from "
                 f"{', '.join(family.lora_formats)}."

@@ -58,7 +58,8 @@ class VRAMMonitor(Callback):
             module: Any = pl_module
             try:
                 if self.planned_gib is None:  # the CLI hands over the prediction of its start-up check
-                    self.planned_gib = plan_for(module.recipe, trainer.datamodule, module.optimizer_name).peak_gib
+                    datamodule = trainer.datamodule  # type: ignore[attr-defined]
+                    self.planned_gib = plan_for(module.recipe, datamodule, module.optimizer_name).peak_gib
                 metrics["vram/planned_peak_GiB"] = self.planned_gib
             except (NotImplementedError, ValueError, OSError) as e:
                 rank_zero_info(f"VRAMMonitor: no planner prediction ({e})")
@@ -141,7 +142,7 @@ def start_summary(trainer: Trainer, pl_module: LightningModule) -> str:
     """The lines :class:`StartSummary` prints."""
     step, end = trainer.global_step, trainer.max_steps
     length = f"steps {step} -> {end} (trainer.max_steps)" if end and end > 0 else f"from step {step}"
-    batch = getattr(trainer.datamodule, "batch_size", None)
+    batch = getattr(trainer.datamodule, "batch_size", None)  # type: ignore[attr-defined]
     parts = [length]
     if batch is not None:
         parts.append(f"batch {batch} x {trainer.accumulate_grad_batches} accumulated x {trainer.world_size} device(s)")

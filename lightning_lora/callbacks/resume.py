@@ -49,7 +49,7 @@ def capture_rng() -> dict[str, Any]:
         "python": random.getstate(),
         "numpy": {
             "kind": kind,
-            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "keys": torch.from_numpy(np.asarray(keys).astype(np.int64)),
             "pos": int(pos),
             "has_gauss": int(has_gauss),
             "gauss": float(gauss),
@@ -154,7 +154,7 @@ class RunFolder(Callback):
         states = checkpoint.get("callbacks") or {}
         for cb in trainer.checkpoint_callbacks:
             if isinstance(cb, ModelCheckpoint) and cb.dirpath and isinstance(states.get(cb.state_key), dict):
-                states[cb.state_key] = rebase_paths(states[cb.state_key], cb.dirpath)
+                states[cb.state_key] = rebase_paths(states[cb.state_key], str(cb.dirpath))
 
 
 class GracefulStop(Callback):

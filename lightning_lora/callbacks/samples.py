@@ -17,6 +17,7 @@ logged as ``vram/sample_peak_GiB`` (and kept out of the training windows of :cla
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 from typing import Any
@@ -93,7 +94,8 @@ class SampleImages(Callback):
         if stage != "fit" or not self.prompts:
             return
         height, width = self._size(trainer)
-        pl_module.family.check_resolution(height, width, "SampleImages height/width")  # type: ignore[attr-defined]
+        module: Any = pl_module
+        module.family.check_resolution(height, width, "SampleImages height/width")
         if trainer.is_global_zero:
             self._encode_prompts(trainer, pl_module)
 
@@ -200,10 +202,14 @@ class SampleImages(Callback):
         folder = self.folder(trainer)
         for i, (prompt, image) in enumerate(zip(self.prompts, images, strict=True)):
             path = folder / f"step{step:06d}_{i:02d}.png"
-            atomic_write(path, lambda tmp, im=image: im.save(tmp, format="PNG"))
+            atomic_write(path, functools.partial(_save_png, image))
             self.written.append(path)
             for logger in trainer.loggers:
                 if isinstance(logger, TensorBoardLogger):
                     chw = np.asarray(image.convert("RGB")).transpose(2, 0, 1)
                     logger.experiment.add_image(f"samples/{i:02d} {prompt[:80]}", chw, step)
         log.info("wrote %d sample images for step %d to %s", len(images), step, folder)
+
+
+def _save_png(image: Any, path: Path) -> None:
+    image.save(path, format="PNG")

@@ -294,8 +294,8 @@ def build(
         )
 
     texts: dict[str, str] = {cache.text_key(""): ""}
-    for e in [*report.train, *report.validation]:
-        texts.update(zip(e.text_keys, e.texts, strict=True))
+    for entry in [*report.train, *report.validation]:
+        texts.update(zip(entry.text_keys, entry.texts, strict=True))
     missing = cache.missing_texts(texts.values())
     try:
         encoded_texts = cache.encode_texts(missing, device, batch_size, progress=progress)

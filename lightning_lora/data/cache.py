@@ -369,7 +369,7 @@ class LatentCache:
         batch_size: int = 4,
         workers: int = 0,
         background: tuple[int, int, int] = (255, 255, 255),
-        vae: torch.nn.Module | None = None,
+        vae: Any = None,
         channels_last: bool | None = None,
         progress: bool = False,
     ) -> EncodeResult:

@@ -42,6 +42,7 @@ from torch import nn
 from lightning_lora.errors import ConfigError, first_line
 
 __all__ = [
+    "DiffusersModel",
     "DiffusionFamily",
     "ModelSource",
     "PromptLimit",
@@ -55,6 +56,10 @@ __all__ = [
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 """Weight files in Python's pickle format, which can run code when loaded: never read from a user's folder."""
+
+DiffusersModel = Any
+"""A diffusers model (``ModelMixin``: a transformer, UNet or VAE). Typed ``Any`` on purpose: its ``config`` fields and
+methods (``encode``, ``enable_gradient_checkpointing``...) are attributes that ``nn.Module``'s typing cannot see."""
 
 FAMILIES: dict[str, type[DiffusionFamily]] = {}
 """The registry: family name -> class. Filled by :meth:`DiffusionFamily.__init_subclass__`."""
@@ -294,7 +299,7 @@ class DiffusionFamily(ABC):
         """Encode prompts; every returned tensor has the batch as its first dimension."""
 
     @abstractmethod
-    def encode_images(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+    def encode_images(self, vae: DiffusersModel, pixels: torch.Tensor) -> torch.Tensor:
         """Encode images in [-1, 1], ``[B, 3, H, W]``, to normalized latents ``[B, C, H/8, W/8]`` (float32)."""
 
     def prompt_limit(self, encoders: Any) -> PromptLimit | None:
@@ -326,13 +331,13 @@ class DiffusionFamily(ABC):
 
     @abstractmethod
     def loss(
-        self, denoiser: nn.Module, batch: dict[str, torch.Tensor], noise: torch.Tensor, timesteps: torch.Tensor
+        self, denoiser: DiffusersModel, batch: dict[str, torch.Tensor], noise: torch.Tensor, timesteps: torch.Tensor
     ) -> torch.Tensor:
         """The per-sample training loss ``[B]`` for given noise and timesteps."""
 
     # -- sampling ----------------------------------------------------------------------------------------------
     @abstractmethod
-    def pipeline(self, denoiser: nn.Module, vae: nn.Module, source: ModelSource) -> Any:
+    def pipeline(self, denoiser: DiffusersModel, vae: DiffusersModel, source: ModelSource) -> Any:
         """A diffusers pipeline around the (LoRA-carrying) denoiser that generates from prompt embeddings."""
 
     @abstractmethod
@@ -390,16 +395,16 @@ class DiffusionFamily(ABC):
         raise NotImplementedError(f"the memory planner does not support the {self.name} family yet")
 
     def example_inputs(
-        self, model: nn.Module, batch: int, height: int, width: int, text_len: int, device: str, dtype: torch.dtype
+        self, model: DiffusersModel, batch: int, height: int, width: int, text_len: int, device: str, dtype: torch.dtype
     ) -> dict[str, Any]:
         """Keyword arguments of one forward pass of ``model`` at this image size, batch and text length."""
         raise NotImplementedError(f"the memory planner does not support the {self.name} family yet")
 
-    def block_count(self, model: nn.Module) -> int:
+    def block_count(self, model: DiffusersModel) -> int:
         """Number of repeated blocks (the unit of gradient checkpointing)."""
         raise NotImplementedError(f"the memory planner does not support the {self.name} family yet")
 
-    def sampling_bytes(self, model: nn.Module, height: int, width: int, text_len: int) -> float:
+    def sampling_bytes(self, model: DiffusersModel, height: int, width: int, text_len: int) -> float:
         """Activation bytes of one inference forward pass (plus the VAE decode) at this size."""
         raise NotImplementedError(f"the memory planner does not support the {self.name} family yet")
 

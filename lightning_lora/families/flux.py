@@ -28,6 +28,7 @@ from typing_extensions import override
 
 from lightning_lora import objectives
 from lightning_lora.families.base import (
+    DiffusersModel,
     DiffusionFamily,
     ModelSource,
     PromptLimit,
@@ -88,7 +89,7 @@ class Flux(DiffusionFamily):
     pipeline_classes: ClassVar[tuple[str, ...]] = ("FluxPipeline",)
     denoiser_subfolder: ClassVar[str] = "transformer"
     latent_divisor: ClassVar[int] = 16
-    # cuDNN's SDPA backend crashed in FLUX's backward on an H200 (torch 2.11, illegal memory access; REFERENCE.md).
+    # cuDNN's SDPA backend crashed in FLUX's backward on an H200 (torch 2.11, illegal memory access; BENCHMARKS.md).
     cudnn_attention_in_auto: ClassVar[bool] = False
     text_encoders: ClassVar[tuple[str, ...]] = ("text_encoder", "text_encoder_2")  # CLIP-L (pooled), T5-XXL
     # kohya: BFL module names, q/k/v (and the single blocks' MLP input) fused.
@@ -126,7 +127,7 @@ class Flux(DiffusionFamily):
 
     def load_text_encoders(self, source: ModelSource) -> Any:
         from diffusers import FluxPipeline
-        from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
+        from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast  # type: ignore[attr-defined]
         from transformers.utils import logging as transformers_logging
 
         transformers_logging.disable_progress_bar()
@@ -160,7 +161,7 @@ class Flux(DiffusionFamily):
         return {"prompt_embeds": prompt_embeds, "pooled_prompt_embeds": pooled}
 
     @torch.no_grad()
-    def encode_images(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+    def encode_images(self, vae: DiffusersModel, pixels: torch.Tensor) -> torch.Tensor:
         posterior = vae.encode(pixels.to(device=vae.device, dtype=vae.dtype)).latent_dist
         # The mean, not a sample: deterministic, so a content-hashed cache entry has one right value.
         z = posterior.mode()
@@ -193,7 +194,7 @@ class Flux(DiffusionFamily):
         )
 
     def loss(
-        self, denoiser: nn.Module, batch: dict[str, torch.Tensor], noise: torch.Tensor, timesteps: torch.Tensor
+        self, denoiser: DiffusersModel, batch: dict[str, torch.Tensor], noise: torch.Tensor, timesteps: torch.Tensor
     ) -> torch.Tensor:
         x0 = batch["latents"]
         b, _, h, w = x0.shape
@@ -218,11 +219,11 @@ class Flux(DiffusionFamily):
         return objectives.per_sample_mse(prediction, target)
 
     # -- sampling ----------------------------------------------------------------------------------------------
-    def pipeline(self, denoiser: nn.Module, vae: nn.Module, source: ModelSource) -> Any:
+    def pipeline(self, denoiser: DiffusersModel, vae: DiffusersModel, source: ModelSource) -> Any:
         from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
 
         scheduler = load_component(FlowMatchEulerDiscreteScheduler.from_pretrained, source, "scheduler")
-        pipe = FluxPipeline(
+        pipe: Any = FluxPipeline(
             scheduler=scheduler,
             vae=vae,
             text_encoder=None,
@@ -278,7 +279,7 @@ class Flux(DiffusionFamily):
         return build_from_config(FluxTransformer2DModel, config, source.dtype)
 
     def example_inputs(
-        self, model: nn.Module, batch: int, height: int, width: int, text_len: int, device: str, dtype: torch.dtype
+        self, model: DiffusersModel, batch: int, height: int, width: int, text_len: int, device: str, dtype: torch.dtype
     ) -> dict[str, Any]:
         c = model.config
         h, w = height // 8, width // 8
@@ -294,10 +295,10 @@ class Flux(DiffusionFamily):
             "return_dict": False,
         }
 
-    def block_count(self, model: nn.Module) -> int:
+    def block_count(self, model: DiffusersModel) -> int:
         return model.config.num_layers + model.config.num_single_layers
 
-    def sampling_bytes(self, model: nn.Module, height: int, width: int, text_len: int) -> float:
+    def sampling_bytes(self, model: DiffusersModel, height: int, width: int, text_len: int) -> float:
         c = model.config
         tokens = (height // 16) * (width // 16) + text_len
         inner = c.num_attention_heads * c.attention_head_dim

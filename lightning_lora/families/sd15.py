@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import torch
 from typing_extensions import override
 
-from lightning_lora.families.base import ModelSource, load_component, load_weights
+from lightning_lora.families.base import DiffusersModel, ModelSource, load_component, load_weights
 from lightning_lora.families.unet import UNetFamily
 from lightning_lora.formats import kohya
 
@@ -102,10 +102,10 @@ class SD15(UNetFamily):
         return {"encoder_hidden_states": batch["prompt_embeds"].to(dtype)}
 
     # -- sampling ----------------------------------------------------------------------------------------------
-    def pipeline(self, denoiser: torch.nn.Module, vae: torch.nn.Module, source: ModelSource) -> Any:
+    def pipeline(self, denoiser: DiffusersModel, vae: DiffusersModel, source: ModelSource) -> Any:
         from diffusers import StableDiffusionPipeline
 
-        pipe = StableDiffusionPipeline(
+        pipe: Any = StableDiffusionPipeline(
             vae=vae,
             text_encoder=None,
             tokenizer=None,

@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 import torch
 from typing_extensions import override
 
-from lightning_lora.families.base import ModelSource, load_component, load_weights
+from lightning_lora.families.base import DiffusersModel, ModelSource, load_component, load_weights
 from lightning_lora.families.unet import UNetFamily
 from lightning_lora.formats import kohya
 
@@ -139,11 +139,11 @@ class SDXL(UNetFamily):
         }
 
     # -- sampling ----------------------------------------------------------------------------------------------
-    def pipeline(self, denoiser: torch.nn.Module, vae: torch.nn.Module, source: ModelSource) -> Any:
+    def pipeline(self, denoiser: DiffusersModel, vae: DiffusersModel, source: ModelSource) -> Any:
         from diffusers import StableDiffusionXLPipeline
 
         index = load_component(StableDiffusionXLPipeline.load_config, source, "")
-        pipe = StableDiffusionXLPipeline(
+        pipe: Any = StableDiffusionXLPipeline(
             vae=vae,
             text_encoder=None,
             text_encoder_2=None,

@@ -41,6 +41,7 @@ from typing_extensions import override
 from lightning_lora import objectives
 from lightning_lora.errors import ConfigError
 from lightning_lora.families.base import (
+    DiffusersModel,
     DiffusionFamily,
     ModelSource,
     build_from_config,
@@ -69,7 +70,7 @@ class NoiseSchedule:
         return int(self.alphas_cumprod.shape[0])
 
 
-def noise_schedule_of(denoiser: nn.Module) -> NoiseSchedule:
+def noise_schedule_of(denoiser: DiffusersModel) -> NoiseSchedule:
     """The :class:`NoiseSchedule` that :meth:`UNetFamily.load_denoiser` attached to ``denoiser``."""
     schedule = getattr(denoiser, "noise_schedule", None)
     if not isinstance(schedule, NoiseSchedule):
@@ -188,13 +189,13 @@ class UNetFamily(DiffusionFamily):
         schedule = self.noise_schedule(source)  # first: a bad scheduler option fails before the big load
         # A single file may use the original (LDM/SGM) names (the UNet part of a full checkpoint is picked out) or
         # diffusers names.
-        unet = self.load_denoiser_weights(UNet2DConditionModel, source)
+        unet: Any = self.load_denoiser_weights(UNet2DConditionModel, source)
         unet.noise_schedule = schedule
         return unet
 
     # -- encoding ----------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def encode_images(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+    def encode_images(self, vae: DiffusersModel, pixels: torch.Tensor) -> torch.Tensor:
         if vae.dtype == torch.float16 and getattr(vae.config, "force_upcast", False):
             vae = vae.float()  # the SDXL VAE overflows in fp16 (its config says so)
         posterior = vae.encode(pixels.to(device=vae.device, dtype=vae.dtype)).latent_dist
@@ -227,7 +228,7 @@ class UNetFamily(DiffusionFamily):
         """The UNet's conditioning keyword arguments for a batch (``encoder_hidden_states``, ...)."""
 
     def loss(
-        self, denoiser: nn.Module, batch: dict[str, torch.Tensor], noise: torch.Tensor, timesteps: torch.Tensor
+        self, denoiser: DiffusersModel, batch: dict[str, torch.Tensor], noise: torch.Tensor, timesteps: torch.Tensor
     ) -> torch.Tensor:
         schedule = noise_schedule_of(denoiser)
         x0 = batch["latents"].float()
@@ -269,7 +270,7 @@ class UNetFamily(DiffusionFamily):
         return build_from_config(UNet2DConditionModel, config, source.dtype)
 
     def example_inputs(
-        self, model: nn.Module, batch: int, height: int, width: int, text_len: int, device: str, dtype: torch.dtype
+        self, model: DiffusersModel, batch: int, height: int, width: int, text_len: int, device: str, dtype: torch.dtype
     ) -> dict[str, Any]:
         c = model.config
         f = self.vae_scale_factor
@@ -287,11 +288,11 @@ class UNetFamily(DiffusionFamily):
             }
         return inputs
 
-    def block_count(self, model: nn.Module) -> int:
+    def block_count(self, model: DiffusersModel) -> int:
         blocks = [*model.down_blocks, model.mid_block, *model.up_blocks]
         return sum(len(b.resnets) + len(getattr(b, "attentions", None) or []) for b in blocks if b is not None)
 
-    def sampling_bytes(self, model: nn.Module, height: int, width: int, text_len: int) -> float:
+    def sampling_bytes(self, model: DiffusersModel, height: int, width: int, text_len: int) -> float:
         # Classifier-free guidance doubles the batch; the widest UNet activations are at full latent resolution
         # (320 channels x a few buffers), and the VAE decode at full resolution (128 channels, fp16/bf16).
         latent = (height // self.vae_scale_factor) * (width // self.vae_scale_factor)

@@ -280,7 +280,7 @@ def bfl_to_diffusers(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
             if source not in bfl:
                 continue  # guidance_in in schnell, bias of the RMSNorms
             tensor = bfl[source]
-            if where.fused:
+            if where.fused and where.size is not None:
                 tensor = tensor[where.start : where.start + where.size]
             elif where.swap:
                 tensor = swap_halves(tensor)

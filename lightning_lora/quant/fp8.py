@@ -20,7 +20,8 @@ the bf16 copy of every layer alive until the backward, which is the bf16 model a
 
 Quantizing the activations is a separate pass over memory (max, divide, cast). Done as separate eager kernels it
 costs more than FP8 saves (measured 0.72x of bf16 on FLUX shapes); fused by ``torch.compile`` into one kernel it
-gives 1.30x, and the matmul alone 1.66x (shared/bench/REFERENCE.md). So the quantizer is compiled on CUDA.
+gives 1.30x, and the matmul alone 1.66x (an H200, torch 2.11, FLUX linear shapes; our whole-step figures are in
+BENCHMARKS.md). So the quantizer is compiled on CUDA.
 """
 
 from __future__ import annotations
@@ -117,6 +118,8 @@ class FP8Linear(nn.Linear):
     dtype probes). ``compute_dtype`` is what peft reads (as for bitsandbytes layers) to decide the adapter's dtype:
     float32, not the weight's float8.
     """
+
+    weight_scale: torch.Tensor  # a buffer (registered in __init__)
 
     compute_dtype = torch.float32
 

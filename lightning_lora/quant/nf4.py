@@ -36,7 +36,9 @@ def _autocast_linear4bit() -> type:
     """
     bnb = require_bitsandbytes()
 
-    class AutocastLinear4bit(bnb.nn.Linear4bit):
+    base: Any = bnb.nn.Linear4bit
+
+    class AutocastLinear4bit(base):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             if torch.is_autocast_enabled(x.device.type) and self.compute_dtype is not None:
                 x = x.to(self.compute_dtype)
