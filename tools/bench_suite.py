@@ -1,24 +1,56 @@
-"""Run tools/bench.py and the reference recipe (shared/bench/ref_recipe.py) side by side, one process per case.
+"""One GPU call as one command: benchmark rows (tools/bench.py, "ours", and the reference recipe), one process each.
+
+The rows come either as case names or as a plan file:
 
     python tools/bench_suite.py --ref .bench/ref_recipe.py --out results.jsonl flux-bf16-r16 flux-nf4-r4-gc ...
+    python tools/bench_suite.py --ref .bench/ref_recipe.py --plan benchmarks/2026-11-30/call14.plan.jsonl \\
+        --out results14.jsonl
 
-A case name is ``<family>-<quant>-r<rank>[-gc][-<h>x<w>][-compile]``; each case runs ours, then the reference with
-the same shapes (the reference has no FP8-compute mode: its row is skipped). Every run writes one JSON line to
-``--out`` (and stdout), including failures, with the exact command that produced it.
+A case name is ``<family>-<quant>-r<rank>[-gc][-<h>x<w>][-compile][-adafactor]``; each case runs ours, then the
+reference with the same shapes (the reference has no FP8-compute mode: its row is skipped).
+
+A plan file has one JSON object per line (blank lines and lines starting with ``#`` are skipped):
+
+    {"who": "ours", "args": "--quant nf4 --rank 4 --gc 1 --compile 1", "timeout": 120, "gpu": 0, "phase": 2}
+
+- ``who``: ``ours`` runs ``tools/bench.py`` (``script`` names another tool beside this file, e.g. ``bench_text.py``);
+  ``ref`` runs the reference recipe given by ``--ref``. Both with the interpreter running this file.
+- ``args``: the arguments, a shell-quoted string or a list; ``{outdir}`` stands for the folder of ``--out``.
+- ``timeout``: seconds (default ``--timeout``). Past it the row's whole process group gets SIGTERM, and SIGKILL
+  ``--kill-after`` seconds later (``timeout -k``); whatever is left of the group is killed when its main process ends.
+- ``gpu`` (optional): ``CUDA_VISIBLE_DEVICES`` for the row (an index or ``"0,1"``); without it the row sees every GPU.
+- ``phase`` (optional, default 1): phases run one after another, in increasing order. Inside a phase the rows of one
+  GPU run one after another in file order, and the rows of different GPUs run at the same time.
+- ``note`` (optional): copied to the row's JSON line.
+
+Every row writes its output to files (a killed run's compile workers cannot hold a pipe open) and appends one JSON
+line to ``--out`` (and stdout), failures included: the row's position, phase, GPU, who, args, the exact command, the
+elapsed time, the exit status and ``result`` (the last JSON line the process printed; ``results`` when it printed
+several), or ``error`` and ``stderr_tail``. Each row's stderr goes to ``--log`` (default: ``--out`` ending ``.log``).
+Installing wheels and setting PYTHONPATH is the environment's business, not this tool's (BENCHMARKS.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import shlex
+import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 CASE = re.compile(r"^(flux|sdxl)-(bf16|nf4|fp8|fp8c)-r(\d+)((?:-gc)?)((?:-\d+x\d+)?)((?:-compile)?)((?:-adafactor)?)$")
+ROW_KEYS = {"who", "args", "timeout", "gpu", "phase", "script", "note"}
+GPU = re.compile(r"^\d+(,\d+)*$")
 
 
 def commands(case: str, ref: str | None, steps: int, warm: int) -> list[tuple[str, list[str]]]:
@@ -45,33 +77,319 @@ def commands(case: str, ref: str | None, steps: int, warm: int) -> list[tuple[st
     return runs
 
 
-def main() -> None:
+@dataclass
+class Row:
+    """One process of a GPU call."""
+
+    index: int  # 1-based position in the plan (or among the cases' runs)
+    who: str  # "ours" or "ref"
+    args: list[str]
+    timeout: float
+    gpu: int | str | None = None
+    phase: int = 1
+    script: str = "bench.py"  # for "ours": a tool beside this file
+    note: str | None = None
+    case: str | None = None
+
+
+def case_rows(cases: list[str], ref: str | None, steps: int, warm: int, timeout: float) -> list[Row]:
+    """The rows of case names: ours then the reference, one after another (phase 1, every GPU visible)."""
+    rows: list[Row] = []
+    for case in cases:
+        for who, command in commands(case, ref, steps, warm):
+            rows.append(Row(index=len(rows) + 1, who=who, args=command[2:], timeout=_number(timeout), case=case))
+    return rows
+
+
+def parse_row(obj: Any, index: int, default_timeout: float, where: str = "") -> Row:
+    """A plan line's object as a Row; SystemExit naming ``where`` for anything off."""
+
+    def bad(message: str) -> SystemExit:
+        return SystemExit(f"{where}: {message}" if where else message)
+
+    if not isinstance(obj, dict):
+        raise bad(f"a plan row is a JSON object, not {type(obj).__name__}")
+    unknown = set(obj) - ROW_KEYS
+    if unknown:
+        raise bad(f"unknown key(s) {sorted(unknown)}; a row has {sorted(ROW_KEYS)}")
+    who = obj.get("who")
+    if who not in ("ours", "ref"):
+        raise bad(f"'who' must be 'ours' or 'ref', not {who!r}")
+    args = obj.get("args", [])
+    if isinstance(args, str):
+        args = shlex.split(args)
+    if not isinstance(args, list) or not all(isinstance(x, str) for x in args):
+        raise bad("'args' must be a string or a list of strings")
+    timeout = obj.get("timeout", default_timeout)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise bad(f"'timeout' must be a positive number of seconds, not {timeout!r}")
+    gpu = obj.get("gpu")
+    if gpu is not None and not (
+        (isinstance(gpu, int) and not isinstance(gpu, bool) and gpu >= 0) or (isinstance(gpu, str) and GPU.match(gpu))
+    ):
+        raise bad(f"'gpu' must be a GPU index or a list like \"0,1\", not {gpu!r}")
+    phase = obj.get("phase", 1)
+    if isinstance(phase, bool) or not isinstance(phase, int):
+        raise bad(f"'phase' must be an integer, not {phase!r}")
+    script = obj.get("script", "bench.py")
+    if not isinstance(script, str) or not script.endswith(".py") or "/" in script or "\\" in script:
+        raise bad(f"'script' must be the file name of a tool beside bench_suite.py, not {script!r}")
+    if script != "bench.py" and who != "ours":
+        raise bad("'script' is for 'ours' rows (the reference is --ref)")
+    note = obj.get("note")
+    if note is not None and not isinstance(note, str):
+        raise bad("'note' must be a string")
+    return Row(index, who, args, _number(timeout), gpu, phase, script, note)
+
+
+def _number(x: float) -> float:
+    """Seconds as given: 90, not 90.0, in the JSON lines."""
+    return int(x) if float(x).is_integer() else float(x)
+
+
+def load_plan(path: str | Path, default_timeout: float = 300) -> list[Row]:
+    """The rows of a plan file (module docstring): one JSON object a line; blank and ``#`` lines skipped."""
+    rows: list[Row] = []
+    for lineno, line in enumerate(Path(path).read_text().splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"{path}:{lineno}: not a JSON object: {e}") from None
+        rows.append(parse_row(obj, len(rows) + 1, default_timeout, f"{path}:{lineno}"))
+    if not rows:
+        raise SystemExit(f"{path}: no rows")
+    return rows
+
+
+def row_args(row: Row, outdir: str) -> list[str]:
+    return [a.replace("{outdir}", outdir) for a in row.args]
+
+
+def command_for(row: Row, ref: str | None, outdir: str) -> list[str]:
+    """The row's exact command: the running interpreter, the tool (or ``--ref``), the arguments."""
+    if row.who == "ref":
+        if not ref:
+            raise SystemExit(f"row {row.index} runs the reference recipe: give its path with --ref")
+        return [sys.executable, ref, *row_args(row, outdir)]
+    script = HERE / row.script
+    if not script.is_file():
+        raise SystemExit(f"row {row.index}: no {script}")
+    return [sys.executable, str(script), *row_args(row, outdir)]
+
+
+_running: set[subprocess.Popen] = set()
+_running_lock = threading.Lock()
+_stop = threading.Event()  # set on Ctrl-C: no lane starts another row
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _exited(proc: subprocess.Popen) -> bool:
+    """Whether the process has ended, without reaping it: until reaped its pid (its group's id) cannot be reused."""
+    if proc.returncode is not None:
+        return True
+    if hasattr(os, "waitid"):
+        try:
+            return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+        except ChildProcessError:
+            return True
+    return proc.poll() is not None
+
+
+def _wait_exit(proc: subprocess.Popen, deadline: float) -> bool:
+    while not _exited(proc):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def run_process(
+    argv: list[str], gpu: int | str | None, timeout: float, kill_after: float
+) -> tuple[int | None, str, str, float, bool]:
+    """Run ``argv`` in its own process group, output to files. Returns (rc, stdout, stderr, seconds, timed out)."""
+    env = dict(os.environ)
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        t0 = time.monotonic()
+        try:
+            proc = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env, start_new_session=True
+            )
+        except OSError as e:
+            return None, "", f"could not start: {e}", 0.0, False
+        with _running_lock:
+            _running.add(proc)
+        try:
+            timed_out = not _wait_exit(proc, t0 + timeout)
+            if timed_out:
+                _signal_group(proc.pid, signal.SIGTERM)
+                _wait_exit(proc, time.monotonic() + kill_after)
+            elapsed = time.monotonic() - t0
+            _signal_group(proc.pid, signal.SIGKILL)  # what is left: compile workers, a main process that ignored TERM
+            rc = proc.wait()
+        finally:
+            with _running_lock:
+                _running.discard(proc)
+        out.seek(0)
+        err.seek(0)
+        return rc, out.read().decode(errors="replace"), err.read().decode(errors="replace"), elapsed, timed_out
+
+
+def kill_running() -> None:
+    """Kill every row still running and start no other (Ctrl-C)."""
+    _stop.set()
+    with _running_lock:
+        for proc in list(_running):
+            _signal_group(proc.pid, signal.SIGKILL)
+
+
+def json_lines(text: str) -> list[Any]:
+    found = []
+    for line in text.splitlines():
+        if line.startswith("{"):
+            try:
+                found.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+    return found
+
+
+def run_row(row: Row, argv: list[str], outdir: str, kill_after: float, tail: int) -> tuple[dict[str, Any], str]:
+    """Run one row; its JSON record and the text for the log."""
+    start = time.strftime("%H:%M:%S")
+    rc, stdout, stderr, elapsed, timed_out = run_process(argv, row.gpu, row.timeout, kill_after)
+    rec: dict[str, Any] = {"row": row.index, "phase": row.phase, "gpu": row.gpu, "who": row.who}
+    if row.case:
+        rec["case"] = row.case
+    if row.note:
+        rec["note"] = row.note
+    rec.update(
+        args=shlex.join(row_args(row, outdir)),
+        command=shlex.join(argv),
+        timeout_s=row.timeout,
+        start=start,
+        elapsed_s=round(elapsed, 1),
+        rc=rc,
+    )
+    results = json_lines(stdout)
+    rec["result"] = results[-1] if results else None
+    if len(results) > 1:
+        rec["results"] = results
+    if timed_out:
+        rec["error"] = f"timeout after {row.timeout:g} s: process group killed"
+    elif rc != 0:
+        rec["error"] = f"exit status {rc}" if rc is not None else stderr.strip()
+    elif not results:
+        rec["error"] = "no JSON line on stdout"
+    if "error" in rec:
+        rec["stderr_tail"] = stderr[-tail:]
+    other = "\n".join(ln for ln in stdout.splitlines() if not ln.startswith("{"))
+    head = f"== row {row.index} phase {row.phase} gpu {row.gpu} {row.who} {rec['args']}"
+    log = f"{head}\n   {rec['command']}\n   started {start}, {rec['elapsed_s']} s, rc {rc}\n"
+    log += (f"-- stdout\n{other}\n" if other.strip() else "") + (f"-- stderr\n{stderr}\n" if stderr else "")
+    return rec, log
+
+
+def run_rows(
+    rows: list[Row],
+    ref: str | None,
+    out: str | Path,
+    log: str | Path | None = None,
+    kill_after: float = 5.0,
+    tail: int = 2000,
+    echo: bool = True,
+) -> list[dict[str, Any]]:
+    """Run the rows phase by phase (GPUs side by side inside a phase); append a JSON line per row to ``out``."""
+    out = Path(out)
+    log = Path(log) if log else out.with_suffix(".log")
+    outdir = str(out.resolve().parent)
+    argvs = {row.index: command_for(row, ref, outdir) for row in rows}  # every command checked before anything runs
+    records: list[dict[str, Any]] = []
+    lock = threading.Lock()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "a") as out_f, open(log, "a") as log_f:
+
+        def emit(rec: dict[str, Any], text: str) -> None:
+            line = json.dumps(rec)
+            with lock:
+                records.append(rec)
+                out_f.write(line + "\n")
+                out_f.flush()
+                log_f.write(text)
+                log_f.flush()
+                if echo:
+                    print(line, flush=True)
+
+        def lane(lane_rows: list[Row]) -> None:
+            for row in lane_rows:
+                if _stop.is_set():
+                    return
+                emit(*run_row(row, argvs[row.index], outdir, kill_after, tail))
+
+        for phase in sorted({row.phase for row in rows}):
+            lanes: dict[str, list[Row]] = {}
+            for row in rows:
+                if row.phase == phase:
+                    lanes.setdefault("" if row.gpu is None else str(row.gpu), []).append(row)
+            with lock:
+                log_f.write(f"== phase {phase} {time.strftime('%H:%M:%S')}: {len(lanes)} lane(s)\n")
+                log_f.flush()
+            threads = [threading.Thread(target=lane, args=(lr,), daemon=True) for lr in lanes.values()]
+            for t in threads:
+                t.start()
+            try:
+                for t in threads:
+                    t.join()
+            except KeyboardInterrupt:
+                kill_running()
+                raise
+    return records
+
+
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("cases", nargs="+")
+    p.add_argument("cases", nargs="*", help="case names (or give --plan)")
+    p.add_argument("--plan", default=None, help="plan file: one JSON row a line (see above)")
     p.add_argument("--ref", default=None, help="path to ref_recipe.py (omit to run ours only)")
     p.add_argument("--out", default="bench_results.jsonl")
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--warm", type=int, default=3)
-    p.add_argument("--timeout", type=int, default=300)
+    p.add_argument("--log", default=None, help="every row's stderr (default: --out ending .log)")
+    p.add_argument("--steps", type=int, default=8, help="cases only")
+    p.add_argument("--warm", type=int, default=3, help="cases only")
+    p.add_argument("--timeout", type=float, default=300, help="seconds a row, where the plan gives none")
+    p.add_argument("--kill-after", type=float, default=5.0, help="seconds from SIGTERM to SIGKILL past a timeout")
     p.add_argument("--only", choices=["ours", "ref"], default=None)
-    a = p.parse_args()
-    with open(a.out, "a") as out:
-        for case in a.cases:
-            for who, command in commands(case, a.ref, a.steps, a.warm):
-                if a.only and who != a.only:
-                    continue
-                t0 = time.time()
-                try:
-                    proc = subprocess.run(command, capture_output=True, text=True, timeout=a.timeout)
-                    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-                    row = json.loads(lines[-1]) if lines else {"error": proc.stderr[-800:]}
-                except subprocess.TimeoutExpired:
-                    row = {"error": f"timeout after {a.timeout} s"}
-                row.update(case=case, who=who, wall=round(time.time() - t0, 1), command=" ".join(command[1:]))
-                line = json.dumps(row)
-                print(line, flush=True)
-                out.write(line + "\n")
-                out.flush()
+    p.add_argument("--dry-run", action="store_true", help="print each row's command, run nothing")
+    a = p.parse_args(argv)
+    if bool(a.plan) == bool(a.cases):
+        p.error("give case names or --plan, not both")
+    if a.plan:
+        rows = load_plan(a.plan, a.timeout)
+    else:
+        ref = a.ref if a.only != "ours" else None
+        rows = case_rows(a.cases, ref, a.steps, a.warm, a.timeout)
+    if a.only:
+        rows = [row for row in rows if row.who == a.only]
+    if a.dry_run:
+        outdir = str(Path(a.out).resolve().parent)
+        for row in rows:
+            line = {"row": row.index, "phase": row.phase, "gpu": row.gpu, "who": row.who, "timeout_s": row.timeout}
+            print(json.dumps({**line, "command": shlex.join(command_for(row, a.ref, outdir))}))
+        return
+    try:
+        run_rows(rows, a.ref, a.out, a.log, a.kill_after)
+    except KeyboardInterrupt:
+        print("interrupted: the running rows were killed", file=sys.stderr)
+        raise SystemExit(130) from None
 
 
 if __name__ == "__main__":

@@ -1,0 +1,234 @@
+"""tools/bench_suite.py on the CPU: plan files, phases and GPUs, timeouts, the JSON line of a row.
+
+The rows' real commands (tools/bench.py, the reference recipe) need a GPU; these tests swap the command builder for
+tiny ``python -c`` scripts, which is all the runner sees of a row.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tools"))
+
+import bench_suite as bs  # noqa: E402
+
+
+def write_plan(path: Path, text: str) -> Path:
+    path.write_text(textwrap.dedent(text).lstrip())
+    return path
+
+
+def fake_commands(monkeypatch: pytest.MonkeyPatch, code: str) -> None:
+    """Every row runs ``python -S -c code ARGS...`` (the row's args after ``{outdir}`` is filled in)."""
+
+    def command_for(row: bs.Row, ref: str | None, outdir: str) -> list[str]:
+        return [sys.executable, "-S", "-c", textwrap.dedent(code), *bs.row_args(row, outdir)]
+
+    monkeypatch.setattr(bs, "command_for", command_for)
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie left to an init that does not reap counts as dead)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return True
+
+
+def test_a_plan_file_parses_into_rows(tmp_path: Path) -> None:
+    plan = write_plan(
+        tmp_path / "call.plan.jsonl",
+        """
+        # a comment, then a blank line
+
+        {"who": "ours", "args": "--rank 4 --profile '{outdir}/p f.txt'", "timeout": 120, "gpu": 0, "phase": 2}
+        {"who": "ref", "args": ["flux-bf16", "--sdp", "nocudnn"], "gpu": "0,1", "note": "beside row 1"}
+        {"who": "ours", "script": "bench_text.py", "args": ""}
+        """,
+    )
+    rows = bs.load_plan(plan, default_timeout=77)
+    assert [(r.index, r.who, r.phase, r.gpu, r.timeout) for r in rows] == [
+        (1, "ours", 2, 0, 120),
+        (2, "ref", 1, "0,1", 77),
+        (3, "ours", 1, None, 77),
+    ]
+    assert rows[0].args == ["--rank", "4", "--profile", "{outdir}/p f.txt"]
+    assert rows[1].args == ["flux-bf16", "--sdp", "nocudnn"] and rows[1].note == "beside row 1"
+    assert rows[2].script == "bench_text.py" and rows[2].args == []
+
+    # the real commands: the running interpreter, the tool beside bench_suite.py or --ref, {outdir} filled in
+    bench = str(REPO / "tools" / "bench.py")
+    assert bs.command_for(rows[0], None, "/o") == [sys.executable, bench, "--rank", "4", "--profile", "/o/p f.txt"]
+    assert bs.command_for(rows[1], ".bench/ref_recipe.py", "/o") == [
+        sys.executable,
+        ".bench/ref_recipe.py",
+        *rows[1].args,
+    ]
+    assert bs.command_for(rows[2], None, "/o") == [sys.executable, str(REPO / "tools" / "bench_text.py")]
+    with pytest.raises(SystemExit, match="--ref"):
+        bs.command_for(rows[1], None, "/o")
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ('{"who": "theirs", "args": ""}', "'who'"),
+        ('{"who": "ours", "args": "", "gpus": 0}', "unknown key"),
+        ('{"who": "ours", "args": "", "timeout": 0}', "'timeout'"),
+        ('{"who": "ours", "args": "", "gpu": "zero"}', "'gpu'"),
+        ('{"who": "ours", "args": "", "phase": "2"}', "'phase'"),
+        ('{"who": "ref", "args": "", "script": "bench_text.py"}', "'script'"),
+        ('{"who": "ours", "args": 5}', "'args'"),
+        ("--quant nf4", "not a JSON object"),
+    ],
+)
+def test_a_bad_plan_row_is_refused_with_its_line(tmp_path: Path, line: str, message: str) -> None:
+    plan = write_plan(tmp_path / "bad.plan.jsonl", '{"who": "ours", "args": "--rank 4"}\n' + line + "\n")
+    with pytest.raises(SystemExit, match=rf"bad\.plan\.jsonl:2: .*{message}"):
+        bs.load_plan(plan)
+
+
+def test_the_dated_plans_parse(capsys: pytest.CaptureFixture[str]) -> None:
+    plans = sorted((REPO / "benchmarks").glob("*/call*.plan.jsonl"))
+    assert len(plans) >= 10
+    for plan in plans:
+        bs.main(["--plan", str(plan), "--ref", ".bench/ref_recipe.py", "--out", "/o/r.jsonl", "--dry-run"])
+        printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        assert len(printed) == len(bs.load_plan(plan)) and all(p["command"].startswith(sys.executable) for p in printed)
+    rows = bs.load_plan(REPO / "benchmarks/2026-11-30/call14.plan.jsonl")
+    assert {(r.phase, r.gpu) for r in rows} == {(1, 0), (1, 1), (2, 0), (2, 1)}
+
+
+def test_rows_of_a_phase_run_side_by_side_on_their_gpus_and_phases_in_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake_commands(
+        monkeypatch,
+        """
+        import json, os, sys, time
+        start = time.time()
+        time.sleep(0.5)
+        print(json.dumps({"tag": sys.argv[1], "gpu": os.environ.get("CUDA_VISIBLE_DEVICES"), "start": start,
+                          "end": time.time()}))
+        """,
+    )
+    plan = write_plan(
+        tmp_path / "p.plan.jsonl",
+        """
+        {"phase": 2, "gpu": 1, "who": "ours", "args": "C"}
+        {"phase": 1, "gpu": 0, "who": "ours", "args": "A"}
+        {"phase": 1, "gpu": 1, "who": "ref", "args": "B"}
+        {"phase": 1, "gpu": 0, "who": "ours", "args": "A2"}
+        {"phase": 2, "gpu": 0, "who": "ours", "args": "D"}
+        """,
+    )
+    records = bs.run_rows(bs.load_plan(plan), None, tmp_path / "r.jsonl", echo=False)
+    got = {rec["result"]["tag"]: rec["result"] for rec in records}
+    assert set(got) == {"A", "A2", "B", "C", "D"} and all("error" not in rec for rec in records)
+    assert {tag: r["gpu"] for tag, r in got.items()} == {"A": "0", "A2": "0", "B": "1", "C": "1", "D": "0"}
+
+    def overlap(x: str, y: str) -> bool:
+        return got[x]["start"] < got[y]["end"] and got[y]["start"] < got[x]["end"]
+
+    assert overlap("A", "B") and overlap("C", "D")  # two GPUs of one phase: at the same time
+    assert got["A2"]["start"] >= got["A"]["end"]  # one GPU: one row after another, in file order
+    assert min(got[t]["start"] for t in "CD") >= max(got[t]["end"] for t in ("A", "A2", "B"))  # phase 2 after 1
+    assert [rec["phase"] for rec in records] == [1, 1, 1, 2, 2]
+
+
+def test_a_row_past_its_timeout_is_killed_with_its_child_and_recorded_as_a_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The row ignores SIGTERM (so only the SIGKILL after --kill-after ends it) and leaves a child that also ignores
+    # it and shares its output file, like a compile worker.
+    fake_commands(
+        monkeypatch,
+        """
+        import json, signal, subprocess, sys, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        child = subprocess.Popen([sys.executable, "-S", "-c", "import time; time.sleep(60)"])
+        open(sys.argv[1], "w").write(f"{child.pid}")
+        print(json.dumps({"partial": 1}), flush=True)
+        print("still compiling", file=sys.stderr, flush=True)
+        time.sleep(60)
+        """,
+    )
+    pids = tmp_path / "pids"
+    rows = [bs.parse_row({"who": "ours", "args": [str(pids)], "timeout": 1.0, "gpu": 0}, 1, 300)]
+    t0 = time.monotonic()
+    (rec,) = bs.run_rows(rows, None, tmp_path / "r.jsonl", kill_after=0.5, echo=False)
+    assert time.monotonic() - t0 < 15
+    assert rec["error"].startswith("timeout after 1 s") and rec["rc"] == -9
+    assert 1.0 <= rec["elapsed_s"] < 10
+    assert rec["result"] == {"partial": 1} and "still compiling" in rec["stderr_tail"]
+    child = int(pids.read_text())
+    deadline = time.monotonic() + 5
+    while alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(child)
+
+
+def test_the_json_line_has_the_command_gpu_time_and_result_or_the_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake_commands(
+        monkeypatch,
+        """
+        import json, subprocess, sys
+        if sys.argv[1] == "ok":
+            child = subprocess.Popen([sys.executable, "-S", "-c", "import time; time.sleep(60)"])  # left behind
+            print("Lightning says hello")
+            print(json.dumps({"s_per_step": 0.5, "child": child.pid}))
+            print(json.dumps({"s_per_step": 0.25}))
+        else:
+            print("Traceback: out of memory", file=sys.stderr)
+            sys.exit(3)
+        """,
+    )
+    out = tmp_path / "calls" / "r.jsonl"
+    plan = write_plan(
+        tmp_path / "p.plan.jsonl",
+        """
+        {"gpu": 1, "who": "ours", "args": "ok", "timeout": 30, "note": "n"}
+        {"who": "ref", "args": "boom"}
+        """,
+    )
+    bs.main(["--plan", str(plan), "--out", str(out)])
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [json.loads(line) for line in capsys.readouterr().out.splitlines()] == lines  # echoed too
+    ok, bad = lines
+    argv = bs.command_for(bs.load_plan(plan)[0], None, str(out.parent))
+    assert ok["command"] == shlex.join(argv) and ok["args"] == "ok"
+    assert (ok["row"], ok["phase"], ok["gpu"], ok["who"], ok["note"], ok["timeout_s"], ok["rc"]) == (
+        1,
+        1,
+        1,
+        "ours",
+        "n",
+        30,
+        0,
+    )
+    assert 0 <= ok["elapsed_s"] < 10 and ok["result"] == {"s_per_step": 0.25}
+    child = ok["results"][0]["child"]
+    assert ok["results"] == [{"s_per_step": 0.5, "child": child}, {"s_per_step": 0.25}] and "error" not in ok
+    deadline = time.monotonic() + 5
+    while alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(child)  # what the row left behind died with its process group
+    assert bad["who"] == "ref" and bad["gpu"] is None and bad["timeout_s"] == 300 and bad["result"] is None
+    assert bad["error"] == "exit status 3" and bad["stderr_tail"].strip() == "Traceback: out of memory"
+    log = out.with_suffix(".log").read_text()
+    assert "Traceback: out of memory" in log and "Lightning says hello" in log and "== row 2 phase 1" in log
