@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -36,7 +38,11 @@ from lightning_lora.quant.options import linear_layers
 from lightning_lora.recipe import ModelRecipe
 
 __all__ = [
+    "CARDS",
+    "Fit",
     "MemoryPlan",
+    "card_memory",
+    "cards_table",
     "fitting_changes",
     "optimizer_name",
     "plan_for",
@@ -231,26 +237,49 @@ def saved_activation_bytes(model: nn.Module, inputs: dict[str, Any]) -> tuple[fl
     return float(sum(sizes)), float(max(sizes, default=0)), float(offloaded)
 
 
-def plan_training(
-    recipe: ModelRecipe,
-    height: int,
-    width: int,
-    batch: int,
-    text_len: int,
-    optimizer: str = "AdamW",
-    sample_size: tuple[int, int] | None = None,
-) -> MemoryPlan:
-    """Predict the training peak of the model ``recipe`` describes, at this image size, batch and text length."""
+@dataclass(frozen=True)
+class _Counted:
+    """What one meta-device forward pass counts (independent of the base's storage format and the optimizer)."""
+
+    lora_params: int
+    saved: float
+    largest: float
+    moved: float
+    blocks: int
+
+
+_COUNTED: dict[str, _Counted] = {}
+"""Counts by what they depend on: the alternatives the planner tries often differ only in the base's format, which
+changes the weights but not what the forward pass keeps (the skeleton is never quantized)."""
+
+
+def _count(recipe: ModelRecipe, height: int, width: int, batch: int, text_len: int) -> _Counted:
     from lightning_lora.assembly import apply_gradient_checkpointing
     from lightning_lora.lora import inject_lora
     from lightning_lora.recompute import ensure_recomputed
 
     family, source = recipe.family, recipe.source
+    key = repr(
+        (
+            type(family),
+            sorted(vars(family).items()),
+            source,
+            recipe.lora,
+            recipe.gradient_checkpointing,
+            recipe.checkpoint_every,
+            recipe.offload_activations,
+            recipe.offload_blocks,
+            height,
+            width,
+            batch,
+            text_len,
+        )
+    )
+    if key in _COUNTED:
+        return _COUNTED[key]
     model = family.denoiser_skeleton(source)  # meta device: shapes only
     model.requires_grad_(False)
     offloaded = offloaded_blocks(model, recipe.offload_blocks)
-    weights = weight_bytes(model, recipe.quantization, source.dtype)
-    resident = weights - offloaded_weight_bytes(model, offloaded, recipe.quantization, source.dtype)
     inject_lora(model, family, recipe.lora)
     lora_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     for p in model.parameters():  # autocast computes the LoRA path in the base dtype
@@ -265,9 +294,33 @@ def plan_training(
     model.train()
     inputs = family.example_inputs(model, batch, height, width, text_len, device="meta", dtype=source.dtype)
     saved, largest, moved = saved_activation_bytes(model, inputs)  # moved: block inputs kept in CPU memory
+    counted = _Counted(lora_params, saved, largest, moved, family.block_count(model))
+    if len(_COUNTED) > 64:
+        _COUNTED.clear()
+    _COUNTED[key] = counted
+    return counted
+
+
+def plan_training(
+    recipe: ModelRecipe,
+    height: int,
+    width: int,
+    batch: int,
+    text_len: int,
+    optimizer: str = "AdamW",
+    sample_size: tuple[int, int] | None = None,
+) -> MemoryPlan:
+    """Predict the training peak of the model ``recipe`` describes, at this image size, batch and text length."""
+    family, source = recipe.family, recipe.source
+    model = family.denoiser_skeleton(source)  # meta device: shapes only
+    offloaded = offloaded_blocks(model, recipe.offload_blocks)
+    weights = weight_bytes(model, recipe.quantization, source.dtype)
+    resident = weights - offloaded_weight_bytes(model, offloaded, recipe.quantization, source.dtype)
+    counted = _count(recipe, height, width, batch, text_len)
+    saved, largest, moved, lora_params = counted.saved, counted.largest, counted.moved, counted.lora_params
     if recipe.compile_blocks and not recipe.gradient_checkpointing:
         saved *= COMPILED_SAVED_FRACTION  # checkpointed blocks keep only their inputs, which compiling cannot shrink
-    per_block = (saved + moved) / max(family.block_count(model), 1)
+    per_block = (saved + moved) / max(counted.blocks, 1)
     transient = TRANSIENT_BLOCKS * per_block
     if recipe.gradient_checkpointing or recipe.offload_blocks:
         transient += per_block
@@ -324,50 +377,187 @@ def plan_for(
 OFFLOAD_TRIES = (3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48)  # 1-2 save nothing: two are on the GPU at once
 
 
-def _candidates(recipe: ModelRecipe) -> list[tuple[str, dict[str, Any]]]:
-    """Alternatives to try, fastest first: (command-line options, the recipe fields they change)."""
+Changes = tuple[str, dict[str, Any], dict[str, Any]]
+"""An alternative: (command-line options, the recipe fields they change, the data options they change)."""
+
+
+def _candidates(recipe: ModelRecipe, datamodule: Any) -> list[Changes]:
+    """Alternatives to try, fastest first (offloading, tried last, is :data:`OFFLOAD_TRIES`): ways to run the same
+    training with less memory, then smaller batches and images (a different training: only when nothing else fits)."""
     checkpointing = {"gradient_checkpointing": True, "checkpoint_every": 1}
-    tries: list[tuple[str, dict[str, Any]]] = []
+    tries: list[Changes] = []
     if not recipe.gradient_checkpointing:
         # Fastest first: checkpointing one block in 3 or 2 recomputes less than checkpointing every block.
         for every in (3, 2):
             flag = f"--model.gradient_checkpointing true --model.checkpoint_every {every}"
-            tries.append((flag, {"gradient_checkpointing": True, "checkpoint_every": every}))
-        tries.append(("--model.gradient_checkpointing true", checkpointing))
+            tries.append((flag, {"gradient_checkpointing": True, "checkpoint_every": every}, {}))
+        tries.append(("--model.gradient_checkpointing true", checkpointing, {}))
     elif recipe.checkpoint_every > 1:
-        tries.append(("--model.checkpoint_every 1", {"checkpoint_every": 1}))
+        tries.append(("--model.checkpoint_every 1", {"checkpoint_every": 1}, {}))
+    gc_flags = "--model.gradient_checkpointing true --model.checkpoint_every 1 "
+    needs_gc = not recipe.gradient_checkpointing or recipe.checkpoint_every > 1
     if not recipe.offload_activations:
-        flag = "--model.offload_activations true"
-        if not recipe.gradient_checkpointing or recipe.checkpoint_every > 1:
-            flag = f"--model.gradient_checkpointing true --model.checkpoint_every 1 {flag}"
-        tries.append((flag, {**checkpointing, "offload_activations": True}))
+        flag = (gc_flags if needs_gc else "") + "--model.offload_activations true"
+        tries.append((flag, {**checkpointing, "offload_activations": True}, {}))
+    smallest: tuple[str, dict[str, Any]] = ("", {})
     for mode in ("fp8", "nf4"):
         if recipe.quantization.mode != mode:
             quantization = {"quantization": dataclasses.replace(recipe.quantization, mode=mode)}
-            tries.append((f"--model.quantization.mode {mode}", quantization))
+            tries.append((f"--model.quantization.mode {mode}", quantization, {}))
             flag = f"--model.quantization.mode {mode} --model.gradient_checkpointing true"
-            tries.append((flag, {**quantization, **checkpointing}))
+            tries.append((flag, {**quantization, **checkpointing}, {}))
+            smallest = (f"--model.quantization.mode {mode} ", quantization)
+    # The least memory without changing the training: the smallest base, every block checkpointed, inputs in CPU.
+    least_flags = smallest[0] + gc_flags + "--model.offload_activations true"
+    least = {**smallest[1], **checkpointing, "offload_activations": True}
+    if smallest[1] or not recipe.offload_activations:
+        tries.append((least_flags, least, {}))
+    batch = int(getattr(datamodule, "batch_size", 1))
+    resolution = getattr(datamodule, "resolution", 512)
+    side = max(resolution) if isinstance(resolution, list | tuple) else int(resolution)
+    if batch > 1:
+        tries.append((f"{least_flags} --data.batch_size 1", least, {"batch_size": 1}))
+    for smaller in (768, 512):
+        if smaller < side:
+            data = {"batch_size": 1, "resolution": smaller}
+            tries.append((f"{least_flags} --data.batch_size 1 --data.resolution {smaller}", least, data))
     return tries
+
+
+@dataclass(frozen=True)
+class Fit:
+    """A way to run that fits: the command-line options that make it (empty: as configured) and its planned peak."""
+
+    flags: str
+    peak_gib: float
+    offload: bool = False
+
+    def line(self) -> str:
+        slower = "; slower by the blocks' copies" if self.offload else ""
+        return f"{self.flags or 'as configured'}   (~{self.peak_gib:.1f} GiB{slower})"
+
+
+class _Planner:
+    """Plans of a recipe and its alternatives for one data module, each planned once."""
+
+    def __init__(self, recipe: ModelRecipe, datamodule: Any, optimizer: str) -> None:
+        self.recipe, self.datamodule, self.optimizer = recipe, datamodule, optimizer
+        self._peaks: dict[str, float | None] = {}
+
+    def peak(self, flags: str, changes: dict[str, Any], data: dict[str, Any] | None = None) -> float | None:
+        """The planned peak with ``changes`` (and data options ``data``), or None when the recipe refuses them."""
+        if flags not in self._peaks:
+            datamodule = self.datamodule
+            if data:
+                datamodule = SimpleNamespace(
+                    resolution=data.get("resolution", getattr(datamodule, "resolution", 512)),
+                    batch_size=data.get("batch_size", datamodule.batch_size),
+                )
+            try:
+                self._peaks[flags] = plan_for(self.recipe.replace(**changes), datamodule, self.optimizer).peak_gib
+            except ConfigError:  # a change the other settings refuse (e.g. NF4 with model.offload_blocks): not a fix
+                self._peaks[flags] = None
+        return self._peaks[flags]
+
+    def fits(self, vram: float, first: bool = False) -> list[Fit]:
+        """The alternatives that fit in ``vram`` GiB (5% kept free), fastest first (only the fastest with ``first``);
+        offloading with the fewest blocks that fit (it costs PCIe copies per block and step), before changes of the
+        data."""
+        limit = vram * 0.95
+        found = []
+        tries = _candidates(self.recipe, self.datamodule)
+        same = [t for t in tries if not t[2]]
+        for flags, changes, data in same:
+            peak = self.peak(flags, changes, data)
+            if peak is not None and peak <= limit:
+                found.append(Fit(flags, peak))
+                if first:
+                    return found
+        for count in OFFLOAD_TRIES:
+            peak = self.peak(f"--model.offload_blocks {count}", {"offload_blocks": count})
+            if peak is None:  # more blocks than the model has, or a setting offloading refuses (NF4, compile_blocks)
+                break
+            if peak <= limit:
+                found.append(Fit(f"--model.offload_blocks {count}", peak, offload=True))
+                if first:
+                    return found
+                break
+        if not found:  # a smaller batch or smaller images change the training: only when nothing else fits
+            for flags, changes, data in (t for t in tries if t[2]):
+                peak = self.peak(flags, changes, data)
+                if peak is not None and peak <= limit:
+                    found.append(Fit(flags, peak))
+                    break
+        return found
 
 
 def fitting_changes(recipe: ModelRecipe, datamodule: Any, vram: float, optimizer: str = "AdamW") -> list[str]:
     """Changes (as command-line options, with the planned peak) that bring the plan under ``vram`` GiB, fastest first;
     each is tried as a new recipe (``recipe.replace``), so a combination the recipe refuses is never suggested."""
-    fits = []
-    for flag, changes in _candidates(recipe):
-        try:
-            peak = plan_for(recipe.replace(**changes), datamodule, optimizer).peak_gib
-        except ConfigError:  # a change the other settings refuse (e.g. NF4 with model.offload_blocks): not a fix
-            continue
-        if peak <= vram * 0.95:
-            fits.append(f"{flag}   (~{peak:.1f} GiB)")
-    # Offloading costs PCIe copies per block and step: the fewest blocks that fit.
-    for count in OFFLOAD_TRIES:
-        try:
-            peak = plan_for(recipe.replace(offload_blocks=count), datamodule, optimizer).peak_gib
-        except ConfigError:  # more blocks than the model has, or a setting offloading refuses (NF4, compile_blocks)
-            break
-        if peak <= vram * 0.95:
-            fits.append(f"--model.offload_blocks {count}   (~{peak:.1f} GiB; slower by the blocks' copies)")
-            break
-    return fits
+    return [fit.line() for fit in _Planner(recipe, datamodule, optimizer).fits(vram)]
+
+
+CARDS: dict[str, float] = {
+    "RTX 3060": 12,
+    "RTX 3070": 8,
+    "RTX 3080": 10,
+    "RTX 3090": 24,
+    "RTX 4060": 8,
+    "RTX 4060 Ti": 16,
+    "RTX 4070": 12,
+    "RTX 4080": 16,
+    "RTX 4090": 24,
+    "RTX 5080": 16,
+    "RTX 5090": 32,
+    "L4": 24,
+    "A10": 24,
+    "RTX A6000": 48,
+    "L40S": 48,
+    "A100": 80,
+    "H100": 80,
+    "H200": 141,
+    "RX 7900 XTX": 24,
+    "MI300X": 192,
+}
+"""Common cards and their memory in GiB (the 16 GB RTX 4060 Ti; write ``"RTX 4060 Ti 8GB"`` for the other)."""
+
+CARD_SIZES = (8, 12, 16, 24, 32, 48, 80)
+"""The memory sizes ``lightning-lora plan --cards`` tabulates."""
+
+
+def card_memory(name: str) -> float:
+    """GiB of the card ``name`` (``"RTX 4090"``, ``"4090"``, ``"nvidia h100"``, ``"RTX 3060 12GB"``: a size in the
+    name wins); :class:`ConfigError` listing the known cards otherwise."""
+    size = re.search(r"(\d+)\s*GB?\b", name, re.IGNORECASE)
+    if size:
+        return float(size.group(1))
+    wanted = re.sub(r"[^a-z0-9]", "", name.lower().replace("nvidia", "").replace("geforce", "").replace("amd", ""))
+    for card, gib in CARDS.items():
+        plain = re.sub(r"[^a-z0-9]", "", card.lower())
+        if wanted in (plain, plain.removeprefix("rtx").removeprefix("rx")):
+            return gib
+    raise ConfigError(
+        f"--gpu: {name!r} is not a card lightning-lora knows ({', '.join(CARDS)}). Give --vram in GiB, or write the "
+        "memory in the name (e.g. 'RTX 3060 12GB')."
+    )
+
+
+def cards_table(
+    recipe: ModelRecipe, datamodule: Any, optimizer: str = "AdamW", sizes: tuple[int, ...] = CARD_SIZES
+) -> list[tuple[int, Fit | None]]:
+    """For each card size (GiB): the fastest way to run that fits (as configured when it does), or None."""
+    planner = _Planner(recipe, datamodule, optimizer)
+    configured = planner.peak("", {})
+    rows: list[tuple[int, Fit | None]] = []
+    for size in sizes:
+        if configured is not None and configured <= size * 0.95:
+            rows.append((size, Fit("", configured)))
+        else:
+            fits = planner.fits(size, first=True)
+            rows.append((size, fits[0] if fits else None))
+    return rows
+
+
+def cards_of(size: float) -> list[str]:
+    """The :data:`CARDS` with this much memory."""
+    return [card for card, gib in CARDS.items() if gib == size]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+import warnings
 
 __all__ = ["VERBS", "main"]
 
@@ -31,6 +32,8 @@ def main(argv: list[str] | None = None) -> None:
     # A file name with a byte that is not UTF-8 must not crash a print under a strict UTF-8 locale.
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(errors="backslashreplace")
+    # The verbs hand LightningCLI their own arguments on purpose (sys.argv still starts with the verb).
+    warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
     if args[:1] and args[0] in VERBS:
         verb = importlib.import_module(VERBS[args[0]])
         raise SystemExit(verb.main(args[1:]))

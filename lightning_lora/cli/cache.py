@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import signal
 import sys
-import warnings
 from typing import Any
 
 __all__ = ["main"]
@@ -45,8 +44,6 @@ def main(argv: list[str]) -> int:
     from lightning_lora.cli.fit import LoraCLI, write_error
     from lightning_lora.errors import ConfigError
 
-    # `args` differs from sys.argv (which starts with "cache"): that is intended here.
-    warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
     try:
         cli = LoraCLI(args=args, run=False)
         report = cli.datamodule.build_cache(

@@ -32,7 +32,7 @@ import sys
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from lightning.fabric.plugins import CheckpointIO
@@ -62,10 +62,13 @@ DEFAULT_CHECKPOINT_EVERY = 250
 class LoraCLI(LightningCLI):
     """LightningCLI for :class:`LoraModule` + :class:`LatentDataModule`; see the module docstring."""
 
+    data_class: ClassVar[type[LatentDataModule]] = LatentDataModule
+    """What the ``data:`` section builds (``lightning-lora plan`` reads the options without listing any image)."""
+
     def __init__(self, args: list[str] | None = None, run: bool = True) -> None:
         super().__init__(
             LoraModule,
-            LatentDataModule,
+            self.data_class,
             save_config_kwargs={"overwrite": True},
             # Our bucket sampler shards batches across ranks itself; Lightning must not replace it.
             trainer_defaults={"default_root_dir": DEFAULT_RUN_DIR, "use_distributed_sampler": False},

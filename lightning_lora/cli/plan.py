@@ -1,45 +1,75 @@
-"""``lightning-lora plan --config X.yaml [--vram 24]``: predicted peak GPU memory, and what would make it fit.
+"""``lightning-lora plan --config X.yaml [--vram 24 | --gpu "RTX 4090"]``: predicted peak GPU memory, and what fits.
 
-Reads the same YAML as ``fit`` (any ``fit`` option can follow, e.g. ``--model.lora.rank 32``), builds the model on
-the meta device (no weights are read; for a hub id only its config file), and prints the memory by component.
-With ``--vram``, it says whether the run fits and which changes would make it fit. The planning itself is the
-library's (:mod:`lightning_lora.plan`); this module only reads the config and prints.
+Reads the same YAML as ``fit`` (any ``fit`` option can follow, e.g. ``--model.lora.rank 32``) and needs none of what
+training needs: no GPU (the trainer is not built), no image folder (the ``data:`` options are read, no folder is
+listed), no weights (the model is built on the meta device from its config: a local folder's ``config.json`` files,
+or, for the models the shipped configs use, the architecture facts that ship with lightning-lora; another hub id needs
+its few-KB configs downloaded, and the message says how). It prints the memory by component; with ``--vram`` or
+``--gpu`` it says whether the run fits that card and which changes would make it fit. The planning itself is the
+library's (:mod:`lightning_lora.plan`); this module reads the config and prints.
 """
 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
+from lightning_lora.cli.fit import LoraCLI
+from lightning_lora.data.datamodule import DataOptions
 from lightning_lora.errors import ConfigError
 
-__all__ = ["main"]
+__all__ = ["PlanCLI", "main"]
+
+
+class PlanCLI(LoraCLI):
+    """The ``fit`` config read for planning: the model (its recipe) and the data options; no trainer, no images."""
+
+    data_class = DataOptions
+
+    def _set_seed(self) -> None:
+        """Nothing: a plan draws no random numbers (and prints no "Seed set" line)."""
+
+    def instantiate_classes(self) -> None:
+        self.config_init = self.parser.instantiate_classes(self.config)
+        self.datamodule = self._get(self.config_init, "data")
+        self.model = self._get(self.config_init, "model")
+        self.trainer = None  # type: ignore[assignment]  # planning builds no Trainer (it would need the accelerator)
 
 
 def main(argv: list[str]) -> int:
     """Run ``lightning-lora plan`` with ``argv`` (the arguments after ``plan``); return the exit status."""
     parser = argparse.ArgumentParser(prog="lightning-lora plan", description=__doc__)
-    parser.add_argument("--vram", type=float, default=None, help="GPU memory in GiB to check against (e.g. 24)")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--vram", type=float, default=None, help="GPU memory in GiB to check against (e.g. 24)")
+    size.add_argument("--gpu", default=None, help="a card by name instead of --vram (e.g. 'RTX 4090', 'RTX 3060 12GB')")
+    parser.add_argument("--cards", action="store_true", help="the fastest way to run on each common card size")
     args, rest = parser.parse_known_args(argv)
-    from lightning_lora.cli.fit import LoraCLI
-    from lightning_lora.plan import fitting_changes, plan_for
+    from lightning_lora.plan import card_memory, cards_of, cards_table, fitting_changes, plan_for
 
     try:
-        cli = LoraCLI(args=rest, run=False)
+        vram = card_memory(args.gpu) if args.gpu else args.vram
+        cli: Any = PlanCLI(args=rest, run=False)
         recipe, optimizer = cli.model.recipe, cli.model.optimizer_name
         plan = plan_for(recipe, cli.datamodule, optimizer)
+        print("Predicted GPU memory (lightning-lora plan):")
+        print(plan.report(vram))
+        if vram is not None and plan.peak_gib > vram * 0.95:
+            options = fitting_changes(recipe, cli.datamodule, vram, optimizer)
+            if options:
+                print("  these changes would fit:")
+                print("\n".join(f"    {o}" for o in options))
+            else:
+                print("  lower data.resolution or data.batch_size, or use a GPU with more memory")
+        if args.cards:
+            print("The fastest way to run on each card size (5% kept free):")
+            for gib, fit in cards_table(recipe, cli.datamodule, optimizer):
+                names = ", ".join(cards_of(gib)[:3])
+                what = fit.line() if fit else "nothing fits: lower data.resolution or data.batch_size"
+                print(f"  {gib:>4} GiB  {names:<30} {what}")
     except ConfigError as e:
         print(f"lightning-lora plan: error: {e}")
         return 2
     except NotImplementedError as e:
         print(f"lightning-lora plan: {e}")
         return 2
-    print("Predicted GPU memory (lightning-lora plan):")
-    print(plan.report(args.vram))
-    if args.vram is not None and plan.peak_gib > args.vram * 0.95:
-        options = fitting_changes(recipe, cli.datamodule, args.vram, optimizer)
-        if options:
-            print("  these changes would fit:")
-            print("\n".join(f"    {o}" for o in options))
-        else:
-            print("  lower data.resolution or data.batch_size, or use a GPU with more memory")
     return 0

@@ -28,7 +28,7 @@ import hashlib
 import logging
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from lightning.pytorch import LightningDataModule
@@ -45,7 +45,7 @@ from lightning_lora.data.sources import ImageFolder, Item, Skip, as_folders, sca
 from lightning_lora.errors import ConfigError
 from lightning_lora.families.base import DiffusionFamily, ModelSource
 
-__all__ = ["CachedDataset", "LatentDataModule", "sample_generator", "uniform"]
+__all__ = ["CachedDataset", "DataOptions", "LatentDataModule", "sample_generator", "uniform"]
 
 log = logging.getLogger(__name__)
 
@@ -189,6 +189,9 @@ class LatentDataModule(LightningDataModule):
         seed: seed of the batch order and the per-sample random choices; null uses the run's ``seed_everything``.
     """
 
+    reads_images: ClassVar[bool] = True
+    """Whether creating it lists the image folders (:meth:`scan`); :class:`DataOptions` does not."""
+
     def __init__(
         self,
         images: str | list[str | ImageFolder],
@@ -240,22 +243,14 @@ class LatentDataModule(LightningDataModule):
         except ValueError as e:
             raise ConfigError(str(e)) from None
         self.folders = as_folders(images, "data.images")
-        self.items, self.scan_skips = scan(
-            self.folders, caption_ext=caption_ext, default_caption=default_caption, trigger=trigger
-        )
+        self.val_folders = as_folders(val_images, "data.val_images") if val_images is not None else []
+        self.caption_ext, self.default_caption, self.trigger = caption_ext, default_caption, trigger
+        self.val_fraction = val_fraction
+        self.items: list[Item] = []
         self.val_items: list[Item] = []
-        if val_images is not None:
-            self.val_items, val_skips = scan(
-                as_folders(val_images, "data.val_images"),
-                caption_ext=caption_ext,
-                default_caption=default_caption,
-                trigger=trigger,
-                option="data.val_images",
-            )
-            self.scan_skips += val_skips
-        if val_fraction > 0:
-            self.items, held = split_validation(self.items, val_fraction)
-            self.val_items += held
+        self.scan_skips: list[Skip] = []
+        if self.reads_images:
+            self.scan()
         self.resolutions = sorted(set(resolutions), reverse=True)
         self.resolution = self.resolutions[0]  # the largest: the default size of sample images
         self.batch_size = batch_size
@@ -281,6 +276,23 @@ class LatentDataModule(LightningDataModule):
         self.val_entries: list[CacheEntry] = []
         self.report: CacheReport | None = None
         self._cache: LatentCache | None = None
+
+    def scan(self) -> None:
+        """List the images and their captions (no pixels are read): the training and validation items and what is
+        left out. A folder that does not exist, or data without any image, is a :class:`ConfigError`."""
+        options: dict[str, Any] = {
+            "caption_ext": self.caption_ext,
+            "default_caption": self.default_caption,
+            "trigger": self.trigger,
+        }
+        self.items, self.scan_skips = scan(self.folders, **options)
+        self.val_items = []
+        if self.val_folders:
+            self.val_items, val_skips = scan(self.val_folders, **options, option="data.val_images")
+            self.scan_skips += val_skips
+        if self.val_fraction > 0:
+            self.items, held = split_validation(self.items, self.val_fraction)
+            self.val_items += held
 
     # -- configuration -----------------------------------------------------------------------------------------
     def spec(self, family: DiffusionFamily) -> DataSpec:
@@ -454,3 +466,11 @@ class LatentDataModule(LightningDataModule):
     @property
     def skipped(self) -> list[Skip]:
         return list(self.report.skipped) if self.report is not None else list(self.scan_skips)
+
+
+class DataOptions(LatentDataModule):
+    """The ``data:`` options without the data: what ``lightning-lora plan`` reads (resolution, batch size, the text
+    encoders' precision) before any image exists. It takes exactly :class:`LatentDataModule`'s options and checks
+    them the same way, but lists no folder."""
+
+    reads_images: ClassVar[bool] = False

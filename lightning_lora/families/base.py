@@ -242,6 +242,9 @@ class DiffusionFamily(ABC):
     """Named LoRA target sets: preset name -> regular expression over module names (peft ``target_modules``)."""
     cudnn_attention_in_auto: ClassVar[bool] = True
     """Whether ``model.attention: auto`` may use PyTorch's cuDNN SDPA backend with this family's model."""
+    known_denoisers: ClassVar[dict[str, dict[str, Any]]] = {}
+    """The denoiser's ``config.json`` (the fields that decide its shapes) for the hub ids the shipped configs use: the
+    memory planner needs no download for them (:meth:`denoiser_config`)."""
     compiled_regions: ClassVar[tuple[str, ...]] = ()
     """Module classes ``model.compile_blocks`` compiles besides the model's repeated blocks (``_repeated_blocks``)."""
     text_encoders: ClassVar[tuple[str, ...]]
@@ -390,6 +393,23 @@ class DiffusionFamily(ABC):
         raise NotImplementedError(f"the {cls.name} family has no tiny pipeline for tests yet")
 
     # -- memory planning (lightning_lora.plan) -------------------------------------------------------------------
+    def denoiser_config(self, source: ModelSource, load_config: Callable[..., Any]) -> dict[str, Any]:
+        """The denoiser's config, with no weights read: a local folder's ``<denoiser_subfolder>/config.json``; for a hub
+        id the shipped facts (:attr:`known_denoisers`) when it is a known model, else the hub's file (downloaded or
+        cached). Offline without it: a :class:`ConfigError` saying which few-KB files to download."""
+        if not source.is_local and source.pretrained in self.known_denoisers:
+            return dict(self.known_denoisers[source.pretrained])
+        try:
+            return dict(load_component(load_config, source, self.denoiser_subfolder))
+        except ConfigError:
+            if source.is_local:
+                raise
+            raise ConfigError(
+                f"model.pretrained: the architecture of {source.pretrained!r} is not known offline, and its config "
+                "could not be read. Download its configs (a few KB, no weights): huggingface-cli download "
+                f"{source.pretrained} --include '*.json', or point model.pretrained at a local folder."
+            ) from None
+
     def denoiser_skeleton(self, source: ModelSource) -> nn.Module:
         """The denoiser built from its config on the ``meta`` device: real shapes, no memory, no weights."""
         raise NotImplementedError(f"the memory planner does not support the {self.name} family yet")

@@ -48,6 +48,22 @@ _MLP = r"(ff|ff_context)\.net\.(0\.proj|2)"
 _SINGLE = r"(proj_mlp|proj_out)"
 
 
+FLUX1_TRANSFORMER: dict[str, Any] = {
+    "_class_name": "FluxTransformer2DModel",
+    "patch_size": 1,
+    "in_channels": 64,
+    "num_layers": 19,
+    "num_single_layers": 38,
+    "attention_head_dim": 128,
+    "num_attention_heads": 24,
+    "joint_attention_dim": 4096,
+    "pooled_projection_dim": 768,
+    "guidance_embeds": True,
+    "axes_dims_rope": [16, 56, 56],
+}
+"""FLUX.1-dev's ``transformer/config.json`` (12 B parameters); schnell differs only in ``guidance_embeds``."""
+
+
 def pack_latents(latents: torch.Tensor) -> torch.Tensor:
     """``[B, C, h, w]`` -> ``[B, (h/2)(w/2), 4C]``: each 2x2 latent patch becomes one token."""
     b, c, h, w = latents.shape
@@ -89,6 +105,10 @@ class Flux(DiffusionFamily):
     pipeline_classes: ClassVar[tuple[str, ...]] = ("FluxPipeline",)
     denoiser_subfolder: ClassVar[str] = "transformer"
     latent_divisor: ClassVar[int] = 16
+    known_denoisers: ClassVar[dict[str, dict[str, Any]]] = {
+        "black-forest-labs/FLUX.1-dev": FLUX1_TRANSFORMER,
+        "black-forest-labs/FLUX.1-schnell": {**FLUX1_TRANSFORMER, "guidance_embeds": False},
+    }
     # cuDNN's SDPA backend crashed in FLUX's backward on an H200 (torch 2.11, illegal memory access; BENCHMARKS.md).
     cudnn_attention_in_auto: ClassVar[bool] = False
     text_encoders: ClassVar[tuple[str, ...]] = ("text_encoder", "text_encoder_2")  # CLIP-L (pooled), T5-XXL
@@ -275,7 +295,7 @@ class Flux(DiffusionFamily):
     def denoiser_skeleton(self, source: ModelSource) -> nn.Module:
         from diffusers import FluxTransformer2DModel
 
-        config = load_component(FluxTransformer2DModel.load_config, source, self.denoiser_subfolder)
+        config = self.denoiser_config(source, FluxTransformer2DModel.load_config)
         return build_from_config(FluxTransformer2DModel, config, source.dtype)
 
     def example_inputs(

@@ -25,6 +25,21 @@ from lightning_lora.formats import kohya
 __all__ = ["SD15"]
 
 
+SD15_UNET: dict[str, Any] = {
+    "_class_name": "UNet2DConditionModel",
+    "sample_size": 64,
+    "in_channels": 4,
+    "out_channels": 4,
+    "down_block_types": ["CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"],
+    "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"],
+    "block_out_channels": [320, 640, 1280, 1280],
+    "layers_per_block": 2,
+    "attention_head_dim": 8,
+    "cross_attention_dim": 768,
+}
+"""Stable Diffusion 1.5's ``unet/config.json`` (the fields that decide shapes; 860 M parameters)."""
+
+
 class SD15(UNetFamily):
     """Stable Diffusion 1.5 and models of its pipeline class (SD1.x fine-tunes, SD2.x): UNet-only LoRA.
 
@@ -37,6 +52,10 @@ class SD15(UNetFamily):
     text_encoders: ClassVar[tuple[str, ...]] = ("text_encoder",)  # CLIP-L (OpenCLIP-H for SD2)
     # kohya: diffusers' module names with "_", as sd-scripts trains SD1.x.
     lora_formats: ClassVar[tuple[str, ...]] = ("diffusers", "kohya")
+    known_denoisers: ClassVar[dict[str, dict[str, Any]]] = {
+        "stable-diffusion-v1-5/stable-diffusion-v1-5": SD15_UNET,
+        "runwayml/stable-diffusion-v1-5": SD15_UNET,
+    }
 
     # -- loading -----------------------------------------------------------------------------------------------
     def load_text_encoders(self, source: ModelSource) -> Any:

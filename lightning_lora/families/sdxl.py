@@ -58,6 +58,26 @@ def default_size_conditioning(latents: torch.Tensor, vae_scale_factor: int = 8) 
     }
 
 
+SDXL_BASE_UNET: dict[str, Any] = {
+    "_class_name": "UNet2DConditionModel",
+    "sample_size": 128,
+    "in_channels": 4,
+    "out_channels": 4,
+    "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
+    "up_block_types": ["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"],
+    "block_out_channels": [320, 640, 1280],
+    "layers_per_block": 2,
+    "transformer_layers_per_block": [1, 2, 10],
+    "attention_head_dim": [5, 10, 20],
+    "cross_attention_dim": 2048,
+    "use_linear_projection": True,
+    "addition_embed_type": "text_time",
+    "addition_time_embed_dim": 256,
+    "projection_class_embeddings_input_dim": 2816,
+}
+"""SDXL base 1.0's ``unet/config.json`` (the fields that decide shapes; 2.6 B parameters)."""
+
+
 class SDXL(UNetFamily):
     """SDXL base 1.0 and fine-tunes of its architecture (Pony, Illustrious, ...): UNet-only LoRA.
 
@@ -70,6 +90,7 @@ class SDXL(UNetFamily):
     text_encoders: ClassVar[tuple[str, ...]] = ("text_encoder", "text_encoder_2")  # CLIP-L, OpenCLIP-G
     # kohya: the original SGM UNet's module names, as sd-scripts trains SDXL.
     lora_formats: ClassVar[tuple[str, ...]] = ("diffusers", "kohya")
+    known_denoisers: ClassVar[dict[str, dict[str, Any]]] = {"stabilityai/stable-diffusion-xl-base-1.0": SDXL_BASE_UNET}
 
     # -- loading -----------------------------------------------------------------------------------------------
     def load_text_encoders(self, source: ModelSource) -> Any:

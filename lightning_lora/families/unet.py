@@ -266,7 +266,7 @@ class UNetFamily(DiffusionFamily):
     def denoiser_skeleton(self, source: ModelSource) -> nn.Module:
         from diffusers import UNet2DConditionModel
 
-        config = load_component(UNet2DConditionModel.load_config, source, self.denoiser_subfolder)
+        config = self.denoiser_config(source, UNet2DConditionModel.load_config)
         return build_from_config(UNet2DConditionModel, config, source.dtype)
 
     def example_inputs(

@@ -1,0 +1,144 @@
+"""``lightning-lora plan`` before renting a GPU or downloading 24 GB: no GPU, no image folder, no weights.
+
+The shipped configs name hub models (FLUX.1-dev, SDXL base, SD1.5) whose architecture ships with lightning-lora, so a
+plan of them needs nothing else; a local folder is read for its configs only; an unknown hub id offline gets one line
+saying what to download. ``--gpu`` and ``--cards`` speak in cards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from lightning_lora.cli import main
+from lightning_lora.errors import ConfigError
+from lightning_lora.families import SD15, SDXL, Flux
+from lightning_lora.families.base import ModelSource
+from lightning_lora.lora import LoraOptions
+from lightning_lora.plan import card_memory, cards_table, plan_for
+from lightning_lora.recipe import ModelRecipe
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+GPU_CONFIGS = sorted(p.name for p in CONFIGS.glob("*.yaml") if not p.name.startswith("tiny_"))
+
+
+@pytest.mark.subprocess
+def test_plan_needs_no_gpu_no_data_and_no_weights(tmp_path: Path) -> None:
+    """As on a laptop: CUDA hidden, the hub offline, run where the config's data folder does not exist."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "lightning_lora", "plan", "--config", str(CONFIGS / "flux_4090.yaml")]
+    done = subprocess.run([*command, "--gpu", "RTX 4090"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "training peak" in done.stdout and "fits in 24 GiB" in done.stdout
+    assert "Traceback" not in done.stderr and not (tmp_path / "data").exists()
+    assert "args parameter" not in done.stderr and "Seed set" not in done.stderr + done.stdout
+
+
+@pytest.mark.parametrize("config", GPU_CONFIGS)
+def test_every_shipped_gpu_config_plans_here(config: str, tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)  # no data/my_subject here
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--config", str(CONFIGS / config)])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0, out
+    assert "training peak" in out and "sample images peak" in out
+
+
+def _local_copy(tmp_path: Path, family: type, hub_id: str) -> Path:
+    """A local pipeline folder that holds only the configs of ``hub_id``'s architecture (no weights)."""
+    folder = tmp_path / "local"
+    (folder / family.denoiser_subfolder).mkdir(parents=True)
+    (folder / "model_index.json").write_text(json.dumps({"_class_name": family.pipeline_classes[0]}))
+    config = family.known_denoisers[hub_id]
+    (folder / family.denoiser_subfolder / "config.json").write_text(json.dumps(config))
+    if family is not Flux:  # a UNet family reads its noise schedule from the folder when it is checked
+        (folder / "scheduler").mkdir()
+        schedule = {"beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear"}
+        (folder / "scheduler" / "scheduler_config.json").write_text(json.dumps(schedule))
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("family", "hub_id"),
+    [
+        (Flux, "black-forest-labs/FLUX.1-dev"),
+        (SDXL, "stabilityai/stable-diffusion-xl-base-1.0"),
+        (SD15, "stable-diffusion-v1-5/stable-diffusion-v1-5"),
+    ],
+)
+def test_the_shipped_architecture_plans_like_a_local_folder(tmp_path: Path, family: type, hub_id: str) -> None:
+    data = SimpleNamespace(resolution=512, batch_size=1)
+    lora = LoraOptions(rank=8)
+    from_hub = plan_for(ModelRecipe(family(), ModelSource(hub_id), lora), data)
+    from_folder = plan_for(ModelRecipe(family(), ModelSource(str(_local_copy(tmp_path, family, hub_id))), lora), data)
+    assert from_hub == from_folder
+    # And it is the real model: FLUX.1 has 11.9 B parameters, SDXL's UNet 2.6 B, SD1.5's 860 M (bf16: 2 bytes each).
+    expected = {Flux: 11.90e9, SDXL: 2.567e9, SD15: 0.8595e9}[family]
+    assert from_hub.weights * 2**30 / 2 == pytest.approx(expected, rel=2e-3)
+
+
+def test_an_unknown_hub_model_offline_says_what_to_download() -> None:
+    with pytest.raises(ConfigError, match=r"huggingface-cli download someone/my-flux --include '\*\.json'"):
+        Flux().denoiser_skeleton(ModelSource("someone/my-flux"))
+
+
+@pytest.mark.parametrize(
+    ("name", "gib"),
+    [
+        ("RTX 4090", 24),
+        ("4090", 24),
+        ("NVIDIA H100", 80),
+        ("GeForce RTX 3060", 12),
+        ("RTX 3060 12GB", 12),
+        ("mi300x", 192),
+    ],
+)
+def test_cards_by_name(name: str, gib: float) -> None:
+    assert card_memory(name) == gib
+
+
+def test_an_unknown_card_is_named() -> None:
+    with pytest.raises(ConfigError, match=r"--gpu: 'Voodoo 5' is not a card .*RTX 4090"):
+        card_memory("Voodoo 5")
+
+
+def test_the_cards_table_gives_the_fastest_fit_per_size(tiny_flux_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fastest first: as configured where it fits, then checkpointing, quantization; a smaller batch or image only when
+    nothing that keeps the training the same fits."""
+    from lightning_lora import plan
+
+    def fake_plan(recipe: ModelRecipe, datamodule, optimizer: str = "AdamW") -> SimpleNamespace:
+        peak = 40.0 if datamodule.batch_size == 2 else 28.0
+        if recipe.gradient_checkpointing:
+            peak -= 10.0
+        peak -= {"none": 0.0, "fp8": 8.0, "nf4": 20.0}[recipe.quantization.mode]
+        peak -= 2.0 if recipe.offload_activations else 0.0
+        peak -= 0.5 * recipe.offload_blocks
+        return SimpleNamespace(peak_gib=peak)
+
+    monkeypatch.setattr(plan, "plan_for", fake_plan)
+    recipe = ModelRecipe(Flux(), ModelSource(str(tiny_flux_dir)))
+    rows = dict(cards_table(recipe, SimpleNamespace(resolution=1024, batch_size=2), sizes=(8, 12, 24, 48)))
+    assert rows[48] is not None and rows[48].flags == "" and rows[48].peak_gib == 40.0  # as configured
+    assert (
+        rows[24] is not None and rows[24].flags == "--model.quantization.mode fp8 --model.gradient_checkpointing true"
+    )
+    assert (
+        rows[12] is not None and rows[12].flags == "--model.quantization.mode nf4 --model.gradient_checkpointing true"
+    )
+    # 8 GiB: nf4 + checkpointing + offloaded inputs is 8 > 7.6, offloading blocks does not reach it: a smaller batch.
+    assert rows[8] is not None and rows[8].flags.endswith("--data.batch_size 1") and rows[8].peak_gib == -4.0
+
+
+def test_plan_by_card_name(tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--config", str(CONFIGS / "sd15_8gb.yaml"), "--gpu", "RTX 3070"])
+    assert exit_info.value.code == 0
+    assert "fits in 8 GiB" in capsys.readouterr().out
