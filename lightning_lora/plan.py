@@ -96,6 +96,12 @@ class MemoryPlan:
     transient: float
     overhead: float = FIXED_OVERHEAD_GIB
     sampling_peak: float = 0.0
+    caching_text: float = 0.0
+    """Peak while the cache encodes captions (the text encoders, once, before training); 0 when unknown."""
+    caching_images: float = 0.0
+    """Peak while the cache encodes images (the VAE, ``data.encode_batch_size`` at a time)."""
+    host: float = 0.0
+    """Host (CPU) memory: the largest part passes through it while loading, plus pinned offloaded blocks."""
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -105,6 +111,15 @@ class MemoryPlan:
     @property
     def peak_gib(self) -> float:
         return self.static + self.activations + self.transient + self.overhead
+
+    @property
+    def caching_peak(self) -> float:
+        return max(self.caching_text, self.caching_images)
+
+    @property
+    def need_gib(self) -> float:
+        """The most GPU memory the run needs at any time: caching, training or drawing sample images."""
+        return max(self.peak_gib, self.sampling_peak, self.caching_peak)
 
     def report(self, vram_gib: float | None = None) -> str:
         rows = [
@@ -120,9 +135,14 @@ class MemoryPlan:
         lines.append(f"  {'training peak':<28}{self.peak_gib:8.2f} GiB")
         if self.sampling_peak:
             lines.append(f"  {'sample images peak':<28}{self.sampling_peak:8.2f} GiB")
+        if self.caching_text:
+            lines.append(f"  {'caching captions peak':<28}{self.caching_text:8.2f} GiB   (text encoders, once)")
+        if self.caching_images:
+            lines.append(f"  {'caching images peak':<28}{self.caching_images:8.2f} GiB   (VAE, once)")
+        if self.host:
+            lines.append(f"  {'host (CPU) memory':<28}{self.host:8.2f} GiB")
         if vram_gib is not None:
-            need = max(self.peak_gib, self.sampling_peak)
-            verdict = "fits" if need <= vram_gib * 0.95 else "does NOT fit"
+            verdict = "fits" if self.need_gib <= vram_gib * 0.95 else "does NOT fit"
             lines.append(f"  -> {verdict} in {vram_gib:g} GiB (keeping 5% headroom)")
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
@@ -142,9 +162,11 @@ def module_weight_bytes(model: nn.Module, quantization: QuantOptions, dtype: tor
         if quantization.mode == "nf4":
             quantized = {k: v for k, v in quantized.items() if v.in_features % 64 == 0}
     sizes: dict[int, float] = {}
+    seen: set[int] = set()  # a tied weight (T5's shared embedding) is one tensor, counted once
     for module in model.modules():
         total = 0.0
-        own = list(module.parameters(recurse=False))
+        own = [p for p in module.parameters(recurse=False) if id(p) not in seen]
+        seen.update(id(p) for p in own)
         if id(module) in quantized:
             weight: Any = module.weight
             n = weight.numel()
@@ -348,6 +370,45 @@ def plan_training(
     return plan
 
 
+# -- the caching phase and host memory ---------------------------------------------------------------------------
+
+# Calibrated on an H200 (BENCHMARKS.md): FLUX's VAE encoding 8 images of 1024x1024 at a time in bf16 peaked at 10.36
+# GiB, ~4.9 bytes per pixel per channel of its widest (128-channel) layers; CLIP-L + T5-XXL in bf16 (9.35 GiB of
+# weights) peaked at 11.01 GiB for 8 captions of 512 tokens: ~106 bytes per token per hidden unit.
+VAE_BYTES_PER_PIXEL = 128 * 2 * 4.9
+VAE_WEIGHT_BYTES = 84e6 * 2
+TEXT_BYTES_PER_TOKEN_UNIT = 106.0
+
+
+def caching_peaks(
+    recipe: ModelRecipe, text_quantization: str, encode_batch: int, side: int
+) -> tuple[float, float, float, list[str]]:
+    """GiB of GPU memory while the cache encodes captions and images, host GiB while the text encoders load, and notes.
+
+    The caption peak is 0 with a note when the text encoders' architecture is not known here (an unknown hub id)."""
+    from lightning_lora.families.encoders import skeleton
+
+    family, source = recipe.family, recipe.source
+    images = (VAE_WEIGHT_BYTES + encode_batch * side * side * VAE_BYTES_PER_PIXEL) / GIB + FIXED_OVERHEAD_GIB
+    configs = family.text_encoder_configs(source)
+    if not configs:
+        return 0.0, images, 0.0, ["caching captions: the text encoders' architecture is not known here"]
+    weights = activations = host = 0.0
+    for config in configs.values():
+        model = skeleton(config, source.dtype)
+        keep = [rf"(^|\.){re.escape(m)}$" for m in getattr(model, "_keep_in_fp32_modules", None) or []]
+        # As quantize_text_encoders stores them: unquantized layers stay in the load dtype.
+        mode: Any = text_quantization
+        quantization = QuantOptions(mode=mode, skip=keep, upcast_small_params=False)
+        weights += weight_bytes(model, quantization, source.dtype)
+        host += weight_bytes(model, QuantOptions(), source.dtype)
+        hidden = config.get("d_model") or config.get("hidden_size") or 0
+        tokens = family.text_tokens if "d_model" in config else int(config.get("max_position_embeddings", 77))
+        activations = max(activations, encode_batch * tokens * hidden * TEXT_BYTES_PER_TOKEN_UNIT)  # one at a time
+    text = (weights + activations) / GIB + FIXED_OVERHEAD_GIB
+    return text, images, host / GIB, []
+
+
 # -- the planner's library API: a run's plan, and the changes that make it fit ------------------------------------
 
 
@@ -369,9 +430,22 @@ def plan_for(
     resolution = getattr(datamodule, "resolution", 512)
     side = max(resolution) if isinstance(resolution, list | tuple) else int(resolution)
     text_len = recipe.family.text_tokens
-    return plan_training(
+    plan = plan_training(
         recipe, side, side, datamodule.batch_size, text_len, optimizer=optimizer, sample_size=sample_size
     )
+    text_quantization = getattr(datamodule, "text_encoder_quantization", "none")
+    encode_batch = int(getattr(datamodule, "encode_batch_size", 4))
+    plan.caching_text, plan.caching_images, text_host, notes = caching_peaks(
+        recipe, text_quantization, encode_batch, side
+    )
+    plan.notes += notes
+    # Loading passes the base's weights through CPU memory in its dtype; offloaded blocks stay there, pinned.
+    model = recipe.family.denoiser_skeleton(recipe.source)
+    base = weight_bytes(model, QuantOptions(), recipe.source.dtype)
+    sizes = module_weight_bytes(model, recipe.quantization, recipe.source.dtype)
+    pinned = sum(sizes[id(m)] for block in offloaded_blocks(model, recipe.offload_blocks) for m in block.modules())
+    plan.host = max((base + pinned) / GIB, text_host)
+    return plan
 
 
 OFFLOAD_TRIES = (3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48)  # 1-2 save nothing: two are on the GPU at once

@@ -1,30 +1,79 @@
-"""Shared fixtures: tiny random FLUX pipelines saved to disk, captioned photos, and a quiet, offline, 1-thread torch.
+"""Shared fixtures: tiny random pipelines saved to disk (one per family), captioned photos, and a quiet, offline,
+1-thread torch. Shared helpers (configs, tiny LoRA models, inputs) are in tests/helpers/.
 
 Tests never touch a hub: HF_HUB_OFFLINE is set for the whole session, and every model is built from a config by
 :mod:`lightning_lora.tiny` and loaded back through the real ``from_pretrained`` path.
+
+The test folders mirror the package (tests/cli/, tests/data/, tests/families/...). This file puts tests/ on
+``sys.path`` so that ``import helpers`` works from every folder, whatever pytest's import mode, and whether pytest runs
+from the repository root or elsewhere. Test folders have no ``__init__.py``: test file names are unique.
+
+Markers: ``subprocess`` marks the tests that start another process (the real command, DDP ranks, a Python process
+that is killed, the Dockerfile linter); ``pytest -m "not subprocess"`` runs the in-process suite.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+TESTS = str(Path(__file__).resolve().parent)
+if TESTS not in sys.path:
+    sys.path.insert(0, TESTS)
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-# On 2 cores a busy second core slows multi-threaded tiny-model steps 4-150x (shared/ENVIRONMENT.md).
+# On 2 cores a busy second core slows multi-threaded tiny-model steps 4-150x (measured on the 2-core CI machine).
 torch.set_num_threads(1)
 
 
-@pytest.fixture(scope="session")
-def tiny_flux_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A saved tiny FLUX.1-dev-like pipeline folder (model_index.json, transformer/, vae/, text encoders...)."""
-    from lightning_lora.tiny import save_tiny_flux
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "subprocess: starts another process (the lightning-lora command, DDP ranks, a Python that is killed, "
+        'hadolint); deselect with -m "not subprocess" to run the in-process suite',
+    )
 
-    return save_tiny_flux(tmp_path_factory.mktemp("models") / "tiny-flux", seed=0)
+
+@pytest.fixture(scope="session")
+def tiny_pipeline(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """``tiny_pipeline(name)``: the saved tiny pipeline folder of the registered family ``name``
+    (:meth:`~lightning_lora.families.base.DiffusionFamily.save_tiny`, seed 0), made once per session."""
+    from lightning_lora.families import FAMILIES
+
+    root = tmp_path_factory.mktemp("models")
+    saved: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in saved:
+            saved[name] = FAMILIES[name].save_tiny(root / f"tiny-{name}", seed=0)
+        return saved[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_flux_dir(tiny_pipeline: Callable[[str], Path]) -> Path:
+    """A saved tiny FLUX.1-dev-like pipeline folder (model_index.json, transformer/, vae/, text encoders...)."""
+    return tiny_pipeline("flux")
+
+
+@pytest.fixture(scope="session")
+def tiny_sdxl_dir(tiny_pipeline: Callable[[str], Path]) -> Path:
+    """A saved tiny SDXL pipeline folder (SDXL's UNet layout, two CLIP text encoders, Euler scheduler)."""
+    return tiny_pipeline("sdxl")
+
+
+@pytest.fixture(scope="session")
+def tiny_sd15_dir(tiny_pipeline: Callable[[str], Path]) -> Path:
+    """A saved tiny SD1.5-like pipeline folder (one CLIP text encoder, PNDM scheduler, epsilon prediction)."""
+    return tiny_pipeline("sd15")
 
 
 @pytest.fixture(scope="session")
@@ -39,19 +88,3 @@ def photos_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         Image.fromarray(_photo(name)).save(folder / f"{name}.png")
         (folder / f"{name}.txt").write_text(PHOTOS[name])
     return folder
-
-
-@pytest.fixture(scope="session")
-def tiny_sdxl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A saved tiny SDXL pipeline folder (SDXL's UNet layout, two CLIP text encoders, Euler scheduler)."""
-    from lightning_lora.tiny import save_tiny_sdxl
-
-    return save_tiny_sdxl(tmp_path_factory.mktemp("models") / "tiny-sdxl", seed=0)
-
-
-@pytest.fixture(scope="session")
-def tiny_sd15_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A saved tiny SD1.5-like pipeline folder (one CLIP text encoder, PNDM scheduler, epsilon prediction)."""
-    from lightning_lora.tiny import save_tiny_sd15
-
-    return save_tiny_sd15(tmp_path_factory.mktemp("models") / "tiny-sd15", seed=0)

@@ -7,8 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from diffusers import FluxTransformer2DModel
-from helpers import build_model
-from test_offload import build_tiny, random_inputs
+from helpers import build_model, build_tiny, lora_model, random_inputs
 
 from lightning_lora.errors import ConfigError
 from lightning_lora.families.base import ModelSource
@@ -159,7 +158,7 @@ def _grads_and_saved(folder: Path, checkpointing: bool, every: int) -> tuple[dic
     from lightning_lora.plan import saved_activation_bytes
 
     model = build_tiny(folder, 0, checkpointing, every)
-    inputs = random_inputs(model, 1)
+    inputs = random_inputs(Flux(), model, seed=1)
     saved, _, _ = saved_activation_bytes(model, inputs)
     model(**inputs)[0].square().mean().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
@@ -195,16 +194,13 @@ def _bf16_step(folder: Path, skip_casts: bool) -> tuple[torch.Tensor, dict[str, 
             CountCopies.copies += func.overloadpacket is torch.ops.aten._to_copy
             return func(*args, **(kwargs or {}))
 
-    torch.manual_seed(0)
-    model = build_model(Flux(), ModelSource(str(folder), dtype=torch.bfloat16), LoraOptions(rank=2))
-    for name, p in model.named_parameters():
-        if "lora_B" in name:  # B starts at zero: make it non-zero so that A gets gradients too
-            p.data = 0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name)))
+    # B starts at zero: make it non-zero so that A gets gradients too
+    model = lora_model(Flux(), folder, rank=2, alpha=None, scale=0.1, dtype=torch.bfloat16, train=True)
     if skip_casts:
         assert set_lora_input_casts(model, enabled=False) == 14  # the attention preset's layers
     inputs = {
         k: v.bfloat16() if torch.is_tensor(v) and v.is_floating_point() else v
-        for k, v in random_inputs(model, 1).items()
+        for k, v in random_inputs(Flux(), model, seed=1).items()
     }
     with CountCopies(), torch.autocast("cpu", dtype=torch.bfloat16):
         loss = model(**inputs)[0].float().square().mean()

@@ -2,7 +2,7 @@
 
 Pure tests on real torch optimizers and schedulers (no Lightning run): a checkpoint dict is what Lightning would save
 (``optimizer_states``, ``lr_schedulers``) plus our record of the configured settings; the run's CLI flows are in
-test_resume.py.
+tests/callbacks/test_resume.py.
 """
 
 from __future__ import annotations

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
+from helpers import fit_in_subprocess, write_config
 from safetensors.torch import load_file
-from test_cli import fit_in_subprocess, write_config
 
 
+@pytest.mark.subprocess
 def test_two_ranks_of_batch_b_train_what_one_rank_of_batch_2b_trains(
     tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path
 ) -> None:
@@ -36,6 +38,7 @@ def test_two_ranks_of_batch_b_train_what_one_rank_of_batch_2b_trains(
         torch.testing.assert_close(lora["two"][key], value, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.subprocess
 def test_two_process_ddp_fit_and_resume(tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path) -> None:
     """With offloaded blocks too: each rank streams its own copy of the frozen weights."""
     options = {"trainer.devices": 2, "trainer.strategy": "ddp", "trainer.max_steps": 3, "data.batch_size": 1}

@@ -37,6 +37,7 @@ def hadolint() -> str | None:
     return shutil.which("hadolint", path=str(Path(sys.executable).parent)) or shutil.which("hadolint")
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("kind", DOCKERFILES)
 def test_dockerfile_lints_clean(kind: str) -> None:
     binary = hadolint()

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import build_model
+from helpers import build_model, build_tiny, random_inputs, run_cli, two_step_grads, write_config
 
 from lightning_lora.errors import ConfigError
 from lightning_lora.families.base import ModelSource
@@ -18,54 +18,6 @@ from lightning_lora.offload import BlockOffloader, pick_offloaded, repeated_bloc
 from lightning_lora.quant import QuantOptions
 
 
-def build_tiny(
-    folder: Path,
-    offload: int,
-    checkpointing: bool = False,
-    every: int = 1,
-    family: Any = None,
-    offload_activations: bool = False,
-) -> torch.nn.Module:
-    torch.manual_seed(0)
-    model = build_model(
-        family or Flux(),
-        ModelSource(str(folder), dtype=torch.float32),
-        LoraOptions(rank=2),
-        gradient_checkpointing=checkpointing,
-        checkpoint_every=every,
-        offload_blocks=offload,
-        offload_activations=offload_activations,
-    )
-    generator = torch.Generator().manual_seed(2)
-    for name, p in model.named_parameters():
-        if "lora_B" in name:  # B starts at zero: make it non-zero so that A gets gradients too
-            p.data = 0.1 * torch.randn(p.shape, generator=generator)
-    return model
-
-
-def random_inputs(model: torch.nn.Module, seed: int, family: Any = None) -> dict[str, Any]:
-    inputs = (family or Flux()).example_inputs(model, 1, 32, 48, 8, device="cpu", dtype=torch.float32)
-    generator = torch.Generator().manual_seed(seed)
-
-    def fill(value: Any) -> Any:  # example_inputs are torch.empty: give them values
-        if isinstance(value, dict):
-            return {k: fill(v) for k, v in value.items()}
-        if torch.is_tensor(value) and value.is_floating_point():
-            return torch.randn(value.shape, generator=generator)
-        return value
-
-    return fill(inputs)
-
-
-def _two_steps(model: torch.nn.Module, family: Any = None) -> list[dict[str, torch.Tensor]]:
-    grads = []
-    for seed in (1, 3):
-        model.zero_grad()
-        model(**random_inputs(model, seed, family))[0].square().mean().backward()
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
-    return grads
-
-
 def _empty(block: torch.nn.Module) -> list[bool]:
     frozen = [p for p in block.parameters() if not p.requires_grad] + list(block.buffers())
     return [t.numel() == 0 for t in frozen]
@@ -73,11 +25,11 @@ def _empty(block: torch.nn.Module) -> list[bool]:
 
 @pytest.mark.parametrize(("checkpointing", "every", "count"), [(False, 1, 3), (True, 1, 4), (True, 2, 3)])
 def test_offloading_trains_the_same_gradients(tiny_flux_dir: Path, checkpointing: bool, every: int, count: int) -> None:
-    plain = _two_steps(build_tiny(tiny_flux_dir, 0, checkpointing, every))
+    plain = two_step_grads(build_tiny(tiny_flux_dir, 0, checkpointing, every))
     model = build_tiny(tiny_flux_dir, count, checkpointing, every)
     offloader = model._lora_offloader
     assert isinstance(offloader, BlockOffloader) and len(offloader.blocks) == count
-    offloaded = _two_steps(model)
+    offloaded = two_step_grads(model)
     for before, after in zip(plain, offloaded, strict=True):
         assert before.keys() == after.keys()
         for name, grad in before.items():
@@ -94,10 +46,10 @@ def test_offloading_a_unet(tiny_sdxl_dir: Path, checkpointing: bool) -> None:
     """SDXL's repeated blocks are transformer blocks nested in the UNet's down / mid / up blocks."""
     from lightning_lora.families.sdxl import SDXL
 
-    plain = _two_steps(build_tiny(tiny_sdxl_dir, 0, checkpointing, family=SDXL()), SDXL())
+    plain = two_step_grads(build_tiny(tiny_sdxl_dir, 0, checkpointing, family=SDXL()), SDXL())
     model = build_tiny(tiny_sdxl_dir, 3, checkpointing, family=SDXL())
     assert len(repeated_blocks(model)) > 3
-    offloaded = _two_steps(model, SDXL())
+    offloaded = two_step_grads(model, SDXL())
     for before, after in zip(plain, offloaded, strict=True):
         for name, grad in before.items():
             torch.testing.assert_close(after[name], grad)
@@ -117,7 +69,7 @@ def test_blocks_are_listed_in_the_order_they_run(tiny_sdxl_dir: Path) -> None:
     for i, block in enumerate(blocks):
         block.register_forward_pre_hook(lambda module, args, i=i: ran.append(i))
     with torch.no_grad():
-        model(**random_inputs(model, 1, SDXL()))
+        model(**random_inputs(SDXL(), model, seed=1))
     assert ran == list(range(len(blocks)))
 
 
@@ -140,7 +92,7 @@ def test_weights_are_on_the_device_only_while_their_block_runs(tiny_flux_dir: Pa
     for i, block in enumerate(blocks):
         block.register_forward_hook(watch(i))
     with torch.no_grad():
-        model(**random_inputs(model, 1))
+        model(**random_inputs(Flux(), model, seed=1))
     assert [i for i, _ in seen] == [0, 1, 2, 3]
     # While block i runs, block i + 1 is being copied; nothing else is on the device.
     assert [resident for _, resident in seen] == [[0, 1], [1, 2], [2, 3], [3]]
@@ -153,9 +105,9 @@ def test_offloaded_blocks_are_recomputed(tiny_flux_dir: Path) -> None:
     from lightning_lora.plan import saved_activation_bytes
 
     model = build_tiny(tiny_flux_dir, 0)
-    plain, _, _ = saved_activation_bytes(model, random_inputs(model, 1))
+    plain, _, _ = saved_activation_bytes(model, random_inputs(Flux(), model, seed=1))
     model = build_tiny(tiny_flux_dir, 3)
-    fewer, _, _ = saved_activation_bytes(model, random_inputs(model, 1))
+    fewer, _, _ = saved_activation_bytes(model, random_inputs(Flux(), model, seed=1))
     assert fewer < plain
 
 
@@ -205,7 +157,7 @@ def test_fp8_storage_base_offloads_its_buffers(tiny_flux_dir: Path) -> None:
     offloaded = model._lora_offloader.blocks
     assert any(not slot.is_param and slot.host.dtype == torch.float8_e4m3fn for b in offloaded for slot in b.slots)
     assert all(all(_empty(b.module)) for b in offloaded)
-    inputs = {k: v.bfloat16() if torch.is_tensor(v) else v for k, v in random_inputs(model, 1).items()}
+    inputs = {k: v.bfloat16() if torch.is_tensor(v) else v for k, v in random_inputs(Flux(), model, seed=1).items()}
     with torch.no_grad():
         torch.testing.assert_close(model(**inputs)[0], reference(**inputs)[0], rtol=0, atol=0)
 
@@ -231,7 +183,7 @@ def test_planner_counts_the_weights_left_on_the_device(tiny_flux_dir: Path) -> N
         held.append(frozen_bytes())
 
     offloader._turn = measured_turn
-    model(**random_inputs(model, 1))[0].square().mean().backward()
+    model(**random_inputs(Flux(), model, seed=1))[0].square().mean().backward()
     assert len(held) >= 3 + 2  # a turn per block forward, and per output gradient backward
     plan = plan_training(module.recipe, 32, 48, 1, 8)
     without = plan_training(module.recipe.replace(offload_blocks=0), 32, 48, 1, 8)
@@ -242,7 +194,6 @@ def test_planner_counts_the_weights_left_on_the_device(tiny_flux_dir: Path) -> N
 
 def test_fit_with_offloading_trains_the_same_lora(tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path) -> None:
     """Through the CLI and Lightning's Trainer (moving the model, sample images without gradients, checkpoints)."""
-    from test_cli import run_cli, write_config
 
     loras = []
     for offload in (0, 3):
@@ -287,7 +238,7 @@ def test_evicted_weights_are_freed(tiny_flux_dir: Path, mode: str, checkpointing
             )
 
     offloader._load = watched
-    inputs = {k: v.to(dtype) if torch.is_tensor(v) else v for k, v in random_inputs(model, 1).items()}
+    inputs = {k: v.to(dtype) if torch.is_tensor(v) else v for k, v in random_inputs(Flux(), model, seed=1).items()}
     model(**inputs)[0].float().square().mean().backward()
     resident = set(offloader.resident)
     assert resident == {0} and set(loaded) == {0, 1, 2, 3}
@@ -300,9 +251,9 @@ def test_inference_mode_leaves_normal_tensors(tiny_flux_dir: Path) -> None:
     """Lightning validates and predicts under torch.inference_mode: blocks loaded there are trained on next."""
     model = build_tiny(tiny_flux_dir, 3)
     with torch.inference_mode():
-        model(**random_inputs(model, 1))
+        model(**random_inputs(Flux(), model, seed=1))
     assert model._lora_offloader.resident  # the last block stays loaded into the training step
-    model(**random_inputs(model, 2))[0].square().mean().backward()
+    model(**random_inputs(Flux(), model, seed=2))[0].square().mean().backward()
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
 
 

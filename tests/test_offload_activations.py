@@ -13,8 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import build_model
-from test_offload import _two_steps, build_tiny
+from helpers import build_model, build_tiny, random_inputs, two_step_grads
 
 from lightning_lora.errors import ConfigError
 from lightning_lora.families.base import ModelSource
@@ -34,9 +33,9 @@ def _build(folder: Path, offload_activations: bool, every: int = 1, family: Any 
 
 @pytest.mark.parametrize("every", [1, 2])
 def test_offloaded_inputs_give_the_same_gradients(tiny_flux_dir: Path, every: int) -> None:
-    plain = _two_steps(_build(tiny_flux_dir, False, every))
+    plain = two_step_grads(_build(tiny_flux_dir, False, every))
     model = _build(tiny_flux_dir, True, every)
-    offloaded = _two_steps(model)
+    offloaded = two_step_grads(model)
     assert model._lora_input_offloader.moved_bytes > 0
     for before, after in zip(plain, offloaded, strict=True):
         assert before.keys() == after.keys()
@@ -47,20 +46,20 @@ def test_offloaded_inputs_give_the_same_gradients(tiny_flux_dir: Path, every: in
 
 def test_with_offloaded_blocks_too(tiny_flux_dir: Path) -> None:
     """Offloaded blocks that checkpoint_every leaves out are recomputed anyway: their inputs move as well."""
-    plain = _two_steps(_build(tiny_flux_dir, False, 2))
+    plain = two_step_grads(_build(tiny_flux_dir, False, 2))
     model = build_tiny(tiny_flux_dir, 3, True, 2, offload_activations=True)
     offloader = model._lora_input_offloader
     offloader.copy_devices, offloader.min_bytes = ("cpu",), 0
     moved: list[int] = []
     pack = offloader.pack
     offloader.pack = lambda t: moved.append(t.numel()) or pack(t)
-    offloaded = _two_steps(model)
+    offloaded = two_step_grads(model)
     # Blocks 0 and 2 (every 2nd) plus the offloaded block 1 or 3: more checkpointed blocks than checkpoint_every's.
     plain_model = _build(tiny_flux_dir, True, 2)
     plain_moved: list[int] = []
     plain_pack = plain_model._lora_input_offloader.pack
     plain_model._lora_input_offloader.pack = lambda t: plain_moved.append(t.numel()) or plain_pack(t)
-    _two_steps(plain_model)
+    two_step_grads(plain_model)
     assert len(moved) > len(plain_moved)
     for before, after in zip(plain, offloaded, strict=True):
         for name, grad in before.items():
@@ -71,9 +70,9 @@ def test_offloaded_inputs_of_a_unet(tiny_sdxl_dir: Path) -> None:
     """The UNet's checkpointing wraps ResNets and transformer blocks: their inputs go the same way."""
     from lightning_lora.families.sdxl import SDXL
 
-    plain = _two_steps(_build(tiny_sdxl_dir, False, family=SDXL()), SDXL())
+    plain = two_step_grads(_build(tiny_sdxl_dir, False, family=SDXL()), SDXL())
     model = _build(tiny_sdxl_dir, True, family=SDXL())
-    offloaded = _two_steps(model, SDXL())
+    offloaded = two_step_grads(model, SDXL())
     assert model._lora_input_offloader.moved_bytes > 0
     for before, after in zip(plain, offloaded, strict=True):
         for name, grad in before.items():
@@ -83,8 +82,6 @@ def test_offloaded_inputs_of_a_unet(tiny_sdxl_dir: Path) -> None:
 def test_the_forward_keeps_no_block_input(tiny_flux_dir: Path) -> None:
     """After the forward, every block input that was moved is gone from its device (nothing else holds it), and
     each checkpointed block moved its hidden states: the memory is really given back."""
-    from test_offload import random_inputs
-
     model = _build(tiny_flux_dir, True)
     offloader = model._lora_input_offloader
     originals: list[weakref.ref] = []
@@ -95,7 +92,7 @@ def test_the_forward_keeps_no_block_input(tiny_flux_dir: Path) -> None:
         return pack(t)
 
     offloader.pack = recording_pack
-    output = model(**random_inputs(model, 1))[0]
+    output = model(**random_inputs(Flux(), model, seed=1))[0]
     gc.collect()
     blocks = len(model.transformer_blocks) + len(model.single_transformer_blocks)
     hidden = [r for r in originals if r() is None or r().dim() == 3]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_cli import run_cli, write_config
+from helpers import run_cli, write_config
 
 OPTIMIZERS = {
     "bitsandbytes.optim.AdamW8bit": {"lr": 0.001},

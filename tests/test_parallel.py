@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from helpers import run_cli, write_config
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
-from test_cli import run_cli, write_config
 
 from lightning_lora.errors import ConfigError
 from lightning_lora.families.base import ModelSource

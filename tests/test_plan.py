@@ -1,4 +1,5 @@
-"""The memory planner on CPU: storage arithmetic, the meta-device activation count, and the ``plan`` verb.
+"""The memory planner on CPU: storage arithmetic, the meta-device activation count, and the suggestions (the
+``plan`` verb is in tests/cli/test_plan_verb.py).
 Its accuracy against measured GPU peaks is in BENCHMARKS.md (tools/bench.py prints both)."""
 
 from __future__ import annotations
@@ -7,10 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_cli import write_config
 from torch import nn
 
-from lightning_lora.cli import main
 from lightning_lora.errors import ConfigError
 from lightning_lora.module import LoraModule
 from lightning_lora.plan import MemoryPlan, plan_training, saved_activation_bytes, weight_bytes
@@ -54,23 +53,6 @@ def test_plan_of_the_tiny_flux(tiny_flux_dir: Path, photos_dir: Path) -> None:
     assert plan(compile_blocks=True, gradient_checkpointing=True).activations == checkpointed.activations
     assert full.lora > 0 and full.optimizer == pytest.approx(2 * full.lora)  # AdamW: two fp32 moments per weight
     assert full.peak_gib == pytest.approx(full.static + full.activations + full.transient + full.overhead)
-
-
-@pytest.mark.parametrize("fixture", ["tiny_flux_dir", "tiny_sdxl_dir", "tiny_sd15_dir"])
-def test_plan_verb(tmp_path: Path, photos_dir: Path, capsys, request: pytest.FixtureRequest, fixture: str) -> None:
-    family = {"tiny_flux_dir": "Flux", "tiny_sdxl_dir": "SDXL", "tiny_sd15_dir": "SD15"}[fixture]
-    config = write_config(
-        tmp_path,
-        request.getfixturevalue(fixture),
-        photos_dir,
-        **{"model.family": {"class_path": f"lightning_lora.families.{family}"}, "data.resolution": 64},
-    )
-    with pytest.raises(SystemExit) as exit_info:
-        main(["plan", "--config", str(config), "--vram", "0.01"])
-    assert exit_info.value.code == 0
-    out = capsys.readouterr().out
-    assert "training peak" in out and "does NOT fit in 0.01 GiB" in out
-    assert not (tmp_path / "run").exists()  # planning writes nothing
 
 
 def test_suggestions_try_partial_checkpointing_first(tiny_flux_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:

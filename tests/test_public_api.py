@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 import lightning_lora
 
 
@@ -11,6 +13,7 @@ def test_every_public_name_resolves() -> None:
         assert getattr(lightning_lora, name) is not None, name
 
 
+@pytest.mark.subprocess
 def test_import_is_lazy() -> None:
     code = "import sys, lightning_lora; print(any(m in sys.modules for m in ('diffusers', 'lightning', 'peft')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()

@@ -70,7 +70,7 @@ def commands(case: str, ref: str | None, steps: int, warm: int) -> list[tuple[st
     runs = [("ours", ours)]
     ref_mode = {"bf16": "bf16", "nf4": "nf4"}.get(quant)  # FP8 rows compare with the bf16 reference
     if ref and ref_mode and not compile_:
-        # FLUX's default SDPA crashes in the reference (REFERENCE.md); SDXL's default works and is faster there.
+        # FLUX's default SDPA crashes in the reference (BENCHMARKS.md); SDXL's default works and is faster there.
         sdp = ["--sdp", "nocudnn"] if family == "flux" else []
         reference = [sys.executable, ref, f"{family}-{ref_mode}", *common, *sdp]
         runs.append(("ref", reference))

@@ -300,8 +300,8 @@ def quantize_text_encoders(
 ) -> int:
     """Store the linear layers of the text encoders ``components`` (the family's ``text_encoders``) of ``encoders``
     (a pipeline holding only its text parts) in ``nf4`` or ``fp8`` on ``device``, so that caching FLUX's 4.7 B-parameter
-    T5 fits a small card (bf16: 9.5 GB; NF4: ~2.7 GB). Layers the model keeps in float32 (T5's ``wo``) stay
-    unquantized. Returns how many were swapped."""
+    T5 fits a small card (bf16: 9.1 GiB; NF4: ~4 GiB). Layers the model keeps in float32 (T5's ``wo``, a fifth of
+    T5-XXL) stay unquantized, in the load dtype. Returns how many were swapped."""
     if mode == "none":
         return 0
     from lightning_lora.quant import QuantOptions, quantize_base
@@ -311,7 +311,10 @@ def quantize_text_encoders(
         component = getattr(encoders, name, None)
         if isinstance(component, torch.nn.Module):
             keep = [rf"(^|\.){re.escape(m)}$" for m in getattr(component, "_keep_in_fp32_modules", None) or []]
-            swapped += quantize_base(component, QuantOptions(mode=mode, skip=keep), device, dtype)  # type: ignore[arg-type]
+            # Frozen and inference-only: the layers left unquantized stay in the load dtype (no fp32 upcast, which for
+            # T5's wo alone would be 4 GB).
+            options = QuantOptions(mode=mode, skip=keep, upcast_small_params=False)  # type: ignore[arg-type]
+            swapped += quantize_base(component, options, device, dtype)  # type: ignore[arg-type]
     return swapped
 
 

@@ -245,6 +245,8 @@ class DiffusionFamily(ABC):
     known_denoisers: ClassVar[dict[str, dict[str, Any]]] = {}
     """The denoiser's ``config.json`` (the fields that decide its shapes) for the hub ids the shipped configs use: the
     memory planner needs no download for them (:meth:`denoiser_config`)."""
+    known_text_encoders: ClassVar[dict[str, dict[str, dict[str, Any]]]] = {}
+    """The text encoders' configs (:mod:`lightning_lora.families.encoders`) for the same hub ids, by component."""
     compiled_regions: ClassVar[tuple[str, ...]] = ()
     """Module classes ``model.compile_blocks`` compiles besides the model's repeated blocks (``_repeated_blocks``)."""
     text_encoders: ClassVar[tuple[str, ...]]
@@ -409,6 +411,21 @@ class DiffusionFamily(ABC):
                 "could not be read. Download its configs (a few KB, no weights): huggingface-cli download "
                 f"{source.pretrained} --include '*.json', or point model.pretrained at a local folder."
             ) from None
+
+    def text_encoder_configs(self, source: ModelSource) -> dict[str, dict[str, Any]] | None:
+        """The configs of the text encoders the cache loads (:attr:`text_encoders`), with no weights read: a local
+        folder's ``<component>/config.json``, else the shipped facts of a known hub id; None when unknown."""
+        if source.is_local:
+            configs = {}
+            for component in self.text_encoders:
+                path = Path(source.local_path) / component / "config.json"
+                try:
+                    config = json.loads(path.read_text())
+                except (OSError, json.JSONDecodeError):
+                    return None
+                configs[component] = {"_class": (config.get("architectures") or [""])[0], **config}
+            return configs
+        return self.known_text_encoders.get(source.pretrained)
 
     def denoiser_skeleton(self, source: ModelSource) -> nn.Module:
         """The denoiser built from its config on the ``meta`` device: real shapes, no memory, no weights."""

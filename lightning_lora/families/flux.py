@@ -37,6 +37,7 @@ from lightning_lora.families.base import (
     load_component,
     load_weights,
 )
+from lightning_lora.families.encoders import CLIP_L, T5_XXL
 from lightning_lora.formats import kohya
 from lightning_lora.objectives import TimestepSampling
 
@@ -109,6 +110,10 @@ class Flux(DiffusionFamily):
         "black-forest-labs/FLUX.1-dev": FLUX1_TRANSFORMER,
         "black-forest-labs/FLUX.1-schnell": {**FLUX1_TRANSFORMER, "guidance_embeds": False},
     }
+    known_text_encoders: ClassVar[dict[str, dict[str, dict[str, Any]]]] = dict.fromkeys(
+        ("black-forest-labs/FLUX.1-dev", "black-forest-labs/FLUX.1-schnell"),
+        {"text_encoder": CLIP_L, "text_encoder_2": T5_XXL},
+    )
     # cuDNN's SDPA backend crashed in FLUX's backward on an H200 (torch 2.11, illegal memory access; BENCHMARKS.md).
     cudnn_attention_in_auto: ClassVar[bool] = False
     text_encoders: ClassVar[tuple[str, ...]] = ("text_encoder", "text_encoder_2")  # CLIP-L (pooled), T5-XXL

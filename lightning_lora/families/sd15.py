@@ -19,6 +19,7 @@ import torch
 from typing_extensions import override
 
 from lightning_lora.families.base import DiffusersModel, ModelSource, load_component, load_weights
+from lightning_lora.families.encoders import CLIP_L
 from lightning_lora.families.unet import UNetFamily
 from lightning_lora.formats import kohya
 
@@ -56,6 +57,10 @@ class SD15(UNetFamily):
         "stable-diffusion-v1-5/stable-diffusion-v1-5": SD15_UNET,
         "runwayml/stable-diffusion-v1-5": SD15_UNET,
     }
+    known_text_encoders: ClassVar[dict[str, dict[str, dict[str, Any]]]] = dict.fromkeys(
+        ("stable-diffusion-v1-5/stable-diffusion-v1-5", "runwayml/stable-diffusion-v1-5"),
+        {"text_encoder": CLIP_L},
+    )
 
     # -- loading -----------------------------------------------------------------------------------------------
     def load_text_encoders(self, source: ModelSource) -> Any:

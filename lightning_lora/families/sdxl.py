@@ -29,6 +29,7 @@ import torch
 from typing_extensions import override
 
 from lightning_lora.families.base import DiffusersModel, ModelSource, load_component, load_weights
+from lightning_lora.families.encoders import CLIP_L, OPENCLIP_BIGG
 from lightning_lora.families.unet import UNetFamily
 from lightning_lora.formats import kohya
 
@@ -91,6 +92,12 @@ class SDXL(UNetFamily):
     # kohya: the original SGM UNet's module names, as sd-scripts trains SDXL.
     lora_formats: ClassVar[tuple[str, ...]] = ("diffusers", "kohya")
     known_denoisers: ClassVar[dict[str, dict[str, Any]]] = {"stabilityai/stable-diffusion-xl-base-1.0": SDXL_BASE_UNET}
+    known_text_encoders: ClassVar[dict[str, dict[str, dict[str, Any]]]] = {
+        "stabilityai/stable-diffusion-xl-base-1.0": {
+            "text_encoder": CLIP_L,
+            "text_encoder_2": OPENCLIP_BIGG,
+        }
+    }
 
     # -- loading -----------------------------------------------------------------------------------------------
     def load_text_encoders(self, source: ModelSource) -> Any:

@@ -40,11 +40,10 @@ def adapter_config(modules: list[str], options: LoraOptions) -> dict[str, Any]:
     """The peft ``LoraConfig`` fields diffusers rebuilds the adapter from (``LoraConfig(**fields)``), with a
     ``target_modules`` expression matching exactly ``modules`` (see the module docstring). Sets become sorted lists
     (JSON)."""
-    # Numbers as numbers of their type (alpha resolved, dropout a float), whatever the caller's options held: the
-    # JSON of the header is the same for the same LoRA.
-    options = LoraOptions(
-        rank=int(options.rank), alpha=options.scale_alpha, dropout=float(options.dropout), init=options.init
-    )
+    # Numbers as numbers of their type (alpha resolved), whatever the caller's options held: the JSON of the header
+    # is the same for the same LoRA. Dropout is a training setting: a file that kept it would make diffusers add
+    # dropout layers that stay in training mode in a pipeline (random outputs at inference), so it is written as 0.
+    options = LoraOptions(rank=int(options.rank), alpha=options.scale_alpha, dropout=0.0, init=options.init)
     config = peft_config(options, "(" + "|".join(re.escape(m) for m in modules) + ")").to_dict()
     return {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
 
@@ -57,7 +56,7 @@ def to_diffusers(
     Args:
         state: peft keys without prefix or adapter name (``transformer_blocks.0.attn.to_q.lora_A.weight``).
         prefix: the family's denoiser subfolder (``transformer``, ``unet``), the component the pipeline loads it into.
-        options: the LoRA options (rank, alpha, dropout, init) the peft config is made of.
+        options: the LoRA options (rank, alpha, init) the peft config is made of (dropout: written as 0).
         dtype: cast the weights (default: as given).
 
     Returns:

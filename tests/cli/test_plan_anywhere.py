@@ -57,6 +57,10 @@ def _local_copy(tmp_path: Path, family: type, hub_id: str) -> Path:
     (folder / "model_index.json").write_text(json.dumps({"_class_name": family.pipeline_classes[0]}))
     config = family.known_denoisers[hub_id]
     (folder / family.denoiser_subfolder / "config.json").write_text(json.dumps(config))
+    for component, encoder in family.known_text_encoders[hub_id].items():
+        (folder / component).mkdir()
+        config = {"architectures": [encoder["_class"]], **{k: v for k, v in encoder.items() if k != "_class"}}
+        (folder / component / "config.json").write_text(json.dumps(config))
     if family is not Flux:  # a UNet family reads its noise schedule from the folder when it is checked
         (folder / "scheduler").mkdir()
         schedule = {"beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear"}
@@ -142,3 +146,23 @@ def test_plan_by_card_name(tmp_path: Path, monkeypatch, capsys) -> None:
         main(["plan", "--config", str(CONFIGS / "sd15_8gb.yaml"), "--gpu", "RTX 3070"])
     assert exit_info.value.code == 0
     assert "fits in 8 GiB" in capsys.readouterr().out
+
+
+def test_the_caching_phase_is_planned_too() -> None:
+    """Captions are encoded once, before training, with the text encoders: FLUX's T5-XXL alone is ~8.9 GiB in bf16.
+    Calibrated on the H200 measurement of BENCHMARKS.md (11.01 GiB for 8 captions x 512 tokens in bf16)."""
+    from lightning_lora.plan import caching_peaks
+
+    recipe = ModelRecipe(Flux(), ModelSource("black-forest-labs/FLUX.1-dev"))
+    text = {mode: caching_peaks(recipe, mode, 8, 1024)[0] for mode in ("none", "fp8", "nf4")}
+    assert text["none"] == pytest.approx(11.01, rel=0.05)
+    # NF4 / FP8 store the linear layers in 4 / 8 bits; T5's wo (a fifth of T5-XXL) stays bf16, as transformers keeps it.
+    assert text["nf4"] < text["fp8"] < text["none"] and text["nf4"] < 0.6 * text["none"]
+    images_1, images_8 = caching_peaks(recipe, "none", 1, 1024)[1], caching_peaks(recipe, "none", 8, 1024)[1]
+    assert images_8 == pytest.approx(10.36, rel=0.05) and images_1 < images_8  # 8 images of 1024x1024 at a time
+    host = caching_peaks(recipe, "none", 8, 1024)[2]
+    assert host == pytest.approx((123.06e6 + 4762.3e6) * 2 / 2**30, rel=1e-3)  # the encoders load through CPU memory
+    unknown = ModelRecipe(Flux(), ModelSource("someone/my-flux"))
+    assert (
+        caching_peaks(unknown, "none", 4, 512)[0] == 0.0 and "not known" in caching_peaks(unknown, "none", 4, 512)[3][0]
+    )

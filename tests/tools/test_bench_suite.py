@@ -112,6 +112,7 @@ def test_the_dated_plans_parse(capsys: pytest.CaptureFixture[str]) -> None:
     assert {(r.phase, r.gpu) for r in rows} == {(1, 0), (1, 1), (2, 0), (2, 1)}
 
 
+@pytest.mark.subprocess
 def test_rows_of_a_phase_run_side_by_side_on_their_gpus_and_phases_in_order(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -149,6 +150,7 @@ def test_rows_of_a_phase_run_side_by_side_on_their_gpus_and_phases_in_order(
     assert [rec["phase"] for rec in records] == [1, 1, 1, 2, 2]
 
 
+@pytest.mark.subprocess
 def test_a_row_past_its_timeout_is_killed_with_its_child_and_recorded_as_a_failure(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -181,6 +183,7 @@ def test_a_row_past_its_timeout_is_killed_with_its_child_and_recorded_as_a_failu
     assert not alive(child)
 
 
+@pytest.mark.subprocess
 def test_the_json_line_has_the_command_gpu_time_and_result_or_the_failure(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

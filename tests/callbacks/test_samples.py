@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from helpers import run_cli, write_config
 from PIL import Image
-from test_cli import run_cli, write_config
 
 PROMPT = "a photo of sks cat"
 SIZE, STEPS, SEED = 32, 3, 11

@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import build_model
-from test_cli import run_cli, write_config
+from helpers import build_model, run_cli, write_config
 from torch import nn
 
 from lightning_lora.assembly import configure_attention

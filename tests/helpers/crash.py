@@ -1,4 +1,8 @@
-"""Callbacks that simulate crashes, for the resume tests (loaded by class path in a subprocess's config)."""
+"""Callbacks that simulate crashes, for the resume tests.
+
+A config loads them by class path (``helpers.crash.KillAt``), in-process (tests/ is on ``sys.path``, see
+tests/conftest.py) or in the process :func:`helpers.cli.fit_in_subprocess` starts (tests/ is on its ``PYTHONPATH``).
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The data module on a tiny FLUX: batches (one bucket each, SDXL size records), random choices that are a pure
-function of (seed, epoch, index) in worker processes too, repeats, validation data, the ``cache`` verb, and exact
-resume of a run with flips, caption dropout and shuffled captions."""
+function of (seed, epoch, index) in worker processes too, repeats, validation data, and exact resume of a run with
+flips, caption dropout and shuffled captions (the ``cache`` verb is in tests/cli/test_cache_verb.py)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import yaml
+from helpers import assert_same_run, run_cli, write_config
 from PIL import Image
-from test_cli import run_cli, write_config
-from test_resume import assert_same_run
 
-from lightning_lora.cli.cache import main as cache_main
 from lightning_lora.data.datamodule import LatentDataModule, uniform
 from lightning_lora.errors import ConfigError
 from lightning_lora.families.base import ModelSource
@@ -175,40 +172,6 @@ def test_options_are_validated_early(tmp_path: Path, tiny_flux_dir: Path) -> Non
             _module(tmp_path, data, **{option: value}).spec(flux)
     spec = _module(tmp_path, data, resolution=[1024, 512]).spec(flux)
     assert spec.buckets.step == 64 and spec.buckets.min_resolution == 256 and spec.buckets.resolutions == (1024, 512)
-
-
-def test_cache_verb_then_fit_reads_only_the_cache(
-    tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path, capsys, monkeypatch
-) -> None:
-    config = write_config(tmp_path, tiny_flux_dir, photos_dir)
-    data = yaml.safe_load(config.read_text())
-    data["data"].update(
-        {
-            "images": [{"path": str(photos_dir), "repeats": 2}],
-            "resolution": [32, 16],
-            "random_flip": True,
-            "cache_workers": 0,
-        }
-    )
-    config.write_text(yaml.safe_dump(data))
-    assert cache_main(["--config", str(config)]) == 0
-    out = capsys.readouterr().out
-    assert "images found:    4" in out and "latents:         16 encoded, 0 reused" in out and "buckets:" in out
-    assert cache_main(["--config", str(config), "--data.random_flip", "false"]) == 0
-    assert "latents:         0 encoded, 8 reused" in capsys.readouterr().out
-    assert not (tmp_path / "run").exists()  # building the cache writes nothing into the run folder
-    assert "samples per epoch" in out
-    # Training reads only the cache: no VAE and no text encoder is loaded by fit (sample images, which would load
-    # them, are switched off here).
-    monkeypatch.setattr(Flux, "load_vae", lambda *a: pytest.fail("fit loaded the VAE"))
-    monkeypatch.setattr(Flux, "load_text_encoders", lambda *a: pytest.fail("fit loaded the text encoders"))
-    cli = run_cli(["fit", "--config", str(config), "--trainer.callbacks", "[]", "--trainer.max_steps", "2"])
-    assert cli.trainer.global_step == 2
-    monkeypatch.undo()
-    capsys.readouterr()
-    assert cache_main(["--config", str(config), "--data.images", str(tmp_path / "missing")]) == 2
-    assert "data.images" in capsys.readouterr().err
-    assert cache_main(["--help"]) == 0 and "lightning-lora cache --config" in capsys.readouterr().out
 
 
 def test_exact_resume_with_flips_dropout_shuffled_captions_and_buckets(

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import REPO
 from PIL import Image
 
 from lightning_lora.data.buckets import cover
@@ -194,6 +195,7 @@ print(json.dumps({"size": [width, height], "shape": list(x.shape), "mean": x.mea
 """
 
 
+@pytest.mark.subprocess
 @pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads the peak RSS from /proc (Linux)")
 def test_very_large_images_decode_in_bounded_memory(tmp_path: Path) -> None:
     """12000x8000 (288 MB as RGB): a JPEG is decoded at reduced size by the decoder itself; a PNG once, then reduced."""
@@ -208,7 +210,7 @@ def test_very_large_images_decode_in_bounded_memory(tmp_path: Path) -> None:
             capture_output=True,
             text=True,
             timeout=120,
-            cwd=Path(__file__).parent.parent,
+            cwd=REPO,
         )
         assert out.returncode == 0, out.stderr[-2000:]
         results[name] = json.loads(out.stdout)

@@ -1,4 +1,4 @@
-"""The ``lightning-lora`` command end to end, in-process (fast) and once as a real subprocess.
+"""The ``lightning-lora fit`` command end to end, in-process (fast) and once as a real subprocess.
 
 A short fit on a tiny FLUX and real photos must lower the fixed evaluation loss and leave the run folder complete;
 ``--ckpt_path last`` must continue at the right step with the optimizer state; bad input must stop early with a
@@ -7,88 +7,20 @@ message that names the option, and never modify the user's files.
 
 from __future__ import annotations
 
-import hashlib
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from helpers import REPO, eval_history, fit_in_subprocess, run_cli, tree_digest, write_config
 
 from lightning_lora.cli import main
-from lightning_lora.cli.fit import LoraCLI
 
-CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
-
-
-def write_config(tmp_path: Path, model_dir: Path, photos: Path, **overrides: object) -> Path:
-    """A tiny-run config: 8 steps, checkpoints every 4, samples at start and end."""
-    config: dict = {
-        "seed_everything": 7,
-        "trainer": {
-            "default_root_dir": str(tmp_path / "run"),
-            "accelerator": "cpu",
-            "devices": 1,
-            "precision": "32-true",
-            "max_steps": 8,
-            "log_every_n_steps": 1,
-            "enable_progress_bar": False,
-            "enable_model_summary": False,
-            "callbacks": [
-                {
-                    "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-                    "init_args": {"every_n_train_steps": 4, "save_last": True, "save_top_k": -1},
-                },
-                {
-                    "class_path": "lightning_lora.callbacks.SampleImages",
-                    "init_args": {
-                        "prompts": ["a photo of sks cat"],
-                        "every_n_steps": 0,
-                        "steps": 2,
-                        "height": 32,
-                        "width": 32,
-                    },
-                },
-            ],
-        },
-        "model": {
-            "pretrained": str(model_dir),
-            "family": {"class_path": "lightning_lora.families.Flux", "init_args": {"max_sequence_length": 16}},
-            "base_dtype": "fp32",
-            "lora": {"rank": 4, "alpha": 8},
-            "optimizer": {"class_path": "torch.optim.AdamW", "init_args": {"lr": 0.01}},
-        },
-        "data": {"images": str(photos), "resolution": 32, "batch_size": 2, "cache_dir": str(tmp_path / "cache")},
-    }
-    for dotted, value in overrides.items():
-        node = config
-        *parents, leaf = dotted.split(".")
-        for key in parents:
-            node = node[key]
-        node[leaf] = value
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
-
-
-def tree_digest(folder: Path) -> str:
-    h = hashlib.sha256()
-    for p in sorted(folder.rglob("*")):
-        h.update(str(p.relative_to(folder)).encode())
-        if p.is_file():
-            h.update(p.read_bytes())
-    return h.hexdigest()
-
-
-def run_cli(args: list[str]) -> LoraCLI:
-    return LoraCLI(args=args)
+CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 
 
 def test_fit_trains_and_writes_the_run_folder(tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path) -> None:
-    from lightning_lora.callbacks import FixedEvalLoss
-
     before = tree_digest(tiny_flux_dir), tree_digest(photos_dir)
     config = write_config(tmp_path, tiny_flux_dir, photos_dir, **{"trainer.max_steps": 30})
     data = yaml.safe_load(config.read_text())
@@ -97,7 +29,7 @@ def test_fit_trains_and_writes_the_run_folder(tmp_path: Path, tiny_flux_dir: Pat
     config.write_text(yaml.safe_dump(data))
     cli = run_cli(["fit", "--config", str(config)])
     assert cli.trainer.global_step == 30
-    evals = next(cb for cb in cli.trainer.callbacks if isinstance(cb, FixedEvalLoss)).history
+    evals = eval_history(cli)
     assert evals[0][0] == 0 and evals[-1][0] == 30
     assert evals[-1][1] < evals[0][1], f"fixed eval loss did not go down: {evals}"
 
@@ -294,13 +226,7 @@ def test_help_lists_our_options(capsys) -> None:
         assert option in out
 
 
-def fit_in_subprocess(config: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    """``lightning-lora fit --config CONFIG [EXTRA...]`` in its own process, offline, as a user runs it."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "lightning_lora", "fit", "--config", str(config), *extra]
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-
-
+@pytest.mark.subprocess
 def test_console_script_fit_and_resume(tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path) -> None:
     """The real command, as a user runs it: a separate process, then a resume in another one."""
     config = write_config(tmp_path, tiny_flux_dir, photos_dir, **{"trainer.max_steps": 4})
@@ -432,32 +358,3 @@ def test_a_cache_that_cannot_be_written_is_one_line_and_keeps_what_was_written(
     cli = run_cli(["fit", "--config", str(config)])
     assert cli.trainer.global_step == 1
     assert cli.datamodule.report is not None and cli.datamodule.report.latents_reused >= 1
-
-
-def test_ctrl_c_during_cache_keeps_what_was_written(
-    tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path, capsys, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Ctrl-C while `lightning-lora cache` encodes (with decoding worker processes running): exit 130, one message,
-    the finished entries stay, and the same command continues."""
-    from lightning_lora.cli.cache import main as cache_main
-    from lightning_lora.families.flux import Flux
-
-    config = write_config(tmp_path, tiny_flux_dir, photos_dir, **{"data.encode_batch_size": 1, "data.cache_workers": 2})
-    encode = Flux.encode_images
-    calls = []
-
-    def interrupted(self, vae, pixels):
-        calls.append(len(pixels))
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return encode(self, vae, pixels)
-
-    monkeypatch.setattr(Flux, "encode_images", interrupted)
-    assert cache_main(["--config", str(config)]) == 130
-    err = capsys.readouterr().err
-    assert "interrupted" in err and "run the same command again" in err and "Traceback" not in err, err
-    monkeypatch.undo()
-    assert len(list((tmp_path / "cache" / "latents").glob("*.safetensors"))) == 2
-    assert not list((tmp_path / "cache").rglob("*.tmp"))
-    assert cache_main(["--config", str(config)]) == 0
-    assert "latents:         2 encoded, 2 reused" in capsys.readouterr().out

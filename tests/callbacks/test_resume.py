@@ -11,73 +11,13 @@ from __future__ import annotations
 
 import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_file
-from test_cli import run_cli, write_config
-
-STEPS = 10
-
-
-def resume_config(tmp_path: Path, model_dir: Path, photos: Path, name: str, accumulate: int = 1, **extra) -> Path:
-    folder = tmp_path / name
-    folder.mkdir()
-    callbacks = [
-        {
-            "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-            "init_args": {
-                "filename": "step{step:04d}",
-                "auto_insert_metric_name": False,
-                "every_n_train_steps": 1,
-                "save_last": True,
-                "save_top_k": -1,
-            },
-        },
-        *extra.pop("callbacks", []),
-    ]
-    overrides = {
-        "trainer.max_steps": STEPS,
-        "trainer.callbacks": callbacks,
-        "trainer.accumulate_grad_batches": accumulate,
-        "model.lora.dropout": 0.1,  # draws from the RNG in every step: a lost RNG state would show
-        "model.scheduler": {
-            "class_path": "lightning_lora.schedules.CosineWithWarmup",
-            "init_args": {"total_steps": STEPS, "warmup_steps": 2},
-        },
-        **extra,
-    }
-    config = write_config(folder, model_dir, photos, **overrides)
-    data = yaml.safe_load(config.read_text())
-    data["data"]["cache_dir"] = str(tmp_path / "cache")  # one shared cache: encoding is not what is tested
-    config.write_text(yaml.safe_dump(data))
-    return config
-
-
-def final_lora(config: Path) -> dict[str, torch.Tensor]:
-    return load_file(config.parent / "run" / "lora" / "lora.safetensors")
-
-
-def loss_curve(config: Path) -> dict[int, float]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(str(config.parent / "run")).Reload()
-    return {e.step: e.value for e in events.Scalars("train/loss")}
-
-
-def assert_same_run(a: Path, b: Path, after_step: int) -> None:
-    lora_a, lora_b = final_lora(a), final_lora(b)
-    assert lora_a.keys() == lora_b.keys()
-    differing = [k for k in lora_a if not torch.equal(lora_a[k], lora_b[k])]
-    assert not differing, f"{len(differing)} LoRA tensors differ after resume, e.g. {differing[:2]}"
-    curve_a, curve_b = loss_curve(a), loss_curve(b)
-    later = sorted(s for s in curve_a if s >= after_step)
-    assert later, "no loss logged after the resume point"
-    assert [curve_b.get(s) for s in later] == [curve_a[s] for s in later]
+from helpers import assert_same_run, fit_in_subprocess, resume_config, run_cli
+from helpers.resume import STEPS
 
 
 @pytest.fixture(scope="module")
@@ -117,17 +57,9 @@ def test_the_control_would_fail_without_rng_restore(
 
 
 def _killed_then_resumed(tmp_path: Path, model_dir: Path, photos: Path, name: str, accumulate: int, batch: int) -> Path:
-    kill = {"class_path": "resume_helpers.KillAt", "init_args": {"batch": batch}}
+    kill = {"class_path": "helpers.crash.KillAt", "init_args": {"batch": batch}}
     config = resume_config(tmp_path, model_dir, photos, name, accumulate=accumulate, callbacks=[kill])
-    tests_dir = str(Path(__file__).parent)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": tests_dir}
-    killed = subprocess.run(
-        [sys.executable, "-m", "lightning_lora", "fit", "--config", str(config)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    killed = fit_in_subprocess(config)
     assert killed.returncode == -9, f"expected SIGKILL, got {killed.returncode}: {killed.stderr[-2000:]}"
     assert not (config.parent / "run" / "lora" / "lora.safetensors").exists()
     # Resume with the same config minus the kill switch, as a user would after a crash.
@@ -139,6 +71,7 @@ def _killed_then_resumed(tmp_path: Path, model_dir: Path, photos: Path, name: st
     return config
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_sigkill_at_a_random_batch_then_resume_is_exact(
     tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path, uninterrupted, accumulate: int
@@ -228,7 +161,7 @@ def test_safe_changes_are_allowed_and_unsafe_ones_named(
 def test_ctrl_c_saves_at_a_step_boundary_and_resume_is_exact(
     tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path, uninterrupted, signal_name: str
 ) -> None:
-    interrupt = {"class_path": "resume_helpers.InterruptAt", "init_args": {"batch": 5, "signal_name": signal_name}}
+    interrupt = {"class_path": "helpers.crash.InterruptAt", "init_args": {"batch": 5, "signal_name": signal_name}}
     config = resume_config(tmp_path, tiny_flux_dir, photos_dir, "b", accumulate=2, callbacks=[interrupt])
     cli = run_cli(["fit", "--config", str(config)])
     # Batch 5 is the second micro-batch of step 3: the step completes, last.ckpt is written, the run stops.
@@ -257,7 +190,7 @@ def test_second_ctrl_c_exits_at_once(tmp_path: Path, tiny_flux_dir: Path, photos
 
     from lightning_lora.cli import main
 
-    interrupt = {"class_path": "resume_helpers.InterruptAt", "init_args": {"batch": 3, "times": 2}}
+    interrupt = {"class_path": "helpers.crash.InterruptAt", "init_args": {"batch": 3, "times": 2}}
     config = resume_config(tmp_path, tiny_flux_dir, photos_dir, "b", callbacks=[interrupt])
     previous = signal.getsignal(signal.SIGINT)
     try:
@@ -459,7 +392,7 @@ def test_an_interrupted_fit_exits_non_zero_after_saving(
 ) -> None:
     from lightning_lora.cli import main
 
-    interrupt = {"class_path": "resume_helpers.InterruptAt", "init_args": {"batch": 2, "signal_name": signal_name}}
+    interrupt = {"class_path": "helpers.crash.InterruptAt", "init_args": {"batch": 2, "signal_name": signal_name}}
     config = resume_config(tmp_path, tiny_flux_dir, photos_dir, "b", callbacks=[interrupt])
     with pytest.raises(SystemExit) as exit_info:
         main(["fit", "--config", str(config)])

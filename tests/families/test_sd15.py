@@ -15,20 +15,20 @@ import pytest
 import torch
 from diffusers import DDPMScheduler, StableDiffusionPipeline
 from diffusers.utils import convert_state_dict_to_kohya
-from peft.utils import get_peft_model_state_dict
-from safetensors.torch import load_file, save_file
-from test_cli import run_cli
-from unet_helpers import (
+from helpers import (
     ALPHA,
     RANK,
     check_exact_resume,
     check_fit_lowers_eval_loss,
+    denoiser_output,
     family_config,
     lora_layers,
     lora_model,
-    unet_inputs,
-    unet_output,
+    random_inputs,
+    run_cli,
 )
+from peft.utils import get_peft_model_state_dict
+from safetensors.torch import load_file, save_file
 
 from lightning_lora.errors import ConfigError
 from lightning_lora.export import save_lora
@@ -140,8 +140,8 @@ def test_fit_lowers_the_fixed_eval_loss(tmp_path: Path, tiny_sd15_dir: Path, pho
 def test_export_both_formats_load_into_a_fresh_pipeline(tmp_path: Path, tiny_sd15_dir: Path) -> None:
     """diffusers file == kohya file (loaded by diffusers' own converter) == the in-memory model, LoCon layers too."""
     model = lora_model(SD15(), tiny_sd15_dir, "locon")
-    inputs = unet_inputs(model)
-    expected = unet_output(model, inputs)
+    inputs = random_inputs(SD15(), model, 2)
+    expected = denoiser_output(model, inputs)
     lora = LoraOptions(rank=RANK, alpha=ALPHA, targets="locon")
     files = {
         fmt: save_lora(model, tmp_path / f"{fmt}.safetensors", family=SD15(), lora=lora, info={}, format=fmt)
@@ -157,10 +157,10 @@ def test_export_both_formats_load_into_a_fresh_pipeline(tmp_path: Path, tiny_sd1
     outputs = {}
     for fmt, file in files.items():
         pipe = StableDiffusionPipeline.from_pretrained(tiny_sd15_dir)
-        base = unet_output(pipe.unet, inputs)
+        base = denoiser_output(pipe.unet, inputs)
         pipe.load_lora_weights(file)
         assert lora_layers(pipe.unet) == lora_layers(model), f"{fmt}: not every LoRA layer was loaded"
-        outputs[fmt] = unet_output(pipe.unet, inputs)
+        outputs[fmt] = denoiser_output(pipe.unet, inputs)
         assert (expected - base).abs().max() > 0.05
     torch.testing.assert_close(outputs["diffusers"], expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(outputs["kohya"], expected, atol=1e-5, rtol=1e-4)

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from diffusers import FluxTransformer2DModel
+from helpers import allow_any_flux_width
 from safetensors.torch import save_file
 
 from lightning_lora.formats.bfl import (
@@ -25,23 +26,6 @@ from lightning_lora.tiny import build_tiny_flux, save_tiny_flux
 def _offline(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(1)
-
-
-def _allow_any_width(monkeypatch: pytest.MonkeyPatch, dims: FluxDims) -> None:
-    """diffusers' converter hard-codes FLUX.1's widths (``inner_dim = 3072``) for the split of ``linear1``.
-
-    Everything else in it is shape-agnostic, so for a tiny model we only translate that one split to the real sizes.
-    """
-    real_split = torch.split
-    flux1 = (3072, 3072, 3072, 12288)
-    ours = (dims.inner_dim, dims.inner_dim, dims.inner_dim, dims.mlp_hidden_dim)
-
-    def split(tensor: torch.Tensor, sizes: int | list[int] | tuple[int, ...], dim: int = 0) -> tuple[torch.Tensor, ...]:
-        if isinstance(sizes, (tuple, list)) and tuple(sizes) == flux1:
-            sizes = ours
-        return real_split(tensor, sizes, dim)
-
-    monkeypatch.setattr(torch, "split", split)
 
 
 def _forward(model: FluxTransformer2DModel) -> torch.Tensor:
@@ -75,7 +59,7 @@ def test_from_single_file_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyP
     save_file(bfl, path)
 
     with monkeypatch.context() as patch:
-        _allow_any_width(patch, dims)
+        allow_any_flux_width(patch, dims)
         loaded = FluxTransformer2DModel.from_single_file(
             str(path), config=str(folder), subfolder="transformer", local_files_only=True
         )

@@ -1,15 +1,16 @@
-"""The GPU benchmark tools run on the CPU with tiny models (the same code path the GPU numbers come from)."""
+"""The GPU benchmark tools (tools/bench.py, bench_suite.py, bench_text.py, bench_cache.py) run on the CPU with tiny
+models (the same code path the GPU numbers come from)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-from pathlib import Path
 
 import pytest
+from helpers import REPO
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+sys.path.insert(0, str(REPO / "tools"))
 
 import bench  # noqa: E402
 import bench_suite  # noqa: E402
@@ -100,3 +101,15 @@ def test_bench_text_measures_quantized_text_encoders(capsys) -> None:
     plain, fp8 = lines
     assert plain["quantized_layers"] == 0 and fp8["quantized_layers"] > 0
     assert 0.9 < fp8["cosine_vs_bf16"] < 1.0  # close to the bf16 encoders' embeddings, not the same
+
+
+def test_gpu_benchmark_script_runs_on_cpu(capsys) -> None:
+    """tools/bench_cache.py, the GPU caching benchmark, runs end to end on the CPU with ``--tiny``."""
+    import bench_cache
+
+    report = bench_cache.main(
+        ["--tiny", "--n", "6", "--size", "96", "--batch-size", "3", "--workers", "0", "--vae-iters", "1"]
+    )
+    assert report["images"] == report["latent_files"] == 6 and report["skipped"] == 0
+    assert report["images_per_s"] > 0 and report["vae"] == "tiny"
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == report

@@ -15,19 +15,19 @@ import pytest
 import torch
 from diffusers import DDPMScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
 from diffusers.training_utils import compute_snr
-from safetensors.torch import load_file, save_file
-from test_cli import run_cli
-from unet_helpers import (
+from helpers import (
     ALPHA,
     RANK,
     check_exact_resume,
     check_fit_lowers_eval_loss,
+    denoiser_output,
     family_config,
     lora_layers,
     lora_model,
-    unet_inputs,
-    unet_output,
+    random_inputs,
+    run_cli,
 )
+from safetensors.torch import load_file, save_file
 
 from lightning_lora.errors import ConfigError
 from lightning_lora.export import checkpoint_lora, export_lora, save_lora
@@ -264,8 +264,8 @@ def test_fit_lowers_the_fixed_eval_loss(tmp_path: Path, tiny_sdxl_dir: Path, pho
 def test_export_both_formats_load_into_a_fresh_pipeline(tmp_path: Path, tiny_sdxl_dir: Path) -> None:
     """diffusers file == kohya file (loaded by diffusers' own converter) == the in-memory model, LoCon layers too."""
     model = lora_model(SDXL(), tiny_sdxl_dir, "locon")
-    inputs = unet_inputs(model)
-    expected = unet_output(model, inputs)
+    inputs = random_inputs(SDXL(), model, 2)
+    expected = denoiser_output(model, inputs)
     lora = LoraOptions(rank=RANK, alpha=ALPHA, targets="locon")
     files = {
         fmt: save_lora(model, tmp_path / f"{fmt}.safetensors", family=SDXL(), lora=lora, info={}, format=fmt)
@@ -278,10 +278,10 @@ def test_export_both_formats_load_into_a_fresh_pipeline(tmp_path: Path, tiny_sdx
     outputs = {}
     for fmt, file in files.items():
         pipe = StableDiffusionXLPipeline.from_pretrained(tiny_sdxl_dir)
-        base = unet_output(pipe.unet, inputs)
+        base = denoiser_output(pipe.unet, inputs)
         pipe.load_lora_weights(file)
         assert lora_layers(pipe.unet) == lora_layers(model), f"{fmt}: not every LoRA layer was loaded"
-        outputs[fmt] = unet_output(pipe.unet, inputs)
+        outputs[fmt] = denoiser_output(pipe.unet, inputs)
         assert (expected - base).abs().max() > 0.05  # the LoRA matters: a wrong scale would show
     torch.testing.assert_close(outputs["diffusers"], expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(outputs["kohya"], expected, atol=1e-5, rtol=1e-4)

@@ -13,28 +13,29 @@ diffusers quirks (0.42.1) the tests work around, each scoped to the test that ne
 
 * ``_convert_kohya_flux_lora_to_diffusers`` splits ``single_blocks.i.linear1``'s ``lora_up`` with the hard-coded
   FLUX.1 widths ``dims=[3072, 3072, 3072, 12288]`` and asserts they add up to its rows, so any narrower model fails.
-  Everything else in it is width-agnostic (the qkv split is in thirds). :func:`_diffusers_kohya_for_width` rebuilds
-  that function from diffusers' own source with only that literal replaced by the tiny widths.
+  Everything else in it is width-agnostic (the qkv split is in thirds).
+  :func:`helpers.diffusers_quirks.diffusers_kohya_reads_flux_widths` rebuilds that function from diffusers' own source
+  with only that literal replaced by the widths the file has.
 * It maps the non-block layers (``img_in``, ``txt_in``, ``time_in``, ``vector_in``, ``guidance_in``, ``final_layer``)
   to keys without the ``transformer.`` prefix, so they are silently not loaded (and ``final_layer`` ignores alpha).
   Our presets never target those layers; a test that does uses the BFL merge as witness instead of diffusers.
+
+The ``lightning-lora export`` command (checkpoint to file) is tested in tests/cli/test_export_verb.py.
 """
 
 from __future__ import annotations
 
-import inspect
 import json
 from pathlib import Path
 
 import pytest
 import torch
 from diffusers import FluxPipeline
+from helpers import ALPHA, RANK, diffusers_kohya_reads_flux_widths, lora_model
 from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file
-from unet_helpers import ALPHA, RANK, lora_model
 
-from lightning_lora.cli.export import main as export_main
-from lightning_lora.export import checkpoint_lora, export_lora, read_metadata
+from lightning_lora.export import export_lora, read_metadata
 from lightning_lora.families.flux import Flux, latent_image_ids
 from lightning_lora.formats.bfl import FluxDims, bfl_to_diffusers, diffusers_to_bfl
 from lightning_lora.formats.kohya import flux_lora_dims, flux_to_kohya, kohya_name
@@ -47,20 +48,6 @@ INNER, MLP = 32, 128  # the tiny FLUX of lightning_lora.tiny (dim64=False)
 @pytest.fixture(autouse=True)
 def _one_thread() -> None:
     torch.set_num_threads(1)
-
-
-def _diffusers_kohya_for_width(monkeypatch: pytest.MonkeyPatch, dims: FluxDims) -> None:
-    """Let diffusers' kohya FLUX converter handle a model narrower than FLUX.1 (see the module docstring)."""
-    from diffusers.loaders import lora_conversion_utils, lora_pipeline
-
-    original = lora_conversion_utils._convert_kohya_flux_lora_to_diffusers
-    source = inspect.getsource(original)
-    literal = "dims=[3072, 3072, 3072, 12288]"
-    assert source.count(literal) == 1, "diffusers' kohya converter changed: revisit this workaround"
-    namespace = dict(vars(lora_conversion_utils))
-    tiny = f"dims={[dims.inner_dim] * 3 + [dims.mlp_hidden_dim]}"
-    exec(compile(source.replace(literal, tiny), inspect.getsourcefile(original) or "<diffusers>", "exec"), namespace)
-    monkeypatch.setattr(lora_pipeline, original.__name__, namespace[original.__name__])
 
 
 def _inputs(config: object) -> dict[str, torch.Tensor]:
@@ -271,7 +258,7 @@ def test_kohya_and_diffusers_files_load_the_same_lora(
     assert (expected - base).abs().max() > 1e-2  # a wrong scale or a dropped layer would show
     from_diffusers = _forward(_loaded(tiny_flux_dir, diffusers_file).transformer)
     torch.testing.assert_close(from_diffusers, expected, atol=1e-5, rtol=1e-5)
-    _diffusers_kohya_for_width(monkeypatch, FluxDims(INNER, MLP))
+    diffusers_kohya_reads_flux_widths(monkeypatch)
     from_kohya = _forward(_loaded(tiny_flux_dir, kohya_file).transformer)
     torch.testing.assert_close(from_kohya, expected, atol=1e-5, rtol=1e-5)
 
@@ -280,7 +267,7 @@ def test_two_step_images_agree(
     tiny_flux_dir: Path, monkeypatch: pytest.MonkeyPatch, all_linear: tuple[torch.nn.Module, Path, Path]
 ) -> None:
     _, diffusers_file, kohya_file = all_linear
-    _diffusers_kohya_for_width(monkeypatch, FluxDims(INNER, MLP))
+    diffusers_kohya_reads_flux_widths(monkeypatch)
     kwargs = {"prompt": "a photo of sks cat", "height": 32, "width": 32, "num_inference_steps": 2, "output_type": "pt"}
     images = [
         _loaded(tiny_flux_dir, f)(generator=torch.Generator().manual_seed(0), max_sequence_length=16, **kwargs).images
@@ -314,101 +301,3 @@ def test_kohya_file_merged_into_bfl_weights(tiny_flux_dir: Path, tmp_path: Path)
     assert "lora_unet_final_layer_adaLN_modulation_1" in {k.split(".")[0] for k in tensors}
     base.load_state_dict(bfl_to_diffusers(bfl))
     torch.testing.assert_close(_forward(base), _forward(model), atol=1e-5, rtol=1e-5)
-
-
-# ------------------------------------------------------------------------------------------------ the command
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tiny_flux_dir: Path, photos_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny 2-step fit's last.ckpt (the LoraExport callback also wrote run/lora/lora.safetensors)."""
-    from test_cli import run_cli, write_config
-
-    tmp = tmp_path_factory.mktemp("fit")
-    callbacks = [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": {"save_last": True}}]
-    config = write_config(tmp, tiny_flux_dir, photos_dir, **{"trainer.max_steps": 2, "trainer.callbacks": callbacks})
-    run_cli(["fit", "--config", str(config)])
-    return tmp / "run" / "checkpoints" / "last.ckpt"
-
-
-def test_checkpoint_lora_reads_only_the_lora(checkpoint: Path) -> None:
-    state, lora, family, info = checkpoint_lora(checkpoint)
-    assert state and all(k.endswith((".lora_A.weight", ".lora_B.weight")) and ".default" not in k for k in state)
-    assert lora == LoraOptions(rank=4, alpha=8.0, targets="attention", dropout=0.0, init="gaussian")
-    assert isinstance(family, Flux) and family.max_sequence_length == 16  # built with the run's family options
-    assert info["family"] == "flux" and info["steps"] == 2 and info["checkpoint"] == "last.ckpt"
-    # The same tensors the training run exported at its end.
-    trained = load_file(checkpoint.parent.parent / "lora" / "lora.safetensors")
-    assert {f"transformer.{k}" for k in state} == set(trained)
-    assert all(torch.equal(trained[f"transformer.{k}"], v) for k, v in state.items())
-
-
-def test_export_command_both_formats(
-    tiny_flux_dir: Path, checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
-) -> None:
-    out = {fmt: tmp_path / f"lora_{fmt}.safetensors" for fmt in ("diffusers", "kohya")}
-    for fmt, path in out.items():
-        assert export_main([str(checkpoint), "--format", fmt, "--out", str(path)]) == 0
-        assert str(path) in capsys.readouterr().out
-    assert read_metadata(out["kohya"])["lightning_lora.checkpoint"] == "last.ckpt"
-    trained = _loaded(tiny_flux_dir, checkpoint.parent.parent / "lora" / "lora.safetensors").transformer
-    _diffusers_kohya_for_width(monkeypatch, FluxDims(INNER, MLP))
-    for path in out.values():
-        torch.testing.assert_close(
-            _forward(_loaded(tiny_flux_dir, path).transformer), _forward(trained), atol=1e-5, rtol=1e-5
-        )
-
-    assert (
-        export_main(
-            [str(checkpoint), "--format", "kohya", "--out", str(tmp_path / "half.safetensors"), "--dtype", "bf16"]
-        )
-        == 0
-    )
-    half = load_file(tmp_path / "half.safetensors")
-    assert {v.dtype for k, v in half.items() if not k.endswith(".alpha")} == {torch.bfloat16}
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "half.safetensors",
-        "lora_diffusers.safetensors",
-        "lora_kohya.safetensors",
-    ]
-
-
-def test_export_command_never_overwrites_silently(checkpoint: Path, tmp_path: Path, capsys) -> None:
-    out = tmp_path / "mine.safetensors"
-    out.write_bytes(b"the user's own file")
-    assert export_main([str(checkpoint), "--format", "kohya", "--out", str(out)]) == 2
-    err = capsys.readouterr().err
-    assert str(out) in err and "--overwrite" in err and "Traceback" not in err
-    assert out.read_bytes() == b"the user's own file"
-    assert export_main([str(checkpoint), "--format", "kohya", "--out", str(out), "--overwrite"]) == 0
-    assert "lora_unet_double_blocks_0_img_attn_qkv.alpha" in load_file(out)
-    assert [p.name for p in tmp_path.iterdir()] == ["mine.safetensors"]
-
-
-def test_export_command_bad_input(checkpoint: Path, tmp_path: Path, capsys) -> None:
-    corrupt = tmp_path / "corrupt.ckpt"
-    corrupt.write_bytes(checkpoint.read_bytes()[: checkpoint.stat().st_size // 2])
-    out = tmp_path / "out.safetensors"
-    cases = [
-        ([str(corrupt), "--format", "kohya", "--out", str(out)], [str(corrupt), "truncated"]),
-        (
-            [str(tmp_path / "missing.ckpt"), "--format", "kohya", "--out", str(out)],
-            ["missing.ckpt", "does not exist"],
-        ),
-        ([str(checkpoint), "--format", "kohya", "--out", str(tmp_path / "lora.pt")], ["lora.pt", ".safetensors"]),
-        ([str(checkpoint), "--format", "comfy", "--out", str(out)], ["--format", "kohya"]),
-    ]
-    for argv, expected in cases:
-        assert export_main(argv) == 2, argv
-        err = capsys.readouterr().err
-        assert all(e in err for e in expected), err
-        assert "Traceback" not in err
-    not_a_checkpoint = tmp_path / "plain.ckpt"
-    torch.save({"state_dict": {"w": torch.zeros(1)}}, not_a_checkpoint)
-    assert export_main([str(not_a_checkpoint), "--format", "diffusers", "--out", str(out)]) == 2
-    assert "not a training checkpoint" in capsys.readouterr().err
-    no_lora = tmp_path / "no_lora.ckpt"
-    torch.save({"state_dict": {"w": torch.zeros(1)}, "loops": {}, "optimizer_states": []}, no_lora)
-    assert export_main([str(no_lora), "--format", "diffusers", "--out", str(out)]) == 2
-    assert "holds no LoRA tensors" in capsys.readouterr().err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["corrupt.ckpt", "no_lora.ckpt", "plain.ckpt"]

@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import REPO, tree_digest
 from PIL import Image
 from safetensors.torch import load_file
-from test_cli import tree_digest
 
 from lightning_lora.data.buckets import BucketSpec
 from lightning_lora.data.build import CacheReport, DataSpec, build
@@ -335,13 +335,14 @@ build(cache, items, [], spec, torch.device("cpu"), batch_size=3)
 """
 
 
+@pytest.mark.subprocess
 def test_killed_build_resumes_to_the_same_result_as_a_clean_build(tmp_path: Path, tiny_flux_dir: Path) -> None:
     data = _dataset(tmp_path / "data", n=5)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     killed = subprocess.run(
         [sys.executable, "-c", _KILLED_BUILD, str(tiny_flux_dir), str(data), str(tmp_path / "a"), "5"],
         env=env,
-        cwd=Path(__file__).parent.parent,
+        cwd=REPO,
         capture_output=True,
         text=True,
         timeout=120,
@@ -664,3 +665,21 @@ def test_a_third_text_encoder_is_part_of_the_text_key(tmp_path: Path) -> None:
     three_after, two_after = keys()
     assert three_after != three
     assert two_after == two  # FLUX's own encoders did not change
+
+
+def test_nf4_text_encoders_keep_their_other_weights_in_the_load_dtype(tmp_path: Path) -> None:
+    """Inference only: what NF4 leaves unquantized (T5's ``wo``, embeddings, norms) stays bf16; an fp32 upcast, right
+    for a trained base, would make T5-XXL's ``wo`` alone 4 GB."""
+    import bitsandbytes as bnb
+
+    from lightning_lora.data.cache import quantize_text_encoders
+    from lightning_lora.families.base import ModelSource
+    from lightning_lora.tiny import save_tiny_flux
+
+    folder = save_tiny_flux(tmp_path / "flux64", seed=0, dim64=True)  # NF4 needs widths that are multiples of 64
+    encoders = Flux().load_text_encoders(ModelSource(str(folder), dtype=torch.bfloat16))
+    swapped = quantize_text_encoders(encoders, Flux.text_encoders, "nf4", torch.device("cpu"), torch.bfloat16)
+    t5 = encoders.text_encoder_2
+    assert swapped > 0 and any(isinstance(m, bnb.nn.Linear4bit) for m in t5.modules())
+    others = {n: p.dtype for n, p in t5.named_parameters() if p.is_floating_point() and p.dtype != torch.uint8}
+    assert others and set(others.values()) == {torch.bfloat16}, {n: d for n, d in others.items() if d != torch.bfloat16}

@@ -7,9 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import allow_any_flux_width, run_cli, write_config
 from safetensors.torch import save_file
-from test_cli import run_cli, write_config
-from test_flux_bfl import _allow_any_width
 
 from lightning_lora.errors import ConfigError
 from lightning_lora.families import Flux, ModelSource
@@ -45,7 +44,7 @@ def test_single_file_transformer(
         from diffusers import FluxTransformer2DModel
 
         config = FluxTransformer2DModel.load_config(tiny_flux_dir, subfolder="transformer")
-        _allow_any_width(monkeypatch, flux_dims_from_config(config))
+        allow_any_flux_width(monkeypatch, flux_dims_from_config(config))
         weights = diffusers_to_bfl(reference, prefix=BFL_PREFIX_COMFY if layout == "comfy" else "")
     # Perturb so the test can tell the file's weights from the folder's.
     weights = {k: v + 0.5 for k, v in weights.items()}

@@ -1,0 +1,28 @@
+"""The ``lightning-lora plan`` command: a run's memory plan from its config, for every family, without training and
+without writing anything. The planner itself is tested in tests/test_plan.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from helpers import write_config
+
+from lightning_lora.cli import main
+
+
+@pytest.mark.parametrize("fixture", ["tiny_flux_dir", "tiny_sdxl_dir", "tiny_sd15_dir"])
+def test_plan_verb(tmp_path: Path, photos_dir: Path, capsys, request: pytest.FixtureRequest, fixture: str) -> None:
+    family = {"tiny_flux_dir": "Flux", "tiny_sdxl_dir": "SDXL", "tiny_sd15_dir": "SD15"}[fixture]
+    config = write_config(
+        tmp_path,
+        request.getfixturevalue(fixture),
+        photos_dir,
+        **{"model.family": {"class_path": f"lightning_lora.families.{family}"}, "data.resolution": 64},
+    )
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--config", str(config), "--vram", "0.01"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "training peak" in out and "does NOT fit in 0.01 GiB" in out
+    assert not (tmp_path / "run").exists()  # planning writes nothing

@@ -1,0 +1,105 @@
+"""Exact resume in tests: a run config that checkpoints every step and draws from the RNG in every step, and the
+bit-for-bit comparison of a run that stopped and resumed with one that never stopped."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from helpers.cli import run_cli, write_config
+
+STEPS = 10
+
+
+def resume_config(
+    tmp_path: Path, model_dir: Path, photos: Path, name: str, accumulate: int = 1, steps: int = STEPS, **extra: Any
+) -> Path:
+    """:func:`~helpers.cli.write_config` in ``tmp_path / name`` for ``steps`` steps: a checkpoint every step
+    (``stepNNNN.ckpt`` and ``last.ckpt``), LoRA dropout 0.1 (the RNG is drawn in every step: a lost RNG state would
+    show), a cosine schedule with warmup, and one cache shared by every run under ``tmp_path``.
+
+    ``extra`` are more dotted overrides; ``callbacks=[...]`` adds callbacks after the checkpoint.
+    """
+    folder = tmp_path / name
+    folder.mkdir()
+    callbacks = [
+        {
+            "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+            "init_args": {
+                "filename": "step{step:04d}",
+                "auto_insert_metric_name": False,
+                "every_n_train_steps": 1,
+                "save_last": True,
+                "save_top_k": -1,
+            },
+        },
+        *extra.pop("callbacks", []),
+    ]
+    overrides = {
+        "trainer.max_steps": steps,
+        "trainer.callbacks": callbacks,
+        "trainer.accumulate_grad_batches": accumulate,
+        "model.lora.dropout": 0.1,  # draws from the RNG in every step: a lost RNG state would show
+        "model.scheduler": {
+            "class_path": "lightning_lora.schedules.CosineWithWarmup",
+            "init_args": {"total_steps": steps, "warmup_steps": 2},
+        },
+        **extra,
+    }
+    config = write_config(folder, model_dir, photos, **overrides)
+    data = yaml.safe_load(config.read_text())
+    data["data"]["cache_dir"] = str(tmp_path / "cache")  # one shared cache: encoding is not what is tested
+    config.write_text(yaml.safe_dump(data))
+    return config
+
+
+def final_lora(config: Path) -> dict[str, torch.Tensor]:
+    """The LoRA file the run of ``config`` exported at its end."""
+    return load_file(config.parent / "run" / "lora" / "lora.safetensors")
+
+
+def loss_curve(config: Path) -> dict[int, float]:
+    """``train/loss`` by step, as the run of ``config`` logged it to TensorBoard."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(config.parent / "run")).Reload()
+    return {e.step: e.value for e in events.Scalars("train/loss")}
+
+
+def assert_same_lora(a: Path, b: Path) -> dict[str, torch.Tensor]:
+    """The runs of configs ``a`` and ``b`` exported the same LoRA, bit for bit; return it."""
+    lora_a, lora_b = final_lora(a), final_lora(b)
+    assert lora_a.keys() == lora_b.keys()
+    differing = [k for k in lora_a if not torch.equal(lora_a[k], lora_b[k])]
+    assert not differing, f"{len(differing)} LoRA tensors differ after resume, e.g. {differing[:2]}"
+    return lora_a
+
+
+def assert_same_run(a: Path, b: Path, after_step: int) -> None:
+    """Same LoRA, bit for bit, and the same ``train/loss`` at every step from ``after_step`` on."""
+    assert_same_lora(a, b)
+    curve_a, curve_b = loss_curve(a), loss_curve(b)
+    later = sorted(s for s in curve_a if s >= after_step)
+    assert later, "no loss logged after the resume point"
+    assert [curve_b.get(s) for s in later] == [curve_a[s] for s in later]
+
+
+def check_exact_resume(root: Path, model_dir: Path, photos: Path, family: str, init_args: dict[str, Any]) -> None:
+    """A UNet family (``lightning_lora.families.<family>`` with ``init_args``) with a LoCon LoRA: 6 steps, stopped at
+    step 3 (inside an epoch: 2 batches per epoch) and resumed, ends with the same LoRA, bit for bit."""
+    options = {
+        "model.family": {"class_path": f"lightning_lora.families.{family}", "init_args": init_args},
+        "model.lora.targets": "locon",
+    }
+    a = resume_config(root, model_dir, photos, "a", steps=6, **options)
+    assert run_cli(["fit", "--config", str(a)]).trainer.global_step == 6
+    b = resume_config(root, model_dir, photos, "b", steps=6, **options)
+    run_cli(["fit", "--config", str(b), "--trainer.max_steps", "3"])
+    cli = run_cli(["fit", "--config", str(b), "--ckpt_path", "last"])
+    assert cli.trainer.global_step == 6
+    lora = assert_same_lora(a, b)
+    assert any(v.ndim == 4 for v in lora.values())  # conv LoRA included
