@@ -34,7 +34,7 @@ import torch
 
 from lightning_lora.errors import ConfigError
 
-__all__ = ["Backend", "detect", "fp8_compute_supported", "check_attention"]
+__all__ = ["Backend", "check_attention", "detect", "fp8_compute_supported", "free_memory_gib"]
 
 Kind = Literal["cuda", "rocm", "cpu", "mps"]
 
@@ -115,3 +115,13 @@ def check_attention(backend_name: str, device: torch.device | str | Backend) -> 
             f"model.attention: cudnn is NVIDIA's library and ROCm builds have none ({backend.describe()}); "
             "use auto, flash, efficient or math."
         )
+
+
+def free_memory_gib(device: torch.device | str) -> float | None:
+    """GiB this process can still allocate on a GPU ``device`` (other processes' use taken off; ROCm too), or None
+    for a device without its own memory (the CPU)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    free, _total = torch.cuda.mem_get_info(device)
+    return free / 2**30

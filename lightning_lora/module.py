@@ -76,6 +76,11 @@ class LoraModule(LightningModule):
         offload_activations: with ``gradient_checkpointing``, keep the inputs each checkpointed block saves for its
             recomputation in pinned CPU memory instead of on the GPU (copied out while the forward goes on, back
             when the backward reaches the block): FLUX at 512x768 keeps 0.67 GiB less on the GPU. Any base, NF4 too.
+        memory: ``auto``: when ``fit`` starts, measure the GPU's free memory and take the fastest settings the memory
+            planner says fit: gradient checkpointing, checkpointed inputs in CPU memory, an FP8 or NF4 base,
+            offloaded blocks (never a smaller batch or image: that would be another training). The choice is printed,
+            written into the run's config.yaml and kept by a resume. A number: the same for that many GiB.
+            ``as_configured``: the options as written.
         optimizer: built over the LoRA parameters only, e.g. ``torch.optim.AdamW`` or
             ``bitsandbytes.optim.AdamW8bit``. Default: AdamW, lr 1e-4, weight decay 1e-4.
         scheduler: optional learning-rate schedule, stepped every optimizer step, e.g.
@@ -97,6 +102,7 @@ class LoraModule(LightningModule):
         compile_blocks: bool = False,
         offload_blocks: int = 0,
         offload_activations: bool = False,
+        memory: Literal["as_configured", "auto"] | float = "as_configured",
         optimizer: OptimizerCallable = _default_optimizer,
         scheduler: LRSchedulerCallable | None = None,
     ) -> None:
@@ -116,6 +122,11 @@ class LoraModule(LightningModule):
             offload_blocks=offload_blocks,
             offload_activations=offload_activations,
         )
+        if not isinstance(memory, str) and memory <= 0:
+            raise ConfigError(f"model.memory: {memory} GiB must be positive (or auto, or as_configured).")
+        self.memory = memory
+        self.memory_settings: dict[str, Any] | None = None
+        """What ``model.memory`` chose (:meth:`use_memory_settings`), kept in checkpoints for a resume."""
         self._optimizer_factory = optimizer
         self._scheduler_factory = scheduler
         self.denoiser: torch.nn.Module | None = None
@@ -137,6 +148,17 @@ class LoraModule(LightningModule):
     @property
     def lora(self) -> LoraOptions:
         return self.recipe.lora
+
+    def use_memory_settings(self, settings: dict[str, Any]) -> None:
+        """Build with these memory settings (``model.memory``'s choice: :data:`~lightning_lora.recipe.MEMORY_SETTINGS`
+        by name), before ``configure_model``; the hyper-parameters (and so checkpoints) say them too."""
+        if self.denoiser is not None:
+            raise RuntimeError("model.memory: the model is built already; choose its settings before fit")
+        self.recipe = self.recipe.with_memory_settings(settings)
+        self.memory_settings = dict(settings)
+        for name in ("gradient_checkpointing", "checkpoint_every", "offload_activations", "offload_blocks"):
+            self.hparams[name] = getattr(self.recipe, name)
+        self.hparams["quantization"] = self.recipe.quantization
 
     @property
     def optimizer_name(self) -> str:
@@ -239,6 +261,8 @@ class LoraModule(LightningModule):
         checkpoint["hyper_parameters"] = primitive_hparams(checkpoint.get("hyper_parameters", {}))
         if self._configured is not None:
             checkpoint.setdefault(STAMP, {})["configured"] = self._configured[0]
+        if self.memory_settings is not None:
+            checkpoint.setdefault(STAMP, {})["memory"] = dict(self.memory_settings)
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:

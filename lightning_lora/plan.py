@@ -43,6 +43,7 @@ __all__ = [
     "MemoryPlan",
     "card_memory",
     "cards_table",
+    "choose_for_memory",
     "fitting_changes",
     "optimizer_name",
     "plan_for",
@@ -500,11 +501,14 @@ def _candidates(recipe: ModelRecipe, datamodule: Any) -> list[Changes]:
 
 @dataclass(frozen=True)
 class Fit:
-    """A way to run that fits: the command-line options that make it (empty: as configured) and its planned peak."""
+    """A way to run that fits: the command-line options that make it (empty: as configured), its planned peak, and
+    the recipe fields (``changes``) and data options (``data``) those options set."""
 
     flags: str
     peak_gib: float
     offload: bool = False
+    changes: dict[str, Any] = field(default_factory=dict)
+    data: dict[str, Any] = field(default_factory=dict)
 
     def line(self) -> str:
         slower = "; slower by the blocks' copies" if self.offload else ""
@@ -538,13 +542,15 @@ class _Planner:
         offloading with the fewest blocks that fit (it costs PCIe copies per block and step), before changes of the
         data."""
         limit = vram * 0.95
-        found = []
+        found: list[Fit] = []
+        if limit <= FIXED_OVERHEAD_GIB:  # not even the CUDA context fits
+            return found
         tries = _candidates(self.recipe, self.datamodule)
         same = [t for t in tries if not t[2]]
         for flags, changes, data in same:
             peak = self.peak(flags, changes, data)
             if peak is not None and peak <= limit:
-                found.append(Fit(flags, peak))
+                found.append(Fit(flags, peak, changes=changes))
                 if first:
                     return found
         for count in OFFLOAD_TRIES:
@@ -552,7 +558,9 @@ class _Planner:
             if peak is None:  # more blocks than the model has, or a setting offloading refuses (NF4, compile_blocks)
                 break
             if peak <= limit:
-                found.append(Fit(f"--model.offload_blocks {count}", peak, offload=True))
+                found.append(
+                    Fit(f"--model.offload_blocks {count}", peak, offload=True, changes={"offload_blocks": count})
+                )
                 if first:
                     return found
                 break
@@ -560,9 +568,20 @@ class _Planner:
             for flags, changes, data in (t for t in tries if t[2]):
                 peak = self.peak(flags, changes, data)
                 if peak is not None and peak <= limit:
-                    found.append(Fit(flags, peak))
+                    found.append(Fit(flags, peak, changes=changes, data=data))
                     break
         return found
+
+
+def choose_for_memory(recipe: ModelRecipe, datamodule: Any, vram: float, optimizer: str = "AdamW") -> Fit | None:
+    """The fastest way to run the same training in ``vram`` GiB (``model.memory``): as configured when it fits, else
+    the first alternative that fits without changing the data (batch, resolution); None when none does."""
+    planner = _Planner(recipe, datamodule, optimizer)
+    configured = planner.peak("", {})
+    if configured is not None and configured <= vram * 0.95:
+        return Fit("", configured)
+    same = [fit for fit in planner.fits(vram, first=True) if not fit.data]
+    return same[0] if same else None
 
 
 def fitting_changes(recipe: ModelRecipe, datamodule: Any, vram: float, optimizer: str = "AdamW") -> list[str]:

@@ -28,7 +28,16 @@ from lightning_lora.families.base import DiffusionFamily, ModelSource
 from lightning_lora.lora import LoraOptions
 from lightning_lora.quant import QuantOptions
 
-__all__ = ["AttentionBackend", "ModelRecipe"]
+__all__ = ["AttentionBackend", "MEMORY_SETTINGS", "ModelRecipe"]
+
+MEMORY_SETTINGS = (
+    "gradient_checkpointing",
+    "checkpoint_every",
+    "offload_activations",
+    "offload_blocks",
+    "quantization.mode",
+)
+"""The options ``model.memory`` may choose (they change memory and speed, never what is trained)."""
 
 AttentionBackend = Literal["auto", "sdpa", "flash", "efficient", "cudnn", "math", "xformers"]
 
@@ -98,6 +107,20 @@ class ModelRecipe:
                 "model.offload_blocks and model.compile_blocks cannot be combined (the compiled blocks would capture "
                 "the placeholders). Set one of them off."
             )
+
+    def memory_settings(self) -> dict[str, Any]:
+        """The :data:`MEMORY_SETTINGS` of this recipe, by their YAML names below ``model.`` (plain values)."""
+        return {
+            name: self.quantization.mode if name == "quantization.mode" else getattr(self, name)
+            for name in MEMORY_SETTINGS
+        }
+
+    def with_memory_settings(self, settings: dict[str, Any]) -> ModelRecipe:
+        """This recipe with some :data:`MEMORY_SETTINGS` set (as :meth:`memory_settings` names them)."""
+        changes = {k: v for k, v in settings.items() if k in MEMORY_SETTINGS and k != "quantization.mode"}
+        if "quantization.mode" in settings:
+            changes["quantization"] = dataclasses.replace(self.quantization, mode=settings["quantization.mode"])
+        return self.replace(**changes)
 
     def replace(self, **changes: Any) -> ModelRecipe:
         """A new recipe with ``changes`` (checked like any recipe; a :class:`ConfigError` for an impossible one)."""

@@ -26,6 +26,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
 import signal
 import sys
@@ -47,7 +48,7 @@ from lightning_lora.callbacks.lora_export import LoraExport
 from lightning_lora.callbacks.monitor import ConfigSummary, StartSummary, Throughput, VRAMMonitor
 from lightning_lora.callbacks.resume import GracefulStop, RNGState, RunFolder
 from lightning_lora.callbacks.samples import SampleImages
-from lightning_lora.checkpoint import AtomicCheckpointIO, check_compatible, read_checkpoint, resolve_resume
+from lightning_lora.checkpoint import STAMP, AtomicCheckpointIO, check_compatible, read_checkpoint, resolve_resume
 from lightning_lora.data.datamodule import LatentDataModule
 from lightning_lora.errors import ConfigError
 from lightning_lora.module import LoraModule, primitive_hparams
@@ -56,6 +57,8 @@ from lightning_lora.parallel import check_strategy, resolve_strategy
 __all__ = ["LoraCLI", "main", "run_summary", "write_error"]
 
 DEFAULT_RUN_DIR = "runs/lora"
+MEMORY_ENV = "LIGHTNING_LORA_MEMORY_SETTINGS"
+"""How the DDP ranks Lightning starts (as new processes of the same command) get rank 0's ``model.memory`` choice."""
 DEFAULT_CHECKPOINT_EVERY = 250
 
 
@@ -160,8 +163,48 @@ class LoraCLI(LightningCLI):
                     f"{ckpt_path} is at step {step}, and trainer.max_steps is {end}: nothing to train. Set a larger "
                     "trainer.max_steps to train longer (a schedule sized from it stretches to the new length)."
                 )
+        if model.memory != "as_configured":
+            self._choose_memory_settings(model, datamodule, checkpoint)
         kwargs["weights_only"] = True  # a checkpoint is data, never code
         self.trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, **kwargs)
+
+    def _choose_memory_settings(
+        self, model: LoraModule, datamodule: LatentDataModule | None, checkpoint: dict[str, Any] | None
+    ) -> None:
+        """``model.memory``: the settings this run uses (see :class:`LoraModule`), written into config.yaml."""
+        from lightning_lora.hardware import free_memory_gib
+        from lightning_lora.plan import choose_for_memory
+
+        # DDP: the ranks Lightning starts (LOCAL_RANK > 0, new processes of this command) take rank 0's choice.
+        inherited = os.environ.get(MEMORY_ENV) if int(os.environ.get("LOCAL_RANK", "0")) > 0 else None
+        saved = ((checkpoint or {}).get(STAMP) or {}).get("memory")
+        if inherited:
+            settings, why = json.loads(inherited), "rank 0's choice"
+        elif saved:
+            settings, why = dict(saved), "the choice this run started with (its checkpoint)"
+        else:
+            device = self.trainer.strategy.root_device
+            budget = free_memory_gib(device) if model.memory == "auto" else float(model.memory)
+            if budget is None:
+                rank_zero_info(f"model.memory: {model.memory}: {device} has no memory of its own; options as written.")
+                return
+            where = f"{budget:.1f} GiB free on {device}" if model.memory == "auto" else f"{budget:g} GiB"
+            fit = choose_for_memory(model.recipe, datamodule, budget, model.optimizer_name)
+            if fit is None:
+                raise ConfigError(
+                    f"model.memory: {model.memory}: no setting that keeps this training fits in {where}. Run "
+                    "`lightning-lora plan --config ... --vram N` for smaller batches or images that fit, or use a GPU "
+                    "with more memory."
+                )
+            settings = model.recipe.replace(**fit.changes).memory_settings()
+            changed = fit.flags or "the options as written"
+            why = f"{where}: {changed} (~{fit.peak_gib:.1f} GiB planned)"
+        model.use_memory_settings(settings)
+        os.environ[MEMORY_ENV] = json.dumps(settings)
+        section = self.config.get(str(self.subcommand), self.config)  # what config.yaml is written from
+        for name, value in settings.items():
+            section[f"model.{name}"] = value
+        rank_zero_info(f"model.memory: {model.memory}: {why}")
 
     def _checkpoint_dir(self) -> Path:
         for cb in self.trainer.checkpoint_callbacks:

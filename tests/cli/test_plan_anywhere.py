@@ -77,7 +77,7 @@ def _local_copy(tmp_path: Path, family: type, hub_id: str) -> Path:
     ],
 )
 def test_the_shipped_architecture_plans_like_a_local_folder(tmp_path: Path, family: type, hub_id: str) -> None:
-    data = SimpleNamespace(resolution=512, batch_size=1)
+    data = SimpleNamespace(resolution=256, batch_size=1)
     lora = LoraOptions(rank=8)
     from_hub = plan_for(ModelRecipe(family(), ModelSource(hub_id), lora), data)
     from_folder = plan_for(ModelRecipe(family(), ModelSource(str(_local_copy(tmp_path, family, hub_id))), lora), data)

@@ -166,8 +166,10 @@ def test_export_both_formats_load_into_a_fresh_pipeline(tmp_path: Path, tiny_sd1
     torch.testing.assert_close(outputs["kohya"], expected, atol=1e-5, rtol=1e-4)
 
 
-def test_exact_resume(tmp_path: Path, tiny_sd15_dir: Path, photos_dir: Path) -> None:
-    check_exact_resume(tmp_path, tiny_sd15_dir, photos_dir, "SD15", {"noise_offset": 0.1})
+def test_exact_resume_with_the_unet_options(tmp_path: Path, tiny_sd15_dir: Path, photos_dir: Path) -> None:
+    """Beyond the family contract's resume (tests/families/test_contract.py): the UNet families' options that draw
+    or weight (noise offset, min-SNR) resume exactly too."""
+    check_exact_resume(tmp_path, tiny_sd15_dir, photos_dir, "SD15", {"noise_offset": 0.1, "min_snr_gamma": 5.0})
 
 
 def test_wrong_pipeline_folder_is_refused(tiny_sdxl_dir: Path) -> None:
