@@ -11,6 +11,7 @@
 * :class:`StartSummary` prints, when training starts (after a checkpoint is restored), what the run will do: the steps
   from here to ``max_steps``, the batch, the learning-rate schedule and the rate now, and after a resume which file it
   continues and every setting it took from the config instead of the checkpoint (e.g. a longer schedule).
+* :class:`StepProgressBar` counts optimizer steps of ``max_steps`` (Lightning's bars count batches per epoch).
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-__all__ = ["ConfigSummary", "StartSummary", "Throughput", "VRAMMonitor", "start_summary"]
+__all__ = ["ConfigSummary", "StartSummary", "StepProgressBar", "Throughput", "VRAMMonitor", "start_summary"]
 
 GIB = 2**30
 
@@ -120,8 +122,24 @@ class Throughput(Callback):
         self._last = (now, step)
 
 
+def flat_options(config: dict[str, Any], prefix: str = "") -> dict[str, float | int | str | bool]:
+    """A nested config as ``{"model.lora.rank": 16, ...}``: the values TensorBoard's HParams tab takes (lists and
+    nulls as text)."""
+    flat: dict[str, float | int | str | bool] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flat_options(value, f"{name}."))
+        elif isinstance(value, bool | int | float | str):
+            flat[name] = value
+        else:
+            flat[name] = str(value)
+    return flat
+
+
 class ConfigSummary(Callback):
-    """The resolved config.yaml of the run, in TensorBoard's Text tab (tag ``config``)."""
+    """The resolved config.yaml of the run, in TensorBoard's Text tab (tag ``config``), and its options with the final
+    fixed evaluation loss in the HParams tab (metric ``hp/eval_loss``), so runs compare in one table."""
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -136,6 +154,24 @@ class ConfigSummary(Callback):
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):
                 logger.experiment.add_text("config", text, trainer.global_step)
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        config = Path(trainer.default_root_dir) / "config.yaml"
+        if not trainer.is_global_zero or not config.is_file():
+            return
+        import yaml
+
+        from lightning_lora.callbacks.evaluation import FixedEvalLoss
+
+        options = {k: v for k, v in flat_options(yaml.safe_load(config.read_text()) or {}).items()}
+        metrics: dict[str, float] = {}
+        for cb in trainer.callbacks:  # type: ignore[attr-defined]
+            if isinstance(cb, FixedEvalLoss) and cb.history:
+                metrics["hp/eval_loss"] = cb.history[-1][1]
+        for logger in trainer.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                logger.log_hyperparams(options, metrics)
 
 
 def start_summary(trainer: Trainer, pl_module: LightningModule) -> str:
@@ -172,3 +208,68 @@ class StartSummary(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.is_global_zero:
             print(start_summary(trainer, pl_module), flush=True)
+
+
+class StepProgressBar(ProgressBar):
+    """A progress bar in optimizer steps: ``step / max_steps``, loss, learning rate, steps per second and the time left.
+
+    Lightning's own bars count batches per epoch, so a step-limited run with gradient accumulation shows
+    ``Epoch 1/-2 ... 8/2``; LoRA runs are measured in steps. Shown on global rank 0 only.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._enabled = True
+        self.bar: Any = None
+        self._step = 0
+        self.shown: tuple[int, int | None] | None = None
+        """``(steps, total)`` the bar showed when training ended."""
+
+    @override
+    def disable(self) -> None:
+        self._enabled = False
+
+    @override
+    def enable(self) -> None:
+        self._enabled = True
+
+    @property
+    def is_enabled(self) -> bool:
+        return self._enabled
+
+    @property
+    def is_disabled(self) -> bool:
+        return not self._enabled
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not self._enabled or not trainer.is_global_zero:
+            return
+        from tqdm.auto import tqdm
+
+        total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
+        self._step = trainer.global_step
+        self.bar = tqdm(total=total, initial=self._step, desc="steps", unit="step", dynamic_ncols=True, smoothing=0.1)
+
+    @override
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        if self.bar is None or trainer.global_step == self._step:
+            return
+        self.bar.update(trainer.global_step - self._step)
+        self._step = trainer.global_step
+        metrics = trainer.progress_bar_metrics
+        shown = {}
+        if "train/loss" in metrics:
+            shown["loss"] = f"{float(metrics['train/loss']):.4f}"
+        if trainer.optimizers:
+            shown["lr"] = f"{trainer.optimizers[0].param_groups[0]['lr']:.2e}"
+        if "vram_GiB" in metrics:
+            shown["vram"] = f"{float(metrics['vram_GiB']):.1f}G"
+        self.bar.set_postfix(shown, refresh=False)
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.bar is not None:
+            self.shown = (self.bar.n, self.bar.total)
+            self.bar.close()
+            self.bar = None

@@ -38,17 +38,18 @@ from typing import Any, ClassVar
 import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_lora.callbacks.evaluation import FixedEvalLoss
 from lightning_lora.callbacks.lora_export import LoraExport
-from lightning_lora.callbacks.monitor import ConfigSummary, StartSummary, Throughput, VRAMMonitor
+from lightning_lora.callbacks.monitor import ConfigSummary, StartSummary, StepProgressBar, Throughput, VRAMMonitor
 from lightning_lora.callbacks.resume import GracefulStop, RNGState, RunFolder
 from lightning_lora.callbacks.samples import SampleImages
 from lightning_lora.checkpoint import STAMP, AtomicCheckpointIO, check_compatible, read_checkpoint, resolve_resume
+from lightning_lora.cli.console import Console
 from lightning_lora.data.datamodule import LatentDataModule
 from lightning_lora.errors import ConfigError
 from lightning_lora.module import LoraModule, primitive_hparams
@@ -57,6 +58,8 @@ from lightning_lora.parallel import check_strategy, resolve_strategy
 __all__ = ["LoraCLI", "main", "run_summary", "write_error"]
 
 DEFAULT_RUN_DIR = "runs/lora"
+CONSOLE: Console | None = None
+"""The command's console routing (:mod:`lightning_lora.cli.console`); None when LoraCLI runs inside Python (tests)."""
 MEMORY_ENV = "LIGHTNING_LORA_MEMORY_SETTINGS"
 """How the DDP ranks Lightning starts (as new processes of the same command) get rank 0's ``model.memory`` choice."""
 DEFAULT_CHECKPOINT_EVERY = 250
@@ -74,7 +77,12 @@ class LoraCLI(LightningCLI):
             self.data_class,
             save_config_kwargs={"overwrite": True},
             # Our bucket sampler shards batches across ranks itself; Lightning must not replace it.
-            trainer_defaults={"default_root_dir": DEFAULT_RUN_DIR, "use_distributed_sampler": False},
+            # The start summary says the trainable parameters; Lightning's model table is one more screen of output.
+            trainer_defaults={
+                "default_root_dir": DEFAULT_RUN_DIR,
+                "use_distributed_sampler": False,
+                "enable_model_summary": False,
+            },
             seed_everything_default=42,
             auto_configure_optimizers=False,
             parser_kwargs={"prog": "lightning-lora"},
@@ -114,6 +122,12 @@ class LoraCLI(LightningCLI):
             callbacks.append(LoraExport())
         if not any(isinstance(c, FixedEvalLoss) for c in callbacks):
             callbacks.append(FixedEvalLoss())
+        if config.get("enable_progress_bar", True) is not False and not any(
+            isinstance(c, ProgressBar) for c in callbacks
+        ):
+            callbacks.insert(0, StepProgressBar())  # first: it closes its line before the others print at the end
+        if CONSOLE is not None:
+            CONSOLE.attach(root)
         for required in (RNGState, RunFolder, GracefulStop, VRAMMonitor, Throughput, ConfigSummary, StartSummary):
             if not any(isinstance(c, required) for c in callbacks):
                 callbacks.append(required())
@@ -215,6 +229,9 @@ class LoraCLI(LightningCLI):
     def after_fit(self) -> None:
         if self.trainer.is_global_zero:
             print(run_summary(self.trainer), flush=True)
+            line = CONSOLE.summary() if CONSOLE is not None else None
+            if line:
+                print(line, flush=True)
 
 
 def check_run_length(max_steps: Any) -> None:
@@ -330,8 +347,18 @@ _NOISE = (
 
 def main(argv: list[str] | None = None) -> int:
     """``lightning-lora fit ...`` (and LightningCLI's other subcommands and ``--help``); returns the exit status."""
+    global CONSOLE
     for pattern in _NOISE:
         warnings.filterwarnings("ignore", message=pattern)
+    CONSOLE = Console()
+    try:
+        with CONSOLE:
+            return _run(argv)
+    finally:
+        CONSOLE = None
+
+
+def _run(argv: list[str] | None) -> int:
     try:
         cli = LoraCLI(args=argv)
     except ConfigError as e:

@@ -284,7 +284,7 @@ def build(
     report.train = [e for e in train if e.image not in bad]
     report.validation = [e for e in validation if e.image not in bad]
     for s in report.skipped:
-        log.warning("%s", s.line() if s.note else f"skipped {s.line()}")
+        log.warning("%s", f"note: {s.line()}" if s.note else f"skipped {s.line()}")
     if not report.train:
         kinds = Counter(s.kind for s in report.skipped if not s.note and s.kind != "empty folder")
         why = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) or "no images"
@@ -316,7 +316,7 @@ def build(
         entries = [*report.train, *report.validation]
         note = _truncation_note(cache.root, entries, encoded_texts.truncated, encoded_texts.limit)
         report.skipped.append(note)
-        log.warning("%s", note.line())
+        log.warning("note: %s", note.line())
     report.texts_reused = len(texts) - len(missing)
     report.seconds = time.perf_counter() - start
     return report

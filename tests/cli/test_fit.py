@@ -8,6 +8,7 @@ message that names the option, and never modify the user's files.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -54,6 +55,13 @@ def test_fit_trains_and_writes_the_run_folder(tmp_path: Path, tiny_flux_dir: Pat
     )
     assert any(tag.startswith("config") for tag in events.Tags()["tensors"])  # the resolved config, as text
     assert any(tag.startswith("samples/") for tag in events.Tags()["images"])
+    # The HParams tab: the run's options beside its final fixed evaluation loss, to compare runs in one table.
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    start = events.PluginTagToContent("hparams")["_hparams_/session_start_info"]
+    hparams = plugin_data_pb2.HParamsPluginData.FromString(start).session_start_info.hparams
+    assert hparams["model.lora.rank"].number_value == 4 and hparams["data.resolution"].number_value == 32
+    assert [e.value for e in events.Scalars("hp/eval_loss")] == pytest.approx([evals[-1][1]])
     # The user's model and photos are untouched; the cache went to cache_dir.
     assert (tree_digest(tiny_flux_dir), tree_digest(photos_dir)) == before
     assert list((tmp_path / "cache" / "latents").glob("*.safetensors"))
@@ -226,9 +234,33 @@ def test_help_lists_our_options(capsys) -> None:
         assert option in out
 
 
+OUR_LINES = re.compile(
+    "|".join(
+        (
+            r"^$",
+            r"^Cache ",
+            r"^  (images found|training|latents|text embeddings|skipped|notes|buckets|time): ",
+            r"^    \S",  # the summary's list of skipped files and notes
+            r"^(skipped|note:) ",  # the same, logged as they are found
+            r"^Training: steps \d+ -> \d+",
+            r"^Learning rate: ",
+            r"^Resumed from ",
+            r"^  model\.(scheduler|optimizer): ",
+            r"^Fixed evaluation loss: ",
+            r"^LoRA written to ",
+            r"^Run folder: ",
+            r"^  (sample images|fixed eval loss|LoRA \(.*\)|checkpoints|resolved config|TensorBoard): ",
+            r"^  library messages: ",
+        )
+    )
+)
+"""What the command prints in a normal run: our lines only (the libraries' go to the run folder's log)."""
+
+
 @pytest.mark.subprocess
 def test_console_script_fit_and_resume(tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path) -> None:
-    """The real command, as a user runs it: a separate process, then a resume in another one."""
+    """The real command, as a user runs it: a separate process, then a resume in another one. The console shows our
+    lines only: no library warning, tip or table (they are in <run folder>/lightning-lora.log)."""
     config = write_config(tmp_path, tiny_flux_dir, photos_dir, **{"trainer.max_steps": 4})
     first = fit_in_subprocess(config)
     assert first.returncode == 0, first.stderr[-3000:]
@@ -237,6 +269,12 @@ def test_console_script_fit_and_resume(tmp_path: Path, tiny_flux_dir: Path, phot
     assert second.returncode == 0, second.stderr[-3000:]
     assert "(step 6)" in second.stdout
     assert torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 6
+    for run in (first, second):
+        lines = (run.stdout + run.stderr).splitlines()
+        foreign = [line for line in lines if not OUR_LINES.search(line)]
+        assert not foreign, "\n".join(foreign)
+    log = (tmp_path / "run" / "lightning-lora.log").read_text()
+    assert "GPU available" in log and "Seed set to 7" in log  # kept, where it bothers nobody
 
 
 def test_held_out_validation_loss_is_logged(tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path) -> None:
@@ -358,3 +396,16 @@ def test_a_cache_that_cannot_be_written_is_one_line_and_keeps_what_was_written(
     cli = run_cli(["fit", "--config", str(config)])
     assert cli.trainer.global_step == 1
     assert cli.datamodule.report is not None and cli.datamodule.report.latents_reused >= 1
+
+
+def test_the_progress_bar_counts_optimizer_steps(tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path, capsys) -> None:
+    """With gradient accumulation Lightning's bar counted batches per epoch ("Epoch 1/-2 ... 8/2"); ours counts
+    optimizer steps of max_steps."""
+    from lightning_lora.callbacks.monitor import StepProgressBar
+
+    overrides = {"trainer.max_steps": 3, "trainer.accumulate_grad_batches": 2, "trainer.enable_progress_bar": True}
+    cli = run_cli(["fit", "--config", str(write_config(tmp_path, tiny_flux_dir, photos_dir, **overrides))])
+    bar = cli.trainer.progress_bar_callback
+    assert isinstance(bar, StepProgressBar) and bar.shown == (3, 3)
+    err = capsys.readouterr().err
+    assert "3/3" in err and "Epoch" not in err

@@ -1,0 +1,167 @@
+"""What the console shows during ``lightning-lora fit``: our lines, the progress bar and the warnings a user must act
+on. Everything else the libraries say goes to ``<run folder>/lightning-lora.log``.
+
+A plain run of the underlying libraries prints, before the first step: Lightning's "GPU available" / "TPU available"
+lines and its litlogger tip, "Seed set to", the model summary table, transformers' notes that torchvision is not
+installed, bitsandbytes' "Failed to load CPU gemm_4bit_forward" (even without NF4), torchao's import notes, Lightning's
+hint that the data loader has few workers (ours serves cached tensors), and a "checkpoint directory is not empty" note
+on every resume. None of it asks the user to do anything, and it buries what does. :class:`Console` routes it:
+
+* transformers' and diffusers' loggers lose their console handler and write to the run log;
+* Lightning's console handler drops its chatter lines (:data:`CHATTER`), which go to the run log;
+* a Python warning is shown when it comes from lightning-lora or from Lightning (minus :data:`WARNING_CHATTER`);
+  any other library's warning goes to the run log, and the run summary says how many there were.
+
+Records that arrive before the run folder is known (imports, config parsing) wait in memory and are written when it
+is.
+"""
+
+from __future__ import annotations
+
+import logging
+import logging.handlers
+import re
+import warnings
+from pathlib import Path
+from types import TracebackType
+from typing import Any, TextIO
+
+__all__ = ["CHATTER", "LOG_NAME", "WARNING_CHATTER", "Console"]
+
+LOG_NAME = "lightning-lora.log"
+
+CHATTER = re.compile(
+    "|".join(
+        (
+            r"^GPU available:",
+            r"^TPU available:",
+            r"^HPU available:",
+            r"^💡 Tip:",
+            r"^Seed set to",
+            r"^`Trainer\.fit` stopped:",
+            r"^Restoring states from the checkpoint path",
+            r"^Restored all states from the checkpoint",
+            r"^LOCAL_RANK: \d+ - CUDA_VISIBLE_DEVICES",
+            r"^You are using a CUDA device",
+            r"^Initializing distributed:",
+            r"^-{10,}",
+            r"^distributed_backend=",
+            r"^All distributed processes registered",
+        )
+    )
+)
+"""Lightning's informational lines that ask nothing of the user."""
+
+WARNING_CHATTER = re.compile(
+    r"does not have many workers|Checkpoint directory .* exists and is not empty|"
+    r"Failed to load CPU gemm_4bit_forward|Unable to import torchao|The number of training batches .* is smaller than"
+)
+"""Warnings from Lightning or lightning-lora's dependencies that the run log keeps instead of the console."""
+
+_OURS = ("lightning_lora",)
+_SHOWN_PACKAGES = ("lightning_lora", "lightning", "lightning_fabric", "pytorch_lightning")
+
+
+def _package_of(filename: str) -> str:
+    parts = Path(filename).parts
+    for name in _SHOWN_PACKAGES:
+        if name in parts:
+            return name
+    return ""
+
+
+class Console:
+    """Routes library chatter to the run log (see the module docstring). ``install()`` at the start of the command,
+    ``attach(run_folder)`` once the run folder is known, ``close()`` at the end."""
+
+    def __init__(self) -> None:
+        self.memory = logging.handlers.MemoryHandler(capacity=10**6, flushLevel=logging.CRITICAL + 10)
+        self.memory.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
+        self.file: logging.FileHandler | None = None
+        self.path: Path | None = None
+        self.library_warnings = 0
+        self._showwarning: Any = None
+        self._filtered: list[logging.Handler] = []
+
+    # -- setting up ---------------------------------------------------------------------------------------------
+    def install(self) -> None:
+        self._showwarning = warnings.showwarning
+        warnings.showwarning = self._show
+        for name in ("lightning.pytorch", "lightning.fabric"):
+            for handler in logging.getLogger(name).handlers:
+                handler.addFilter(self._lightning_line)
+                self._filtered.append(handler)
+        for library in ("transformers", "diffusers"):
+            try:
+                module = __import__(f"{library}.utils.logging", fromlist=["logging"])
+            except ImportError:  # pragma: no cover - both are dependencies
+                continue
+            module.disable_default_handler()
+            module.add_handler(self.memory)
+
+    def attach(self, folder: str | Path) -> None:
+        """Write what waited in memory, and everything from now on, to ``<folder>/lightning-lora.log``."""
+        if self.file is not None:
+            return
+        folder = Path(folder)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            self.file = logging.FileHandler(folder / LOG_NAME, encoding="utf-8", errors="backslashreplace")
+        except OSError:
+            return  # a folder that cannot be written is reported by the start-up check, not here
+        self.file.setFormatter(self.memory.formatter)
+        self.path = folder / LOG_NAME
+        self.memory.setTarget(self.file)
+        self.memory.flush()
+
+    def close(self) -> None:
+        if self._showwarning is not None:
+            warnings.showwarning = self._showwarning
+            self._showwarning = None
+        for handler in self._filtered:
+            handler.removeFilter(self._lightning_line)
+        self._filtered.clear()
+        self.memory.flush()
+        if self.file is not None:
+            self.file.close()
+
+    def __enter__(self) -> Console:
+        self.install()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    # -- routing -----------------------------------------------------------------------------------------------
+    def _lightning_line(self, record: logging.LogRecord) -> bool:
+        if CHATTER.search(record.getMessage()):
+            self.memory.handle(record)
+            return False
+        return True
+
+    def _show(
+        self,
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: TextIO | None = None,
+        line: str | None = None,
+    ) -> None:
+        text = str(message)
+        package = _package_of(filename)
+        if package and not WARNING_CHATTER.search(text):
+            self._showwarning(message, category, filename, lineno, file, line)
+            return
+        if package not in _OURS:
+            self.library_warnings += 1
+        record = logging.LogRecord("py.warnings", logging.WARNING, filename, lineno, text, None, None)
+        record.msg = f"{category.__name__}: {text}"
+        self.memory.handle(record)
+
+    def summary(self) -> str | None:
+        """One line for the run summary: where the libraries' messages went."""
+        if self.path is None:
+            return None
+        extra = f" ({self.library_warnings} library warnings)" if self.library_warnings else ""
+        return f"  library messages:         {self.path}{extra}"
