@@ -72,10 +72,26 @@ def prepare(out: Path) -> tuple[Path, Path]:
     return model, photos
 
 
+def _quiet() -> None:
+    """The demo prints its two lines: the libraries' notes (no torchvision here) and their save progress bars are not
+    for the user (set before transformers / diffusers are imported, so their import-time notes are quiet too)."""
+    import os
+
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+    diffusers_logging.disable_progress_bar()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path(".demo"), help="folder for the model and photos")
     args = parser.parse_args()
+    _quiet()
     model, photos = prepare(args.out)
     others = ", ".join(str(args.out / name) for name in TINY_MODELS if name != model.name)
     print(f"demo model:  {model} (also {others})\ndemo photos: {photos} ({len(PHOTOS)} images with captions)")
