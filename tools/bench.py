@@ -350,11 +350,12 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         "targets": a.targets,
         "offload": a.offload,
         "offload_act": a.offload_act,
+        "variant": a.variant,
     }
     module = LoraModule(
         pretrained="random-init",
         family=family,
-        lora=LoraOptions(rank=a.rank, alpha=a.rank, targets=a.targets),
+        lora=LoraOptions(rank=a.rank, alpha=a.rank, targets=a.targets, variant=a.variant),
         base_dtype="bf16",
         quantization=QuantOptions(mode=a.quant),
         gradient_checkpointing=bool(a.gc),
@@ -434,6 +435,7 @@ def main() -> None:
     p.add_argument("--quant", default="none", choices=["none", "nf4", "fp8", "fp8_compute"])
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--targets", default="attention")
+    p.add_argument("--variant", default="lora", choices=["lora", "dora", "lokr", "loha"], help="model.lora.variant")
     p.add_argument("--gc", type=int, default=0)
     p.add_argument("--every", type=int, default=1, help="with --gc 1: checkpoint one block in N")
     p.add_argument("--h", type=int, default=512)

@@ -29,12 +29,22 @@ from typing import Any
 import torch
 
 from lightning_lora.data.cache import quantize_text_encoders
+from lightning_lora.families import encoders
 from lightning_lora.families.flux import Flux
 from lightning_lora.tiny import CAPTION_WORDS, make_clip_tokenizer, make_t5_tokenizer
 
-# google/t5-v1_1-xxl (FLUX.1-dev's text_encoder_2) and openai/clip-vit-large-patch14 (its text_encoder).
-T5_XXL = dict(d_model=4096, d_ff=10240, d_kv=64, num_heads=64, num_layers=24, vocab_size=32128)
-CLIP_L = dict(hidden_size=768, intermediate_size=3072, num_attention_heads=12, num_hidden_layers=12, vocab_size=49408)
+# google/t5-v1_1-xxl (FLUX.1-dev's text_encoder_2) and openai/clip-vit-large-patch14 (its text_encoder): the
+# architectures the memory planner uses (lightning_lora.families.encoders).
+T5_XXL = {
+    k: v
+    for k, v in encoders.T5_XXL.items()
+    if k in ("d_model", "d_ff", "d_kv", "num_heads", "num_layers", "vocab_size")
+}
+CLIP_L = {
+    k: v
+    for k, v in encoders.CLIP_L.items()
+    if k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers", "vocab_size")
+}
 T5_TINY = dict(d_model=128, d_ff=256, d_kv=32, num_heads=4, num_layers=2, vocab_size=32128)
 CLIP_TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_hidden_layers=2, vocab_size=49408)
 
