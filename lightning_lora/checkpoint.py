@@ -62,6 +62,7 @@ INCOMPATIBLE = {
     "model.lora.rank": ("lora", "rank"),
     "model.lora.alpha": ("lora", "alpha"),
     "model.lora.targets": ("lora", "targets"),
+    "model.lora.variant": ("lora", "variant"),
     "model.family": ("family", "class_path"),
     "model.pretrained": ("pretrained",),
     "model.denoiser_file": ("denoiser_file",),
@@ -206,6 +207,8 @@ def check_compatible(saved: dict[str, Any], current: dict[str, Any], path: str |
             old = old if old is not None else _lookup(saved, ("lora", "rank"))
             new = new if new is not None else _lookup(current, ("lora", "rank"))
             old, new = (float(old) if old is not None else None), (float(new) if new is not None else None)
+        if option == "model.lora.variant":  # checkpoints from before variants existed are plain LoRA
+            old, new = old or "lora", new or "lora"
         if option == "model.denoiser_file":  # the same file in another folder is the same model
             old, new = (Path(old).name if old else old), (Path(new).name if new else new)
         if old != new:

@@ -1,5 +1,12 @@
 """The adapter's one home: its options, the one peft config, which parameters are the adapter's, and its keys.
 
+Variants (``model.lora.variant``), each built by peft from the same options: ``lora`` (``scale * B @ A``, below);
+``dora`` (DoRA: the weight split into a magnitude per output channel and a direction, the LoRA update added to the
+direction, the magnitude learned too: peft's ``lora_magnitude_vector``); ``lokr`` (LoKr: the update is the Kronecker
+product ``w1 ⊗ w2`` of two small matrices, ``w2`` low-rank when large: peft's ``lokr_w1``, ``lokr_w2`` or
+``lokr_w2_a/_b``); ``loha`` (LoHa: the Hadamard product of two low-rank updates ``(w1a @ w1b) * (w2a @ w2b)``:
+peft's ``hada_w1_a``... ). Which file formats hold which variant is :mod:`lightning_lora.formats`'.
+
 A LoRA adapter adds ``scale * B @ A`` to a frozen linear layer's output (``A``: ``r x in``, ``B``: ``out x r``,
 ``scale = alpha / r``); a convolution gets ``A`` as an ``r x in x k x k`` convolution and ``B`` as ``out x r x 1 x 1``.
 peft builds the adapters (:func:`inject_lora`) from :class:`LoraOptions` through one :func:`peft_config`, so the
@@ -41,10 +48,12 @@ from torch import nn
 from lightning_lora.errors import ConfigError
 
 if TYPE_CHECKING:
-    from peft import LoraConfig
+    from peft import PeftConfig
 
 __all__ = [
     "ADAPTER_PREFIXES",
+    "VARIANTS",
+    "Variant",
     "AdapterKey",
     "LoraOptions",
     "adapter_state",
@@ -57,6 +66,10 @@ __all__ = [
     "split_lora_state",
     "trainable_parameters",
 ]
+
+Variant = Literal["lora", "dora", "lokr", "loha"]
+VARIANTS: tuple[str, ...] = ("lora", "dora", "lokr", "loha")
+"""The adapter kinds ``model.lora.variant`` builds (:func:`peft_config`)."""
 
 ADAPTER_PREFIXES = ("lora_", "lokr_", "hada_", "oft_", "boft_", "ia3_", "vera_")
 """Prefixes of the tensor names peft's tuners give their adapters (LoRA and DoRA, LoKr, LoHa, OFT, BOFT, IA3,
@@ -90,8 +103,13 @@ class LoraOptions:
         alpha: the update is scaled by ``alpha / rank``; null means alpha = rank (scale 1).
         targets: a family preset (``attention``, ``attention_all``, ``all_linear``), a regular expression over module
             names, or a list of module-name suffixes.
-        dropout: dropout on the LoRA input during training.
-        init: ``gaussian`` (A ~ N(0, 1/r), B = 0, as the diffusers scripts) or ``kaiming`` (peft's default).
+        dropout: dropout on the LoRA input during training (``lora`` and ``dora``).
+        init: ``gaussian`` (A ~ N(0, 1/r), B = 0, as the diffusers scripts) or ``kaiming`` (peft's default); for
+            ``lora`` and ``dora`` (LoKr and LoHa start from a zero update their own way).
+        variant: ``lora``; ``dora`` (weight-decomposed LoRA: a learned magnitude per output channel beside the low-rank
+            direction; a little slower, often closer to full fine-tuning); ``lokr`` (a Kronecker product of two small
+            matrices: far fewer parameters for the same rank); ``loha`` (a Hadamard product of two low-rank updates:
+            rank r^2 expressiveness from 2r). All through peft.
     """
 
     rank: int = 16
@@ -99,6 +117,7 @@ class LoraOptions:
     targets: str | list[str] = "attention"
     dropout: float = 0.0
     init: Literal["gaussian", "kaiming"] = "gaussian"
+    variant: Variant = "lora"
 
     def __post_init__(self) -> None:
         if self.rank < 1:
@@ -107,6 +126,13 @@ class LoraOptions:
             raise ConfigError(f"model.lora.alpha: {self.alpha} must be positive, or null for alpha = rank.")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.lora.dropout: {self.dropout} must be in [0, 1).")
+        if self.variant not in VARIANTS:
+            raise ConfigError(f"model.lora.variant: {self.variant!r} is not one of {', '.join(VARIANTS)}.")
+        if self.dropout and self.variant in ("lokr", "loha"):
+            raise ConfigError(
+                f"model.lora.dropout: {self.dropout} drops LoRA inputs, which model.lora.variant: {self.variant} does "
+                "not have; set model.lora.dropout: 0 (or use variant lora / dora)."
+            )
 
     @property
     def scale_alpha(self) -> float:
@@ -122,20 +148,27 @@ class LoraOptions:
             targets=saved.get("targets") or "attention",
             dropout=float(saved.get("dropout") or 0.0),
             init=saved.get("init") or "gaussian",
+            variant=saved.get("variant") or "lora",
         )
 
 
-def peft_config(options: LoraOptions, target_modules: str | list[str]) -> LoraConfig:
-    """The one peft ``LoraConfig`` of ``options`` for ``target_modules`` (a regular expression peft full-matches, or a
-    list of module-name suffixes)."""
-    from peft import LoraConfig
+def peft_config(options: LoraOptions, target_modules: str | list[str]) -> PeftConfig:
+    """The one peft config of ``options`` for ``target_modules`` (a regular expression peft full-matches, or a list of
+    module-name suffixes): ``LoraConfig`` (``use_dora`` for DoRA), ``LoKrConfig`` or ``LoHaConfig``."""
+    from peft import LoHaConfig, LoKrConfig, LoraConfig
 
+    alpha: Any = options.scale_alpha  # peft's annotations say int; it takes a float (it divides by r)
+    if options.variant == "lokr":
+        return LoKrConfig(r=options.rank, alpha=alpha, target_modules=target_modules, init_weights=True)
+    if options.variant == "loha":
+        return LoHaConfig(r=options.rank, alpha=alpha, target_modules=target_modules, init_weights=True)
     return LoraConfig(
         r=options.rank,
-        lora_alpha=options.scale_alpha,  # type: ignore[arg-type]  # peft accepts a float (it divides by r)
+        lora_alpha=alpha,
         lora_dropout=options.dropout,
         init_lora_weights="gaussian" if options.init == "gaussian" else True,
         target_modules=target_modules,
+        use_dora=options.variant == "dora",
     )
 
 

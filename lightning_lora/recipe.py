@@ -89,6 +89,18 @@ class ModelRecipe:
             except re.error as e:
                 raise ConfigError(f"model.quantization.skip: {pattern!r} is not a regular expression ({e}).") from e
         self._check_offload()
+        if self.lora.variant in ("lokr", "loha") and self.quantization.mode == "nf4":
+            raise ConfigError(
+                f"model.lora.variant: {self.lora.variant} reads the base layer's weight shape, and an NF4 layer keeps "
+                "its weight packed (peft's LoKr / LoHa layers fail on it). Use model.quantization.mode: fp8 (half of "
+                "bf16) or none, or variant lora / dora."
+            )
+        if self.lora.variant == "dora" and self.quantization.mode in ("fp8", "fp8_compute"):
+            raise ConfigError(
+                "model.lora.variant: dora normalizes the base weight plus the update each step, and peft cannot read "
+                f"lightning-lora's float8 weights (model.quantization.mode: {self.quantization.mode}). Use variant "
+                "lora, or a bf16 or NF4 base."
+            )
 
     def _check_offload(self) -> None:
         count = self.offload_blocks
