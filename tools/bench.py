@@ -429,7 +429,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The command line; ``parser().parse_args([...])`` gives every option its default."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--family", default="flux", choices=["flux", "sdxl"])
     p.add_argument("--quant", default="none", choices=["none", "nf4", "fp8", "fp8_compute"])
@@ -459,7 +460,11 @@ def main() -> None:
     )
     p.add_argument("--loop", default="lightning", choices=["lightning", "bare"], help="bare: no Trainer (diagnosis)")
     p.add_argument("--profile", default="", help="write a torch.profiler summary of the timed steps to this file")
-    a = p.parse_args()
+    return p
+
+
+def main() -> None:
+    a = parser().parse_args()
     try:
         out = run(a)
     except Exception as e:  # one JSON line per configuration, also when it fails

@@ -3,7 +3,6 @@ models (the same code path the GPU numbers come from)."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
@@ -28,31 +27,9 @@ import bench_suite  # noqa: E402
 def test_bench_runs_our_module_on_a_tiny_model(
     family: str, loop: str, offload: int, offload_act: int, opt: str
 ) -> None:
-    args = argparse.Namespace(
-        family=family,
-        quant="none",
-        rank=4,
-        targets="attention",
-        gc=offload_act,
-        every=1,
-        h=64,
-        w=64,
-        tlen=16,
-        batch=1,
-        steps=1,
-        warm=1,
-        opt=opt,
-        compile=0,
-        offload=offload,
-        offload_act=offload_act,
-        attention="auto",
-        plan=1,
-        tiny=True,
-        devices=1,
-        strategy="auto",
-        loop=loop,
-        profile="",
-    )
+    argv = ["--family", family, "--rank", "4", "--gc", str(offload_act), "--h", "64", "--w", "64", "--tlen", "16"]
+    argv += ["--steps", "1", "--warm", "1", "--opt", opt, "--offload", str(offload), "--offload-act", str(offload_act)]
+    args = bench.parser().parse_args([*argv, "--tiny", "--loop", loop])
     out = bench.run(args)
     assert out["s_per_step"] > 0 and out["lora_params_M"] > 0 and out["loss"] > 0
     assert out["planned_peak_GiB"] >= out["planned"]["overhead"] > 0  # tiny model: little beyond the CUDA context
