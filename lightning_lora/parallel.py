@@ -12,6 +12,9 @@ with the settings that suit a frozen base, measured on 2 H200s (BENCHMARKS.md).
 
 from __future__ import annotations
 
+import inspect
+import warnings
+from collections.abc import Collection
 from typing import Any
 
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy, Strategy
@@ -22,7 +25,7 @@ from typing_extensions import override
 from lightning_lora.errors import ConfigError
 from lightning_lora.recipe import ModelRecipe
 
-__all__ = ["SHARDING_STRATEGIES", "LoraDDPStrategy", "check_strategy", "resolve_strategy"]
+__all__ = ["SHARDING_STRATEGIES", "LoraDDPStrategy", "check_strategy", "no_buffer_sync", "resolve_strategy"]
 
 SHARDING_STRATEGIES: tuple[type[Strategy], ...] = (FSDPStrategy, ModelParallelStrategy, DeepSpeedStrategy)
 
@@ -52,9 +55,9 @@ def check_strategy(strategy: Strategy, recipe: ModelRecipe) -> None:
 class LoraDDPStrategy(DDPStrategy):
     """Lightning's DDP for a frozen base carrying LoRA.
 
-    * ``broadcast_buffers=False``: DDP would otherwise copy every buffer from rank 0 before each forward. The frozen
-      base is identical on every rank (loaded from the same files), and the FP8 base keeps its weights in buffers:
-      that would be gigabytes per step.
+    * No buffer copies (:func:`no_buffer_sync`): DDP would otherwise copy every buffer from rank 0 before each
+      forward. The frozen base is identical on every rank (loaded from the same files), and the FP8 base keeps its
+      weights in buffers: that would be gigabytes per step.
     * ``gradient_as_bucket_view=True``: the LoRA gradients live in DDP's all-reduce buckets (no second copy).
     * DDP is built on the current CUDA stream. Lightning builds it on a side stream (for CUDA-graph capture), so the
       gradient accumulators it keeps belong to another stream than the backward pass, which then synchronizes
@@ -65,13 +68,33 @@ class LoraDDPStrategy(DDPStrategy):
     """
 
     def __init__(self, **kwargs: Any) -> None:
-        kwargs.setdefault("broadcast_buffers", False)
+        if not _BUFFER_OPTIONS & kwargs.keys():
+            kwargs.update(no_buffer_sync(inspect.signature(DistributedDataParallel).parameters))
         kwargs.setdefault("gradient_as_bucket_view", True)
         super().__init__(**kwargs)
 
     @override
     def _setup_model(self, model: nn.Module) -> DistributedDataParallel:
-        return DistributedDataParallel(module=model, device_ids=self.determine_ddp_device_ids(), **self._ddp_kwargs)
+        with warnings.catch_warnings():
+            # torch 2.11 deprecates broadcast_buffers, yet its own warning says to keep broadcast_buffers=False (its
+            # replacement still copies every buffer once at start-up) until init_sync_buffers exists; then
+            # no_buffer_sync uses that and this filter matches nothing.
+            warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
+            return DistributedDataParallel(module=model, device_ids=self.determine_ddp_device_ids(), **self._ddp_kwargs)
+
+
+_BUFFER_OPTIONS = frozenset({"broadcast_buffers", "forward_sync_buffers", "init_sync_buffers"})
+
+
+def no_buffer_sync(ddp_parameters: Collection[str]) -> dict[str, bool]:
+    """``DistributedDataParallel`` keywords that never copy buffers between ranks, for a DDP taking ``ddp_parameters``.
+
+    ``broadcast_buffers=False`` until DDP has ``init_sync_buffers`` (``forward_sync_buffers=False`` alone still copies
+    every buffer from rank 0 once when DDP is built: gigabytes for an FP8 base).
+    """
+    if "init_sync_buffers" in ddp_parameters:
+        return {"forward_sync_buffers": False, "init_sync_buffers": False}
+    return {"broadcast_buffers": False}
 
 
 def resolve_strategy(strategy: Any, devices: Any) -> Any:

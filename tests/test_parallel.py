@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParalle
 from lightning_lora.errors import ConfigError
 from lightning_lora.families.base import ModelSource
 from lightning_lora.families.flux import Flux
-from lightning_lora.parallel import LoraDDPStrategy, check_strategy, resolve_strategy
+from lightning_lora.parallel import LoraDDPStrategy, check_strategy, no_buffer_sync, resolve_strategy
 from lightning_lora.quant import QuantOptions
 from lightning_lora.recipe import ModelRecipe
 
@@ -70,10 +71,25 @@ def test_ddp_becomes_the_lora_ddp_strategy(strategy: str, devices: object, ours:
     assert LoraDDPStrategy(broadcast_buffers=True)._ddp_kwargs["broadcast_buffers"] is True
 
 
+def test_no_buffer_sync_follows_the_ddp_at_hand() -> None:
+    assert no_buffer_sync({"module", "broadcast_buffers"}) == {"broadcast_buffers": False}
+    later = {"module", "broadcast_buffers", "forward_sync_buffers", "init_sync_buffers"}
+    assert no_buffer_sync(later) == {"forward_sync_buffers": False, "init_sync_buffers": False}
+    # A user's own buffer option is kept as given, with nothing of ours beside it.
+    assert LoraDDPStrategy(forward_sync_buffers=True)._ddp_kwargs == {
+        "forward_sync_buffers": True,
+        "gradient_as_bucket_view": True,
+    }
+
+
 def test_the_command_trains_with_lora_ddp(tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path) -> None:
     config = write_config(tmp_path, tiny_flux_dir, photos_dir, **{"trainer.strategy": "ddp", "trainer.max_steps": 1})
-    cli = run_cli(["fit", "--config", str(config)])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cli = run_cli(["fit", "--config", str(config)])
     assert isinstance(cli.trainer.strategy, LoraDDPStrategy) and cli.trainer.global_step == 1
+    # Our DDP options are the current ones: building DDP warns about none of them.
+    assert not [w for w in caught if "buffers" in str(w.message)], [str(w.message) for w in caught]
 
 
 def test_lightnings_distributed_sampler_is_refused(
