@@ -92,7 +92,7 @@ def test_build_then_reuse(tmp_path: Path, tiny_flux_dir: Path) -> None:
     stored = cache.load_latents(e.latent_key)
     assert stored["latents"].shape == (4, 16 // 8, 48 // 8) and stored["latents"].dtype == torch.float32
     vae = cache.family.load_vae(cache.source)
-    pixels = torch.from_numpy(decode(e.image, e.placement.source_box(), e.bucket)).permute(2, 0, 1)[None]
+    pixels = torch.tensor(decode(e.image, e.placement.source_box(), e.bucket)).permute(2, 0, 1)[None]
     direct = cache.family.encode_images(vae, pixels.float() / 127.5 - 1.0)[0]
     torch.testing.assert_close(stored["latents"], direct, atol=1e-5, rtol=1e-5)
     assert stored["original_size"].tolist() == [32, 64] and stored["target_size"].tolist() == [16, 48]
@@ -297,7 +297,7 @@ def test_flipped_entry_is_the_mirrored_image(tmp_path: Path, tiny_flux_dir: Path
     e = _build(cache, data, spec=_spec(flip=True), default_caption="x").train[0]
     plain, mirrored = cache.load_latents(e.latent_key), cache.load_latents(e.flip_key)
     vae = cache.family.load_vae(cache.source)
-    pixels = torch.from_numpy(decode(e.image, e.placement.source_box(), e.bucket)).permute(2, 0, 1)[None]
+    pixels = torch.tensor(decode(e.image, e.placement.source_box(), e.bucket)).permute(2, 0, 1)[None]
     expected = cache.family.encode_images(vae, pixels.flip(-1).float() / 127.5 - 1.0)[0]
     torch.testing.assert_close(mirrored["latents"], expected, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(plain["latents"], mirrored["latents"])

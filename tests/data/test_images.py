@@ -24,6 +24,12 @@ def _decode(path: Path, bucket: tuple[int, int] = (RES, RES), background=(255, 2
     return decode(path, p.source_box(), p.bucket, background)
 
 
+def _file(path: Path) -> tuple[str, int]:
+    """The mode and frame count Pillow reads from a file (closed again)."""
+    with Image.open(path) as im:
+        return im.mode, getattr(im, "n_frames", 1)
+
+
 def _signed(x: np.ndarray) -> np.ndarray:
     return x.astype(np.float32) / 127.5 - 1.0
 
@@ -97,7 +103,7 @@ def test_grayscale_palette_and_la(tmp_path: Path) -> None:
 def test_16bit_grayscale_keeps_its_ramp_and_brightness(tmp_path: Path) -> None:
     ramp = np.tile(np.linspace(0, 65535, 64).astype(np.uint16), (64, 1))
     Image.fromarray(ramp).save(tmp_path / "deep.png")
-    assert Image.open(tmp_path / "deep.png").mode.startswith("I")
+    assert _file(tmp_path / "deep.png")[0].startswith("I")
     row = _signed(_decode(tmp_path / "deep.png", (64, 64)))[32, :, 0]
     # A naive convert("RGB") clips everything above 255 to white; the ramp must survive as a ramp.
     assert row[0] < -0.9 and row[-1] > 0.9 and (np.diff(row) >= -1e-6).all()
@@ -107,7 +113,7 @@ def test_16bit_grayscale_keeps_its_ramp_and_brightness(tmp_path: Path) -> None:
 
 def test_cmyk_jpeg(tmp_path: Path) -> None:
     Image.new("CMYK", (40, 40), (0, 255, 255, 0)).save(tmp_path / "cmyk.jpg")
-    assert Image.open(tmp_path / "cmyk.jpg").mode == "CMYK"
+    assert _file(tmp_path / "cmyk.jpg")[0] == "CMYK"
     x = _decode(tmp_path / "cmyk.jpg").astype(int)
     assert x[..., 0].mean() > 230 and x[..., 1].mean() < 25 and x[..., 2].mean() < 25  # red
 
@@ -245,12 +251,12 @@ def test_gif_tiff_and_animations_decode_their_first_frame(tmp_path: Path) -> Non
     frames[0].save(tmp_path / "anim.png", save_all=True, append_images=frames[1:], duration=100)  # APNG
     frames[0].save(tmp_path / "anim.webp", save_all=True, append_images=frames[1:], duration=100, lossless=True)
     for name in ("anim.gif", "anim.png", "anim.webp"):
-        assert getattr(Image.open(tmp_path / name), "n_frames", 1) == 3, name
+        assert _file(tmp_path / name)[1] == 3, name
         assert np.abs(_decode(tmp_path / name).astype(int) - red).max() <= 3, name
     # A multi-page TIFF: green page first, then red and blue.
     pages = [Image.new("RGB", (RES, RES), c) for c in (green, red, blue)]
     pages[0].save(tmp_path / "pages.tif", save_all=True, append_images=pages[1:])
-    assert Image.open(tmp_path / "pages.tif").n_frames == 3
+    assert _file(tmp_path / "pages.tif")[1] == 3
     assert (_decode(tmp_path / "pages.tif") == green).all()
     # 16-bit grayscale TIFF (little- and big-endian) keeps its ramp; a float TIFF in [0, 1] too.
     ramp = np.tile(np.linspace(0, 65535, 64).astype(np.uint16), (64, 1))
@@ -258,7 +264,7 @@ def test_gif_tiff_and_animations_decode_their_first_frame(tmp_path: Path) -> Non
     Image.frombytes("I;16B", (64, 64), ramp.astype(">u2").tobytes()).save(tmp_path / "deep_be.tif")
     Image.fromarray((ramp / 65535.0).astype(np.float32)).save(tmp_path / "float.tif")
     for name in ("deep.tif", "deep_be.tif", "float.tif"):
-        mode = Image.open(tmp_path / name).mode
+        mode = _file(tmp_path / name)[0]
         assert mode.startswith("I;16") or mode == "F", (name, mode)
         row = _signed(_decode(tmp_path / name, (64, 64)))[32, :, 0]
         assert row[0] < -0.9 and row[-1] > 0.9 and (np.diff(row) >= -1e-6).all(), name
