@@ -1,30 +1,43 @@
 """Export the trained LoRA as a safetensors file that diffusers, ComfyUI, Forge or kohya's sd-scripts load.
 
 A LoRA file is the adapter's tensors in one of the layouts of :mod:`lightning_lora.formats` (``diffusers``: peft keys
-with ``lora_adapter_metadata``; ``kohya``: ``lora_unet_<module>`` keys with one ``alpha`` per module), plus our own
-metadata (``lightning_lora.*`` keys: version, format, rank, alpha, targets, and what the caller passes as ``info``:
-base model, family, steps...); safetensors metadata values are strings.
+with the scale folded into ``lora_B`` and ``lora_adapter_metadata``; ``kohya``: ``lora_unet_<module>`` keys with one
+``alpha`` per module, LyCORIS tensors for DoRA, LoKr and LoHa), plus metadata (safetensors metadata values are
+strings):
+
+* ModelSpec (``modelspec.architecture``, ``.implementation``, ``.title``, ``.resolution``, ``.date``,
+  ``.trigger_phrase``), which UIs and model sites show, in both layouts;
+* kohya's ``ss_*`` keys in kohya files (``ss_network_module``, ``ss_network_dim``, ``ss_network_alpha``,
+  ``ss_network_args``, ``ss_output_name``...: :func:`lightning_lora.formats.kohya.kohya_metadata`);
+* our own ``lightning_lora.*`` keys: version, format, rank, alpha, variant, targets, ``loads_in`` (the tools that apply
+  every layer of the file exactly, :mod:`lightning_lora.formats.clients`), and what the caller passes as ``info``
+  (base model, family, steps, resolution, trigger...).
 
 The file is written atomically, so an interrupted export never leaves a half file.
 
 Who decides what
 ----------------
-The *family* decides which formats it writes (:attr:`~lightning_lora.families.base.DiffusionFamily.lora_formats`) and
-how its modules are named in the kohya layout (:meth:`~lightning_lora.families.base.DiffusionFamily.kohya_lora`); the
-*format* decides which adapter variants a file can hold (:data:`lightning_lora.formats.VARIANTS`). A request outside
-either is refused with the reason (a family without a kohya layout, a DoRA adapter for a LoRA-only format), never
-answered with a file that holds less than was trained.
+The *family* decides which formats it writes (:attr:`~lightning_lora.families.base.DiffusionFamily.lora_formats`), how
+its modules are named in the kohya layout (:meth:`~lightning_lora.families.base.DiffusionFamily.kohya_lora`) and what
+each loader makes of its files (:meth:`~lightning_lora.families.base.DiffusionFamily.lora_coverage`); the *format*
+decides which adapter variants a file can hold (:data:`lightning_lora.formats.VARIANTS`). A request outside either is
+refused with the reason (a family without a kohya layout, a LoKr adapter for the diffusers format, a LoKr on FLUX's
+fused q/k/v), never answered with a file that holds less than was trained. :func:`check_export` asks the same
+question before training starts, on shapes alone.
 
-Two ways in, one way out
-------------------------
+Three ways in, one way out
+--------------------------
 :func:`save_lora` writes from the live peft model (the end-of-training callback). :func:`export_lora` writes from a
 plain peft-style state dict (``<module>.lora_A.weight``, no prefix, no adapter name). :func:`checkpoint_lora` gets that
 state dict, the LoRA options, the family and the step from a Lightning checkpoint without loading the base model, so
-``lightning-lora export`` takes seconds, not a 24 GB load.
+``lightning-lora export`` takes seconds, not a 24 GB load. :func:`convert_lora_file` rewrites a LoRA file made
+elsewhere (or by an older version) in another layout: a diffusers file is read by its own config, a kohya file by
+diffusers' own converter (``lora_state_dict``), and both are written by the same code as a trained LoRA.
 """
 
 from __future__ import annotations
 
+import datetime
 import inspect
 import json
 from collections.abc import Mapping
@@ -35,14 +48,30 @@ import torch
 from torch import nn
 
 from lightning_lora import __version__
-from lightning_lora.errors import ConfigError
+from lightning_lora.errors import ConfigError, first_line
 from lightning_lora.families import FAMILIES, DiffusionFamily
 from lightning_lora.formats import FORMATS, VARIANTS, LoraFormat
-from lightning_lora.formats.diffusers import to_diffusers
+from lightning_lora.formats.adapters import adapters_from_peft, common_rank, variants_of
+from lightning_lora.formats.clients import Coverage
+from lightning_lora.formats.diffusers import from_diffusers, is_diffusers_file, to_diffusers
+from lightning_lora.formats.kohya import KOHYA_PREFIX, LYCORIS_PREFIX, network_summary
 from lightning_lora.io import save_safetensors
-from lightning_lora.lora import LoraOptions, adapter_state, parse_key, split_lora_state
+from lightning_lora.lora import LoraOptions, adapter_state
 
-__all__ = ["FORMATS", "CheckpointLora", "checkpoint_lora", "export_lora", "read_metadata", "save_lora"]
+__all__ = [
+    "FORMATS",
+    "CheckpointLora",
+    "LoraFile",
+    "check_export",
+    "checkpoint_lora",
+    "convert_lora_file",
+    "export_lora",
+    "file_coverage",
+    "read_lora_file",
+    "read_metadata",
+    "save_lora",
+    "write_lora",
+]
 
 
 def save_lora(
@@ -83,72 +112,313 @@ def export_lora(
     info: Mapping[str, Any],
     dtype: torch.dtype | None = None,
 ) -> Path:
-    """Write a LoRA given as a peft-style state dict to ``path`` (safetensors, atomically) in ``format``.
+    """Write a trained LoRA given as a peft-style state dict to ``path`` (safetensors, atomically) in ``format``.
 
     Args:
-        state: ``{"<module>.lora_A.weight": [r, in], "<module>.lora_B.weight": [out, r]}``, module names of the
-            denoiser without prefix or adapter name (what :func:`checkpoint_lora` returns).
+        state: ``{"<module>.lora_A.weight": [r, in], "<module>.lora_B.weight": [out, r]}`` (DoRA's
+            ``<module>.lora_magnitude_vector``, LoKr's ``<module>.lokr_w1``..., LoHa's ``<module>.hada_w1_a``...),
+            module names of the denoiser without prefix or adapter name (what :func:`checkpoint_lora` returns).
         path: the ``.safetensors`` file to write (replaced atomically if it exists: callers decide about overwriting).
-        format: ``diffusers`` (peft keys under the family's ``denoiser_subfolder``, ``transformer.`` or ``unet.``,
-            with ``lora_adapter_metadata``; :mod:`lightning_lora.formats.diffusers`) or ``kohya``
-            (``lora_unet_<module>`` keys with ``.alpha``, module names as sd-scripts has them for the family;
-            :mod:`lightning_lora.formats.kohya`). It must be one of the family's ``lora_formats``.
-        lora: the LoRA options the state was trained with (rank, alpha, targets, dropout, init).
+        format: ``diffusers`` (:mod:`lightning_lora.formats.diffusers`) or ``kohya``
+            (:mod:`lightning_lora.formats.kohya`). It must be one of the family's ``lora_formats``.
+        lora: the LoRA options the state was trained with (rank, alpha, targets, init, variant); every update is
+            scaled by ``alpha / rank`` as peft did in training.
         family: the model family the LoRA belongs to; it names the modules in its formats.
-        info: our metadata (base model, steps...), stored as ``lightning_lora.<key>`` strings.
-        dtype: cast the weights (bf16 halves the file); default keeps them as given. kohya ``alpha`` stays float32.
+        info: our metadata (base model, steps, resolution, trigger, title...), stored as ``lightning_lora.<key>``
+            strings; ``resolution``, ``trigger`` and ``title`` also fill ModelSpec's fields.
+        dtype: cast the weights (bf16 halves the file); default keeps them as given. ``alpha`` stays float32.
 
     Raises:
         ConfigError: a format the family does not write, an adapter variant the format cannot hold, an empty state,
-            a rank other than the options'. ``ValueError``: a module the format has no name for, a malformed state.
+            a rank other than the options'. ``ValueError``: a module the format has no name or exact form for, a
+            malformed state.
     """
-    if format not in FORMATS:
-        raise ConfigError(f"--format: {format!r} is not one of {', '.join(FORMATS)}")
-    if format not in family.lora_formats:
-        raise family.format_refused(format)
-    _check_variants(state, format, family)
-    pairs = split_lora_state(state)
-    if not pairs:
+    _check_format(state, format, family)
+    adapters = adapters_from_peft(state)
+    if not adapters:
         raise ConfigError("the LoRA state dict is empty: nothing to export")
     rank, alpha = int(lora.rank), lora.scale_alpha
-    wrong = [m for m, (a, _) in pairs.items() if a.shape[0] != rank]
+    wrong = [m for m, a in adapters.items() if a.rank is not None and a.variant != "LoKr" and a.rank != rank]
     if wrong:
-        raise ConfigError(f"{wrong[0]}: rank {pairs[wrong[0]][0].shape[0]} but the LoRA options say rank {rank}")
+        raise ConfigError(f"{wrong[0]}: rank {adapters[wrong[0]].rank} but the LoRA options say rank {rank}")
+    return write_lora(
+        state,
+        path,
+        format=format,
+        family=family,
+        scale=alpha / rank,
+        rank=rank,
+        alpha=alpha,
+        info=info,
+        targets=lora.targets,
+        init=lora.init,
+        dtype=dtype,
+    )
+
+
+def write_lora(
+    state: Mapping[str, torch.Tensor],
+    path: str | Path,
+    *,
+    format: str,
+    family: DiffusionFamily,
+    scale: float,
+    rank: int,
+    alpha: float,
+    info: Mapping[str, Any],
+    targets: str | list[str] | None = None,
+    init: str = "gaussian",
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Write ``state`` (a peft state dict) in ``format`` with every update scaled by ``scale``; ``rank`` and ``alpha``
+    are what the metadata reports as trained. :func:`export_lora` (a trained LoRA) and :func:`convert_lora_file` (a
+    file made elsewhere, scale already folded: ``scale=1``) both write through here."""
+    _check_format(state, format, family)
+    title = str(info.get("title") or Path(path).name.removesuffix(".safetensors"))
+    variants = {m: a.variant for m, a in adapters_from_peft(state).items()}
+    kinds = sorted(set(variants.values()), key=["LoRA", "DoRA", "LoKr", "LoHa"].index)
     metadata = {
         "format": "pt",
         "lightning_lora.version": __version__,
         "lightning_lora.format": format,
         "lightning_lora.rank": str(rank),
-        "lightning_lora.alpha": str(alpha),
+        "lightning_lora.alpha": str(float(alpha)),
+        "lightning_lora.variant": ",".join(kinds),
     }
-    if lora.targets is not None:
-        metadata["lightning_lora.targets"] = json.dumps(lora.targets)
+    if targets is not None:
+        metadata["lightning_lora.targets"] = json.dumps(targets)
     if format == "diffusers":
-        tensors, header = to_diffusers(state, family.denoiser_subfolder, lora, dtype=dtype)
+        tensors, header = to_diffusers(state, family.denoiser_subfolder, scale=scale, init=init, dtype=dtype)
     else:  # kohya: the family names its modules
-        tensors = family.kohya_lora(state, alpha, dtype=dtype)
-        header = family.kohya_metadata(rank, alpha, title=Path(path).stem)
+        tensors = family.kohya_lora(state, scale, dtype=dtype)
+        header = family.kohya_metadata(network_summary(tensors, state, rank, alpha, output_name=title))
     metadata.update(header)
+    metadata.update(modelspec(family, title, info))
+    metadata["lightning_lora.loads_in"] = json.dumps(family.lora_coverage(format, variants).loads_in)
     metadata.update({f"lightning_lora.{k}": v if isinstance(v, str) else json.dumps(v) for k, v in info.items()})
     return save_safetensors(tensors, path, metadata=metadata)
 
 
-def _check_variants(state: Mapping[str, torch.Tensor], format: str, family: DiffusionFamily) -> None:
-    """Refuse an adapter variant (DoRA, LoKr...) that files of ``format`` cannot hold, naming it and the format."""
-    for key in state:
-        parsed = parse_key(key)
-        if parsed is None or parsed.variant in VARIANTS[format]:
+def modelspec(family: DiffusionFamily, title: str, info: Mapping[str, Any]) -> dict[str, str]:
+    """The ModelSpec entries of a LoRA file of ``family`` (Stability AI's spec, as kohya's sd-scripts writes it,
+    ``library/sai_model_spec.py``): architecture and implementation from the family, the title, the training
+    resolution (``info["resolution"]``: a side or ``(height, width)``), today's date, the trigger phrase."""
+    if not family.lora_modelspec:
+        return {}
+    meta = {"modelspec.sai_model_spec": "1.0.1"}
+    meta.update({f"modelspec.{k}": v for k, v in family.lora_modelspec.items()})
+    meta["modelspec.title"] = title
+    resolution = info.get("resolution")
+    if isinstance(resolution, int | float) and resolution > 0:
+        meta["modelspec.resolution"] = f"{int(resolution)}x{int(resolution)}"
+    elif isinstance(resolution, list | tuple) and len(resolution) == 2:
+        meta["modelspec.resolution"] = f"{int(resolution[1])}x{int(resolution[0])}"  # width x height
+    meta["modelspec.date"] = datetime.datetime.now().replace(microsecond=0).isoformat()
+    if info.get("trigger"):
+        meta["modelspec.trigger_phrase"] = str(info["trigger"])
+    return meta
+
+
+def file_coverage(state: Mapping[str, torch.Tensor], family: DiffusionFamily, format: str) -> Coverage:
+    """What diffusers, ComfyUI and kohya's sd-scripts make of a ``format`` file of ``state``
+    (:meth:`~lightning_lora.families.base.DiffusionFamily.lora_coverage`)."""
+    variants = {m: a.variant for m, a in adapters_from_peft(state).items()}
+    return family.lora_coverage(format, variants)
+
+
+def check_export(state: Mapping[str, torch.Tensor], family: DiffusionFamily, format: str) -> None:
+    """Raise what :func:`export_lora` would raise for ``state`` in ``format`` (as :class:`ConfigError`), without
+    computing or writing anything: the conversion runs on tensors of the same shapes on the ``meta`` device."""
+    meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in state.items()}
+    _check_format(meta, format, family)
+    try:
+        if format == "diffusers":
+            to_diffusers(meta, family.denoiser_subfolder, scale=0.5)
+        else:
+            family.kohya_lora(meta, 0.5)
+    except ValueError as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"--format {format}: {first_line(e)}") from None
+
+
+def _check_format(state: Mapping[str, torch.Tensor], format: str, family: DiffusionFamily) -> None:
+    """Refuse a format the family does not write, or an adapter variant (DoRA, LoKr...) that files of ``format``
+    cannot hold, naming it and the format."""
+    if format not in FORMATS:
+        raise ConfigError(f"--format: {format!r} is not one of {', '.join(FORMATS)}")
+    if format not in family.lora_formats:
+        raise family.format_refused(format)
+    for variant in sorted(variants_of(state)):
+        if variant in VARIANTS[format]:
             continue
-        variant = parsed.variant
         holds = [f for f in family.lora_formats if variant in VARIANTS[f]]
         instead = (
             f"Export it with --format {holds[0]}." if holds else f"No format lightning-lora writes holds {variant} yet."
         )
+        key = next(k for k in state if _variant_key(k, variant))
         raise ConfigError(
             f"--format {format}: the LoRA is a {variant} adapter ({key!r}), and a {format} file holds "
             f"{' and '.join(VARIANTS[format])} only: writing it would drop the {variant} tensors and change what the "
             f"adapter does. {instead}"
         )
+
+
+def _variant_key(key: str, variant: str) -> bool:
+    from lightning_lora.lora import parse_key
+
+    parsed = parse_key(key)
+    return parsed is not None and parsed.variant == variant
+
+
+# --------------------------------------------------------------------------------------------- files made elsewhere
+
+
+class LoraFile(NamedTuple):
+    """A LoRA file read back by :func:`read_lora_file`."""
+
+    state: dict[str, torch.Tensor]
+    """peft keys without prefix, every module's scale folded into its weights (write it with ``scale=1``)."""
+    family: DiffusionFamily
+    """The family the file is for (from ``--family``, its metadata or its keys)."""
+    layout: str
+    """The layout it was in: ``diffusers`` or ``kohya``."""
+    metadata: dict[str, str]
+    """Its safetensors metadata."""
+
+
+def read_lora_file(path: str | Path, family: DiffusionFamily | None = None) -> LoraFile:
+    """Read a diffusers- or kohya-layout LoRA file into a peft state dict with the scale folded in.
+
+    The family is ``family`` when given, else the one the file names (``lightning_lora.family``, kohya's
+    ``ss_base_model_version``, ModelSpec's architecture), else the one its keys can only belong to. A diffusers file is
+    read by its own config (:func:`~lightning_lora.formats.diffusers.from_diffusers`); a kohya file by diffusers' own
+    converter, through the family (:meth:`~lightning_lora.families.base.DiffusionFamily.lora_from_kohya`). Raises
+    :class:`ConfigError` naming the file and the fix.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: does not exist.")
+    try:
+        tensors = load_file(str(path))
+        metadata = read_metadata(path)
+    except (SafetensorError, OSError) as e:
+        raise ConfigError(f"{path}: is not a readable safetensors file ({first_line(e)}).") from None
+    guessed = _family_from_keys(tensors)
+    if family is not None and guessed is not None and guessed != family.name:
+        raise ConfigError(
+            f"--family {family.name}: {path} holds a {guessed} LoRA (by its module names); pass --family {guessed} or "
+            "leave it out."
+        )
+    family = family or _family_of(tensors, metadata, path)
+    if is_diffusers_file(tensors):
+        prefix, state = from_diffusers(tensors, metadata)
+        if prefix != family.denoiser_subfolder:
+            raise ConfigError(
+                f"{path}: holds a {prefix} LoRA, but the {family.name} family's denoiser is the "
+                f"{family.denoiser_subfolder}."
+            )
+        return LoraFile(state, family, "diffusers", metadata)
+    if tensors and all(k.startswith((KOHYA_PREFIX, LYCORIS_PREFIX)) for k in tensors):
+        variants = sorted(
+            {k.split(".", 1)[1] for k in tensors if not k.endswith(("lora_down.weight", "lora_up.weight", ".alpha"))}
+        )
+        if variants:
+            raise ConfigError(
+                f"{path}: has {', '.join(variants[:3])} tensors (DoRA, LoKr or LoHa); lightning-lora converts kohya "
+                "files of plain LoRA (diffusers' converter reads lora_down / lora_up / alpha only)."
+            )
+        try:
+            state = family.lora_from_kohya(tensors)
+        except (ValueError, KeyError, AssertionError) as e:
+            raise ConfigError(
+                f"{path}: diffusers' converter could not read it as a {family.name} kohya LoRA ({first_line(e)})."
+            ) from None
+        return LoraFile(state, family, "kohya", metadata)
+    raise ConfigError(
+        f"{path}: is neither a diffusers LoRA file (transformer.* / unet.* keys) nor a kohya one (lora_unet_* keys); "
+        f"its keys start with {sorted({k.split('.')[0] for k in tensors})[:3]}. Text-encoder LoRAs are not converted."
+    )
+
+
+def convert_lora_file(
+    source: str | Path,
+    out: str | Path,
+    *,
+    format: str,
+    family: DiffusionFamily | None = None,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Rewrite the LoRA file ``source`` in ``format`` to ``out`` (see :func:`read_lora_file`); the metadata says which
+    file it came from. Returns the written path."""
+    lora = read_lora_file(source, family)
+    adapters = adapters_from_peft(lora.state)
+    rank = common_rank(adapters)
+    meta = lora.metadata
+    info: dict[str, Any] = {"converted_from": Path(source).name, "converted_from_layout": lora.layout}
+    for key in ("resolution", "trigger", "base_model", "family", "steps"):
+        if f"lightning_lora.{key}" in meta:
+            info[key] = _json_or_text(meta[f"lightning_lora.{key}"])
+    if "trigger" not in info and meta.get("modelspec.trigger_phrase"):
+        info["trigger"] = meta["modelspec.trigger_phrase"]
+    info.setdefault("family", lora.family.name)
+    return write_lora(
+        lora.state,
+        out,
+        format=format,
+        family=lora.family,
+        scale=1.0,
+        rank=rank,
+        alpha=float(rank),
+        info=info,
+        dtype=dtype,
+    )
+
+
+def _json_or_text(value: str) -> Any:
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
+
+
+def _family_of(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str], path: Path) -> DiffusionFamily:
+    """The family a LoRA file names in its metadata, or the only one its keys fit."""
+    named = metadata.get("lightning_lora.family")
+    if named in FAMILIES:
+        return FAMILIES[named]()
+    base = metadata.get("ss_base_model_version", "") + " " + metadata.get("modelspec.architecture", "")
+    markers = (("flux", "flux"), ("sdxl", "sdxl"), ("stable-diffusion-xl", "sdxl"), ("sd_v1", "sd15"), ("v1/", "sd15"))
+    for marker, name in markers:
+        if marker in base and name in FAMILIES:
+            return FAMILIES[name]()
+    guessed = _family_from_keys(tensors)
+    if guessed is None:
+        raise ConfigError(
+            f"{path}: cannot tell which model family it is for; pass --family ({', '.join(sorted(FAMILIES))})."
+        )
+    return FAMILIES[guessed]()
+
+
+def _family_from_keys(tensors: Mapping[str, torch.Tensor]) -> str | None:
+    """The family whose module names the keys use (FLUX's blocks; SDXL's SGM blocks or its 2048-wide cross-attention;
+    SD1.x's 768/1024-wide one), or None."""
+    keys = list(tensors)
+    if any(k.startswith("transformer.") or "double_blocks" in k or "single_blocks" in k for k in keys):
+        return "flux"
+    if any(
+        s in k for k in keys for s in ("input_blocks", "output_blocks", "middle_block", "label_emb", "add_embedding")
+    ):
+        return "sdxl"
+    widths = {
+        int(t.shape[1])
+        for k, t in tensors.items()
+        if "attn2" in k and "to_k" in k and k.endswith(("lora_A.weight", "lora_down.weight"))
+    }
+    return "sdxl" if 2048 in widths else "sd15" if widths & {768, 1024} else None
 
 
 # --------------------------------------------------------------------------------------------- from a checkpoint
@@ -191,7 +461,10 @@ def checkpoint_lora(path: str | Path) -> CheckpointLora:
             "`lightning-lora fit`."
         )
     hparams = checkpoint.get("hyper_parameters") or {}
-    trained_rank = next((int(t.shape[0]) for k, t in state.items() if k.endswith(".lora_A.weight")), 1)
+    try:
+        trained_rank = common_rank(adapters_from_peft(state))
+    except ValueError as e:
+        raise ConfigError(f"{path}: its LoRA tensors are malformed ({first_line(e)}).") from None
     lora = LoraOptions.from_saved(hparams.get("lora"), trained_rank)
     family = _family(hparams.get("family"), path)
     denoiser_file = hparams.get("denoiser_file")

@@ -93,7 +93,9 @@ def test_lora_file_keys(exported: tuple[Path, torch.Tensor, torch.nn.Module]) ->
     for name, layer in wrapped.items():
         a, b = tensors[f"transformer.{name}.lora_A.weight"], tensors[f"transformer.{name}.lora_B.weight"]
         assert a.shape == (RANK, layer.base_layer.in_features) and b.shape == (layer.base_layer.out_features, RANK)
-        assert torch.equal(b, layer.lora_B["default"].weight)
+        # The scale alpha / rank (8 / 4) is folded into lora_B: ComfyUI, which reads these keys for FLUX but not the
+        # config, applies the trained strength too.
+        assert torch.equal(b, layer.lora_B["default"].weight * (ALPHA / RANK))
         assert a.dtype == torch.float32
 
 
@@ -108,7 +110,8 @@ def test_lora_file_metadata(tiny_flux_dir: Path, exported: tuple[Path, torch.Ten
     assert meta["lightning_lora.format"] == "diffusers"
     adapter = json.loads(meta["lora_adapter_metadata"])
     assert adapter["transformer.r"] == RANK
-    assert adapter["transformer.lora_alpha"] == ALPHA
+    assert adapter["transformer.lora_alpha"] == RANK  # scale 1 on the folded weights (see test_lora_file_keys)
+    assert meta["modelspec.architecture"] == "flux-1-dev/lora" and meta["modelspec.title"] == "lora"
     assert all(k.startswith("transformer.") for k in adapter)
 
 

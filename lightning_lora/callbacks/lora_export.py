@@ -1,9 +1,23 @@
 """Write the LoRA file(s) at the end of training and, optionally, every N steps.
 
 Files go to ``<run folder>/lora/``: ``<name>.safetensors`` at the end, ``<name>-step000500.safetensors`` for the
-intermediate ones, in each of the chosen formats (``diffusers``: loads with diffusers' ``load_lora_weights``;
-``kohya``: ``<name>.kohya.safetensors``, loads in ComfyUI, Forge and kohya's scripts). Only global rank 0 writes;
-writes are atomic.
+intermediate ones, in each of the chosen formats. By default a run writes every format its family has, so that a user
+who knows nothing of layouts has a file their tool loads:
+
+* ``<name>.safetensors`` -- the diffusers layout: ``pipe.load_lora_weights`` (and, for FLUX, ComfyUI: it maps
+  diffusers names onto slices of its fused layers, so this is also the compact FLUX file for ComfyUI);
+* ``<name>.kohya.safetensors`` -- the kohya layout: ComfyUI, Forge/A1111, kohya's sd-scripts (LyCORIS for DoRA, LoKr,
+  LoHa), and diffusers too.
+
+Which tool applies every layer of which file is decided per file by the loaders' key rules
+(:mod:`lightning_lora.formats.clients`), printed when the files are written, and stored in each file
+(``lightning_lora.loads_in``). A layer that some tool loads from *none* of the written files (a custom target such as
+``conv_in``, which sd-scripts never loads) is a warning when training starts.
+
+Before the first step (``on_fit_start``, the model built), every chosen format is tried on the LoRA's shapes alone
+(:func:`~lightning_lora.export.check_export`): a format the LoRA cannot be written in (a LoKr for the diffusers format,
+a LoKr on FLUX's fused q/k/v for the kohya one) stops the run if it was asked for by name, and is left out with a
+warning if it came from the defaults. Only global rank 0 writes; writes are atomic.
 """
 
 from __future__ import annotations
@@ -13,17 +27,20 @@ from pathlib import Path
 from typing import Any, Literal
 
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_lora.errors import ConfigError
-from lightning_lora.export import save_lora
-from lightning_lora.formats import LoraFormat
+from lightning_lora.errors import ConfigError, first_line
+from lightning_lora.export import check_export, file_coverage, save_lora
+from lightning_lora.formats import VARIANTS, LoraFormat
+from lightning_lora.formats.clients import TOOLS
 from lightning_lora.module import DTYPES
 
 __all__ = ["LoraExport"]
 
 _SUFFIX = {"diffusers": ".safetensors", "kohya": ".kohya.safetensors"}
+_VARIANT = {"lora": "LoRA", "dora": "DoRA", "lokr": "LoKr", "loha": "LoHa"}
+_TOOL = {"diffusers": "diffusers", "ComfyUI": "ComfyUI", "kohya": "kohya's sd-scripts"}
 
 
 class LoraExport(Callback):
@@ -33,9 +50,10 @@ class LoraExport(Callback):
         name: file name stem.
         every_n_steps: also export every this many optimizer steps (0: only at the end).
         formats: ``diffusers`` and/or ``kohya`` (ComfyUI / Forge / sd-scripts key layout); each must be one the
-            model's family writes (checked at setup, before training).
+            model's family writes (checked at setup, before training). Default (null): every format the family writes
+            that can hold the LoRA.
         dtype: tensor dtype in the file (``fp32`` keeps full precision; ``bf16`` halves the size).
-        trigger: the trigger word, recorded in the file's metadata.
+        trigger: the trigger word, recorded in the file's metadata (``modelspec.trigger_phrase``).
         dirname: folder under the run folder.
     """
 
@@ -50,27 +68,101 @@ class LoraExport(Callback):
     ) -> None:
         self.name = name
         self.every_n_steps = every_n_steps
-        self.formats = list(formats or ["diffusers"])
+        self.requested = list(formats) if formats else None
+        self.formats: list[str] = list(formats or ["diffusers"])
         self.dtype = dtype
         self.trigger = trigger
         self.dirname = dirname
         self.last_path: Path | None = None
         self.written: list[Path] = []
+        self.loads_in: dict[str, list[str]] = {}
+        """Format -> the tools that apply every layer of its file exactly (known once training starts)."""
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        """Refuse a format the model's family does not write now, not after training."""
+        """Choose the formats now (the family's, by default) and refuse a format the family does not write or one
+        that cannot hold the LoRA's variant, before training."""
         family = getattr(pl_module, "family", None)
-        missing = [f for f in self.formats if family is not None and f not in family.lora_formats]
-        if family is not None and missing:
+        if family is None:
+            return
+        missing = [f for f in self.requested or [] if f not in family.lora_formats]
+        if missing:
             raise ConfigError(
                 f"LoraExport.formats: there is no {missing[0]} layout for the {family.name!r} family yet; choose from "
                 f"{', '.join(family.lora_formats)}."
             )
+        variant = _VARIANT.get(str(getattr(getattr(pl_module, "lora", None), "variant", "lora")), "LoRA")
+        holds = [f for f in family.lora_formats if variant in VARIANTS.get(f, ())]
+        if self.requested is None:
+            self.formats = holds
+        else:
+            refused = [f for f in self.requested if f not in holds]
+            if refused:
+                raise ConfigError(
+                    f"LoraExport.formats: a {refused[0]} file cannot hold a {variant} adapter (it holds "
+                    f"{' and '.join(VARIANTS[refused[0]])}); use formats {holds} or leave formats out."
+                )
+            self.formats = list(self.requested)
+        if not self.formats:
+            raise ConfigError(
+                f"model.lora.variant: no LoRA file format of the {family.name!r} family holds a {variant} adapter; "
+                "choose another variant."
+            )
+
+    @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Try every chosen format on the LoRA's shapes (nothing computed or written) and say which tool loads what."""
+        module: Any = pl_module
+        denoiser, family = getattr(module, "denoiser", None), getattr(module, "family", None)
+        if denoiser is None or family is None:
+            return
+        from peft.utils import get_peft_model_state_dict
+
+        state = get_peft_model_state_dict(denoiser, unwrap_compiled=True)
+        if not state:
+            return
+        kept = []
+        for fmt in self.formats:
+            try:
+                check_export(state, family, fmt)
+            except ConfigError as e:
+                if self.requested is not None:
+                    raise ConfigError(f"LoraExport.formats: {first_line(e)}") from None
+                rank_zero_warn(f"LoraExport: no {fmt} file will be written: {first_line(e)}")
+                continue
+            kept.append(fmt)
+        if not kept:
+            raise ConfigError(f"LoraExport: this LoRA cannot be written in any format of the {family.name!r} family.")
+        self.formats = kept
+        coverages = {fmt: file_coverage(state, family, fmt) for fmt in self.formats}
+        self.loads_in = {fmt: c.loads_in for fmt, c in coverages.items()}
+        for tool in TOOLS:  # layers no written file gets into this tool: say it now, not after training
+            missed = [{**c.skipped[tool], **c.approximate[tool]} for c in coverages.values()]
+            nowhere = [m for m in missed[0] if all(m in other for other in missed[1:])]
+            if nowhere:
+                names = ", ".join(nowhere[:3]) + (", ..." if len(nowhere) > 3 else "")
+                rank_zero_warn(
+                    f"LoraExport: {_TOOL[tool]} will not apply {len(nowhere)} trained layer(s) as trained from any "
+                    f"of the files ({names}): {missed[0][nowhere[0]]}."
+                )
 
     def paths(self, trainer: Trainer, stem: str) -> dict[str, Path]:
         folder = Path(trainer.default_root_dir) / self.dirname
         return {fmt: folder / f"{stem}{_SUFFIX[fmt]}" for fmt in self.formats}
+
+    def describe(self, fmt: str) -> str:
+        """The tools that apply every layer of this run's ``fmt`` file (``"diffusers, ComfyUI"``)."""
+        tools = self.loads_in.get(fmt)
+        return ", ".join(_TOOL[t] for t in tools) if tools else fmt
+
+    def last_files(self) -> list[tuple[str, Path]]:
+        """(format, path) of each file of the last export."""
+        last = self.written[-len(self.formats) :] if self.written else []
+        return list(zip(self.formats, last, strict=False))
+
+    def summary_lines(self) -> list[str]:
+        """One line per file of the last export, ``LoRA file: <path>  (loads in <tools>)``, for the run summary."""
+        return [f"  {'LoRA file:':<26}{path}  (loads in {self.describe(fmt)})" for fmt, path in self.last_files()]
 
     def export(self, trainer: Trainer, pl_module: LightningModule, stem: str) -> None:
         module: Any = pl_module
@@ -82,6 +174,7 @@ class LoraExport(Callback):
                 "steps": trainer.global_step,
                 "resolution": getattr(trainer.datamodule, "resolution", 0),  # type: ignore[attr-defined]
                 "trigger": self.trigger or "",
+                "title": stem,
                 "config_sha256": _config_hash(
                     Path(trainer.default_root_dir) / "config.yaml"
                 ),  # no log_dir: it broadcasts
@@ -112,7 +205,8 @@ class LoraExport(Callback):
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.export(trainer, pl_module, self.name)
-        rank_zero_info(f"LoRA written to {self.last_path} (step {trainer.global_step})")
+        files = "; ".join(f"{path} (loads in {self.describe(fmt)})" for fmt, path in self.last_files())
+        rank_zero_info(f"LoRA written at step {trainer.global_step}: {files}")
 
 
 def _config_hash(config: Path) -> str:

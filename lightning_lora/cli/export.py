@@ -1,14 +1,22 @@
-"""``lightning-lora export``: write the LoRA of a training checkpoint as a file other tools load.
+"""``lightning-lora export``: write a LoRA as a file other tools load, from a training checkpoint or another LoRA file.
 
 ::
 
     lightning-lora export runs/lora/checkpoints/last.ckpt --format kohya --out my_lora_comfy.safetensors
     lightning-lora export runs/lora/checkpoints/step000500.ckpt --format diffusers --out lora.safetensors --dtype bf16
+    lightning-lora export someone_elses_lora.safetensors --format diffusers --out for_diffusers.safetensors
+    lightning-lora export old_diffusers_lora.safetensors --format kohya --family sdxl --out for_comfyui.safetensors
 
-``diffusers`` files load with ``pipe.load_lora_weights(file)``; ``kohya`` files (BFL module names, fused q/k/v) load
-in ComfyUI, Forge and kohya's sd-scripts, and in diffusers too. Only the checkpoint's LoRA tensors are read (with
-``weights_only=True``); the base model is not loaded. The output is written atomically and an existing file is never
-replaced without ``--overwrite``. Problems the user can fix print one line naming the file and the fix, exit status 2.
+``diffusers`` files load with ``pipe.load_lora_weights(file)`` (and, for FLUX, in ComfyUI); ``kohya`` files (BFL module
+names with fused q/k/v for FLUX, SGM names for SDXL, diffusers names with ``_`` for SD1.5) load in ComfyUI, Forge,
+kohya's sd-scripts and in diffusers too. After writing, the command says which tools apply every layer of the file
+and, per tool, which layers it skips and why (:mod:`lightning_lora.formats.clients`).
+
+From a checkpoint only its LoRA tensors are read (with ``weights_only=True``); the base model is not loaded. From a
+``.safetensors`` LoRA file (a diffusers or kohya one, made by lightning-lora or another trainer), the file is converted:
+a diffusers file by its own config, a kohya file by diffusers' own converter; the family comes from ``--family``, the
+file's metadata or its keys. The output is written atomically and an existing file is never replaced without
+``--overwrite``. Problems the user can fix print one line naming the file and the fix, exit status 2.
 """
 
 from __future__ import annotations
@@ -20,26 +28,47 @@ from pathlib import Path
 import torch
 
 from lightning_lora.errors import ConfigError, first_line
-from lightning_lora.export import FORMATS, checkpoint_lora, export_lora
+from lightning_lora.export import (
+    FORMATS,
+    checkpoint_lora,
+    convert_lora_file,
+    export_lora,
+    file_coverage,
+    read_lora_file,
+)
+from lightning_lora.families import FAMILIES
 
 __all__ = ["main", "build_parser"]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # as lightning_lora.module.DTYPES
+_TOOL = {"diffusers": "diffusers", "ComfyUI": "ComfyUI", "kohya": "kohya's sd-scripts"}
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lightning-lora export",
-        description="Write the LoRA of a lightning-lora checkpoint as a diffusers or kohya/ComfyUI safetensors file.",
+        description="Write the LoRA of a lightning-lora checkpoint, or convert a LoRA file, as a diffusers or "
+        "kohya/ComfyUI safetensors file.",
     )
-    parser.add_argument("checkpoint", type=Path, help="a .ckpt written by `lightning-lora fit` (e.g. .../last.ckpt)")
+    parser.add_argument(
+        "checkpoint",
+        type=Path,
+        help="a .ckpt written by `lightning-lora fit` (e.g. .../last.ckpt), or a .safetensors LoRA file to convert",
+    )
     parser.add_argument(
         "--format",
         choices=FORMATS,
         required=True,
-        help="diffusers: peft keys, for pipe.load_lora_weights; kohya: BFL keys, for ComfyUI/Forge/sd-scripts",
+        help="diffusers: peft keys, for pipe.load_lora_weights (FLUX: ComfyUI too); kohya: lora_unet_ keys, for "
+        "ComfyUI/Forge/sd-scripts (and diffusers)",
     )
     parser.add_argument("--out", type=Path, required=True, help="the .safetensors file to write")
+    parser.add_argument(
+        "--family",
+        choices=sorted(FAMILIES),
+        default=None,
+        help="the model family of a .safetensors input (default: from its metadata or keys)",
+    )
     parser.add_argument("--dtype", choices=list(_DTYPES), default="fp32", help="tensor dtype in the file")
     parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     return parser
@@ -52,25 +81,42 @@ def main(argv: list[str]) -> int:
     except SystemExit as e:  # argparse printed usage (status 2) or --help (status 0)
         return int(e.code or 0)
     try:
-        path = _export(args.checkpoint, args.format, args.out, _DTYPES[args.dtype], args.overwrite)
+        path, notes = _export(args.checkpoint, args.format, args.out, _DTYPES[args.dtype], args.overwrite, args.family)
     except ConfigError as e:
         print(f"lightning-lora export: error: {e}", file=sys.stderr)
         return 2
     print(f"LoRA ({args.format} format, {args.dtype}) written to {path}")
+    for note in notes:
+        print(f"  {note}")
     return 0
 
 
-def _export(checkpoint: Path, format: str, out: Path, dtype: torch.dtype, overwrite: bool) -> Path:
+def _export(
+    source: Path, format: str, out: Path, dtype: torch.dtype, overwrite: bool, family_name: str | None = None
+) -> tuple[Path, list[str]]:
     if out.suffix != ".safetensors":
         raise ConfigError(f"--out {out}: name the file *.safetensors (diffusers and ComfyUI look for that suffix).")
     if out.is_dir():
         raise ConfigError(f"--out {out}: is a folder; give a file name such as {out / 'lora.safetensors'}.")
     if out.exists() and not overwrite:
         raise ConfigError(f"--out {out}: exists. Pass --overwrite to replace it, or choose another --out file.")
-    state, lora, family, info = checkpoint_lora(checkpoint)
+    if source.resolve() == out.resolve():
+        raise ConfigError(f"--out {out}: is the input file; choose another --out file.")
+    family = FAMILIES[family_name]() if family_name else None
     try:
-        return export_lora(state, out, format=format, lora=lora, family=family, info=info, dtype=dtype)  # type: ignore[arg-type]
+        if source.suffix == ".safetensors":
+            lora = read_lora_file(source, family)
+            path = convert_lora_file(source, out, format=format, family=lora.family, dtype=dtype)
+            state, family = lora.state, lora.family
+        else:
+            state, options, family, info = checkpoint_lora(source)
+            path = export_lora(state, out, format=format, lora=options, family=family, info=info, dtype=dtype)  # type: ignore[arg-type]
     except ConfigError:  # names the option and the fix (a format the family lacks, a variant the format cannot hold)
         raise
     except ValueError as e:  # a LoRA this format cannot express, e.g. a layer without a kohya name
-        raise ConfigError(f"{checkpoint}: {first_line(e)}") from None
+        raise ConfigError(f"{source}: {first_line(e)}") from None
+    coverage = file_coverage(state, family, format)
+    tools = ", ".join(_TOOL[t] for t in coverage.loads_in) or "none of diffusers, ComfyUI, kohya's sd-scripts"
+    notes = [f"applies every layer as trained in: {tools}"]
+    notes += [f"note: {line}" for line in coverage.notes(path.name)]
+    return path, notes

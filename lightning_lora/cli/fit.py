@@ -321,8 +321,7 @@ def run_summary(trainer: Trainer) -> str:
         )
     for cb in trainer.callbacks:  # type: ignore[attr-defined]
         if isinstance(cb, LoraExport) and cb.last_path is not None:
-            lines.append(f"  LoRA (diffusers format):  {cb.last_path}")
-            lines.extend(f"  LoRA ({p.name.split('.', 1)[1]}):  {p}" for p in cb.written[-len(cb.formats) :][1:])
+            lines.extend(cb.summary_lines())
         elif isinstance(cb, ModelCheckpoint) and cb.dirpath:
             lines.append(f"  checkpoints:              {cb.dirpath}  (resume: add --ckpt_path last)")
         elif isinstance(cb, SampleImages) and cb.written:

@@ -33,13 +33,17 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, TypeVar
 
 import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from lightning_lora.errors import ConfigError, first_line
+
+if TYPE_CHECKING:
+    from lightning_lora.formats.clients import Coverage
+    from lightning_lora.formats.kohya import NetworkSummary
 
 __all__ = [
     "DiffusersModel",
@@ -254,9 +258,12 @@ class DiffusionFamily(ABC):
     :meth:`encode_prompts` runs. The text cache key is made from their identities, so a changed encoder never serves
     stale embeddings; a family that forgets one would."""
     lora_formats: ClassVar[tuple[str, ...]] = ("diffusers",)
-    """The LoRA file formats (:data:`lightning_lora.formats.FORMATS`) this family writes. ``diffusers`` (peft keys under
-    ``denoiser_subfolder``) needs nothing of the family; a family listing ``kohya`` implements :meth:`kohya_lora` and
-    :meth:`kohya_metadata`."""
+    """The LoRA file formats (:data:`lightning_lora.formats.FORMATS`) this family writes, in the order a training run
+    writes them by default. ``diffusers`` (peft keys under ``denoiser_subfolder``) needs nothing of the family; a
+    family listing ``kohya`` implements :meth:`kohya_lora` and :meth:`kohya_metadata`."""
+    lora_modelspec: ClassVar[dict[str, str]] = {}
+    """``modelspec.*`` entries every LoRA file of this family carries (``architecture``, ``implementation``: the IDs
+    kohya's sd-scripts writes, ``library/sai_model_spec.py``); empty: no ModelSpec."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -366,18 +373,40 @@ class DiffusionFamily(ABC):
 
     # -- interop: LoRA file formats (lightning_lora.formats) -------------------------------------------------------
     def kohya_lora(
-        self, state: Mapping[str, torch.Tensor], alpha: float, *, dtype: torch.dtype | None = None
+        self, state: Mapping[str, torch.Tensor], scale: float, *, dtype: torch.dtype | None = None
     ) -> dict[str, torch.Tensor]:
-        """The LoRA ``state`` (peft keys without prefix or adapter name) in the kohya / ComfyUI layout of this family
-        (``lora_unet_<module>.lora_down.weight`` / ``.lora_up.weight`` / ``.alpha``; see
-        :mod:`lightning_lora.formats.kohya`), weights cast to ``dtype`` when given. Raises ``ValueError`` naming a
-        module that has no kohya name. Default: the family has no kohya layout (:class:`ConfigError`)."""
+        """The LoRA ``state`` (a peft state dict without prefix or adapter name; DoRA, LoKr and LoHa tensors too) in
+        the kohya / ComfyUI layout of this family (``lora_unet_<module>.lora_down.weight`` / ``.lora_up.weight`` /
+        ``.alpha``, LyCORIS tensors for variants; see :mod:`lightning_lora.formats.kohya`), every update multiplied by
+        ``scale`` (peft's ``alpha / r``), weights cast to ``dtype`` when given. Raises ``ValueError`` naming a module
+        that has no kohya name or form. Default: the family has no kohya layout (:class:`ConfigError`)."""
         raise self.format_refused("kohya")
 
-    def kohya_metadata(self, rank: int, alpha: float, *, title: str = "") -> dict[str, str]:
-        """kohya sd-scripts / modelspec header entries (``ss_*``, ``modelspec.*``) of a kohya file of this family.
-        Default: the family has no kohya layout (:class:`ConfigError`)."""
+    def kohya_metadata(self, summary: NetworkSummary) -> dict[str, str]:
+        """kohya sd-scripts' header entries (``ss_*``) of a kohya file of this family, from the file's
+        :class:`~lightning_lora.formats.kohya.NetworkSummary`. Default: the family has no kohya layout
+        (:class:`ConfigError`)."""
         raise self.format_refused("kohya")
+
+    def lora_from_kohya(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A kohya-layout LoRA file of this family (plain LoRA) as a peft state dict, every module's ``alpha / rank``
+        folded into its weights (for ``lightning-lora export`` of files made elsewhere). Default: the family has no
+        kohya layout (:class:`ConfigError`)."""
+        raise self.format_refused("kohya")
+
+    def lora_coverage(self, format: str, variants: Mapping[str, str]) -> Coverage:
+        """Which layers of a LoRA file of ``format`` each loader (diffusers, ComfyUI, kohya's sd-scripts) applies, for
+        a file whose layers (diffusers names) have these ``variants`` (:mod:`lightning_lora.formats.clients`). Default:
+        diffusers loads its own layout; the other tools' rules are not known for this family (reported as not
+        loaded)."""
+        from lightning_lora.formats.clients import Coverage
+
+        coverage = Coverage()
+        for tool in ("ComfyUI", "kohya"):
+            coverage.skip(tool, variants, f"lightning-lora knows no {tool} key rules for the {self.name} family")
+        if format != "diffusers":
+            coverage.skip("diffusers", variants, f"lightning-lora knows no diffusers rules for {format} files")
+        return coverage
 
     def format_refused(self, format: str) -> ConfigError:
         """The error for a LoRA file ``format`` this family does not write; it names the formats it does write."""

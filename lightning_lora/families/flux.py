@@ -38,7 +38,8 @@ from lightning_lora.families.base import (
     load_weights,
 )
 from lightning_lora.families.encoders import CLIP_L, T5_XXL
-from lightning_lora.formats import kohya
+from lightning_lora.formats import kohya, kohya_read
+from lightning_lora.formats.clients import Coverage, flux_coverage
 from lightning_lora.objectives import TimestepSampling
 
 __all__ = ["Flux", "pack_latents", "unpack_latents", "latent_image_ids"]
@@ -117,8 +118,13 @@ class Flux(DiffusionFamily):
     # cuDNN's SDPA backend crashed in FLUX's backward on an H200 (torch 2.11, illegal memory access; BENCHMARKS.md).
     cudnn_attention_in_auto: ClassVar[bool] = False
     text_encoders: ClassVar[tuple[str, ...]] = ("text_encoder", "text_encoder_2")  # CLIP-L (pooled), T5-XXL
-    # kohya: BFL module names, q/k/v (and the single blocks' MLP input) fused.
+    # diffusers: compact, loads in diffusers and (part by part) in ComfyUI; kohya: BFL module names, q/k/v (and the
+    # single blocks' MLP input) fused, as sd-scripts needs them.
     lora_formats: ClassVar[tuple[str, ...]] = ("diffusers", "kohya")
+    lora_modelspec: ClassVar[dict[str, str]] = {
+        "architecture": "flux-1-dev/lora",
+        "implementation": "https://github.com/black-forest-labs/flux",
+    }
     lora_presets: ClassVar[dict[str, str]] = {
         # The set the public FLUX LoRA recipes (and our reference benchmark) use.
         "attention": rf".*transformer_blocks\.\d+\.{_ATTENTION}",
@@ -288,13 +294,21 @@ class Flux(DiffusionFamily):
     # -- interop -----------------------------------------------------------------------------------------------
     @override
     def kohya_lora(
-        self, state: Mapping[str, torch.Tensor], alpha: float, *, dtype: torch.dtype | None = None
+        self, state: Mapping[str, torch.Tensor], scale: float, *, dtype: torch.dtype | None = None
     ) -> dict[str, torch.Tensor]:
-        return kohya.flux_to_kohya(state, alpha, dtype=dtype)
+        return kohya.flux_to_kohya(state, scale, dtype=dtype)
 
     @override
-    def kohya_metadata(self, rank: int, alpha: float, *, title: str = "") -> dict[str, str]:
-        return kohya.kohya_flux_metadata(rank, alpha, title=title)
+    def lora_from_kohya(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return kohya_read.flux_from_kohya(tensors)
+
+    @override
+    def kohya_metadata(self, summary: kohya.NetworkSummary) -> dict[str, str]:
+        return kohya.kohya_metadata(summary, kohya.FLUX_NETWORK)
+
+    @override
+    def lora_coverage(self, format: str, variants: Mapping[str, str]) -> Coverage:
+        return flux_coverage(format, variants)
 
     # -- memory planning ---------------------------------------------------------------------------------------
     def denoiser_skeleton(self, source: ModelSource) -> nn.Module:

@@ -21,7 +21,7 @@ from typing_extensions import override
 from lightning_lora.families.base import DiffusersModel, ModelSource, load_component, load_weights
 from lightning_lora.families.encoders import CLIP_L
 from lightning_lora.families.unet import UNetFamily
-from lightning_lora.formats import kohya
+from lightning_lora.formats import kohya, kohya_read
 
 __all__ = ["SD15"]
 
@@ -53,6 +53,10 @@ class SD15(UNetFamily):
     text_encoders: ClassVar[tuple[str, ...]] = ("text_encoder",)  # CLIP-L (OpenCLIP-H for SD2)
     # kohya: diffusers' module names with "_", as sd-scripts trains SD1.x.
     lora_formats: ClassVar[tuple[str, ...]] = ("diffusers", "kohya")
+    lora_modelspec: ClassVar[dict[str, str]] = {
+        "architecture": "stable-diffusion-v1/lora",
+        "implementation": "diffusers",  # what sd-scripts writes for an SD1.x LoRA (library/sai_model_spec.py)
+    }
     known_denoisers: ClassVar[dict[str, dict[str, Any]]] = {
         "stable-diffusion-v1-5/stable-diffusion-v1-5": SD15_UNET,
         "runwayml/stable-diffusion-v1-5": SD15_UNET,
@@ -111,13 +115,17 @@ class SD15(UNetFamily):
     # -- interop -----------------------------------------------------------------------------------------------
     @override
     def kohya_lora(
-        self, state: Mapping[str, torch.Tensor], alpha: float, *, dtype: torch.dtype | None = None
+        self, state: Mapping[str, torch.Tensor], scale: float, *, dtype: torch.dtype | None = None
     ) -> dict[str, torch.Tensor]:
-        return kohya.sd15_to_kohya(state, alpha, dtype=dtype)
+        return kohya.sd15_to_kohya(state, scale, dtype=dtype)
 
     @override
-    def kohya_metadata(self, rank: int, alpha: float, *, title: str = "") -> dict[str, str]:
-        return kohya.kohya_sd15_metadata(rank, alpha, title=title)
+    def lora_from_kohya(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return kohya_read.unet_from_kohya(tensors, None)
+
+    @override
+    def kohya_metadata(self, summary: kohya.NetworkSummary) -> dict[str, str]:
+        return kohya.kohya_metadata(summary, kohya.SD15_NETWORK)
 
     # -- training ----------------------------------------------------------------------------------------------
     def unet_conditions(

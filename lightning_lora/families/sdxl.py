@@ -31,7 +31,8 @@ from typing_extensions import override
 from lightning_lora.families.base import DiffusersModel, ModelSource, load_component, load_weights
 from lightning_lora.families.encoders import CLIP_L, OPENCLIP_BIGG
 from lightning_lora.families.unet import UNetFamily
-from lightning_lora.formats import kohya
+from lightning_lora.formats import kohya, kohya_read
+from lightning_lora.formats.ldm import SDXL_LAYOUT
 
 __all__ = ["SDXL", "sdxl_time_ids"]
 
@@ -91,6 +92,11 @@ class SDXL(UNetFamily):
     text_encoders: ClassVar[tuple[str, ...]] = ("text_encoder", "text_encoder_2")  # CLIP-L, OpenCLIP-G
     # kohya: the original SGM UNet's module names, as sd-scripts trains SDXL.
     lora_formats: ClassVar[tuple[str, ...]] = ("diffusers", "kohya")
+    lora_modelspec: ClassVar[dict[str, str]] = {
+        "architecture": "stable-diffusion-xl-v1-base/lora",
+        # what sd-scripts writes for an SDXL LoRA (library/sai_model_spec.py)
+        "implementation": "https://github.com/Stability-AI/generative-models",
+    }
     known_denoisers: ClassVar[dict[str, dict[str, Any]]] = {"stabilityai/stable-diffusion-xl-base-1.0": SDXL_BASE_UNET}
     known_text_encoders: ClassVar[dict[str, dict[str, dict[str, Any]]]] = {
         "stabilityai/stable-diffusion-xl-base-1.0": {
@@ -145,13 +151,17 @@ class SDXL(UNetFamily):
     # -- interop -----------------------------------------------------------------------------------------------
     @override
     def kohya_lora(
-        self, state: Mapping[str, torch.Tensor], alpha: float, *, dtype: torch.dtype | None = None
+        self, state: Mapping[str, torch.Tensor], scale: float, *, dtype: torch.dtype | None = None
     ) -> dict[str, torch.Tensor]:
-        return kohya.sdxl_to_kohya(state, alpha, dtype=dtype)
+        return kohya.sdxl_to_kohya(state, scale, dtype=dtype)
 
     @override
-    def kohya_metadata(self, rank: int, alpha: float, *, title: str = "") -> dict[str, str]:
-        return kohya.kohya_sdxl_metadata(rank, alpha, title=title)
+    def lora_from_kohya(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return kohya_read.unet_from_kohya(tensors, SDXL_LAYOUT)
+
+    @override
+    def kohya_metadata(self, summary: kohya.NetworkSummary) -> dict[str, str]:
+        return kohya.kohya_metadata(summary, kohya.SDXL_NETWORK)
 
     # -- training ----------------------------------------------------------------------------------------------
     def unet_conditions(

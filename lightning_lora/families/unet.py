@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import inspect
 from abc import abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -48,6 +49,7 @@ from lightning_lora.families.base import (
     compute_dtype,
     load_component,
 )
+from lightning_lora.formats.clients import Coverage, unet_coverage
 from lightning_lora.objectives import PredictionType
 
 __all__ = ["NoiseSchedule", "UNetFamily", "noise_schedule_of"]
@@ -261,6 +263,11 @@ class UNetFamily(DiffusionFamily):
                 cls = diffusers.DDIMScheduler  # e.g. PNDM cannot: DDIM can, with the same betas
             overrides.update(rescale_betas_zero_snr=True, timestep_spacing="trailing")
         return cls.from_config(config, **overrides)
+
+    # -- interop: what ComfyUI, diffusers and sd-scripts make of a UNet LoRA file (lightning_lora.formats.clients) --
+    @override
+    def lora_coverage(self, format: str, variants: Mapping[str, str]) -> Coverage:
+        return unet_coverage(format, variants)
 
     # -- memory planning ---------------------------------------------------------------------------------------
     def denoiser_skeleton(self, source: ModelSource) -> nn.Module:

@@ -53,6 +53,7 @@ from torch import Tensor
 
 __all__ = [
     "BFL_PREFIX_COMFY",
+    "GLOBAL_MODULES",
     "BflSlice",
     "FluxDims",
     "bfl_slice",
@@ -124,6 +125,8 @@ _GLOBAL = {
     "proj_out": "final_layer.linear",
     "norm_out.linear": "final_layer.adaLN_modulation.1",
 }
+GLOBAL_MODULES: tuple[str, ...] = tuple(_GLOBAL)
+"""The diffusers modules of the FLUX transformer outside its blocks (``x_embedder``, ..., ``norm_out.linear``)."""
 # Inside ``transformer_blocks.i`` -> ``double_blocks.i``: unfused modules.
 _DOUBLE = {
     "norm1.linear": "img_mod.lin",

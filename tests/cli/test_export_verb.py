@@ -44,10 +44,12 @@ def test_checkpoint_lora_reads_only_the_lora(checkpoint: Path) -> None:
     assert lora == LoraOptions(rank=4, alpha=8.0, targets="attention", dropout=0.0, init="gaussian")
     assert isinstance(family, Flux) and family.max_sequence_length == 16  # built with the run's family options
     assert info["family"] == "flux" and info["steps"] == 2 and info["checkpoint"] == "last.ckpt"
-    # The same tensors the training run exported at its end.
+    # The same tensors the training run exported at its end (lora_B with the scale alpha / rank = 2 folded in).
     trained = load_file(checkpoint.parent.parent / "lora" / "lora.safetensors")
     assert {f"transformer.{k}" for k in state} == set(trained)
-    assert all(torch.equal(trained[f"transformer.{k}"], v) for k, v in state.items())
+    assert all(torch.equal(trained[f"transformer.{k}"], v * (2 if ".lora_B." in k else 1)) for k, v in state.items())
+    # A run writes every format of its family by default: the kohya file is there too.
+    assert (checkpoint.parent.parent / "lora" / "lora.kohya.safetensors").is_file()
 
 
 def test_export_command_both_formats(
@@ -82,6 +84,41 @@ def test_export_command_both_formats(
         "lora_diffusers.safetensors",
         "lora_kohya.safetensors",
     ]
+
+
+def test_export_command_converts_files_made_elsewhere(
+    tiny_flux_dir: Path, checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """A kohya file (the run's) converted to diffusers, and that back to kohya, load in diffusers with the trained
+    output; the command says which tools apply every layer of what it wrote, and refuses to overwrite its input."""
+    run_kohya = checkpoint.parent.parent / "lora" / "lora.kohya.safetensors"
+    trained = _loaded(tiny_flux_dir, checkpoint.parent.parent / "lora" / "lora.safetensors")
+    inputs = random_inputs(Flux(), trained, 1)
+    diffusers_kohya_reads_flux_widths(monkeypatch)
+    as_diffusers, as_kohya = tmp_path / "converted.safetensors", tmp_path / "back.kohya.safetensors"
+    assert export_main([str(run_kohya), "--format", "diffusers", "--out", str(as_diffusers)]) == 0
+    out = capsys.readouterr().out
+    assert str(as_diffusers) in out and "applies every layer as trained in: diffusers, ComfyUI" in out
+    assert export_main([str(as_diffusers), "--format", "kohya", "--out", str(as_kohya), "--family", "flux"]) == 0
+    assert "applies every layer as trained in: diffusers, ComfyUI, kohya's sd-scripts" in capsys.readouterr().out
+    for path in (as_diffusers, as_kohya):
+        torch.testing.assert_close(
+            denoiser_output(_loaded(tiny_flux_dir, path), inputs),
+            denoiser_output(trained, inputs),
+            atol=1e-5,
+            rtol=1e-5,
+        )
+    meta = read_metadata(as_kohya)
+    assert meta["lightning_lora.converted_from"] == "converted.safetensors" and meta["ss_network_dim"] == "4"
+    assert export_main([str(as_kohya), "--format", "kohya", "--out", str(as_kohya), "--overwrite"]) == 2
+    assert "is the input file" in capsys.readouterr().err
+    assert (
+        export_main(
+            [str(as_kohya), "--format", "diffusers", "--out", str(tmp_path / "x.safetensors"), "--family", "sdxl"]
+        )
+        == 2
+    )
+    assert "sdxl" in capsys.readouterr().err
 
 
 def test_export_command_never_overwrites_silently(checkpoint: Path, tmp_path: Path, capsys) -> None:

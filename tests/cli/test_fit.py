@@ -247,9 +247,9 @@ OUR_LINES = re.compile(
             r"^Resumed from ",
             r"^  model\.(scheduler|optimizer): ",
             r"^Fixed evaluation loss: ",
-            r"^LoRA written to ",
+            r"^LoRA written at step \d+: ",
             r"^Run folder: ",
-            r"^  (sample images|fixed eval loss|LoRA \(.*\)|checkpoints|resolved config|TensorBoard): ",
+            r"^  (sample images|fixed eval loss|LoRA file|checkpoints|resolved config|TensorBoard): ",
             r"^  library messages: ",
         )
     )

@@ -46,6 +46,7 @@ class NoKohya(Flux):
     lora_formats = ("diffusers",)
     kohya_lora = DiffusionFamily.kohya_lora
     kohya_metadata = DiffusionFamily.kohya_metadata
+    lora_from_kohya = DiffusionFamily.lora_from_kohya
 
 
 NoKohya.name = "nokohya"
@@ -61,20 +62,22 @@ def test_every_family_declares_its_formats_and_text_encoders(name: str) -> None:
     writes_kohya = "kohya" in cls.lora_formats
     assert (cls.kohya_lora is not DiffusionFamily.kohya_lora) == writes_kohya, "kohya listed iff implemented"
     assert (cls.kohya_metadata is not DiffusionFamily.kohya_metadata) == writes_kohya
+    assert (cls.lora_from_kohya is not DiffusionFamily.lora_from_kohya) == writes_kohya
+    assert cls.lora_modelspec and set(cls.lora_modelspec) == {"architecture", "implementation"}
     assert cls.text_encoders and all(e.startswith("text_encoder") for e in cls.text_encoders)
 
 
 @pytest.mark.parametrize(
-    ("family", "modules", "convert", "metadata"),
+    ("family", "modules", "convert", "network"),
     [
-        (Flux(), FLUX_STATE, kohya.flux_to_kohya, kohya.kohya_flux_metadata),
-        (SDXL(), UNET_STATE, kohya.sdxl_to_kohya, kohya.kohya_sdxl_metadata),
-        (SD15(), UNET_STATE, kohya.sd15_to_kohya, kohya.kohya_sd15_metadata),
+        (Flux(), FLUX_STATE, kohya.flux_to_kohya, kohya.FLUX_NETWORK),
+        (SDXL(), UNET_STATE, kohya.sdxl_to_kohya, kohya.SDXL_NETWORK),
+        (SD15(), UNET_STATE, kohya.sd15_to_kohya, kohya.SD15_NETWORK),
     ],
     ids=["flux", "sdxl", "sd15"],
 )
 def test_kohya_export_is_the_family_layout(
-    tmp_path: Path, family: DiffusionFamily, modules: dict, convert: object, metadata: object
+    tmp_path: Path, family: DiffusionFamily, modules: dict, convert: object, network: kohya.KohyaNetwork
 ) -> None:
     state = _state(modules)
     path = export_lora(
@@ -85,11 +88,15 @@ def test_kohya_export_is_the_family_layout(
         family=family,
         info={},
     )
-    expected = convert(state, 2.0)  # type: ignore[operator]
+    expected = convert(state, 2.0 / RANK)  # type: ignore[operator]  # the scale alpha / rank
     written = load_file(path)
     assert written.keys() == expected.keys() and all(torch.equal(written[k], v) for k, v in expected.items())
     meta = read_metadata(path)
-    assert metadata(RANK, 2.0, title="k").items() <= meta.items()  # type: ignore[operator]
+    summary = kohya.NetworkSummary(
+        RANK, 2.0, output_name="k", module_ranks=json.loads(meta.get("lightning_lora.module_ranks", "{}"))
+    )
+    assert kohya.kohya_metadata(summary, network).items() <= meta.items()
+    assert meta["ss_network_module"] == network.network_module and meta["ss_output_name"] == "k"
     assert "lora_adapter_metadata" not in meta
 
 
@@ -97,8 +104,8 @@ def test_export_asks_the_family_object_not_its_name(tmp_path: Path) -> None:
     """An SD1.5-named family whose kohya layout is SDXL's: the file follows the object (a name lookup would not)."""
 
     class SD15WithSGMNames(SD15):
-        def kohya_lora(self, state, alpha, *, dtype=None):  # type: ignore[no-untyped-def]
-            return kohya.sdxl_to_kohya(state, alpha, dtype=dtype)
+        def kohya_lora(self, state, scale, *, dtype=None):  # type: ignore[no-untyped-def]
+            return kohya.sdxl_to_kohya(state, scale, dtype=dtype)
 
     assert SD15WithSGMNames.name == "sd15" and FAMILIES["sd15"] is SD15  # not registered over SD1.5
     state = _state(UNET_STATE)
@@ -123,7 +130,9 @@ def test_a_family_without_a_kohya_layout_refuses_clearly(tmp_path: Path) -> None
     with pytest.raises(ConfigError, match="use --format diffusers"):
         family.kohya_lora(state, 1.0)
     with pytest.raises(ConfigError, match="use --format diffusers"):
-        family.kohya_metadata(RANK, 1.0)
+        family.kohya_metadata(kohya.NetworkSummary(RANK, 1.0))
+    with pytest.raises(ConfigError, match="use --format diffusers"):
+        family.lora_from_kohya({})
     # The diffusers format needs nothing of the family but its denoiser subfolder.
     path = export_lora(state, path, format="diffusers", lora=LoraOptions(rank=RANK), family=family, info={})
     assert set(load_file(path)) == {f"transformer.{k}" for k in state}
@@ -215,24 +224,60 @@ def test_every_format_says_which_variants_it_holds() -> None:
     assert set(VARIANTS) == set(FORMATS) and all("LoRA" in v for v in VARIANTS.values())
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_dora_checkpoint_is_refused_by_the_export_command(tmp_path: Path, capsys, fmt: str) -> None:
-    """DoRA's magnitude vectors have no place in either format: writing the file without them would be another
-    function than the one trained, so the command stops (exit 2) with one line naming DoRA and the format."""
+def _loha_state(modules: dict[str, tuple[int, int]], seed: int = 0) -> dict[str, torch.Tensor]:
+    """A LoHa peft state dict: ``{module: (in, out)}`` -> rank-4 ``hada_w1_a/_b``, ``hada_w2_a/_b``."""
+    g = torch.Generator().manual_seed(seed)
+    state = {}
+    for module, (fan_in, fan_out) in modules.items():
+        for i in (1, 2):
+            state[f"{module}.hada_w{i}_a"] = torch.randn(fan_out, RANK, generator=g)
+            state[f"{module}.hada_w{i}_b"] = torch.randn(RANK, fan_in, generator=g)
+    return state
+
+
+def test_variant_checkpoints_through_the_export_command(tmp_path: Path, capsys) -> None:
+    """DoRA exports in both formats; LoHa, which diffusers cannot load, is refused by the diffusers format (exit 2,
+    one line naming LoHa, the format and the format that holds it) and written in the kohya one."""
+    hparams = {"family": {"class_path": "lightning_lora.families.flux.Flux", "init_args": {}}}
     trained = _peft_to_module_keys(_state(FLUX_STATE))
-    hparams = {"family": {"class_path": "lightning_lora.families.flux.Flux", "init_args": {}}, "lora": {"rank": RANK}}
-    out = tmp_path / "out" / "lora.safetensors"
-    plain = _checkpoint(tmp_path / "plain.ckpt", trained, hparams)
-    assert export_main([str(plain), "--format", fmt, "--out", str(out)]) == 0  # the crafted checkpoint is valid
-    out.unlink()
+    magnitudes = {f"{m}.lora_magnitude_vector.default.weight": torch.rand(8) + 1 for m in FLUX_STATE}
+    dora = _checkpoint(
+        tmp_path / "dora.ckpt", {**trained, **magnitudes}, {**hparams, "lora": {"rank": RANK, "variant": "dora"}}
+    )
+    for fmt in FORMATS:
+        out = tmp_path / f"dora_{fmt}.safetensors"
+        assert export_main([str(dora), "--format", fmt, "--out", str(out)]) == 0, capsys.readouterr().err
+        assert read_metadata(out)["lightning_lora.variant"] == "DoRA"
     capsys.readouterr()
 
-    magnitude = "transformer_blocks.0.attn.to_q.lora_magnitude_vector"
-    dora = {**trained, f"{magnitude}.default.weight": torch.ones(8)}
-    checkpoint = _checkpoint(tmp_path / "dora.ckpt", dora, hparams)
-    assert export_main([str(checkpoint), "--format", fmt, "--out", str(out)]) == 2
+    loha = {f"denoiser.{k}.default": v for k, v in _loha_state(FLUX_STATE).items()}
+    checkpoint = tmp_path / "loha.ckpt"
+    torch.save(
+        {
+            "state_dict": loha,
+            "loops": {},
+            "optimizer_states": [],
+            "global_step": 3,
+            "hyper_parameters": {**hparams, "lora": {"rank": RANK, "variant": "loha"}},
+        },
+        checkpoint,
+    )
+    out = tmp_path / "out" / "lora.safetensors"
+    out.parent.mkdir()
+    assert export_main([str(checkpoint), "--format", "diffusers", "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err, err
-    assert f"--format {fmt}: the LoRA is a DoRA adapter" in err and magnitude in err
-    assert f"a {fmt} file holds LoRA only" in err and "No format lightning-lora writes holds DoRA yet" in err
+    assert "--format diffusers: the LoRA is a LoHa adapter" in err and "hada_w1_a" in err
+    assert "a diffusers file holds LoRA and DoRA only" in err and "Export it with --format kohya" in err
     assert not out.exists() and list(out.parent.iterdir()) == []
+    assert export_main([str(checkpoint), "--format", "kohya", "--out", str(out)]) == 0
+    assert "lora_unet_double_blocks_0_img_attn_qkv.hada_w1_a" in load_file(out)
+
+
+def test_mixed_dora_and_lora_layers_are_refused_by_the_diffusers_format(tmp_path: Path) -> None:
+    state = _state(FLUX_STATE)
+    state["transformer_blocks.0.attn.to_q.lora_magnitude_vector"] = torch.ones(8)
+    with pytest.raises(ValueError, match="some layers are DoRA and others plain LoRA"):
+        export_lora(
+            state, tmp_path / "d.safetensors", format="diffusers", lora=LoraOptions(rank=RANK), family=Flux(), info={}
+        )

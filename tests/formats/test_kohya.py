@@ -37,6 +37,7 @@ from safetensors.torch import load_file
 
 from lightning_lora.export import export_lora, read_metadata
 from lightning_lora.families.flux import Flux, latent_image_ids
+from lightning_lora.formats.adapters import adapters_from_peft
 from lightning_lora.formats.bfl import FluxDims, bfl_to_diffusers, diffusers_to_bfl
 from lightning_lora.formats.kohya import flux_lora_dims, flux_to_kohya, kohya_name
 from lightning_lora.lora import LoraOptions, split_lora_state
@@ -88,14 +89,14 @@ def _loaded(model_dir: Path, lora_file: Path | None) -> FluxPipeline:
 # ------------------------------------------------------------------------------------------------ the math
 
 
-def _delta(pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], module: str, alpha: float) -> torch.Tensor:
+def _delta(pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], module: str, scale: float) -> torch.Tensor:
     a, b = pairs[module]
-    return alpha / a.shape[0] * b @ a
+    return scale * b @ a
 
 
 def test_fused_lora_is_the_same_delta_as_the_parts() -> None:
     g = torch.Generator().manual_seed(0)
-    inner, mlp, alpha = 8, 20, 3.0
+    inner, mlp, alpha = 8, 20, 1.5  # alpha here: the scale peft applies (alpha / r)
     dims = FluxDims(inner, mlp)
 
     def pair(rank: int, out: int, fan_in: int = inner) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,12 +107,12 @@ def test_fused_lora_is_the_same_delta_as_the_parts() -> None:
         "transformer_blocks.0.attn.to_v": pair(2, inner),  # k has no LoRA: zero rows in the middle
         "transformer_blocks.0.attn.add_k_proj": pair(2, inner),
         "single_transformer_blocks.1.proj_mlp": pair(2, mlp),  # only the MLP part of linear1
-        "single_transformer_blocks.1.attn.to_k": pair(4, inner),  # another rank: its scale folds into B
+        "single_transformer_blocks.1.attn.to_k": pair(4, inner),  # another rank (a converted file): same scale
         "norm_out.linear": pair(2, 2 * inner),
         "transformer_blocks.0.ff.net.2": pair(2, inner, 4 * inner),
     }
     state = {f"{m}.lora_{p}.weight": t for m, (a, b) in pairs.items() for p, t in (("A", a), ("B", b))}
-    assert flux_lora_dims(split_lora_state(state)) == dims
+    assert flux_lora_dims(adapters_from_peft(state)) == dims
     kohya = flux_to_kohya(state, alpha)
 
     def fused(name: str) -> torch.Tensor:
@@ -128,7 +129,7 @@ def test_fused_lora_is_the_same_delta_as_the_parts() -> None:
     )
     torch.testing.assert_close(fused("lora_unet_double_blocks_0_img_attn_qkv"), qkv)
     assert kohya["lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight"].shape == (4, inner)
-    assert kohya["lora_unet_double_blocks_0_img_attn_qkv.alpha"].item() == 2 * alpha  # alpha / r kept at 3 / 2
+    assert kohya["lora_unet_double_blocks_0_img_attn_qkv.alpha"].item() == 4 * alpha  # alpha_fused / R = the scale
     txt = torch.cat([zeros, _delta(pairs, "transformer_blocks.0.attn.add_k_proj", alpha), zeros])
     torch.testing.assert_close(fused("lora_unet_double_blocks_0_txt_attn_qkv"), txt)
     linear1 = torch.cat(
@@ -232,7 +233,8 @@ def test_kohya_file_keys_and_metadata(all_linear: tuple[torch.nn.Module, Path, P
     assert meta["lightning_lora.format"] == "kohya" and json.loads(meta["lightning_lora.steps"]) == 3
     assert "lora_adapter_metadata" not in meta  # diffusers would apply alpha a second time
     adapter = json.loads(read_metadata(diffusers_file)["lora_adapter_metadata"])
-    assert (adapter["transformer.r"], adapter["transformer.lora_alpha"]) == (RANK, ALPHA)
+    assert (adapter["transformer.r"], adapter["transformer.lora_alpha"]) == (RANK, RANK)  # the scale is in lora_B
+    assert json.loads(meta["lightning_lora.module_ranks"])["lora_unet_double_blocks_1_img_attn_qkv"] == 3 * RANK
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,785 @@
+"""Every LoRA file lightning-lora writes means the same in every tool that loads it: diffusers, ComfyUI, kohya.
+
+For every registered family, every one of its LoRA presets and every adapter variant (LoRA, DoRA, LoKr, LoHa), a tiny
+denoiser gets a peft adapter with random, non-zero values (alpha = rank / 2: a scale that is dropped or applied twice
+shows), the trained weights are the model's own merged weights (peft's ``merge``), and each file in each of the
+family's formats is applied by three witnesses:
+
+* diffusers: ``pipe.load_lora_weights`` itself, on a pipeline holding the denoiser (diffusers' converters run);
+* ComfyUI: :func:`comfy_apply`, its loader rebuilt from its source: the key map of ``comfy/lora.py``
+  ``model_lora_keys_unet`` (``lora_unet_<original name>``; SD diffusers names via ``comfy/utils.py``
+  ``unet_to_diffusers``, attention only as ``unet.<...>.processor.to_q``; FLUX diffusers names via
+  ``flux_to_diffusers``, each onto its row slice of the fused weight, ``norm_out.linear`` with the scale/shift swap),
+  the suffixes ``load_lora`` reads, and the deltas of ``comfy/weight_adapter/lora.py``, ``loha.py``, ``lokr.py`` and
+  ``base.py`` ``weight_decompose`` (``alpha / mat2.shape[0]``, no alpha -> 1, LoKr's ``dim``, DoRA by axis);
+* kohya's sd-scripts: :func:`kohya_apply`, ``networks/lora.py`` / ``networks/lora_flux.py``
+  ``create_network_from_weights`` (dim from ``lora_down`` rows, alpha per module, modules only inside the blocks,
+  ``LoRAInfModule.merge_to``), or LyCORIS' ``lycoris/kohya.py`` for DoRA/LoKr/LoHa (every module; ``wd_on_out``
+  DoRA; LoKr's ``lora_dim`` from ``lokr_w1_a/lokr_w2_a``, scale 1 for two full factors; LoHa's from ``hada_w1_b``).
+
+Each witness's merged weights are compared layer by layer with the trained ones: a layer the family's
+:meth:`~lightning_lora.families.base.DiffusionFamily.lora_coverage` says a tool applies must come out exact, a layer it
+says the tool skips must be untouched, and the file's ``lightning_lora.loads_in`` must name exactly the tools that
+apply everything. Then: the round trip kohya -> diffusers' converter -> ours -> kohya is exact; the default output of
+every shipped config has a file ComfyUI applies at the trained strength; the metadata tools read is there.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import inspect
+import json
+import warnings
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import diffusers
+import pytest
+import torch
+import yaml
+from helpers import REPO, diffusers_kohya_reads_flux_widths
+from peft.tuners.tuners_utils import BaseTunerLayer
+from peft.utils import get_peft_model_state_dict
+from safetensors.torch import load_file, save_file
+
+from lightning_lora.callbacks.lora_export import LoraExport
+from lightning_lora.errors import ConfigError
+from lightning_lora.export import convert_lora_file, export_lora, file_coverage, read_lora_file, read_metadata
+from lightning_lora.families import FAMILIES, DiffusionFamily, ModelSource
+from lightning_lora.formats import VARIANTS
+from lightning_lora.formats.bfl import (
+    bfl_slice,
+    bfl_to_diffusers,
+    diffusers_to_bfl,
+    flux_dims_from_state_dict,
+    swap_halves,
+)
+from lightning_lora.formats.clients import TOOLS
+from lightning_lora.formats.ldm import UNetLayout, diffusers_to_ldm
+from lightning_lora.lora import LoraOptions, parse_key, peft_config, resolve_targets
+
+RANK, ALPHA = 4, 2.0  # alpha = rank / 2
+VARIANT_NAMES = {"lora": "LoRA", "dora": "DoRA", "lokr": "LoKr", "loha": "LoHa"}
+CASES = [(name, preset) for name in sorted(FAMILIES) for preset in FAMILIES[name].lora_presets]
+_ADAPTER = ("lora_", "lokr_", "hada_")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> None:
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def bases(tiny_pipeline: Callable[[str], Path]) -> dict[str, tuple[DiffusionFamily, torch.nn.Module]]:
+    """Each family's tiny denoiser, frozen, float32 (copied by every test that adapts it)."""
+    out = {}
+    for name in sorted(FAMILIES):
+        family = FAMILIES[name]()
+        source = ModelSource(str(tiny_pipeline(name)), dtype=torch.float32)
+        out[name] = (family, family.load_denoiser(source))
+    return out
+
+
+# ------------------------------------------------------------------------------------------ the trained adapter
+
+
+def adapted(
+    family: DiffusionFamily,
+    base: torch.nn.Module,
+    targets: str | list[str],
+    variant: str,
+    seed: int = 0,
+    alpha: float = ALPHA,
+) -> tuple[torch.nn.Module, LoraOptions]:
+    """A copy of ``base`` with the one peft adapter training builds (:func:`lightning_lora.lora.peft_config`) for
+    these options, every adapter tensor random and non-zero (DoRA's magnitude: the weight norms, scaled by 1 +- 10%)."""
+    model = copy.deepcopy(base)
+    options = LoraOptions(rank=RANK, alpha=alpha, targets=targets, variant=variant)  # type: ignore[arg-type]
+    model.add_adapter(peft_config(options, resolve_targets(targets, family, model)))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_magnitude_vector" in name:
+                p.mul_(1 + 0.1 * torch.randn(p.shape, generator=g))
+            elif any(part.startswith(_ADAPTER) for part in name.split(".")):
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    return model.eval(), options
+
+
+def merged_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The weights of ``model`` with its adapter merged the way peft merges it, under the base model's keys."""
+    model = copy.deepcopy(model)
+    for module in model.modules():
+        if isinstance(module, BaseTunerLayer):
+            module.merge()
+    return {
+        k.replace(".base_layer", ""): v.detach().clone()
+        for k, v in model.state_dict().items()
+        if not any(part.startswith(_ADAPTER) for part in k.split("."))
+    }
+
+
+def base_weights(base: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in base.state_dict().items()}
+
+
+# ------------------------------------------------------------------------------------------ diffusers
+
+
+def diffusers_apply(family: DiffusionFamily, base: torch.nn.Module, file: Path) -> dict[str, torch.Tensor] | None:
+    """``pipe.load_lora_weights(file)`` on a pipeline holding a copy of ``base`` (its other components None); the
+    denoiser's merged weights, or None when diffusers refuses the file."""
+    cls = getattr(diffusers, family.pipeline_classes[0])
+    parameters = inspect.signature(cls.__init__).parameters
+    components: dict[str, Any] = {n: None for n, p in parameters.items() if n != "self" and p.default is p.empty}
+    components[family.denoiser_subfolder] = copy.deepcopy(base)
+    pipe = cls(**components)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pipe.load_lora_weights(file)
+    except (ValueError, KeyError) as e:
+        if "Invalid LoRA checkpoint" in str(e) or "not been correctly renamed" in str(e):
+            return None
+        raise
+    return merged_weights(getattr(pipe, family.denoiser_subfolder))
+
+
+# ------------------------------------------------------------------------------------------ ComfyUI
+
+
+def _is_flux(model: torch.nn.Module) -> bool:
+    return type(model).__name__ == "FluxTransformer2DModel"
+
+
+def comfy_weights(base: torch.nn.Module) -> tuple[dict[str, torch.Tensor], Callable[[dict], dict]]:
+    """The denoiser's weights as ComfyUI holds them (``diffusion_model.<original name>``: BFL for FLUX, LDM/SGM for
+    the UNets) and the function back to diffusers names."""
+    sd = base_weights(base)
+    if _is_flux(base):
+        bfl = {f"diffusion_model.{k}": v for k, v in diffusers_to_bfl(sd).items()}
+        return bfl, lambda s: bfl_to_diffusers({k.removeprefix("diffusion_model."): v for k, v in s.items()})
+    layout = UNetLayout.from_config(base.config)
+    names = {k: "diffusion_model." + diffusers_to_ldm(k, layout) for k in sd}
+    back = {v: k for k, v in names.items()}
+    return {names[k]: v for k, v in sd.items()}, lambda s: {back[k]: v for k, v in s.items()}
+
+
+def comfy_key_map(base: torch.nn.Module, model_sd: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """ComfyUI's LoRA key map (``comfy/lora.py`` ``model_lora_keys_unet``): LoRA key prefix -> target weight, or
+    ``(target, offset, function)``."""
+    key_map: dict[str, Any] = {}
+    for k in model_sd:
+        if k.startswith("diffusion_model.") and k.endswith(".weight"):
+            key_map["lora_unet_" + k[len("diffusion_model.") : -len(".weight")].replace(".", "_")] = k
+            key_map[k[: -len(".weight")]] = k
+    sd = base.state_dict()
+    if _is_flux(base):  # comfy/utils.py flux_to_diffusers: a part maps to its rows of the fused weight
+        dims = flux_dims_from_state_dict(sd)
+        for k in sd:
+            if not k.endswith(".weight"):
+                continue
+            module = k[: -len(".weight")]
+            try:
+                where = bfl_slice(module, dims)
+            except KeyError:
+                continue
+            offset = (0, where.start, where.size) if where.fused else None
+            entry = ("diffusion_model." + where.param("weight"), offset, swap_halves if where.swap else None)
+            for key in (
+                f"transformer.{module}",
+                "lycoris_" + module.replace(".", "_"),
+                "lora_transformer_" + module.replace(".", "_"),
+            ):
+                key_map[key] = entry
+        return key_map
+    layout = UNetLayout.from_config(base.config)  # comfy/utils.py unet_to_diffusers
+    for k in sd:
+        if not k.endswith(".weight"):
+            continue
+        target = "diffusion_model." + diffusers_to_ldm(k, layout)
+        name = k[: -len(".weight")]
+        key_map["lora_unet_" + name.replace(".", "_")] = target
+        key_map["lycoris_" + name.replace(".", "_")] = target
+        for prefix in ("", "unet."):
+            old = prefix + name.replace(".to_", ".processor.to_")
+            key_map[old[:-2] if old.endswith(".to_out.0") else old] = target
+    return key_map
+
+
+def comfy_apply(
+    base: torch.nn.Module, lora: Mapping[str, torch.Tensor], dora_norm: str = "base"
+) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """ComfyUI's loader on ``lora``: the denoiser's patched weights (diffusers names) and the keys it did not load
+    ("lora key not loaded"). ``dora_norm``: ``base`` divides an output-axis ``dora_scale`` by the base weight's row
+    norms (``weight_adapter/base.py`` today), ``patched`` by the patched weight's (ComfyUI PR #15458)."""
+    model_sd, back = comfy_weights(base)
+    key_map = comfy_key_map(base, model_sd)
+    patches: dict[str, list[tuple[Any, ...]]] = {}
+    loaded: set[str] = set()
+    for x, to in key_map.items():  # comfy/lora.py load_lora
+        alpha = float(lora[f"{x}.alpha"]) if f"{x}.alpha" in lora else None
+        dora = lora.get(f"{x}.dora_scale")
+        found = [k for k in lora if k.startswith(x + ".")]
+        if not found:
+            continue
+        adapter: tuple[Any, ...] | None = None
+        for up, down in (("lora_up.weight", "lora_down.weight"), ("lora_B.weight", "lora_A.weight")):
+            if f"{x}.{up}" in lora:
+                adapter = ("lora", lora[f"{x}.{up}"], lora[f"{x}.{down}"])
+                loaded |= {f"{x}.{up}", f"{x}.{down}"}
+                break
+        if f"{x}.hada_w1_a" in lora:
+            names = ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "hada_t1", "hada_t2")
+            adapter = ("loha", *(lora.get(f"{x}.{n}") for n in names))
+            loaded |= {f"{x}.{n}" for n in names if f"{x}.{n}" in lora}
+        names = ("lokr_w1", "lokr_w2", "lokr_w1_a", "lokr_w1_b", "lokr_w2_a", "lokr_w2_b", "lokr_t2")
+        if any(f"{x}.{n}" in lora for n in names[:4]):
+            adapter = ("lokr", *(lora.get(f"{x}.{n}") for n in names))
+            loaded |= {f"{x}.{n}" for n in names if f"{x}.{n}" in lora}
+        if adapter is None:
+            continue
+        loaded |= {k for k in (f"{x}.alpha", f"{x}.dora_scale") if k in lora}
+        target, offset, function = (to, None, None) if isinstance(to, str) else to
+        patches.setdefault(target, []).append((adapter, alpha, dora, offset, function))
+    out = {k: v.clone() for k, v in model_sd.items()}
+    for target, items in patches.items():
+        for adapter, alpha, dora, offset, function in items:
+            weight = out[target]
+            if offset is not None:
+                weight = weight.narrow(offset[0], offset[1], offset[2])
+            diff, scale = _comfy_diff(adapter, alpha, weight.shape)
+            function = function or (lambda a: a)
+            if dora is None:
+                weight += function(scale * diff)
+                continue
+            calc = weight + function(scale * diff)  # weight_decompose
+            if dora.shape[0] == calc.shape[0]:
+                source = weight if dora_norm == "base" else calc
+                norm = source.reshape(source.shape[0], -1).norm(dim=1).reshape(-1, *[1] * (calc.dim() - 1))
+            else:
+                norm = calc.transpose(0, 1).reshape(calc.shape[1], -1).norm(dim=1, keepdim=True)
+                norm = norm.reshape(calc.shape[1], *[1] * (calc.dim() - 1)).transpose(0, 1)
+            weight[:] = calc * (dora / (norm + torch.finfo(calc.dtype).eps))
+    return back(out), set(lora) - loaded
+
+
+def _comfy_diff(adapter: tuple[Any, ...], alpha: float | None, shape: torch.Size) -> tuple[torch.Tensor, float]:
+    """(delta before scale, scale) of one ComfyUI weight adapter (``weight_adapter/{lora,loha,lokr}.py``)."""
+    kind = adapter[0]
+    if kind == "lora":
+        up, down = adapter[1].float(), adapter[2].float()
+        return (up.flatten(1) @ down.flatten(1)).reshape(shape), (alpha / down.shape[0] if alpha is not None else 1.0)
+    if kind == "loha":
+        w1a, w1b, w2a, w2b, t1, t2 = (t.float() if t is not None else None for t in adapter[1:])
+        if t1 is not None:
+            m1 = torch.einsum("i j k l, j r, i p -> p r k l", t1, w1b, w1a)
+            m2 = torch.einsum("i j k l, j r, i p -> p r k l", t2, w2b, w2a)
+        else:
+            m1, m2 = w1a @ w1b, w2a @ w2b
+        return (m1 * m2).reshape(shape), (alpha / w1b.shape[0] if alpha is not None else 1.0)
+    w1, w2, w1a, w1b, w2a, w2b, t2 = (t.float() if t is not None else None for t in adapter[1:])
+    dim = None
+    if w1 is None:
+        dim, w1 = w1b.shape[0], w1a @ w1b
+    if w2 is None:
+        dim = w2b.shape[0]
+        w2 = torch.einsum("i j k l, j r, i p -> p r k l", t2, w2b, w2a) if t2 is not None else w2a @ w2b
+    if w2.dim() == 4:
+        w1 = w1.unsqueeze(2).unsqueeze(2)
+    scale = alpha / dim if alpha is not None and dim is not None else 1.0
+    return torch.kron(w1, w2).reshape(shape), scale
+
+
+# ------------------------------------------------------------------------------------------ kohya's sd-scripts
+
+
+def kohya_apply(
+    base: torch.nn.Module, lora: Mapping[str, torch.Tensor], metadata: Mapping[str, str]
+) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """kohya's sd-scripts loading ``lora`` (``create_network_from_weights``, then merging each module): the patched
+    weights (diffusers names) and the unexpected keys. ``ss_network_module: lycoris.kohya`` loads through LyCORIS."""
+    model_sd, back = comfy_weights(base)  # sd-scripts builds the same modules: BFL, SGM; SD1.x in diffusers names
+    flux = _is_flux(base)
+    sd15 = not flux and not any(k.startswith("diffusion_model.label_emb") for k in model_sd)
+    diffusers_name = {v: k for k, v in back({k: k for k in model_sd}).items()} if sd15 else {}  # LDM -> diffusers
+    names: dict[str, str] = {}  # lora name -> target weight key
+    for k in model_sd:
+        if k.endswith(".weight"):
+            module = (diffusers_name[k] if sd15 else k.removeprefix("diffusion_model."))[: -len(".weight")]
+            names["lora_unet_" + module.replace(".", "_")] = k
+    lycoris = metadata.get("ss_network_module") == "lycoris.kohya"
+
+    def created(lora_name: str) -> bool:
+        if lycoris:  # lycoris/kohya.py: every module of the model
+            return True
+        body = lora_name.removeprefix("lora_unet_")
+        inside = ("double_blocks_", "single_blocks_") if flux else ("down_blocks_", "mid_block_", "up_blocks_")
+        if not flux and not sd15:
+            inside = ("input_blocks_", "middle_block_", "output_blocks_")
+            if body.startswith("input_blocks_0_0"):
+                return False
+        return body.startswith(inside)
+
+    out = {k: v.clone() for k, v in model_sd.items()}
+    loaded: set[str] = set()
+    for lora_name, target in names.items():
+        keys = [k for k in lora if k.startswith(lora_name + ".")]
+        if not keys or not created(lora_name):
+            continue
+        loaded.update(keys)
+        get = {k.split(".", 1)[1]: v.float() for k, v in lora.items() if k in keys}
+        alpha = float(get["alpha"]) if "alpha" in get else None
+        weight = out[target]
+        if "lora_down.weight" in get:
+            down, up = get["lora_down.weight"], get["lora_up.weight"]
+            dim = down.shape[0]
+            diff = (up.flatten(1) @ down.flatten(1)).reshape(weight.shape) * ((alpha or dim) / dim)
+        elif "hada_w1_a" in get:
+            dim = get["hada_w1_b"].shape[0]  # lycoris/modules/loha.py: w1b.size(0)
+            diff = ((get["hada_w1_a"] @ get["hada_w1_b"]) * (get["hada_w2_a"] @ get["hada_w2_b"])).reshape(weight.shape)
+            diff = diff * ((alpha or dim) / dim)
+        else:  # lycoris/modules/lokr.py make_module_from_state_dict
+            w1 = get.get("lokr_w1", get["lokr_w1_a"] @ get["lokr_w1_b"] if "lokr_w1_a" in get else None)
+            w2 = get.get("lokr_w2", get["lokr_w2_a"] @ get["lokr_w2_b"] if "lokr_w2_a" in get else None)
+            dim = (
+                get["lokr_w1_a"].shape[1]
+                if "lokr_w1_a" in get
+                else get["lokr_w2_a"].shape[1]
+                if "lokr_w2_a" in get
+                else 1
+            )
+            full = "lokr_w1" in get and "lokr_w2" in get
+            assert w1 is not None and w2 is not None
+            if w2.dim() == 4:
+                w1 = w1.unsqueeze(2).unsqueeze(2)
+            diff = torch.kron(w1, w2).reshape(weight.shape) * (1.0 if full else (alpha or dim) / dim)
+        if "dora_scale" in get:  # LyCORIS wd_on_out: the norm of each output row of W + delta
+            calc = weight + diff
+            norm = calc.reshape(calc.shape[0], -1).norm(dim=1).reshape(-1, *[1] * (calc.dim() - 1))
+            out[target] = calc * get["dora_scale"] / (norm + torch.finfo(calc.dtype).eps)
+        else:
+            out[target] = weight + diff
+    return back(out), set(lora) - loaded
+
+
+def apply_tool(tool: str, family: DiffusionFamily, base: torch.nn.Module, path: Path) -> dict[str, torch.Tensor]:
+    """The denoiser's weights after ``tool`` loads the file at ``path`` (which it must load)."""
+    if tool == "diffusers":
+        got = diffusers_apply(family, base, path)
+        assert got is not None, f"diffusers refused {path.name}"
+        return got
+    if tool == "ComfyUI":
+        return comfy_apply(base, load_file(path))[0]
+    return kohya_apply(base, load_file(path), read_metadata(path))[0]
+
+
+# ------------------------------------------------------------------------------------------ the comparison
+
+
+def check_tool(
+    tool: str,
+    got: Mapping[str, torch.Tensor] | None,
+    expected: Mapping[str, torch.Tensor],
+    base: Mapping[str, torch.Tensor],
+    coverage: Any,
+    modules: list[str],
+) -> None:
+    """Layers the coverage says ``tool`` applies are the trained ones; layers it says it skips are the base ones."""
+    for module in modules:
+        key = f"{module}.weight"
+        delta = (expected[key] - base[key]).abs().max()
+        assert delta > 1e-4, f"{module}: the adapter does not change the weight (a weak test)"
+        if module in coverage.approximate[tool]:
+            continue
+        if got is None:
+            assert module in coverage.skipped[tool], f"{tool} refused the file, but {module} is said to load"
+            continue
+        if module in coverage.skipped[tool]:
+            assert torch.equal(got[key], base[key]), f"{tool} applied {module}, said to be skipped"
+            continue
+        torch.testing.assert_close(
+            got[key], expected[key], atol=1e-5, rtol=1e-4, msg=lambda m, t=tool, k=key: f"{t} {k}: {m}"
+        )
+    if got is not None:  # nothing else changed
+        others = [k for k in base if k not in {f"{m}.weight" for m in modules} and k in got]
+        assert all(torch.equal(got[k], base[k]) for k in others), f"{tool} changed a layer that was not trained"
+
+
+@pytest.mark.parametrize("variant", list(VARIANT_NAMES))
+@pytest.mark.parametrize(("name", "preset"), CASES)
+def test_every_file_means_the_same_in_every_tool(
+    bases: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, preset: str, variant: str
+) -> None:
+    family, base = bases[name]
+    model, options = adapted(family, base, preset, variant)
+    state = get_peft_model_state_dict(model)
+    expected, before = merged_weights(model), base_weights(base)
+    modules = sorted({parsed.module for k in state if (parsed := parse_key(k)) is not None})
+    diffusers_kohya_reads_flux_widths(monkeypatch)
+    written = 0
+    for fmt in family.lora_formats:
+        path = tmp_path / f"{fmt}.safetensors"
+        if VARIANT_NAMES[variant] not in VARIANTS[fmt]:
+            with pytest.raises(ConfigError, match=rf"--format {fmt}: the LoRA is a {VARIANT_NAMES[variant]} adapter"):
+                export_lora(state, path, format=fmt, lora=options, family=family, info={})  # type: ignore[arg-type]
+            assert not path.exists()
+            continue
+        export_lora(state, path, format=fmt, lora=options, family=family, info={})  # type: ignore[arg-type]
+        written += 1
+        coverage = file_coverage(state, family, fmt)
+        assert json.loads(read_metadata(path)["lightning_lora.loads_in"]) == coverage.loads_in
+        tensors, metadata = load_file(path), read_metadata(path)
+        results = {
+            "diffusers": diffusers_apply(family, base, path),
+            "ComfyUI": comfy_apply(base, tensors)[0],
+            "kohya": kohya_apply(base, tensors, metadata)[0],
+        }
+        for tool in TOOLS:
+            check_tool(tool, results[tool], expected, before, coverage, modules)
+        # Layers ComfyUI applies only approximately (DoRA) are exact under the fix of ComfyUI PR #15458: the file's
+        # dora_scale has the right convention; only ComfyUI's norm differs today.
+        if fmt == "kohya" and coverage.approximate["ComfyUI"]:
+            patched = comfy_apply(base, tensors, dora_norm="patched")[0]
+            for module in coverage.approximate["ComfyUI"]:
+                torch.testing.assert_close(
+                    patched[f"{module}.weight"], expected[f"{module}.weight"], atol=1e-5, rtol=1e-4
+                )
+    assert written, "no format holds this variant"
+
+
+def test_comfyui_skips_peft_attention_names_of_a_unet(bases: dict, tmp_path: Path) -> None:
+    """The issue as measured: a diffusers-layout SD1.5 LoCon file leaves ComfyUI 2 keys per attention layer unloaded,
+    and our coverage says so (the kohya file of the same LoRA loads every key)."""
+    family, base = bases["sd15"]
+    model, options = adapted(family, base, "locon", "lora")
+    state = get_peft_model_state_dict(model)
+    attention = {k.rsplit(".", 2)[0] for k in state if ".to_" in k}
+    paths = {
+        f: export_lora(state, tmp_path / f"{f}.safetensors", format=f, lora=options, family=family, info={})
+        for f in ("diffusers", "kohya")
+    }
+    _, not_loaded = comfy_apply(base, load_file(paths["diffusers"]))
+    assert {k.removeprefix("unet.").rsplit(".", 2)[0] for k in not_loaded} == attention and len(not_loaded) == 2 * len(
+        attention
+    )
+    assert set(file_coverage(state, family, "diffusers").skipped["ComfyUI"]) == attention
+    assert comfy_apply(base, load_file(paths["kohya"]))[1] == set()
+
+
+# ------------------------------------------------------------------------------------------ round trips
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_kohya_to_diffusers_to_kohya_is_exact(
+    bases: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """A kohya file (ours, every preset's layers, alpha != rank) -> diffusers' own converter -> ours -> kohya: the
+    same weights in every tool each file names (to float32 rounding); and diffusers -> kohya -> diffusers the same
+    tensors."""
+    family, base = bases[name]
+    targets = "|".join(f"(?:{p})" for p in family.lora_presets.values())
+    model, options = adapted(family, base, targets, "lora", seed=3)
+    state = get_peft_model_state_dict(model)
+    diffusers_kohya_reads_flux_widths(monkeypatch)
+    first = export_lora(state, tmp_path / "a.kohya.safetensors", format="kohya", lora=options, family=family, info={})
+    as_diffusers = convert_lora_file(first, tmp_path / "b.safetensors", format="diffusers")
+    again = convert_lora_file(as_diffusers, tmp_path / "c.kohya.safetensors", format="kohya")
+    assert read_metadata(as_diffusers)["lightning_lora.converted_from"] == "a.kohya.safetensors"
+    expected = merged_weights(model)
+    for path in (first, as_diffusers, again):  # each file, in every tool it says applies all of it
+        tools = json.loads(read_metadata(path)["lightning_lora.loads_in"])
+        assert "ComfyUI" in tools or "diffusers" in tools
+        for tool in tools:
+            got = apply_tool(tool, family, base, path)
+            for key, value in expected.items():
+                torch.testing.assert_close(
+                    got[key],
+                    value,
+                    atol=1e-5,
+                    rtol=1e-5,
+                    msg=lambda m, p=path, k=key, t=tool: f"{p.name} in {t}: {k}: {m}",
+                )
+    a, c = load_file(first), load_file(again)
+    deltas = lambda t: {k.rsplit(".", 2)[0] for k in t}  # noqa: E731
+    assert deltas(a) == deltas(c)
+    lora = read_lora_file(again)
+    assert lora.family.name == name and lora.layout == "kohya"
+    back = convert_lora_file(again, tmp_path / "d.safetensors", format="diffusers")
+    one, two = load_file(as_diffusers), load_file(back)
+    assert one.keys() == two.keys()
+    for key in one:
+        torch.testing.assert_close(one[key], two[key], atol=1e-6, rtol=1e-6)
+
+
+def test_converting_a_fused_flux_file_gives_back_the_trained_adapters(
+    bases: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """diffusers' converter turns a fused linear1 with only q/k/v trained into four dense adapters (each part the
+    whole 3r-row lora_down, and a zero proj_mlp); the conversion drops the zero rank components: the trained
+    adapters come back, rank r each, no proj_mlp."""
+    family, base = bases["flux"]
+    model, options = adapted(family, base, "attention", "lora")
+    state = get_peft_model_state_dict(model)
+    diffusers_kohya_reads_flux_widths(monkeypatch)
+    kohya_file = export_lora(state, tmp_path / "k.safetensors", format="kohya", lora=options, family=family, info={})
+    back = read_lora_file(kohya_file)
+    assert {k.rsplit(".", 2)[0] for k in back.state} == {k.rsplit(".", 2)[0] for k in state}
+    assert all(t.shape[0] == RANK for k, t in back.state.items() if k.endswith("lora_A.weight"))
+
+
+def test_a_kohya_file_made_by_sd_scripts_converts_exactly(bases: dict, tmp_path: Path) -> None:
+    """A kohya file as sd-scripts writes one (per-module alphas that differ, a LoCon conv layer, no metadata):
+    converted to diffusers and back it applies the same weights in ComfyUI and in diffusers."""
+    family, base = bases["sdxl"]
+    g = torch.Generator().manual_seed(5)
+    sd = base.state_dict()
+    layout = UNetLayout.from_config(base.config)
+    tensors = {}
+    for i, module in enumerate(
+        [
+            "down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q",
+            "down_blocks.0.resnets.0.conv1",
+            "up_blocks.0.attentions.0.proj_out",
+        ]
+    ):
+        w = sd[f"{module}.weight"]
+        r = 2 + i
+        name = "lora_unet_" + diffusers_to_ldm(module, layout).replace(".", "_")
+        tensors[f"{name}.lora_down.weight"] = 0.3 * torch.randn(r, *w.shape[1:], generator=g)
+        tensors[f"{name}.lora_up.weight"] = 0.3 * torch.randn(w.shape[0], r, *([1] * (w.dim() - 2)), generator=g)
+        tensors[f"{name}.alpha"] = torch.tensor(float(i + 1))
+    save_file(tensors, tmp_path / "theirs.safetensors")
+    reference, _ = comfy_apply(base, tensors)
+    converted = convert_lora_file(
+        tmp_path / "theirs.safetensors", tmp_path / "ours.safetensors", format="diffusers", family=family
+    )
+    from_diffusers = diffusers_apply(family, base, converted)
+    back = convert_lora_file(converted, tmp_path / "back.kohya.safetensors", format="kohya")
+    assert from_diffusers is not None
+    from_back, unloaded = comfy_apply(base, load_file(back))
+    assert not unloaded
+    for key in reference:
+        torch.testing.assert_close(from_diffusers[key], reference[key], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(from_back[key], reference[key], atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------ FLUX: exact and compact
+
+
+def test_flux_diffusers_file_is_the_compact_exact_comfyui_file(bases: dict, tmp_path: Path) -> None:
+    """For FLUX, ComfyUI maps every diffusers name onto its rows of the fused weight: the diffusers file applies
+    exactly there, and is a fraction of the fused kohya file (whose linear1 lora_up has all 3 inner + mlp rows)."""
+    family, base = bases["flux"]
+    model, options = adapted(family, base, "attention", "lora")
+    state = get_peft_model_state_dict(model)
+    paths = {
+        f: export_lora(state, tmp_path / f"{f}.safetensors", format=f, lora=options, family=family, info={})
+        for f in ("diffusers", "kohya")
+    }
+    assert "ComfyUI" in json.loads(read_metadata(paths["diffusers"])["lightning_lora.loads_in"])
+    got, unloaded = comfy_apply(base, load_file(paths["diffusers"]))
+    assert not unloaded
+    expected = merged_weights(model)
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], atol=1e-5, rtol=1e-4)
+    size = {f: sum(t.numel() for t in load_file(p).values()) for f, p in paths.items()}
+    assert size["kohya"] > 2 * size["diffusers"]
+    meta = read_metadata(paths["kohya"])
+    ranks = json.loads(meta["lightning_lora.module_ranks"])
+    assert (
+        ranks["lora_unet_double_blocks_0_img_attn_qkv"] == 3 * RANK
+        and ranks["lora_unet_single_blocks_0_linear1"] == 3 * RANK
+    )
+    assert meta["ss_network_dim"] == str(RANK)
+
+
+def test_flux_lokr_on_fused_parts_goes_per_part(bases: dict, tmp_path: Path) -> None:
+    """A LoKr on q/k/v has no fused form: the kohya file holds those parts under ComfyUI's per-part lycoris_ names
+    (ComfyUI applies them exactly, checked above), and export says sd-scripts will not load them."""
+    family, base = bases["flux"]
+    model, options = adapted(family, base, "attention", "lokr")
+    state = get_peft_model_state_dict(model)
+    path = export_lora(state, tmp_path / "k.safetensors", format="kohya", lora=options, family=family, info={})
+    keys = load_file(path)
+    assert any(k.startswith("lycoris_transformer_blocks_0_attn_to_q.lokr_") for k in keys)
+    assert not any("img_attn_qkv" in k for k in keys)
+    coverage = file_coverage(state, family, "kohya")
+    assert "transformer_blocks.0.attn.to_q" in coverage.skipped["kohya"] and coverage.loads_in == ["ComfyUI"]
+    assert any("per-part" in line for line in coverage.notes())
+
+
+# ------------------------------------------------------------------------------------------ refusals
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_custom_targets_outside_the_blocks_are_named(bases: dict, tmp_path: Path, name: str) -> None:
+    """Layers outside the blocks load in ComfyUI, not in sd-scripts (nor, for FLUX kohya files, in diffusers), and
+    export says which tool skips which layer."""
+    family, base = bases[name]
+    outside = ["x_embedder", "norm_out.linear"] if name == "flux" else ["conv_in", "time_embedding.linear_1"]
+    model, options = adapted(family, base, outside, "lora")
+    state = get_peft_model_state_dict(model)
+    coverage = file_coverage(state, family, "kohya")
+    layers = {k.rsplit(".", 2)[0] for k in state}
+    assert set(coverage.skipped["kohya"]) == layers and coverage.exact("ComfyUI")
+    notes = "\n".join(coverage.notes("k.safetensors"))
+    assert "kohya does not load 2 layer(s) of k.safetensors" in notes
+    path = export_lora(state, tmp_path / "k.safetensors", format="kohya", lora=options, family=family, info={})
+    assert json.loads(read_metadata(path)["lightning_lora.loads_in"]) == (
+        ["ComfyUI"] if name == "flux" else ["diffusers", "ComfyUI"]
+    )
+
+
+def test_lokr_and_loha_are_refused_by_the_diffusers_format_with_the_reason(bases: dict, tmp_path: Path) -> None:
+    family, base = bases["sdxl"]
+    for variant in ("lokr", "loha"):
+        model, options = adapted(family, base, "attention", variant)
+        state = get_peft_model_state_dict(model)
+        with pytest.raises(ConfigError, match=r"holds LoRA and DoRA only.*Export it with --format kohya"):
+            export_lora(state, tmp_path / "d.safetensors", format="diffusers", lora=options, family=family, info={})  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------------------ metadata
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_metadata_tools_read(bases: dict, tmp_path: Path, name: str) -> None:
+    family, base = bases[name]
+    preset = "locon" if "locon" in family.lora_presets else "attention"
+    model, options = adapted(family, base, preset, "lora")
+    state = get_peft_model_state_dict(model)
+    info = {"resolution": 768, "trigger": "sks dog", "title": "my-lora", "steps": 12}
+    kohya = read_metadata(
+        export_lora(
+            state, tmp_path / "my-lora.kohya.safetensors", format="kohya", lora=options, family=family, info=info
+        )
+    )
+    ours = read_metadata(
+        export_lora(state, tmp_path / "my-lora.safetensors", format="diffusers", lora=options, family=family, info=info)
+    )
+    for meta in (kohya, ours):
+        assert meta["modelspec.architecture"] == family.lora_modelspec["architecture"]
+        assert meta["modelspec.implementation"] == family.lora_modelspec["implementation"]
+        assert meta["modelspec.title"] == "my-lora" and meta["modelspec.resolution"] == "768x768"
+        assert meta["modelspec.trigger_phrase"] == "sks dog" and meta["modelspec.sai_model_spec"] == "1.0.1"
+        assert datetime.datetime.fromisoformat(meta["modelspec.date"]).date() == datetime.date.today()
+        assert (meta["lightning_lora.rank"], meta["lightning_lora.alpha"]) == (str(RANK), str(ALPHA))
+        assert meta["lightning_lora.variant"] == "LoRA" and meta["lightning_lora.trigger"] == "sks dog"
+    assert kohya["ss_output_name"] == "my-lora" and kohya["ss_network_dim"] == str(RANK)
+    assert float(kohya["ss_network_alpha"]) == ALPHA
+    assert kohya["ss_network_module"] == ("networks.lora_flux" if name == "flux" else "networks.lora")
+    args = json.loads(kohya.get("ss_network_args", "{}"))
+    assert args == ({"conv_dim": str(RANK), "conv_alpha": str(ALPHA)} if preset == "locon" else {})
+    assert "lora_adapter_metadata" not in kohya and not any(k.startswith("ss_") for k in ours)
+    adapter = json.loads(ours["lora_adapter_metadata"])
+    prefix = family.denoiser_subfolder
+    assert adapter[f"{prefix}.r"] == RANK and adapter[f"{prefix}.lora_alpha"] == RANK  # the scale is in lora_B
+
+
+def test_variant_metadata_names_lycoris(bases: dict, tmp_path: Path) -> None:
+    family, base = bases["sd15"]
+    for variant, args in (
+        ("dora", {"algo": "lora", "dora_wd": "True", "wd_on_output": "True"}),
+        ("lokr", {"algo": "lokr", "factor": "-1"}),
+        ("loha", {"algo": "loha"}),
+    ):
+        model, options = adapted(family, base, "attention", variant)
+        state = get_peft_model_state_dict(model)
+        meta = read_metadata(
+            export_lora(
+                state, tmp_path / f"{variant}.safetensors", format="kohya", lora=options, family=family, info={}
+            )
+        )
+        assert meta["ss_network_module"] == "lycoris.kohya" and json.loads(meta["ss_network_args"]) == args
+        assert meta["lightning_lora.variant"] == VARIANT_NAMES[variant]
+
+
+# ------------------------------------------------------------------------------------------ what a run writes
+
+
+SHIPPED = sorted(p for p in (REPO / "configs").glob("*.yaml") if "LoraExport" in p.read_text() and "tiny" not in p.name)
+
+
+@pytest.mark.parametrize("config", SHIPPED, ids=[p.stem for p in SHIPPED])
+def test_default_output_of_a_shipped_config_loads_in_comfyui(bases: dict, tmp_path: Path, config: Path) -> None:
+    """The files the shipped config's LoraExport writes (its own options, its LoRA rank/alpha/targets, on the tiny
+    model of its family): one of them is applied by ComfyUI at the trained strength, and the final line says which."""
+    data = yaml.safe_load(config.read_text())
+    model_section = data["model"]
+    family_path = (model_section.get("family") or {}).get("class_path", "lightning_lora.families.Flux")
+    name = next(n for n, c in FAMILIES.items() if family_path.endswith(c.__qualname__))
+    family, base = bases[name]
+    lora = model_section["lora"]
+    export_args = next(
+        cb["init_args"] for cb in data["trainer"]["callbacks"] if cb["class_path"].endswith("LoraExport")
+    )
+    alpha = RANK * lora["alpha"] / lora["rank"]  # the config's alpha / rank, on the tiny model's rank
+    model, options = adapted(family, base, lora["targets"], lora.get("variant", "lora"), alpha=alpha)
+    callback = LoraExport(**export_args)
+    module = SimpleNamespace(family=family, lora=options, denoiser=model, source=ModelSource("tiny"))
+    trainer = SimpleNamespace(
+        default_root_dir=str(tmp_path),
+        global_step=7,
+        is_global_zero=True,
+        datamodule=SimpleNamespace(resolution=1024),
+        strategy=SimpleNamespace(barrier=lambda name: None),
+    )
+    callback.setup(trainer, module, "fit")  # type: ignore[arg-type]
+    callback.on_fit_start(trainer, module)  # type: ignore[arg-type]
+    callback.export(trainer, module, callback.name)  # type: ignore[arg-type]
+    files = dict(zip(callback.formats, callback.written, strict=True))
+    assert set(files) == set(family.lora_formats)
+    comfy = [f for f, p in files.items() if "ComfyUI" in json.loads(read_metadata(p)["lightning_lora.loads_in"])]
+    assert comfy, f"no file for ComfyUI among {files}"
+    expected, before = merged_weights(model), base_weights(base)
+    for fmt in comfy:
+        got, unloaded = comfy_apply(base, load_file(files[fmt]))
+        assert not unloaded
+        for key in expected:  # bf16 files: the trained strength within bf16 rounding
+            delta = (expected[key] - before[key]).abs().max()
+            assert (got[key] - expected[key]).abs().max() <= 0.02 * delta + 1e-6, (fmt, key)
+    assert any("ComfyUI" in line for line in callback.summary_lines())
+
+
+def _stub_run(tmp_path: Path, family: DiffusionFamily, model: torch.nn.Module, options: LoraOptions) -> tuple[Any, Any]:
+    module = SimpleNamespace(family=family, lora=options, denoiser=model, source=ModelSource("tiny"))
+    trainer = SimpleNamespace(
+        default_root_dir=str(tmp_path),
+        global_step=3,
+        is_global_zero=True,
+        datamodule=SimpleNamespace(resolution=64),
+        strategy=SimpleNamespace(barrier=lambda name: None),
+    )
+    return trainer, module
+
+
+def test_a_run_writes_the_formats_that_hold_its_variant(bases: dict, tmp_path: Path) -> None:
+    """By default a LoKr run writes only the kohya file (diffusers cannot load LoKr) and says so before training;
+    asking for the diffusers format by name stops the run at setup, naming the variant."""
+    family, base = bases["sd15"]
+    model, options = adapted(family, base, "attention", "lokr")
+    trainer, module = _stub_run(tmp_path, family, model, options)
+    callback = LoraExport()
+    callback.setup(trainer, module, "fit")  # type: ignore[arg-type]
+    with pytest.warns(UserWarning, match=r"LoraExport: diffusers will not apply \d+ trained layer\(s\) .* from any"):
+        callback.on_fit_start(trainer, module)  # type: ignore[arg-type]
+    assert callback.formats == ["kohya"] and callback.loads_in == {"kohya": ["ComfyUI", "kohya"]}
+    callback.export(trainer, module, "lora")  # type: ignore[arg-type]
+    assert [p.name for p in callback.written] == ["lora.kohya.safetensors"]
+    with pytest.raises(ConfigError, match=r"LoraExport\.formats: a diffusers file cannot hold a LoKr adapter"):
+        LoraExport(formats=["diffusers"]).setup(trainer, module, "fit")  # type: ignore[arg-type]
+
+
+def test_a_run_warns_before_training_about_layers_no_file_brings_to_a_tool(bases: dict, tmp_path: Path) -> None:
+    family, base = bases["sdxl"]
+    model, options = adapted(family, base, ["conv_in", "to_q"], "lora")
+    trainer, module = _stub_run(tmp_path, family, model, options)
+    callback = LoraExport()
+    callback.setup(trainer, module, "fit")  # type: ignore[arg-type]
+    with pytest.warns(UserWarning, match=r"kohya's sd-scripts will not apply 1 trained layer\(s\) .*\(conv_in\)"):
+        callback.on_fit_start(trainer, module)  # type: ignore[arg-type]
+    assert callback.loads_in == {"diffusers": ["diffusers"], "kohya": ["diffusers", "ComfyUI"]}
