@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import build_model, random_inputs
+from helpers import build_model, random_inputs, resume_config, run_cli
+from safetensors.torch import load_file
 
 from lightning_lora.errors import ConfigError
 from lightning_lora.families import Flux
@@ -79,3 +80,32 @@ def test_what_cannot_work_is_refused_before_loading(lora: dict, mode: str, match
     with pytest.raises(ConfigError, match=match):
         options = LoraOptions(**lora)
         ModelRecipe(Flux(), ModelSource("black-forest-labs/FLUX.1-dev"), options, QuantOptions(mode=mode))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("variant", ["dora", "lokr", "loha"])
+def test_each_variant_fits_samples_and_resumes_exactly(
+    tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path, variant: str
+) -> None:
+    """Through the command: a run of each variant that stops at step 2 and resumes ends with the same LoRA files, bit
+    for bit, as one that never stopped; both draw sample images; the kohya file holds the variant's own tensors."""
+    samples = {
+        "class_path": "lightning_lora.callbacks.SampleImages",
+        "init_args": {"prompts": ["a photo of sks cat"], "every_n_steps": 0, "steps": 2, "height": 32, "width": 32},
+    }
+    options = {"model.lora.variant": variant, "model.lora.dropout": 0.0, "callbacks": [samples]}
+    a = resume_config(tmp_path, tiny_flux_dir, photos_dir, "a", steps=4, **options)
+    assert run_cli(["fit", "--config", str(a)]).trainer.global_step == 4
+    b = resume_config(tmp_path, tiny_flux_dir, photos_dir, "b", steps=4, **options)
+    run_cli(["fit", "--config", str(b), "--trainer.max_steps", "2"])
+    assert run_cli(["fit", "--config", str(b), "--ckpt_path", "last"]).trainer.global_step == 4
+    files = sorted(p.name for p in (a.parent / "run" / "lora").glob("*.safetensors"))
+    assert "lora.kohya.safetensors" in files and ("lora.safetensors" in files) == (variant == "dora")
+    for name in files:
+        first, resumed = (load_file(c.parent / "run" / "lora" / name) for c in (a, b))
+        assert first.keys() == resumed.keys()
+        assert all(torch.equal(first[k], resumed[k]) for k in first), name
+    kohya = load_file(a.parent / "run" / "lora" / "lora.kohya.safetensors")
+    tensor = {"dora": ".dora_scale", "lokr": ".lokr_w1", "loha": ".hada_w1_a"}[variant]
+    assert any(k.endswith(tensor) for k in kohya)
+    for config in (a, b):
+        assert list((config.parent / "run" / "samples").rglob("*.png"))
