@@ -17,7 +17,9 @@ What differs for this trainer, and what happens on ROCm:
   has flash and memory-efficient kernels on ROCm.
 * ``model.attention: cudnn``: refused (cuDNN is NVIDIA's library).
 * ``model.quantization.mode: fp8_compute``: FP8 matmuls on gfx94x / gfx95x (MI300, MI350), as on CUDA 8.9+;
-  on other cards it falls back to ``fp8`` storage with a warning, the same as on an Ampere card.
+  on other cards it falls back to ``fp8`` storage with a warning, the same as on an Ampere card. MI300 multiplies
+  ``float8_e4m3fnuz`` (largest value 240), not the OCP ``float8_e4m3fn`` (448) of NVIDIA and MI350: the FP8 weights
+  are quantized in the device's format (:func:`fp8_dtype`).
 * ``model.quantization.mode: nf4``: bitsandbytes' ROCm build; if it does not import, the error names the extra.
 
 Everything else (bf16, FP8 storage, SDPA flash / memory-efficient / math, DDP over RCCL) is the same code on both.
@@ -34,7 +36,7 @@ import torch
 
 from lightning_lora.errors import ConfigError
 
-__all__ = ["Backend", "check_attention", "detect", "fp8_compute_supported", "free_memory_gib"]
+__all__ = ["Backend", "check_attention", "detect", "fp8_compute_supported", "fp8_dtype", "free_memory_gib"]
 
 Kind = Literal["cuda", "rocm", "cpu", "mps"]
 
@@ -97,6 +99,16 @@ def fp8_compute_supported(device: torch.device | str | Backend) -> tuple[bool, s
     if backend.kind == "cuda" and backend.capability is not None:
         return backend.capability >= (8, 9), f"{backend.describe()}; needs 8.9 or newer"
     return False, f"device {backend.kind} has none"
+
+
+def fp8_dtype(device: torch.device | str | Backend) -> torch.dtype:
+    """The float8 format the device's FP8 matrix units multiply: ``float8_e4m3fnuz`` on MI300 (gfx94x: AMD's
+    pre-OCP variant, largest value 240, no negative zero), the OCP ``float8_e4m3fn`` (largest 448) everywhere else
+    (NVIDIA 8.9+, MI350 / gfx95x, and the CPU, where FP8 weights are only stored)."""
+    backend = device if isinstance(device, Backend) else detect(device)
+    if backend.kind == "rocm" and backend.arch is not None and backend.arch.startswith("gfx94"):
+        return torch.float8_e4m3fnuz
+    return torch.float8_e4m3fn
 
 
 def check_attention(backend_name: str, device: torch.device | str | Backend) -> None:

@@ -36,7 +36,7 @@ from lightning_lora.families.base import DiffusionFamily, ModelSource
 from lightning_lora.families.flux import Flux
 from lightning_lora.lora import LoraOptions, set_lora_input_casts, trainable_parameters
 from lightning_lora.quant import QuantOptions
-from lightning_lora.recipe import AttentionBackend, ModelRecipe
+from lightning_lora.recipe import AttentionBackend, ModelRecipe, check_trainer_precision
 
 __all__ = ["DTYPES", "LoraModule", "primitive_hparams"]
 
@@ -168,6 +168,11 @@ class LoraModule(LightningModule):
         return optimizer_name(self._optimizer_factory)
 
     # -- model -------------------------------------------------------------------------------------------------
+    @override
+    def setup(self, stage: str) -> None:
+        """Before any weight loads: refuse a trainer precision that would cast the LoRA."""
+        check_trainer_precision(self.trainer.precision)
+
     @override
     def configure_model(self) -> None:
         if self._trainer is None:

@@ -28,7 +28,7 @@ from lightning_lora.families.base import DiffusionFamily, ModelSource
 from lightning_lora.lora import LoraOptions
 from lightning_lora.quant import QuantOptions
 
-__all__ = ["AttentionBackend", "MEMORY_SETTINGS", "ModelRecipe"]
+__all__ = ["AttentionBackend", "MEMORY_SETTINGS", "TRAINER_PRECISIONS", "ModelRecipe", "check_trainer_precision"]
 
 MEMORY_SETTINGS = (
     "gradient_checkpointing",
@@ -38,6 +38,13 @@ MEMORY_SETTINGS = (
     "quantization.mode",
 )
 """The options ``model.memory`` may choose (they change memory and speed, never what is trained)."""
+
+TRAINER_PRECISIONS = ("bf16-mixed", "16-mixed", "32-true")
+"""The ``trainer.precision`` values that train a LoRA right. The frozen base's dtype is ``model.base_dtype`` and its
+storage ``model.quantization.mode``; the trainer's precision only decides autocast. The others cast the whole module,
+LoRA included: ``bf16-true`` / ``16-true`` would train the LoRA and keep its optimizer state in 16 bits (updates
+smaller than a bf16 step of the weight are lost) and turn float8 base weights back into bf16; ``64-true`` doubles a
+bf16 base; Lightning's ``transformer-engine`` and bitsandbytes plugins would quantize the adapters."""
 
 AttentionBackend = Literal["auto", "sdpa", "flash", "efficient", "cudnn", "math", "xformers"]
 
@@ -137,3 +144,15 @@ class ModelRecipe:
     def replace(self, **changes: Any) -> ModelRecipe:
         """A new recipe with ``changes`` (checked like any recipe; a :class:`ConfigError` for an impossible one)."""
         return dataclasses.replace(self, **changes)
+
+
+def check_trainer_precision(precision: str) -> None:
+    """Refuse a ``trainer.precision`` (or precision plugin) that casts the LoRA itself (:data:`TRAINER_PRECISIONS`)."""
+    if str(precision) in TRAINER_PRECISIONS:
+        return
+    raise ConfigError(
+        f"trainer.precision: {precision} is not supported: it casts the whole model, LoRA and optimizer state "
+        "included (a bf16 LoRA loses small updates; float8 or NF4 base weights would be cast back). Use "
+        "trainer.precision: bf16-mixed (autocast; the LoRA stays float32). The frozen base's dtype is "
+        "model.base_dtype and its storage model.quantization.mode (nf4, fp8...)."
+    )

@@ -11,7 +11,7 @@ from torch import nn
 
 from lightning_lora.assembly import configure_attention
 from lightning_lora.errors import ConfigError
-from lightning_lora.hardware import Backend, check_attention, detect, fp8_compute_supported
+from lightning_lora.hardware import Backend, check_attention, detect, fp8_compute_supported, fp8_dtype
 from lightning_lora.quant import QuantOptions, quantize_base
 from lightning_lora.quant import fp8 as fp8_module
 from lightning_lora.quant.nf4 import require_bitsandbytes
@@ -107,23 +107,42 @@ def test_xformers_on_cuda_passes_the_hardware_check(monkeypatch) -> None:
         check_attention("xformers", Backend("cpu", "cpu"))
 
 
-@pytest.mark.parametrize(("card", "compute"), [(mi300, True), (rx7900, False)])
-def test_fp8_compute_on_rocm_uses_fp8_units_or_falls_back_with_a_warning(monkeypatch, card, compute) -> None:
+@pytest.mark.parametrize(
+    ("card", "compute", "fp8"),
+    [(mi300, True, torch.float8_e4m3fnuz), (rx7900, False, torch.float8_e4m3fn)],
+)
+def test_fp8_on_rocm_quantizes_in_the_cards_format_and_falls_back_without_fp8_units(
+    monkeypatch, card, compute: bool, fp8: torch.dtype
+) -> None:
+    """The real quantizer (on the CPU: the layers are in ``on_cpu``, as for offloaded blocks) with a faked ROCm card:
+    MI300's matrix units take e4m3fnuz (largest value 240), so its weights are quantized in that format."""
     card(monkeypatch)
-    seen = {}
-
-    def fake_quantize_fp8(model, options, device, compute: bool, on_cpu=frozenset()) -> int:  # no GPU to use
-        seen["compute"] = compute
-        return 1
-
-    monkeypatch.setattr(fp8_module, "quantize_fp8", fake_quantize_fp8)
+    assert fp8_dtype(CUDA) == fp8
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    with torch.no_grad():
+        model[0].weight.mul_(1000.0)  # beyond both formats' largest value: the scale must use the card's
+    x = torch.randn(4, 64)
+    reference = model(x)
     options = QuantOptions(mode="fp8_compute")
+    on_cpu = frozenset(id(layer) for layer in model)
     if compute:
-        quantize_base(nn.Sequential(nn.Linear(64, 64)), options, CUDA, torch.bfloat16)
+        assert quantize_base(model, options, CUDA, torch.bfloat16, on_cpu=on_cpu) == 2
     else:
         with pytest.warns(UserWarning, match=r"model.quantization.mode: fp8_compute needs FP8 .*gfx1100"):
-            quantize_base(nn.Sequential(nn.Linear(64, 64)), options, CUDA, torch.bfloat16)
-    assert seen["compute"] is compute
+            assert quantize_base(model, options, CUDA, torch.bfloat16, on_cpu=on_cpu) == 2
+    layers = list(model)
+    assert all(isinstance(layer, fp8_module.FP8Linear) and layer.compute is compute for layer in layers)
+    assert all(layer.weight.dtype == fp8 for layer in layers)
+    assert float(layers[0].weight.float().abs().max()) == torch.finfo(fp8).max
+    error = (model(x) - reference).norm() / reference.norm()
+    assert error < 0.1  # e4m3's 3 mantissa bits: a few percent
+
+
+def test_fp8_format_by_card(monkeypatch) -> None:
+    assert fp8_dtype(Backend("cuda", "NVIDIA GeForce RTX 4090", capability=(8, 9))) == torch.float8_e4m3fn
+    assert fp8_dtype(Backend("rocm", "AMD Instinct MI355X", arch="gfx950")) == torch.float8_e4m3fn  # OCP on CDNA4
+    assert fp8_dtype(Backend("rocm", "AMD Instinct MI300X", arch="gfx942")) == torch.float8_e4m3fnuz
+    assert fp8_dtype(Backend("cpu", "cpu")) == torch.float8_e4m3fn
 
 
 def test_nf4_without_bitsandbytes_names_the_extra_and_rocm(monkeypatch) -> None:

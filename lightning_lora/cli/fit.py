@@ -54,6 +54,7 @@ from lightning_lora.data.datamodule import LatentDataModule
 from lightning_lora.errors import ConfigError
 from lightning_lora.module import LoraModule, primitive_hparams
 from lightning_lora.parallel import check_strategy, resolve_strategy
+from lightning_lora.recipe import check_trainer_precision
 
 __all__ = ["LoraCLI", "main", "run_summary", "write_error"]
 
@@ -151,6 +152,7 @@ class LoraCLI(LightningCLI):
         check_writable(Path(self.trainer.default_root_dir), "trainer.default_root_dir")
         check_writable(self._checkpoint_dir(), "ModelCheckpoint dirpath")
         check_strategy(self.trainer.strategy, self.model.recipe)
+        check_trainer_precision(self.trainer.precision)  # before caching, which runs before the module's own check
         if torch.cuda.is_available() and self.trainer.strategy.root_device.type == "cuda":
             planned = warn_if_too_big(self.model, self.datamodule, self.trainer.strategy.root_device)
             for cb in self.trainer.callbacks:  # type: ignore[attr-defined]

@@ -1,9 +1,11 @@
 """FP8 base weights: half the memory of bf16 ("storage"), and optionally FP8 matmuls ("compute").
 
 Both store each frozen weight ``W [out, in]`` as ``float8_e4m3fn`` with one float32 scale per output channel
-(``s[o] = max|W[o, :]| / 448``, 448 being e4m3's largest value), so ``W ~ s[:, None] * W8``. e4m3 keeps 3 mantissa
-bits: about 4% relative error per element, which a frozen, pretrained weight tolerates well in practice (musubi-tuner
-and SimpleTuner ship the same idea).
+(``s[o] = max|W[o, :]| / 448``, 448 being e4m3's largest value), so ``W ~ s[:, None] * W8``. On an MI300 the format
+is ``float8_e4m3fnuz`` (largest value 240), the one its matrix units multiply
+(:func:`lightning_lora.hardware.fp8_dtype`); activations and gradients are quantized in the weight's format. e4m3
+keeps 3 mantissa bits: about 4% relative error per element, which a frozen, pretrained weight tolerates well in
+practice (musubi-tuner and SimpleTuner ship the same idea).
 
 **Storage** dequantizes ``W8`` to bf16 inside the matmul and multiplies in bf16. Any GPU (and the CPU) can do it. A
 custom autograd function keeps only ``W8`` for the backward pass and dequantizes again there; plain autograd would keep
@@ -33,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_lora.hardware import fp8_compute_supported
+from lightning_lora.hardware import fp8_compute_supported, fp8_dtype
 from lightning_lora.quant.options import QuantOptions, linear_layers
 
 __all__ = ["FP8Linear", "fp8_compute_supported", "quantize_fp8", "quantize_rowwise"]
@@ -54,9 +56,11 @@ def dequantize(w8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tor
     return w8.to(dtype) * scale.to(dtype)[:, None]
 
 
-def quantize_scaled_rowwise(t: torch.Tensor, column_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_scaled_rowwise(
+    t: torch.Tensor, column_scale: torch.Tensor, dtype: torch.dtype = E4M3
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`quantize_rowwise` of ``t * column_scale[None, :]`` (the input gradient's pre-scaling), in one pass."""
-    return quantize_rowwise(t.float() * column_scale[None, :])
+    return quantize_rowwise(t.float() * column_scale[None, :], dtype)
 
 
 @functools.lru_cache(maxsize=8)
@@ -92,7 +96,7 @@ class _ScaledMatmul(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         quantize = _fused(quantize_rowwise, x.device.type)
         shape = x.shape
-        x8, x_scale = quantize(x.reshape(-1, shape[-1]))
+        x8, x_scale = quantize(x.reshape(-1, shape[-1]), w8.dtype)
         y = torch._scaled_mm(x8, w8.t(), scale_a=x_scale, scale_b=scale[None, :], out_dtype=dtype)
         ctx.save_for_backward(w8, scale)
         ctx.dtype = dtype
@@ -102,7 +106,7 @@ class _ScaledMatmul(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         w8, scale = ctx.saved_tensors
         shape = grad.shape
-        g8, g_scale = _fused(quantize_scaled_rowwise, grad.device.type)(grad.reshape(-1, shape[-1]), scale)
+        g8, g_scale = _fused(quantize_scaled_rowwise, grad.device.type)(grad.reshape(-1, shape[-1]), scale, w8.dtype)
         # _scaled_mm wants its second operand column-major: a transposed copy of W8 (1 byte per weight, transient).
         w8_cm = w8.t().contiguous().t()
         ones = torch.ones(1, w8.shape[1], device=grad.device, dtype=torch.float32)
@@ -123,13 +127,13 @@ class FP8Linear(nn.Linear):
 
     compute_dtype = torch.float32
 
-    def __init__(self, linear: nn.Linear, compute: bool = False) -> None:
+    def __init__(self, linear: nn.Linear, compute: bool = False, dtype: torch.dtype = E4M3) -> None:
         nn.Module.__init__(self)
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self.compute = compute
         w = linear.weight.data
-        w8, scale = quantize_rowwise(w)
+        w8, scale = quantize_rowwise(w, dtype)
         self.register_buffer("weight", w8)
         self.register_buffer("weight_scale", scale.squeeze(1).contiguous())
         self.bias = linear.bias  # frozen with the rest of the base
@@ -155,10 +159,14 @@ class FP8Linear(nn.Linear):
 def quantize_fp8(
     model: nn.Module, options: QuantOptions, device: torch.device, compute: bool, on_cpu: frozenset[int] = frozenset()
 ) -> int:
+    """Swap every linear layer of ``model`` (but ``options.skip``) for an :class:`FP8Linear` in the FP8 format of
+    ``device`` (:func:`~lightning_lora.hardware.fp8_dtype`), quantized on ``device`` (on the CPU for the layers whose
+    ``id`` is in ``on_cpu``); returns how many were swapped."""
+    dtype = fp8_dtype(device)
     count = 0
     for parent, name, _, linear in linear_layers(model, options.skip):
         linear.to(torch.device("cpu") if id(linear) in on_cpu else device)
-        layer = FP8Linear(linear, compute=compute)
+        layer = FP8Linear(linear, compute=compute, dtype=dtype)
         setattr(parent, name, layer)
         del linear
         count += 1

@@ -318,6 +318,21 @@ def test_impossible_numbers_are_one_line(
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+@pytest.mark.parametrize("precision", ["bf16-true", "16-true", "64-true"])
+def test_a_trainer_precision_that_casts_the_lora_is_refused_before_caching(
+    tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path, capsys, precision: str
+) -> None:
+    """``*-true`` precisions cast the whole module: a bf16 LoRA and optimizer state, float8 base weights made bf16."""
+    config = write_config(tmp_path, tiny_flux_dir, photos_dir)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(config), "--trainer.precision", precision])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"trainer.precision: {precision} is not supported" in err and "bf16-mixed" in err, err
+    assert "Traceback" not in err
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "run" / "checkpoints").exists()
+
+
 def test_a_run_folder_that_cannot_be_written_stops_before_loading(
     tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path, capsys
 ) -> None:
