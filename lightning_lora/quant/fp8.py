@@ -64,10 +64,16 @@ def quantize_scaled_rowwise(
 
 
 @functools.lru_cache(maxsize=8)
+def _compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    return torch.compile(fn, dynamic=True)
+
+
 def _fused(fn: Callable[..., Any], device_type: str) -> Callable[..., Any]:
-    # One fused kernel per function on CUDA (one pass over memory instead of three or four); eager elsewhere.
-    if device_type == "cuda":
-        return torch.compile(fn, dynamic=True)
+    """``fn`` as one fused kernel on CUDA in eager mode (one pass over memory instead of three or four). Inside a
+    compiled region (``model.compile_blocks``) the plain function, which the region's compiler fuses with its
+    neighbours; a nested compiled function would be its own kernel there. Eager elsewhere."""
+    if device_type == "cuda" and not torch.compiler.is_compiling():
+        return _compiled(fn)
     return fn
 
 

@@ -81,6 +81,25 @@ def test_fp8_compute_matmul_matches_reference_on_cpu() -> None:
     assert ((gx.float() - gx_ref).norm() / gx_ref.norm()).item() < 0.08
 
 
+def test_fp8_quantizers_are_inlined_into_a_compiled_region() -> None:
+    """In eager mode the quantizers run as their own compiled kernels on CUDA; inside a compiled region
+    (``model.compile_blocks``) they must be the plain functions, which the region's compiler fuses with their
+    neighbours (a nested compiled function made FP8 compute 3.7x slower: BENCHMARKS.md, call 16)."""
+    from lightning_lora.quant import fp8
+
+    assert fp8._fused(fp8.quantize_rowwise, "cuda") is not fp8.quantize_rowwise
+    assert fp8._fused(fp8.quantize_rowwise, "cpu") is fp8.quantize_rowwise
+    seen: list[bool] = []
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def region(x: torch.Tensor) -> torch.Tensor:
+        seen.append(fp8._fused(fp8.quantize_rowwise, "cuda") is fp8.quantize_rowwise)
+        return x * 2
+
+    region(torch.ones(2))
+    assert seen == [True]
+
+
 def test_fp8_compute_falls_back_to_storage_without_fp8_units() -> None:
     model = nn.Sequential(_linear(), nn.ReLU(), _linear(n_in=96, n_out=32))
     with pytest.warns(UserWarning, match="fp8_compute needs FP8 matrix units"):
