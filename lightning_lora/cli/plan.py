@@ -30,7 +30,9 @@ class PlanCLI(LoraCLI):
         """Nothing: a plan draws no random numbers (and prints no "Seed set" line)."""
 
     def instantiate_classes(self) -> None:
-        self.config_init = self.parser.instantiate_classes(self.config)
+        # jsonargparse 4.49 renamed instantiate_classes to instantiate (the old name warns); older releases lack it.
+        instantiate = getattr(self.parser, "instantiate", None) or self.parser.instantiate_classes
+        self.config_init = instantiate(self.config)
         self.datamodule = self._get(self.config_init, "data")
         self.model = self._get(self.config_init, "model")
         self.trainer = None  # type: ignore[assignment]  # planning builds no Trainer (it would need the accelerator)

@@ -45,10 +45,14 @@ E4M3_MAX = 448.0
 
 
 def quantize_rowwise(t: torch.Tensor, dtype: torch.dtype = E4M3) -> tuple[torch.Tensor, torch.Tensor]:
-    """``t [rows, cols]`` -> (``t8``, ``scale [rows, 1]`` float32) with ``t ~ scale * t8``."""
+    """``t [rows, cols]`` -> (``t8``, ``scale [rows, 1]`` float32) with ``t ~ scale * t8``.
+
+    ``t8`` is row-major whatever ``t``'s layout, as ``torch._scaled_mm`` (cuBLASLt) needs its first operand: a
+    column-major view (SDXL's ``proj_in`` input, an output gradient) is laid out row-major in the same pass.
+    """
     amax = t.abs().amax(dim=1, keepdim=True).float()
     scale = amax.clamp(min=1e-12) / torch.finfo(dtype).max
-    return (t.float() / scale).to(dtype), scale
+    return (t.float() / scale).to(dtype).contiguous(), scale
 
 
 def dequantize(w8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

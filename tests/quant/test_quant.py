@@ -81,6 +81,37 @@ def test_fp8_compute_matmul_matches_reference_on_cpu() -> None:
     assert ((gx.float() - gx_ref).norm() / gx_ref.norm()).item() < 0.08
 
 
+def test_fp8_compute_gives_cublaslt_the_layouts_it_takes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cuBLASLt multiplies a row-major ``a`` by a column-major ``b`` only. SDXL's ``proj_in`` gets a column-major view
+    (``permute(0, 2, 3, 1).reshape(...)`` of the feature map) and the output gradient can be one too: the quantized
+    operands must be row-major whatever the input's layout (the H200 failed with "Only multiplication of row-major and
+    column-major matrices is supported by cuBLASLt", BENCHMARKS.md call 18)."""
+    real = torch._scaled_mm
+    seen: list[bool] = []
+
+    def like_cublaslt(a: torch.Tensor, b: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        ok = a.stride(1) == 1 and b.stride(0) == 1
+        seen.append(ok)
+        if not ok:
+            raise RuntimeError("Only multiplication of row-major and column-major matrices is supported by cuBLASLt")
+        return real(a, b, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", like_cublaslt)
+    ref = _linear(n_in=128, n_out=64)
+    fp8 = FP8Linear(ref, compute=True)
+    feature_map = torch.randn(1, 128, 4, 8, requires_grad=True)  # [B, C, H, W]
+    x = feature_map.permute(0, 2, 3, 1).reshape(1, 32, 128)  # a column-major view, as in diffusers' Transformer2D
+    assert not x.is_contiguous()
+    y = _ScaledMatmul.apply(x, fp8.weight, fp8.weight_scale, torch.bfloat16)
+    y_ref = x.detach() @ ref.weight.t()
+    assert ((y.float() - y_ref).norm() / y_ref.norm()).item() < 0.08
+    g = torch.randn(1, 64, 32).transpose(1, 2)  # a column-major output gradient
+    (gx,) = torch.autograd.grad(y, feature_map, g.to(y.dtype))
+    gx_ref = (g @ ref.weight).reshape(1, 4, 8, 128).permute(0, 3, 1, 2)
+    assert ((gx.float() - gx_ref).norm() / gx_ref.norm()).item() < 0.08
+    assert seen == [True, True]
+
+
 def test_fp8_quantizers_are_inlined_into_a_compiled_region() -> None:
     """In eager mode the quantizers run as their own compiled kernels on CUDA; inside a compiled region
     (``model.compile_blocks``) they must be the plain functions, which the region's compiler fuses with their
