@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 
 import pytest
-from helpers import run_cli, write_config
+import torch
+from helpers import DISTRIBUTED_ENV, run_cli, write_config
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
 
 from lightning_lora.errors import ConfigError
@@ -84,9 +86,19 @@ def test_no_buffer_sync_follows_the_ddp_at_hand() -> None:
 
 def test_the_command_trains_with_lora_ddp(tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path) -> None:
     config = write_config(tmp_path, tiny_flux_dir, photos_dir, **{"trainer.strategy": "ddp", "trainer.max_steps": 1})
+    before = {name: os.environ.get(name) for name in DISTRIBUTED_ENV}  # Lightning sets them in this process
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        cli = run_cli(["fit", "--config", str(config)])
+        try:
+            cli = run_cli(["fit", "--config", str(config)])
+        finally:  # the one-process group would keep its port bound for the rest of the session
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+            for name, value in before.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
     assert isinstance(cli.trainer.strategy, LoraDDPStrategy) and cli.trainer.global_step == 1
     # Our DDP options are the current ones: building DDP warns about none of them.
     assert not [w for w in caught if "buffers" in str(w.message)], [str(w.message) for w in caught]

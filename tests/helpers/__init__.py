@@ -19,6 +19,7 @@ works from every test folder and from a subprocess started by :func:`fit_in_subp
 from __future__ import annotations
 
 from helpers.cli import (
+    DISTRIBUTED_ENV,
     REPO,
     TESTS,
     check_fit_lowers_eval_loss,
@@ -55,6 +56,7 @@ from helpers.resume import (
 __all__ = [
     "ALPHA",
     "RANK",
+    "DISTRIBUTED_ENV",
     "REPO",
     "TESTS",
     "allow_any_flux_width",

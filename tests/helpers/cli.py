@@ -104,13 +104,20 @@ def run_cli(args: list[str]) -> LoraCLI:
     return LoraCLI(args=args)
 
 
+DISTRIBUTED_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE")
+"""The variables torch.distributed and Lightning read to join a process group."""
+
+
 def fit_in_subprocess(config: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     """``lightning-lora fit --config CONFIG [EXTRA...]`` in its own process, offline, as a user runs it.
 
     tests/ is on the process's ``PYTHONPATH``, so a config may load the callbacks of :mod:`helpers.crash`.
     """
     path = os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    # Not the rendezvous of an in-process DDP test that ran before in this pytest process (its MASTER_PORT stays
+    # bound while its process group lives): a user's shell has none of these.
+    env = {k: v for k, v in os.environ.items() if k not in DISTRIBUTED_ENV}
+    env |= {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     command = [sys.executable, "-m", "lightning_lora", "fit", "--config", str(config), *extra]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
 
