@@ -6,10 +6,13 @@
                          through the real ``from_pretrained`` path
     .demo/tiny-sdxl/     a StableDiffusionXLPipeline folder with SDXL's UNet layout (~4 MB)
     .demo/tiny-sd15/     a StableDiffusionPipeline folder (~2 MB)
+    .demo/tiny-zimage/   a ZImagePipeline folder (Qwen3 text encoder, chat-template tokenizer; ~3 MB)
+    .demo/tiny-qwenimage/ a QwenImagePipeline folder (video VAE, Qwen2.5-VL text encoder; ~1.4 MB)
     .demo/photos/        photos that ship inside scikit-image (no download) as PNG, each with a .txt caption
 
-``configs/tiny_cpu.yaml`` (FLUX, what ``make demo`` trains), ``configs/tiny_sdxl_cpu.yaml`` and
-``configs/tiny_sd15_cpu.yaml`` train on exactly these. Existing files are left as they are (the step is idempotent).
+``configs/tiny_cpu.yaml`` (FLUX, what ``make demo`` trains), ``configs/tiny_sdxl_cpu.yaml``,
+``configs/tiny_sd15_cpu.yaml``, ``configs/tiny_zimage_cpu.yaml`` and ``configs/tiny_qwenimage_cpu.yaml`` train on
+exactly these. Existing files are left as they are (the step is idempotent).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ TINY_MODELS: dict[str, str] = {
     "tiny-flux": "save_tiny_flux",
     "tiny-sdxl": "save_tiny_sdxl",
     "tiny-sd15": "save_tiny_sd15",
+    "tiny-zimage": "save_tiny_zimage",
+    "tiny-qwenimage": "save_tiny_qwenimage",
 }
 
 # scikit-image sample name -> caption. "sks" is the usual rare trigger token of DreamBooth-style LoRAs.

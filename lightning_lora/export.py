@@ -40,6 +40,7 @@ from __future__ import annotations
 import datetime
 import inspect
 import json
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -391,7 +392,15 @@ def _family_of(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str],
     if named in FAMILIES:
         return FAMILIES[named]()
     base = metadata.get("ss_base_model_version", "") + " " + metadata.get("modelspec.architecture", "")
-    markers = (("flux", "flux"), ("sdxl", "sdxl"), ("stable-diffusion-xl", "sdxl"), ("sd_v1", "sd15"), ("v1/", "sd15"))
+    markers: tuple[tuple[str, str], ...] = (
+        ("flux", "flux"),
+        ("sdxl", "sdxl"),
+        ("stable-diffusion-xl", "sdxl"),
+        ("sd_v1", "sd15"),
+        ("v1/", "sd15"),
+    )
+    markers += (("qwen_image", "qwenimage"), ("Qwen-Image/", "qwenimage"))  # kohya's, ModelSpec's (musubi-tuner)
+    markers += (("Z-Image/", "zimage"),)  # ModelSpec's (musubi-tuner's, ours)
     for marker, name in markers:
         if marker in base and name in FAMILIES:
             return FAMILIES[name]()
@@ -403,12 +412,28 @@ def _family_of(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str],
     return FAMILIES[guessed]()
 
 
+_ZIMAGE_MODULES = re.compile(  # its blocks ("attention", not FLUX's "attn") and its own embedders and final layer
+    r"(^|[._])((layers|noise_refiner|context_refiner)[._]\d+[._](attention|feed_forward|adaLN_modulation)"
+    r"|all_x_embedder|all_final_layer|cap_embedder|t_embedder[._]mlp)[._]"
+)
+_QWEN_IMAGE_STREAMS = re.compile(r"transformer_blocks[._]\d+[._](img|txt)_(mlp|mod)[._]")
+_JOINT_ATTENTION = re.compile(
+    r"transformer\.transformer_blocks\.\d+\.attn\.(to_[qkv]|to_out\.0|add_[qkv]_proj|to_add_out)\."
+)
+
+
 def _family_from_keys(tensors: Mapping[str, torch.Tensor]) -> str | None:
-    """The family whose module names the keys use (FLUX's blocks; SDXL's SGM blocks or its 2048-wide cross-attention;
-    SD1.x's 768/1024-wide one), or None."""
+    """The family whose module names the keys use (Z-Image's modules; Qwen-Image's image/text-stream MLPs and
+    modulation; FLUX's blocks; SDXL's SGM blocks or its 2048-wide cross-attention; SD1.x's 768/1024-wide one), or None
+    (also for joint-attention layers alone, which FLUX and Qwen-Image name alike)."""
     keys = list(tensors)
+    if any(_ZIMAGE_MODULES.search(k) for k in keys):
+        return "zimage"
+    if any(_QWEN_IMAGE_STREAMS.search(k) for k in keys):  # Qwen-Image's own image/text-stream MLPs and modulation
+        return "qwenimage"
     if any(k.startswith("transformer.") or "double_blocks" in k or "single_blocks" in k for k in keys):
-        return "flux"
+        # FLUX's and Qwen-Image's joint-attention layers have the same diffusers names: those alone name neither.
+        return None if all(_JOINT_ATTENTION.match(k) for k in keys) else "flux"
     if any(
         s in k for k in keys for s in ("input_blocks", "output_blocks", "middle_block", "label_emb", "add_embedding")
     ):

@@ -404,7 +404,9 @@ def caching_peaks(
         weights += weight_bytes(model, quantization, source.dtype)
         host += weight_bytes(model, QuantOptions(), source.dtype)
         hidden = config.get("d_model") or config.get("hidden_size") or 0
-        tokens = family.text_tokens if "d_model" in config else int(config.get("max_position_embeddings", 77))
+        # CLIP reads its 77 positions; T5 and the LLM encoders (Qwen3...) the family's text length.
+        clip = str(config.get("_class", "")).startswith("CLIP")
+        tokens = int(config.get("max_position_embeddings", 77)) if clip else family.text_tokens
         activations = max(activations, encode_batch * tokens * hidden * TEXT_BYTES_PER_TOKEN_UNIT)  # one at a time
     text = (weights + activations) / GIB + FIXED_OVERHEAD_GIB
     return text, images, host / GIB, []

@@ -77,6 +77,19 @@ def tiny_sd15_dir(tiny_pipeline: Callable[[str], Path]) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwenimage_dir(tiny_pipeline: Callable[[str], Path]) -> Path:
+    """A saved tiny Qwen-Image pipeline folder (video VAE, Qwen2.5-VL text encoder, byte-level BPE tokenizer)."""
+    return tiny_pipeline("qwenimage")
+
+
+@pytest.fixture(scope="session")
+def tiny_zimage_dir(tiny_pipeline: Callable[[str], Path]) -> Path:
+    """A saved tiny Z-Image pipeline folder (single-stream transformer, FLUX-like VAE, Qwen3 text encoder, chat-template
+    tokenizer)."""
+    return tiny_pipeline("zimage")
+
+
+@pytest.fixture(scope="session")
 def photos_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Four real photos from scikit-image (shipped in its wheel) with .txt captions."""
     from PIL import Image

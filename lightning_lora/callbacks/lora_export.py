@@ -23,6 +23,7 @@ warning if it came from the defaults. Only global rank 0 writes; writes are atom
 from __future__ import annotations
 
 import hashlib
+import logging
 from pathlib import Path
 from typing import Any, Literal
 
@@ -37,6 +38,8 @@ from lightning_lora.formats.clients import TOOLS
 from lightning_lora.module import DTYPES
 
 __all__ = ["LoraExport"]
+
+log = logging.getLogger(__name__)
 
 _SUFFIX = {"diffusers": ".safetensors", "kohya": ".kohya.safetensors"}
 _VARIANT = {"lora": "LoRA", "dora": "DoRA", "lokr": "LoKr", "loha": "LoHa"}
@@ -137,6 +140,9 @@ class LoraExport(Callback):
         coverages = {fmt: file_coverage(state, family, fmt) for fmt in self.formats}
         self.loads_in = {fmt: c.loads_in for fmt, c in coverages.items()}
         for tool in TOOLS:  # layers no written file gets into this tool: say it now, not after training
+            if tool not in family.lora_tools:  # a fact of the family, not a warning about this run
+                log.info("LoraExport: %s does not load %s LoRAs.", _TOOL[tool], family.name)
+                continue
             missed = [{**c.skipped[tool], **c.approximate[tool]} for c in coverages.values()]
             nowhere = [m for m in missed[0] if all(m in other for other in missed[1:])]
             if nowhere:

@@ -401,7 +401,8 @@ class LatentCache:
                         continue
                     if vae is None:
                         vae = self.family.load_vae(self.source).to(device)
-                        if channels_last:
+                        # NHWC is a 4-D layout: a video VAE's 5-D convolution weights (Qwen-Image's) stay as they are.
+                        if channels_last and all(p.dim() < 5 for p in vae.parameters()):
                             vae = vae.to(memory_format=torch.channels_last)
                     outputs, latents = self._encode_batch(vae, [jobs[i] for i in ok], pixels, device, channels_last)
                     result.encoded += len(ok)

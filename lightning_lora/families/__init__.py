@@ -2,7 +2,9 @@
 
 from lightning_lora.families.base import FAMILIES, DiffusionFamily, ModelSource
 from lightning_lora.families.flux import Flux
+from lightning_lora.families.qwenimage import QwenImage
 from lightning_lora.families.sd15 import SD15
 from lightning_lora.families.sdxl import SDXL
+from lightning_lora.families.zimage import ZImage
 
-__all__ = ["FAMILIES", "SD15", "SDXL", "DiffusionFamily", "Flux", "ModelSource"]
+__all__ = ["FAMILIES", "SD15", "SDXL", "DiffusionFamily", "Flux", "ModelSource", "QwenImage", "ZImage"]

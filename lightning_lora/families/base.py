@@ -258,6 +258,10 @@ class DiffusionFamily(ABC):
     :meth:`encode_prompts` runs. The text cache key is made from their identities, so a changed encoder never serves
     stale embeddings; a family that forgets one would."""
     lora_formats: ClassVar[tuple[str, ...]] = ("diffusers",)
+    lora_tools: ClassVar[tuple[str, ...]] = ("diffusers", "ComfyUI", "kohya")
+    """The tools (:data:`lightning_lora.formats.clients.TOOLS`) that load LoRAs of this family at all. A run warns about
+    trained layers a listed tool will not apply; a tool left out (kohya's sd-scripts has no network for the newer
+    families) is said once in the log instead of warning on every run."""
     """The LoRA file formats (:data:`lightning_lora.formats.FORMATS`) this family writes, in the order a training run
     writes them by default. ``diffusers`` (peft keys under ``denoiser_subfolder``) needs nothing of the family; a
     family listing ``kohya`` implements :meth:`kohya_lora` and :meth:`kohya_metadata`."""

@@ -2,7 +2,8 @@
 (the encoders are loaded once, before training, to turn every caption into embeddings).
 
 FLUX.1 encodes with CLIP-L (123 M parameters, the pooled vector) and T5-XXL's encoder (4.76 B: ~8.9 GiB in bf16, the
-largest single thing many users load); SDXL with CLIP-L and OpenCLIP ViT-bigG (695 M); SD1.5 with CLIP-L. Their
+largest single thing many users load); SDXL with CLIP-L and OpenCLIP ViT-bigG (695 M); SD1.5 with CLIP-L; Qwen-Image
+with Qwen2.5-VL-7B (8.3 B with its vision tower, which text-only encoding never runs). Their
 ``config.json`` fields that decide the shapes ship here, so a plan of the shipped configs needs no download; a local
 folder's own configs are read instead. :func:`skeleton` builds one on the meta device (shapes, no memory).
 """
@@ -14,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["CLIP_L", "OPENCLIP_BIGG", "T5_XXL", "skeleton"]
+__all__ = ["CLIP_L", "OPENCLIP_BIGG", "QWEN25_VL_7B", "QWEN3_4B", "T5_XXL", "skeleton"]
 
 CLIP_L: dict[str, Any] = {
     "_class": "CLIPTextModel",
@@ -56,6 +57,54 @@ T5_XXL: dict[str, Any] = {
 }
 """Google T5 v1.1 XXL's encoder (FLUX.1's ``text_encoder_2``)."""
 
+QWEN3_4B: dict[str, Any] = {
+    "_class": "Qwen3Model",
+    "hidden_size": 2560,
+    "intermediate_size": 9728,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "max_position_embeddings": 40960,
+    "tie_word_embeddings": True,
+    "use_cache": False,
+}
+"""Qwen3-4B without its language-model head (4.0 B parameters, 7.5 GiB in bf16): Z-Image's ``text_encoder``, loaded as
+``Qwen3Model`` (the pipeline reads its second-to-last hidden states)."""
+
+QWEN25_VL_7B: dict[str, Any] = {
+    "_class": "Qwen2_5_VLForConditionalGeneration",
+    "model_type": "qwen2_5_vl",
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 28,
+    "num_key_value_heads": 4,
+    "vocab_size": 152064,
+    "max_position_embeddings": 128000,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0,
+    "rope_scaling": {"mrope_section": [16, 24, 24], "rope_type": "default", "type": "default"},
+    "tie_word_embeddings": False,
+    "use_cache": False,
+    "vision_config": {
+        "depth": 32,
+        "hidden_size": 1280,
+        "intermediate_size": 3420,
+        "num_heads": 16,
+        "out_hidden_size": 3584,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "window_size": 112,
+        "fullatt_block_indexes": [7, 15, 23, 31],
+        "hidden_act": "silu",
+    },
+}
+"""Qwen2.5-VL-7B-Instruct with its vision tower and language-model head (8.3 B parameters, 15.4 GiB in bf16; the vision
+tower is loaded but never run): Qwen-Image's ``text_encoder`` (``Qwen/Qwen-Image`` ``text_encoder/config.json``)."""
+
 
 def skeleton(config: dict[str, Any], dtype: torch.dtype) -> nn.Module:
     """The encoder ``config`` describes (``_class`` names the transformers class), built on the meta device."""
@@ -63,7 +112,7 @@ def skeleton(config: dict[str, Any], dtype: torch.dtype) -> nn.Module:
 
     options = {k: v for k, v in config.items() if not k.startswith("_")}
     cls = getattr(transformers, config["_class"])
-    config_cls = transformers.T5Config if config["_class"].startswith("T5") else transformers.CLIPTextConfig
+    config_cls = cls.config_class  # CLIPTextConfig, T5Config, Qwen3Config...
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

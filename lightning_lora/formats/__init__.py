@@ -50,6 +50,9 @@ family     diffusers                                     kohya
                                                          names with ``_``
 =========  ============================================  ======================================================
 
+``qwenimage`` writes both too: its diffusers file is ComfyUI's (ComfyUI builds Qwen-Image with diffusers' names); its
+kohya file is musubi-tuner's layout (diffusers names with ``_``), which ComfyUI and diffusers (plain LoRA) read.
+
 A training run writes both by default (``<name>.safetensors`` and ``<name>.kohya.safetensors``).
 
 Which adapter variant fits which format

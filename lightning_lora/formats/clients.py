@@ -21,6 +21,9 @@ ComfyUI (``comfy/lora.py`` ``model_lora_keys_unet`` builds a map from LoRA key p
   ``comfy/utils.py`` ``flux_to_diffusers`` to its *row slice* of the fused BFL weight (``to_k`` -> ``(img_attn.qkv, 0,
   hidden, hidden)``), ``norm_out.linear`` with the scale/shift swap: a diffusers-layout FLUX file loads exactly, part
   by part;
+* Qwen-Image (``isinstance(model, QwenImage)``), whose modules ComfyUI names as diffusers does: ``transformer.<module>``
+  (a diffusers-layout file), ``<module>`` and ``lycoris_<module with _>``, each onto the whole weight; with the
+  generic ``lora_unet_<module with _>``, a kohya/musubi-tuner file loads too, LyCORIS tensors included;
 * DoRA: only ``dora_scale`` is read (``weight_adapter/base.py`` ``weight_decompose``), never peft's
   ``lora_magnitude_vector``; for an output-axis ``dora_scale`` it divides by the row norms of the base weight instead
   of the patched one (ComfyUI PR #15458), so a DoRA file applies close to, not exactly, the trained weights.
@@ -32,6 +35,8 @@ diffusers 0.42 (``pipe.load_lora_weights``, ``loaders/lora_pipeline.py`` and ``l
   ``time_in``, ``vector_in``, ``guidance_in`` and ``final_layer`` are converted to keys without the ``transformer.``
   prefix and silently not loaded. It also hard-codes FLUX.1's widths (``dims=[3072, 3072, 3072, 12288]``);
 * kohya SD/SDXL files (``_convert_non_diffusers_lora_to_diffusers``): every LoRA layer;
+* kohya Qwen-Image files (``_convert_non_diffusers_qwen_lora_to_diffusers``): every LoRA layer (``alpha / rank``
+  folded in); a file with LyCORIS tensors is refused as a whole ("`state_dict` should be empty at this point");
 * ``dora_scale`` is filtered out with a warning (the layer loads as a plain LoRA); LoKr / LoHa tensors are not read.
 
 kohya's sd-scripts (``create_network_from_weights``, then ``load_state_dict``: unknown keys are reported as unexpected
@@ -47,6 +52,8 @@ and skipped):
   ``lycoris/kohya.py`` ``create_network_from_weights``), which makes a module for every ``lora_unet_<name>`` that is a
   module of the model;
 * it reads only ``lora_unet_`` names: a diffusers-layout file loads nothing.
+* it has no Qwen-Image network (kohya's musubi-tuner trains Qwen-Image: ``networks.lora_qwen_image``, whose
+  ``lora_unet_<diffusers module with _>`` names the kohya layout of this family uses).
 
 :class:`Coverage` is the answer for one file: per tool, the layers it skips and the layers it applies only
 not as trained, each with the reason.
@@ -58,7 +65,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-__all__ = ["TOOLS", "Coverage", "flux_coverage", "unet_coverage"]
+__all__ = ["TOOLS", "Coverage", "flux_coverage", "qwenimage_coverage", "unet_coverage"]
 
 TOOLS = ("diffusers", "ComfyUI", "kohya")
 """The loaders :class:`Coverage` speaks for: diffusers' ``load_lora_weights``, ComfyUI's LoRA loader, kohya's sd-scripts
@@ -171,4 +178,22 @@ def unet_coverage(format: str, variants: Mapping[str, str]) -> Coverage:
         [m for m in plain if _UNET_OUTSIDE_BLOCKS.match(m)],
         "networks/lora.py makes LoRA modules inside the transformer, ResNet and resampler blocks only",
     )
+    return c
+
+
+def qwenimage_coverage(format: str, variants: Mapping[str, str]) -> Coverage:
+    """The :class:`Coverage` of a Qwen-Image LoRA file of ``format`` (see :func:`flux_coverage`): ComfyUI maps both
+    layouts onto its own (diffusers-named) modules, diffusers reads both (a kohya file as plain LoRA), kohya's
+    sd-scripts reads neither."""
+    c = Coverage()
+    modules = list(variants)
+    dora = [m for m, v in variants.items() if v == "DoRA"]
+    lycoris = [m for m, v in variants.items() if v in ("LoKr", "LoHa")]
+    c.skip("kohya", modules, "kohya's sd-scripts has no Qwen-Image network (musubi-tuner trains Qwen-Image LoRAs)")
+    if format == "diffusers":
+        c.approx("ComfyUI", dora, _COMFY_PEFT_DORA)
+        return c
+    c.skip("diffusers", lycoris, "diffusers' Qwen-Image converter reads lora_down/lora_up only (it refuses the file)")
+    c.approx("diffusers", dora, _DIFFUSERS_DORA)
+    c.approx("ComfyUI", dora, _COMFY_DORA)
     return c

@@ -1,11 +1,12 @@
-"""The sample images are what a user gets at inference: for FLUX, SDXL and SD1.5, the image the SampleImages callback
-draws at the end of a fit equals the image of a *fresh* diffusers pipeline, loaded from the model folder, with the
-exported LoRA file loaded through ``load_lora_weights``, for the same prompt, seed and settings.
+"""The sample images are what a user gets at inference: for FLUX, SDXL, SD1.5 and Z-Image, the image the SampleImages
+callback draws at the end of a fit equals the image of a *fresh* diffusers pipeline, loaded from the model folder, with
+the exported LoRA file loaded through ``load_lora_weights``, for the same prompt, seed and settings.
 
 This covers the whole chain at once: cached prompt (and empty-prompt) embeddings vs. the pipeline's own text encoding,
 the family's sampling pipeline and scheduler vs. the one ``from_pretrained`` builds, classifier-free guidance
-(SDXL's zeroed negative, SD1.5's empty-prompt negative), and the LoRA export. The images are compared as the 8-bit
-PNGs a user sees; float rounding may move a pixel by one level, a wrong LoRA scale or negative prompt moves many.
+(SDXL's zeroed negative, SD1.5's and Z-Image's empty-prompt negative), and the LoRA export. The images are compared as
+the 8-bit PNGs a user sees; float rounding may move a pixel by one level, a wrong LoRA scale or negative prompt moves
+many.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ CASES = {
     "flux": ("Flux", {"max_sequence_length": 16}, 3.5, {"max_sequence_length": 16}),
     "sdxl": ("SDXL", {}, 5.0, {}),
     "sd15": ("SD15", {}, 5.0, {}),
+    "zimage": ("ZImage", {}, 4.0, {}),  # CFG (the base model's way): the cached empty prompt is the negative
+    # Qwen-Image: true CFG with the empty prompt as the negative; cached embeddings cut back from their padded length
+    "qwenimage": ("QwenImage", {"max_sequence_length": 64}, 4.0, {"true_cfg_scale": 4.0, "negative_prompt": ""}),
 }
 
 

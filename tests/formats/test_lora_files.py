@@ -9,7 +9,9 @@ family's formats is applied by three witnesses:
 * ComfyUI: :func:`comfy_apply`, its loader rebuilt from its source: the key map of ``comfy/lora.py``
   ``model_lora_keys_unet`` (``lora_unet_<original name>``; SD diffusers names via ``comfy/utils.py``
   ``unet_to_diffusers``, attention only as ``unet.<...>.processor.to_q``; FLUX diffusers names via
-  ``flux_to_diffusers``, each onto its row slice of the fused weight, ``norm_out.linear`` with the scale/shift swap),
+  ``flux_to_diffusers``, each onto its row slice of the fused weight, ``norm_out.linear`` with the scale/shift swap;
+  Z-Image diffusers names via ``z_image_to_diffusers``, q/k/v onto their rows of the original fused ``qkv``;
+  Qwen-Image, built with diffusers' names, under ``transformer.``, ``lycoris_`` and no prefix),
   the suffixes ``load_lora`` reads, and the deltas of ``comfy/weight_adapter/lora.py``, ``loha.py``, ``lokr.py`` and
   ``base.py`` ``weight_decompose`` (``alpha / mat2.shape[0]``, no alpha -> 1, LoKr's ``dim``, DoRA by axis);
 * kohya's sd-scripts: :func:`kohya_apply`, ``networks/lora.py`` / ``networks/lora_flux.py``
@@ -59,6 +61,7 @@ from lightning_lora.formats.bfl import (
 )
 from lightning_lora.formats.clients import TOOLS
 from lightning_lora.formats.ldm import UNetLayout, diffusers_to_ldm
+from lightning_lora.formats.zimage import diffusers_to_original
 from lightning_lora.lora import LoraOptions, parse_key, peft_config, resolve_targets
 
 RANK, ALPHA = 4, 2.0  # alpha = rank / 2
@@ -142,7 +145,8 @@ def diffusers_apply(family: DiffusionFamily, base: torch.nn.Module, file: Path) 
             warnings.simplefilter("ignore")
             pipe.load_lora_weights(file)
     except (ValueError, KeyError) as e:
-        if "Invalid LoRA checkpoint" in str(e) or "not been correctly renamed" in str(e):
+        refusals = ("Invalid LoRA checkpoint", "not been correctly renamed", "should be empty at this point")
+        if any(refusal in str(e) for refusal in refusals):
             return None
         raise
     return merged_weights(getattr(pipe, family.denoiser_subfolder))
@@ -155,10 +159,55 @@ def _is_flux(model: torch.nn.Module) -> bool:
     return type(model).__name__ == "FluxTransformer2DModel"
 
 
+def _is_qwenimage(model: torch.nn.Module) -> bool:
+    return type(model).__name__ == "QwenImageTransformer2DModel"
+
+
+def _is_zimage(model: torch.nn.Module) -> bool:
+    return type(model).__name__ == "ZImageTransformer2DModel"
+
+
+def _zimage_key_map(base: torch.nn.Module) -> dict[str, Any]:
+    """ComfyUI's ``Lumina2`` branch of ``model_lora_keys_unet``: the diffusers names ``comfy/utils.py``
+    ``z_image_to_diffusers`` lists, under four prefixes, each onto its original weight (q/k/v: rows of ``qkv``)."""
+    dim, entries = base.config.dim, {}
+    blocks = [f"{kind}.{i}" for kind in ("layers", "context_refiner", "noise_refiner") for i in range(32)]
+    for block in blocks:
+        for i, part in enumerate("qkv"):
+            entries[f"{block}.attention.to_{part}"] = (f"{block}.attention.qkv", (0, i * dim, dim))
+        entries[f"{block}.attention.to_out.0"] = (f"{block}.attention.out", None)
+        for same in ("feed_forward.w1", "feed_forward.w2", "feed_forward.w3", "adaLN_modulation.0"):
+            entries[f"{block}.{same}"] = (f"{block}.{same}", None)
+    for diffusers_name, comfy in (
+        ("all_final_layer.2-1.linear", "final_layer.linear"),
+        ("all_final_layer.2-1.adaLN_modulation.1", "final_layer.adaLN_modulation.1"),
+        ("all_x_embedder.2-1", "x_embedder"),
+        ("cap_embedder.1", "cap_embedder.1"),
+        ("t_embedder.mlp.0", "t_embedder.mlp.0"),
+        ("t_embedder.mlp.2", "t_embedder.mlp.2"),
+    ):
+        entries[diffusers_name] = (comfy, None)
+    key_map: dict[str, Any] = {}
+    for name, (comfy, offset) in entries.items():
+        to = (f"diffusion_model.{comfy}.weight", offset, None)
+        for key in (f"diffusion_model.{name}", f"transformer.{name}", "lycoris_" + name.replace(".", "_"), name):
+            key_map[key] = to
+    return key_map
+
+
 def comfy_weights(base: torch.nn.Module) -> tuple[dict[str, torch.Tensor], Callable[[dict], dict]]:
     """The denoiser's weights as ComfyUI holds them (``diffusion_model.<original name>``: BFL for FLUX, LDM/SGM for
     the UNets) and the function back to diffusers names."""
     sd = base_weights(base)
+    if _is_qwenimage(base):  # ComfyUI's Qwen-Image has diffusers' names
+        return {f"diffusion_model.{k}": v for k, v in sd.items()}, lambda s: {
+            k.removeprefix("diffusion_model."): v for k, v in s.items()
+        }
+    if _is_zimage(base):  # the original names; back through diffusers' own single-file converter
+        from diffusers.loaders.single_file_utils import convert_z_image_transformer_checkpoint_to_diffusers as back
+
+        original = {f"diffusion_model.{k}": v for k, v in diffusers_to_original(sd).items()}
+        return original, lambda s: back({k.removeprefix("diffusion_model."): v for k, v in s.items()})
     if _is_flux(base):
         bfl = {f"diffusion_model.{k}": v for k, v in diffusers_to_bfl(sd).items()}
         return bfl, lambda s: bfl_to_diffusers({k.removeprefix("diffusion_model."): v for k, v in s.items()})
@@ -176,6 +225,15 @@ def comfy_key_map(base: torch.nn.Module, model_sd: Mapping[str, torch.Tensor]) -
         if k.startswith("diffusion_model.") and k.endswith(".weight"):
             key_map["lora_unet_" + k[len("diffusion_model.") : -len(".weight")].replace(".", "_")] = k
             key_map[k[: -len(".weight")]] = k
+    if _is_zimage(base):
+        return {**key_map, **_zimage_key_map(base)}
+    if _is_qwenimage(base):  # comfy/lora.py: isinstance(model, QwenImage)
+        for k in model_sd:
+            if k.startswith("diffusion_model.") and k.endswith(".weight"):
+                module = k[len("diffusion_model.") : -len(".weight")]
+                for key in (module, f"transformer.{module}", "lycoris_" + module.replace(".", "_")):
+                    key_map[key] = k
+        return key_map
     sd = base.state_dict()
     if _is_flux(base):  # comfy/utils.py flux_to_diffusers: a part maps to its rows of the fused weight
         dims = flux_dims_from_state_dict(sd)
@@ -302,6 +360,10 @@ def kohya_apply(
 ) -> tuple[dict[str, torch.Tensor], set[str]]:
     """kohya's sd-scripts loading ``lora`` (``create_network_from_weights``, then merging each module): the patched
     weights (diffusers names) and the unexpected keys. ``ss_network_module: lycoris.kohya`` loads through LyCORIS."""
+    if not any(k.startswith("lora_unet_") for k in lora):  # sd-scripts reads lora_unet_ names only
+        return base_weights(base), set(lora)
+    if _is_qwenimage(base):  # sd-scripts has no Qwen-Image network (musubi-tuner trains it)
+        return base_weights(base), set(lora)
     model_sd, back = comfy_weights(base)  # sd-scripts builds the same modules: BFL, SGM; SD1.x in diffusers names
     flux = _is_flux(base)
     sd15 = not flux and not any(k.startswith("diffusion_model.label_emb") for k in model_sd)
@@ -448,7 +510,7 @@ def test_every_file_means_the_same_in_every_tool(
                 torch.testing.assert_close(
                     patched[f"{module}.weight"], expected[f"{module}.weight"], atol=1e-5, rtol=1e-4
                 )
-    assert written, "no format holds this variant"
+    assert written or "kohya" not in family.lora_formats, "no format holds this variant"
 
 
 def test_comfyui_skips_peft_attention_names_of_a_unet(bases: dict, tmp_path: Path) -> None:
@@ -473,10 +535,18 @@ def test_comfyui_skips_peft_attention_names_of_a_unet(bases: dict, tmp_path: Pat
 # ------------------------------------------------------------------------------------------ round trips
 
 
+def writes_kohya(name: str) -> None:
+    """Skip a test of the kohya layout for a family that writes none (Z-Image: ComfyUI reads its diffusers files;
+    tests/families/test_zimage.py checks their metadata)."""
+    if "kohya" not in FAMILIES[name].lora_formats:
+        pytest.skip(f"the {name} family writes no kohya layout")
+
+
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_kohya_to_diffusers_to_kohya_is_exact(
     bases: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
 ) -> None:
+    writes_kohya(name)
     """A kohya file (ours, every preset's layers, alpha != rank) -> diffusers' own converter -> ours -> kohya: the
     same weights in every tool each file names (to float32 rounding); and diffusers -> kohya -> diffusers the same
     tensors."""
@@ -617,10 +687,13 @@ def test_flux_lokr_on_fused_parts_goes_per_part(bases: dict, tmp_path: Path) -> 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_custom_targets_outside_the_blocks_are_named(bases: dict, tmp_path: Path, name: str) -> None:
+    writes_kohya(name)
     """Layers outside the blocks load in ComfyUI, not in sd-scripts (nor, for FLUX kohya files, in diffusers), and
     export says which tool skips which layer."""
     family, base = bases[name]
-    outside = ["x_embedder", "norm_out.linear"] if name == "flux" else ["conv_in", "time_embedding.linear_1"]
+    outside = {"flux": ["x_embedder", "norm_out.linear"], "qwenimage": ["img_in", "norm_out.linear"]}.get(
+        name, ["conv_in", "time_embedding.linear_1"]
+    )
     model, options = adapted(family, base, outside, "lora")
     state = get_peft_model_state_dict(model)
     coverage = file_coverage(state, family, "kohya")
@@ -648,6 +721,7 @@ def test_lokr_and_loha_are_refused_by_the_diffusers_format_with_the_reason(bases
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_metadata_tools_read(bases: dict, tmp_path: Path, name: str) -> None:
+    writes_kohya(name)
     family, base = bases[name]
     preset = "locon" if "locon" in family.lora_presets else "attention"
     model, options = adapted(family, base, preset, "lora")
@@ -671,7 +745,8 @@ def test_metadata_tools_read(bases: dict, tmp_path: Path, name: str) -> None:
         assert meta["lightning_lora.variant"] == "LoRA" and meta["lightning_lora.trigger"] == "sks dog"
     assert kohya["ss_output_name"] == "my-lora" and kohya["ss_network_dim"] == str(RANK)
     assert float(kohya["ss_network_alpha"]) == ALPHA
-    assert kohya["ss_network_module"] == ("networks.lora_flux" if name == "flux" else "networks.lora")
+    networks = {"flux": "networks.lora_flux", "qwenimage": "networks.lora_qwen_image"}  # musubi-tuner's for Qwen
+    assert kohya["ss_network_module"] == networks.get(name, "networks.lora")
     args = json.loads(kohya.get("ss_network_args", "{}"))
     assert args == ({"conv_dim": str(RANK), "conv_alpha": str(ALPHA)} if preset == "locon" else {})
     assert "lora_adapter_metadata" not in kohya and not any(k.startswith("ss_") for k in ours)
@@ -783,3 +858,21 @@ def test_a_run_warns_before_training_about_layers_no_file_brings_to_a_tool(bases
     with pytest.warns(UserWarning, match=r"kohya's sd-scripts will not apply 1 trained layer\(s\) .*\(conv_in\)"):
         callback.on_fit_start(trainer, module)  # type: ignore[arg-type]
     assert callback.loads_in == {"diffusers": ["diffusers"], "kohya": ["diffusers", "ComfyUI"]}
+
+
+@pytest.mark.parametrize("name", ["zimage", "qwenimage"])
+def test_a_tool_without_support_for_the_family_is_no_warning(bases: dict, tmp_path: Path, name: str, caplog) -> None:
+    """sd-scripts has no Z-Image or Qwen-Image network: every run would warn that it loads nothing. That is a fact of
+    the family (logged once), not a warning about the run; the written files still say where they load."""
+    family, base = bases[name]
+    model, options = adapted(family, base, "attention", "lora")
+    trainer, module = _stub_run(tmp_path, family, model, options)
+    callback = LoraExport()
+    callback.setup(trainer, module, "fit")  # type: ignore[arg-type]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with caplog.at_level("INFO", logger="lightning_lora.callbacks.lora_export"):
+            callback.on_fit_start(trainer, module)  # type: ignore[arg-type]
+    assert f"kohya's sd-scripts does not load {name} LoRAs" in caplog.text
+    assert all("kohya" not in tools for tools in callback.loads_in.values())
+    assert any("ComfyUI" in tools for tools in callback.loads_in.values())

@@ -146,8 +146,10 @@ def two_step_grads(model: nn.Module, family: DiffusionFamily | None = None) -> l
 
 @torch.no_grad()
 def denoiser_output(denoiser: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
-    """The prediction of ``denoiser`` for :func:`random_inputs` (no gradient)."""
-    return denoiser(**inputs)[0]
+    """The prediction of ``denoiser`` for :func:`random_inputs` (no gradient); one tensor also for a denoiser that
+    returns a list of per-sample predictions (Z-Image)."""
+    prediction = denoiser(**inputs)[0]
+    return torch.stack(prediction) if isinstance(prediction, list) else prediction
 
 
 def lora_layers(model: nn.Module) -> set[str]:

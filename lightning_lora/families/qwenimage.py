@@ -1,0 +1,496 @@
+"""Qwen-Image: a 20 B-parameter MMDiT (60 dual-stream blocks) on packed latents of a video VAE, conditioned on the last
+hidden state of Qwen2.5-VL-7B read text-only through a chat template.
+
+Shapes, for an image of ``H x W`` pixels and a batch ``B``:
+
+* The VAE (``AutoencoderKLQwenImage``: causal 3D convolutions, made for videos ``[B, 3, T, H, W]``) sees an image as
+  one frame and downsamples by 8 into ``z_dim = 16`` channels: ``[B, 16, 1, H/8, W/8]``. Latents are normalised *per
+  channel* with the VAE config's 16 ``latents_mean`` / ``latents_std`` values: ``(z - mean_c) / std_c`` (the pipeline
+  decodes ``x * std_c + mean_c``). The cache keeps them without the frame axis: ``[B, 16, H/8, W/8]``.
+* The transformer sees 2x2 latent patches as tokens, packed exactly as FLUX packs them (:func:`pack_latents`):
+  ``[B, (h/2)(w/2), 64]``. So image sides must be multiples of 16.
+* Positions are not ids but ``img_shapes``: per sample, the ``(frames, rows, cols)`` of its packed image,
+  ``[[(1, h/2, w/2)]] * B``, from which the transformer builds its 3-axis RoPE (rows and columns centred on 0); text
+  positions continue after the largest image index.
+* Text: the pipeline puts the prompt into a chat template (a system turn "Describe the image by detailing the color,
+  shape, size, texture, quantity, text, spatial relationships of the objects and background:", then the prompt as the
+  user turn, then the assistant turn's header), runs Qwen2.5-VL (28 layers, 3584 wide) on it and keeps the last hidden
+  state without the template's first 34 tokens (``prompt_template_encode_start_idx``: the system turn and the user
+  header). What remains is the prompt's tokens plus the 5 that close the template, at most ``max_sequence_length``
+  (512): ``prompt_embeds [B, L, 3584]`` with ``prompt_embeds_mask [B, L]`` (1 for real tokens), ``L`` the longest
+  prompt of the batch. There is no pooled vector.
+* Timesteps are noise levels ``sigma`` in (0, 1); the transformer multiplies them by 1000 inside (the pipeline feeds
+  ``t / 1000`` for its scheduler's ``t = 1000 sigma``).
+* The prediction is the velocity ``noise - x0`` of the straight path ``x = (1 - sigma) x0 + sigma noise`` (the
+  scheduler's Euler step is ``x + (sigma_next - sigma) * prediction``), the same rectified-flow objective as FLUX
+  (:mod:`lightning_lora.objectives`).
+* Qwen-Image is not guidance-distilled (``guidance_embeds`` false): samples use classifier-free guidance,
+  ``true_cfg_scale`` with the empty prompt as the negative; the pipeline rescales the guided prediction to the norm of
+  the conditional one, token by token.
+
+Timestep shift: Qwen-Image's scheduler shifts its sigmas by ``exp(mu)`` (``sigma' = e^mu sigma / (1 + (e^mu - 1)
+sigma)``), with ``mu`` linear in the image tokens from 0.5 at 256 tokens to 0.9 at 8192 (FLUX: 1.15 at 4096), so at
+1024x1024 (4096 tokens) the shift is 2.0. ``timestep_sampling: qwen_shift`` (the default) draws logit-normal sigmas
+and shifts them the same way, so training sees the noise levels inference uses (musubi-tuner's ``qwen_shift``; the
+scheduler's ``shift_terminal`` 0.02 only stretches the end of the inference schedule).
+
+Cached text and batches: prompts have different lengths, and a batch of cached tensors is stacked by the default
+collate. So each prompt's embeddings are cached padded with zeros to ``max_sequence_length`` with their mask
+(``prompt_embeds [512, 3584]`` in the encoder's dtype, 3.5 MiB in bf16, as FLUX's padded T5 embeddings), and
+:meth:`QwenImage.loss` cuts the batch back to its longest prompt (:func:`trim_text`), passing the mask only when the
+prompts' lengths differ: the transformer computes what the pipeline computes for the same prompts, and never attends
+over 512 positions for a 20-token caption. (Under ``model.compile_blocks`` the text length varies between batches: the
+first new length recompiles once, after which PyTorch compiles for dynamic lengths.)
+
+LoRA files: ComfyUI builds Qwen-Image with diffusers' module names (diffusers' ``from_single_file`` reads ComfyUI's
+checkpoints unconverted), and ``comfy/lora.py`` maps a Qwen-Image LoRA's ``transformer.<module>`` keys onto them: the
+diffusers file is ComfyUI's file too. The ``kohya`` layout is musubi-tuner's (``networks.lora_qwen_image``):
+``lora_unet_<module with _>`` with one ``.alpha`` per module, which ComfyUI maps for every model and diffusers'
+Qwen-Image converter reads (plain LoRA); it also holds LoKr and LoHa (LyCORIS tensors), which only ComfyUI applies.
+See :func:`lightning_lora.formats.clients.qwenimage_coverage`.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from typing_extensions import override
+
+from lightning_lora import objectives
+from lightning_lora.errors import ConfigError
+from lightning_lora.families.base import (
+    DiffusersModel,
+    DiffusionFamily,
+    ModelSource,
+    PromptLimit,
+    build_from_config,
+    compute_dtype,
+    load_component,
+    load_weights,
+)
+from lightning_lora.families.encoders import QWEN25_VL_7B
+from lightning_lora.families.flux import pack_latents, unpack_latents
+from lightning_lora.formats import kohya
+from lightning_lora.formats.clients import Coverage, qwenimage_coverage
+
+__all__ = [
+    "QWEN_IMAGE_NETWORK",
+    "QWEN_IMAGE_TRANSFORMER",
+    "QwenImage",
+    "QwenTimestepSampling",
+    "image_shapes",
+    "pack_latents",
+    "trim_text",
+    "unpack_latents",
+]
+
+QwenTimestepSampling = Literal["qwen_shift", "logit_normal", "uniform"]
+
+_ATTENTION = r"attn\.(to_q|to_k|to_v|to_out\.0)"
+_TEXT_KV = r"attn\.(add_k_proj|add_v_proj)"
+_IMAGE_MLP = r"img_mlp\.net\.(0\.proj|2)"
+
+QWEN_IMAGE_TRANSFORMER: dict[str, Any] = {
+    "_class_name": "QwenImageTransformer2DModel",
+    "patch_size": 2,
+    "in_channels": 64,
+    "out_channels": 16,
+    "num_layers": 60,
+    "attention_head_dim": 128,
+    "num_attention_heads": 24,
+    "joint_attention_dim": 3584,
+    "guidance_embeds": False,
+    "axes_dims_rope": [16, 56, 56],
+}
+"""Qwen/Qwen-Image's ``transformer/config.json`` (20.4 B parameters)."""
+
+QWEN_IMAGE_NETWORK = kohya.KohyaNetwork("networks.lora_qwen_image", "qwen_image")
+"""kohya metadata of a Qwen-Image file: musubi-tuner's network module (sd-scripts has no Qwen-Image network)."""
+
+# Qwen/Qwen-Image's scheduler_config.json: the dynamic shift's mu is linear from base_shift (0.5) at
+# base_image_seq_len (256) image tokens to max_shift (0.9) at max_image_seq_len (8192);
+# tiny_qwenimage.QWEN_IMAGE_SCHEDULER_CONFIG holds the whole file.
+_BASE_TOKENS, _MAX_TOKENS, _BASE_SHIFT, _MAX_SHIFT = 256, 8192, 0.5, 0.9
+# Prefixes a single-file checkpoint may put before the transformer's own names (a ComfyUI all-in-one checkpoint).
+_SINGLE_FILE_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
+
+
+def image_shapes(batch: int, h: int, w: int) -> list[list[tuple[int, int, int]]]:
+    """The transformer's ``img_shapes`` for a batch of ``h x w`` latent grids: one frame of ``(h/2) x (w/2)`` packed
+    tokens per sample, as the pipeline builds it."""
+    return [[(1, h // 2, w // 2)]] * batch
+
+
+def trim_text(embeds: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Cut cached text ``[B, L, D]`` (padded to ``max_sequence_length``) to the batch's longest prompt, with its mask
+    ``[B, n]`` as bool, or ``None`` when every prompt fills the ``n`` positions (the pipeline passes no mask then)."""
+    if mask is None:
+        return embeds, None
+    n = max(int(mask.sum(dim=1).max()), 1)
+    kept = mask[:, :n].bool()
+    return embeds[:, :n], None if bool(kept.all()) else kept
+
+
+@functools.cache
+def _template() -> tuple[str, int, int]:
+    """The pipeline's prompt template, the number of its tokens it drops, and its tokenizer length limit (read from a
+    pipeline with no components, so a diffusers release that changes them changes the text cache key)."""
+    from diffusers import QwenImagePipeline
+
+    pipe: Any = QwenImagePipeline(scheduler=None, vae=None, text_encoder=None, tokenizer=None, transformer=None)  # type: ignore[arg-type]
+    return pipe.prompt_template_encode, pipe.prompt_template_encode_start_idx, pipe.tokenizer_max_length
+
+
+class QwenImage(DiffusionFamily):
+    """Qwen-Image (``Qwen/Qwen-Image``).
+
+    Args:
+        max_sequence_length: text tokens kept per prompt (the prompt's tokens plus the 5 that close the template; at
+            most 1024, the pipeline's limit; 512 is its default); a longer prompt is cut.
+        timestep_sampling: ``qwen_shift`` (logit-normal, shifted by image size as Qwen-Image's scheduler shifts),
+            ``logit_normal`` (SD3) or ``uniform``.
+        logit_mean: mean of the logit-normal draw.
+        logit_std: standard deviation of the logit-normal draw.
+        shift: a fixed shift for ``qwen_shift``; null means Qwen-Image's resolution-dependent value.
+    """
+
+    name: ClassVar[str] = "qwenimage"
+    pipeline_classes: ClassVar[tuple[str, ...]] = ("QwenImagePipeline",)
+    denoiser_subfolder: ClassVar[str] = "transformer"
+    latent_divisor: ClassVar[int] = 16
+    known_denoisers: ClassVar[dict[str, dict[str, Any]]] = {"Qwen/Qwen-Image": QWEN_IMAGE_TRANSFORMER}
+    known_text_encoders: ClassVar[dict[str, dict[str, dict[str, Any]]]] = {
+        "Qwen/Qwen-Image": {"text_encoder": QWEN25_VL_7B}
+    }
+    text_encoders: ClassVar[tuple[str, ...]] = ("text_encoder",)  # Qwen2.5-VL-7B
+    lora_formats: ClassVar[tuple[str, ...]] = ("diffusers", "kohya")
+    lora_tools: ClassVar[tuple[str, ...]] = ("diffusers", "ComfyUI")  # sd-scripts has no network for it
+    lora_modelspec: ClassVar[dict[str, str]] = {  # as musubi-tuner writes them (utils/sai_model_spec.py)
+        "architecture": "Qwen-Image/lora",
+        "implementation": "https://github.com/QwenLM/Qwen-Image",
+    }
+    # Only layers that reach the image in every block. The last block's text output is discarded (the transformer's
+    # output is its image tokens), so a LoRA on its text query (add_q_proj), text output (to_add_out) or text MLP
+    # would never train; a targets pattern of your own can add those layers (they train in the other blocks).
+    lora_presets: ClassVar[dict[str, str]] = {
+        # The image stream's attention: the default targets of diffusers' Qwen-Image LoRA script.
+        "attention": rf".*transformer_blocks\.\d+\.{_ATTENTION}",
+        # Plus the text keys and values the image attends to in the joint attention.
+        "attention_all": rf".*transformer_blocks\.\d+\.({_ATTENTION}|{_TEXT_KV})",
+        # Plus the image stream's MLP (the modulation layers img_mod / txt_mod stay frozen, as in musubi-tuner).
+        "all_linear": rf".*transformer_blocks\.\d+\.({_ATTENTION}|{_TEXT_KV}|{_IMAGE_MLP})",
+    }
+
+    def __init__(
+        self,
+        max_sequence_length: int = 512,
+        timestep_sampling: QwenTimestepSampling = "qwen_shift",
+        logit_mean: float = 0.0,
+        logit_std: float = 1.0,
+        shift: float | None = None,
+    ) -> None:
+        if not 1 <= max_sequence_length <= 1024:
+            raise ConfigError(
+                f"model.family.init_args.max_sequence_length: {max_sequence_length} must be between 1 and 1024 "
+                "(QwenImagePipeline reads at most 1024 prompt tokens; 512 is its default)."
+            )
+        if shift is not None and shift <= 0:
+            raise ConfigError(f"model.family.init_args.shift: {shift} must be positive (null: by image size).")
+        self.max_sequence_length = max_sequence_length
+        self.timestep_sampling = timestep_sampling
+        self.logit_mean = logit_mean
+        self.logit_std = logit_std
+        self.shift = shift
+
+    # -- loading -----------------------------------------------------------------------------------------------
+    def load_denoiser(self, source: ModelSource) -> nn.Module:
+        from diffusers import QwenImageTransformer2DModel
+
+        if source.denoiser_file is None:
+            return self.load_denoiser_weights(QwenImageTransformer2DModel, source)
+        # diffusers reads a Qwen-Image single file as it is (no key conversion): keys it does not know are dropped with
+        # a log line and weights it does not find stay empty. So the file's names are checked here first.
+        prefix = self._single_file_prefix(source)
+        if not prefix:
+            return self.load_denoiser_weights(QwenImageTransformer2DModel, source)
+        from safetensors.torch import load_file
+
+        weights = {k.removeprefix(prefix): v for k, v in load_file(source.denoiser_file).items()}  # type: ignore[arg-type]
+        model = QwenImageTransformer2DModel.from_single_file(
+            weights,
+            config=source.local_path,
+            subfolder=self.denoiser_subfolder,
+            torch_dtype=source.dtype,
+            local_files_only=source.is_local,
+        )
+        return model.requires_grad_(False).eval()
+
+    def _single_file_prefix(self, source: ModelSource) -> str:
+        """The prefix of ``source.denoiser_file``'s keys (``""``, or a ComfyUI checkpoint's ``model.diffusion_model.``)
+        after checking that they are exactly the transformer's weights; :class:`ConfigError` naming the difference."""
+        assert source.denoiser_file is not None
+        expected = set(self.denoiser_skeleton(source).state_dict())
+        with safe_open(source.denoiser_file, framework="pt") as f:
+            keys = set(f.keys())
+        prefix = next((p for p in _SINGLE_FILE_PREFIXES if any(k.startswith(p) for k in keys)), "")
+        names = {k.removeprefix(prefix) for k in keys if k.startswith(prefix)}
+        missing, unknown = sorted(expected - names), sorted(names - expected)
+        if missing or unknown:
+            what = []
+            if missing:
+                what.append(f"lacks {len(missing)} of its weights (e.g. {', '.join(missing[:2])})")
+            if unknown:
+                what.append(f"has {len(unknown)} keys it does not have (e.g. {', '.join(unknown[:2])})")
+            raise ConfigError(
+                f"model.denoiser_file: {source.denoiser_file!r} is not a Qwen-Image transformer in diffusers / ComfyUI "
+                f"names: it {' and '.join(what)}. Use the bf16 diffusion model file (a scaled-FP8 file holds scales "
+                "diffusers does not read; a full checkpoint, or another model, goes elsewhere), or leave "
+                "model.denoiser_file empty to load model.pretrained's transformer."
+            )
+        return prefix
+
+    def load_vae(self, source: ModelSource) -> nn.Module:
+        from diffusers import AutoencoderKLQwenImage
+
+        vae = load_weights(AutoencoderKLQwenImage.from_pretrained, source, "vae", torch_dtype=source.dtype)
+        return vae.requires_grad_(False).eval()
+
+    def load_text_encoders(self, source: ModelSource) -> Any:
+        from diffusers import QwenImagePipeline
+        from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
+        te = load_weights(
+            Qwen2_5_VLForConditionalGeneration.from_pretrained, source, "text_encoder", dtype=source.dtype
+        )
+        # A pipeline with only its text parts: encode_prompt is then exactly what inference does.
+        return QwenImagePipeline(
+            scheduler=None,  # type: ignore[arg-type]
+            vae=None,  # type: ignore[arg-type]
+            text_encoder=te.requires_grad_(False).eval(),
+            tokenizer=load_component(Qwen2Tokenizer.from_pretrained, source, "tokenizer"),
+            transformer=None,  # type: ignore[arg-type]
+        )
+
+    @classmethod
+    def save_tiny(cls, folder: Path, seed: int = 0) -> Path:
+        from lightning_lora.tiny_qwenimage import save_tiny_qwenimage
+
+        return save_tiny_qwenimage(folder, seed=seed)
+
+    # -- encoding ----------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode_prompts(self, encoders: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
+        """``prompt_embeds [B, max_sequence_length, D]`` (zeros after each prompt) and ``prompt_embeds_mask [B,
+        max_sequence_length]`` (int64, 1 for the prompt's tokens): the pipeline's ``encode_prompt``, padded to the
+        fixed length the cache stores (module docstring)."""
+        device = encoders.text_encoder.device
+        embeds, mask = encoders.encode_prompt(
+            prompt=prompts, device=device, max_sequence_length=self.max_sequence_length
+        )
+        b, n, d = embeds.shape
+        if mask is None:  # the pipeline's "every prompt fills all n positions"
+            mask = torch.ones(b, n, dtype=torch.long, device=embeds.device)
+        padded = embeds.new_zeros(b, self.max_sequence_length, d)
+        padded[:, :n] = embeds
+        full = torch.zeros(b, self.max_sequence_length, dtype=torch.long, device=embeds.device)
+        full[:, :n] = mask
+        return {"prompt_embeds": padded, "prompt_embeds_mask": full}
+
+    @torch.no_grad()
+    def encode_images(self, vae: DiffusersModel, pixels: torch.Tensor) -> torch.Tensor:
+        """Images ``[B, 3, H, W]`` in [-1, 1] -> normalised latents ``[B, z_dim, H/8, W/8]`` (float32): one frame
+        through the video VAE, the mean of its posterior (deterministic, so a cached entry has one right value),
+        minus the per-channel ``latents_mean``, over ``latents_std``."""
+        frames = pixels.to(device=vae.device, dtype=vae.dtype).unsqueeze(2)  # [B, 3, 1, H, W]
+        z = vae.encode(frames).latent_dist.mode()[:, :, 0].float()  # [B, C, h, w]
+        mean = torch.tensor(vae.config.latents_mean, device=z.device).view(1, -1, 1, 1)
+        std = torch.tensor(vae.config.latents_std, device=z.device).view(1, -1, 1, 1)
+        return (z - mean) / std
+
+    @property
+    @override
+    def text_tokens(self) -> int:
+        return self.max_sequence_length
+
+    @override
+    def text_cache_tag(self) -> str:
+        template, drop, limit = _template()
+        digest = hashlib.sha256(json.dumps([template, drop, limit]).encode()).hexdigest()[:8]
+        return f"qwenimage-len{self.max_sequence_length}-template{digest}"
+
+    @override
+    def prompt_limit(self, encoders: Any) -> PromptLimit:
+        # The kept embeddings are the prompt's tokens plus those that close the template (5 with Qwen's tokenizer).
+        template, drop, _ = _template()
+        closing = len(encoders.tokenizer(template.format("")).input_ids) - drop
+        return PromptLimit(encoders.tokenizer, max(self.max_sequence_length - closing, 1), "Qwen2.5-VL")
+
+    # -- training ----------------------------------------------------------------------------------------------
+    def resolution_shift(self, image_tokens: int) -> float:
+        """The shift ``exp(mu)`` Qwen-Image's scheduler applies for ``image_tokens`` packed tokens (the pipeline's
+        ``calculate_shift`` with its scheduler config), or the fixed ``shift``."""
+        if self.shift is not None:
+            return self.shift
+        return objectives.resolution_shift(image_tokens, _BASE_TOKENS, _MAX_TOKENS, _BASE_SHIFT, _MAX_SHIFT)
+
+    def sample_timesteps(self, latents: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        b, _, h, w = latents.shape
+        mode = self.timestep_sampling
+        return objectives.sample_sigmas(
+            b,
+            "flux_shift" if mode == "qwen_shift" else mode,  # a logit-normal draw moved by the shift
+            generator=generator,
+            logit_mean=self.logit_mean,
+            logit_std=self.logit_std,
+            shift=self.resolution_shift((h // 2) * (w // 2)),
+        )
+
+    def loss(
+        self, denoiser: DiffusersModel, batch: dict[str, torch.Tensor], noise: torch.Tensor, timesteps: torch.Tensor
+    ) -> torch.Tensor:
+        x0 = batch["latents"]
+        b, _, h, w = x0.shape
+        dtype = compute_dtype(denoiser)
+        sigmas = timesteps.to(x0.device)
+        noisy = objectives.flow_match_noisy(x0.float(), noise.float(), sigmas)
+        text, mask = trim_text(batch["prompt_embeds"], batch.get("prompt_embeds_mask"))
+        prediction = denoiser(
+            hidden_states=pack_latents(noisy).to(dtype),
+            encoder_hidden_states=text.to(dtype),
+            encoder_hidden_states_mask=mask,
+            timestep=sigmas.to(dtype),
+            img_shapes=image_shapes(b, h, w),
+            return_dict=False,
+        )[0]
+        target = pack_latents(objectives.flow_match_target(x0.float(), noise.float()))
+        return objectives.per_sample_mse(prediction, target)
+
+    # -- sampling ----------------------------------------------------------------------------------------------
+    def pipeline(self, denoiser: DiffusersModel, vae: DiffusersModel, source: ModelSource) -> Any:
+        from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+
+        scheduler = load_component(FlowMatchEulerDiscreteScheduler.from_pretrained, source, "scheduler")
+        pipe: Any = QwenImagePipeline(
+            scheduler=scheduler,
+            vae=vae,
+            text_encoder=None,  # type: ignore[arg-type]
+            tokenizer=None,  # type: ignore[arg-type]
+            transformer=denoiser,
+        )
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    def generate(
+        self,
+        pipeline: Any,
+        embeddings: dict[str, torch.Tensor],
+        *,
+        seed: int,
+        height: int,
+        width: int,
+        steps: int,
+        guidance_scale: float,
+        negative: dict[str, torch.Tensor] | None = None,
+    ) -> Any:
+        """One image with classifier-free guidance ``true_cfg_scale = guidance_scale`` (none at 1 or below), the
+        empty prompt as the negative, as ``pipe(prompt, negative_prompt="", true_cfg_scale=...)`` draws it."""
+        dtype = compute_dtype(pipeline.transformer)
+        device = pipeline.transformer.device
+
+        def text(cached: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            n = max(int(cached["prompt_embeds_mask"].sum(dim=1).max()), 1)  # a batch of one: its own length
+            return {
+                "embeds": cached["prompt_embeds"][:, :n].to(device=device, dtype=dtype),
+                "mask": cached["prompt_embeds_mask"][:, :n].to(device=device),
+            }
+
+        prompt = text(embeddings)
+        guided: dict[str, Any] = {}
+        if guidance_scale > 1:
+            if negative is None:
+                raise ValueError(
+                    "classifier-free guidance (guidance_scale > 1) needs the empty prompt's embeddings as `negative`"
+                )
+            neg = text(negative)
+            guided = {"negative_prompt_embeds": neg["embeds"], "negative_prompt_embeds_mask": neg["mask"]}
+        return pipeline(
+            prompt_embeds=prompt["embeds"],
+            prompt_embeds_mask=prompt["mask"],
+            true_cfg_scale=guidance_scale,
+            height=height,
+            width=width,
+            num_inference_steps=steps,
+            max_sequence_length=self.max_sequence_length,
+            generator=self.seed_generator(seed),
+            output_type="pil",
+            **guided,
+        ).images[0]
+
+    # -- interop -----------------------------------------------------------------------------------------------
+    @override
+    def kohya_lora(
+        self, state: Mapping[str, torch.Tensor], scale: float, *, dtype: torch.dtype | None = None
+    ) -> dict[str, torch.Tensor]:
+        # musubi-tuner's names are the diffusers modules with "_", like sd-scripts' SD1.x names.
+        return kohya.unet_to_kohya(state, scale, None, dtype=dtype)
+
+    @override
+    def lora_from_kohya(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        from diffusers.loaders import QwenImageLoraLoaderMixin
+
+        converted: Any = QwenImageLoraLoaderMixin.lora_state_dict(dict(tensors))  # alpha / rank folded in
+        return {k.removeprefix("transformer."): v for k, v in converted.items()}
+
+    @override
+    def kohya_metadata(self, summary: kohya.NetworkSummary) -> dict[str, str]:
+        return kohya.kohya_metadata(summary, QWEN_IMAGE_NETWORK)
+
+    @override
+    def lora_coverage(self, format: str, variants: Mapping[str, str]) -> Coverage:
+        return qwenimage_coverage(format, variants)
+
+    # -- memory planning ---------------------------------------------------------------------------------------
+    def denoiser_skeleton(self, source: ModelSource) -> nn.Module:
+        from diffusers import QwenImageTransformer2DModel
+
+        config = self.denoiser_config(source, QwenImageTransformer2DModel.load_config)
+        return build_from_config(QwenImageTransformer2DModel, config, source.dtype)
+
+    def example_inputs(
+        self, model: DiffusersModel, batch: int, height: int, width: int, text_len: int, device: str, dtype: torch.dtype
+    ) -> dict[str, Any]:
+        c = model.config
+        h, w = height // 8, width // 8
+        tokens = (h // 2) * (w // 2)
+        return {
+            "hidden_states": torch.empty(batch, tokens, c.in_channels, device=device, dtype=dtype),
+            "encoder_hidden_states": torch.empty(batch, text_len, c.joint_attention_dim, device=device, dtype=dtype),
+            "encoder_hidden_states_mask": None,  # prompts of one length (a mask only when lengths differ)
+            "timestep": torch.empty(batch, device=device, dtype=dtype),
+            "img_shapes": image_shapes(batch, h, w),
+            "return_dict": False,
+        }
+
+    def block_count(self, model: DiffusersModel) -> int:
+        return model.config.num_layers
+
+    def sampling_bytes(self, model: DiffusersModel, height: int, width: int, text_len: int) -> float:
+        c = model.config
+        tokens = (height // 16) * (width // 16) + text_len
+        inner = c.num_attention_heads * c.attention_head_dim
+        # The widest intermediates of a dual-stream block (q, k, v and the 4x MLP, bf16; the guided and unguided
+        # passes run one after the other) and the VAE decode at full resolution (96 channels, causal-convolution
+        # caches: a few more buffers than a 2D VAE).
+        block = tokens * (3 * inner + 4 * inner + inner) * 2 * 2
+        vae = height * width * 96 * 2 * 6
+        return float(block + vae + 127e6 * 2)
