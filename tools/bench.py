@@ -10,7 +10,13 @@ Compare with the plain diffusers + peft reference recipe (``ref_recipe.py``, BEN
 the same shapes: a time on a shared machine is only meaningful as a ratio.
 
     python tools/bench.py --quant nf4 --rank 4 --gc 1          # FLUX.1-dev, 512x768, T5 length 512
+    python tools/bench.py --family qwenimage --quant nf4 --gc 1 --h 1024 --w 1024 --tlen 512   # Qwen-Image, 20.4 B
     python tools/bench.py --tiny --steps 2 --warm 1             # a CPU smoke run of the same code
+
+Families (``--family``): ``flux`` (FLUX.1-dev), ``sdxl`` (SDXL base 1.0), ``zimage`` (Z-Image-Turbo) and
+``qwenimage`` (Qwen-Image). Each is the real family class (:func:`random_family`) with its denoiser built from the
+family's ``known_denoisers`` config, or a tiny config with ``--tiny``; the batches have exactly the keys and shapes its
+``loss`` reads from the cache (:func:`cached_item`).
 """
 
 from __future__ import annotations
@@ -25,25 +31,16 @@ import torch
 from lightning.pytorch import Callback, LightningDataModule, Trainer
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_lora import objectives
+from lightning_lora.families import SDXL, DiffusionFamily, Flux, QwenImage, ZImage
 from lightning_lora.families.base import ModelSource, build_from_config
-from lightning_lora.families.flux import Flux
+from lightning_lora.families.unet import NoiseSchedule, UNetFamily
 from lightning_lora.lora import LoraOptions, set_lora_input_casts
 from lightning_lora.module import LoraModule
 from lightning_lora.parallel import resolve_strategy
 from lightning_lora.quant import QuantOptions
 
-FLUX_DEV = dict(
-    patch_size=1,
-    in_channels=64,
-    num_layers=19,
-    num_single_layers=38,
-    attention_head_dim=128,
-    num_attention_heads=24,
-    joint_attention_dim=4096,
-    pooled_projection_dim=768,
-    guidance_embeds=True,
-    axes_dims_rope=(16, 56, 56),
-)
+FLUX_DEV = dict(Flux.known_denoisers["black-forest-labs/FLUX.1-dev"])
 FLUX_TINY = dict(
     FLUX_DEV,
     num_layers=1,
@@ -54,47 +51,7 @@ FLUX_TINY = dict(
     pooled_projection_dim=64,
     axes_dims_rope=(8, 12, 12),
 )
-
-
-class RandomFlux(Flux):
-    """FLUX built from its config with random weights, straight on the training device (no download, no disk)."""
-
-    def __init__(self, config: dict[str, Any], device: str, max_sequence_length: int = 512) -> None:
-        super().__init__(max_sequence_length=max_sequence_length)
-        self.config = config
-        self.device = device
-
-    def check_source(self, source: ModelSource) -> None:  # nothing to check: no files
-        pass
-
-    def denoiser_skeleton(self, source: ModelSource) -> torch.nn.Module:
-        from diffusers import FluxTransformer2DModel
-
-        return build_from_config(FluxTransformer2DModel, dict(self.config), source.dtype)
-
-    def load_denoiser(self, source: ModelSource) -> torch.nn.Module:
-        from diffusers import FluxTransformer2DModel
-
-        model = build_from_config(FluxTransformer2DModel, dict(self.config), source.dtype, self.device)
-        return model.requires_grad_(False).eval()
-
-
-SDXL_BASE = dict(
-    sample_size=128,
-    in_channels=4,
-    out_channels=4,
-    down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
-    up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
-    block_out_channels=(320, 640, 1280),
-    layers_per_block=2,
-    transformer_layers_per_block=(1, 2, 10),
-    attention_head_dim=(5, 10, 20),
-    cross_attention_dim=2048,
-    use_linear_projection=True,
-    addition_embed_type="text_time",
-    addition_time_embed_dim=256,
-    projection_class_embeddings_input_dim=2816,
-)
+SDXL_BASE = dict(SDXL.known_denoisers["stabilityai/stable-diffusion-xl-base-1.0"])
 SDXL_TINY = dict(
     SDXL_BASE,
     block_out_channels=(32, 64, 64),
@@ -104,36 +61,153 @@ SDXL_TINY = dict(
     addition_time_embed_dim=32,
     projection_class_embeddings_input_dim=64 + 6 * 32,
 )
+ZIMAGE_TURBO = dict(ZImage.known_denoisers["Tongyi-MAI/Z-Image-Turbo"])
+ZIMAGE_TINY = dict(  # lightning_lora.tiny_zimage's transformer: 1 + 1 refiners, 2 main layers, 2 heads of 32
+    ZIMAGE_TURBO,
+    dim=64,
+    n_layers=2,
+    n_refiner_layers=1,
+    n_heads=2,
+    n_kv_heads=2,
+    cap_feat_dim=64,
+    axes_dims=[8, 12, 12],
+)
+QWEN_IMAGE = dict(QwenImage.known_denoisers["Qwen/Qwen-Image"])
+QWEN_IMAGE_TINY = dict(  # lightning_lora.tiny_qwenimage's transformer: 2 blocks, 2 heads of 16, 4 latent channels
+    QWEN_IMAGE,
+    in_channels=16,
+    out_channels=4,
+    num_layers=2,
+    attention_head_dim=16,
+    num_attention_heads=2,
+    joint_attention_dim=64,
+    axes_dims_rope=[4, 6, 6],
+)
+CONFIGS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "flux": (FLUX_DEV, FLUX_TINY),  # FLUX.1-dev, 11.9 B
+    "sdxl": (SDXL_BASE, SDXL_TINY),  # SDXL base 1.0's UNet, 2.6 B
+    "zimage": (ZIMAGE_TURBO, ZIMAGE_TINY),  # Z-Image-Turbo, 6.15 B
+    "qwenimage": (QWEN_IMAGE, QWEN_IMAGE_TINY),  # Qwen-Image, 20.4 B
+}
+"""The denoiser configs by family: the real one (the family's ``known_denoisers``) and a tiny one for CPU runs."""
 
 
-def random_sdxl_family(config: dict[str, Any], device: str) -> Any:
-    """SDXL (lightning_lora.families.sdxl) with a random-init UNet of the real size and SDXL's noise schedule."""
-    from lightning_lora import objectives
-    from lightning_lora.families.sdxl import SDXL
-    from lightning_lora.families.unet import NoiseSchedule
+class RandomWeights:
+    """Mixed in before a family class: the family's denoiser is ``config`` built with random weights straight on
+    ``device`` (no download, no files). Everything else is the family's own -- loss, noise and timestep sampling, LoRA
+    presets, and the memory planner's skeleton, which reads the same config (:meth:`denoiser_config`)."""
 
-    class RandomSDXL(SDXL):
-        def check_source(self, source: ModelSource) -> None:
-            pass
+    config: dict[str, Any]
+    device: str
 
-        def denoiser_skeleton(self, source: ModelSource) -> torch.nn.Module:
-            from diffusers import UNet2DConditionModel
+    def check_source(self, source: ModelSource) -> None:  # nothing to check: no files
+        pass
 
-            return build_from_config(UNet2DConditionModel, config, source.dtype)
+    def denoiser_config(self, source: ModelSource, load_config: Any) -> dict[str, Any]:
+        return dict(self.config)
 
-        def load_denoiser(self, source: ModelSource) -> torch.nn.Module:
-            from diffusers import UNet2DConditionModel
+    def load_denoiser(self, source: ModelSource) -> torch.nn.Module:
+        import diffusers
 
-            unet = build_from_config(UNet2DConditionModel, config, source.dtype, device)
+        cls = getattr(diffusers, self.config["_class_name"])
+        model: Any = build_from_config(cls, dict(self.config), source.dtype, self.device)
+        if isinstance(self, UNetFamily):  # what UNetFamily.load_denoiser attaches: SDXL's training schedule
             betas = objectives.beta_schedule("scaled_linear", 1000, 0.00085, 0.012)
-            unet.noise_schedule = NoiseSchedule(objectives.alphas_cumprod(betas), "epsilon")
-            return unet.requires_grad_(False).eval()
+            prediction = self.prediction_type or "epsilon"
+            model.noise_schedule = NoiseSchedule(objectives.alphas_cumprod(betas), prediction)
+        return model.requires_grad_(False).eval()
 
-    return RandomSDXL()
+
+# Module-level classes, so that Lightning can pickle the family into the module's hyperparameters.
+class RandomFlux(RandomWeights, Flux):
+    pass
+
+
+class RandomSDXL(RandomWeights, SDXL):
+    pass
+
+
+class RandomZImage(RandomWeights, ZImage):
+    pass
+
+
+class RandomQwenImage(RandomWeights, QwenImage):
+    pass
+
+
+RANDOM: dict[str, type[DiffusionFamily]] = {
+    cls.name: cls for cls in (RandomFlux, RandomSDXL, RandomZImage, RandomQwenImage)
+}
+
+
+def random_family(name: str, config: dict[str, Any], device: str, **options: Any) -> DiffusionFamily:
+    """The family ``name`` built with ``options``, its denoiser ``config`` with random weights on ``device``
+    (:class:`RandomWeights`)."""
+    family: Any = RANDOM[name](**options)
+    family.config, family.device = dict(config), device
+    return family
+
+
+def family_options(family: str, tlen: int) -> dict[str, Any]:
+    """The family's options for a run with ``tlen`` text tokens: FLUX pads T5 to (and attends over)
+    ``max_sequence_length``; Z-Image and Qwen-Image cache captions padded to theirs (512 by default, as the shipped
+    configs) with a mask and hand the denoiser only the caption's tokens; SDXL's CLIP length is fixed (77)."""
+    if family == "flux":
+        return {"max_sequence_length": tlen}
+    if family in ("zimage", "qwenimage"):
+        return {"max_sequence_length": max(tlen, 512)}
+    return {}
+
+
+def text_length(family: str, tlen: int) -> int:
+    """The text tokens the denoiser sees (the planner's ``text_len``)."""
+    return 77 if family == "sdxl" else tlen
+
+
+def cached_item(
+    family: str, config: dict[str, Any], height: int, width: int, tlen: int, padded: int, g: torch.Generator
+) -> dict[str, torch.Tensor]:
+    """One training sample as the latent cache serves it: the latent file (``latents [C, H/8, W/8]`` float32 as the
+    family's ``encode_images`` returns them, and the size conditioning) and the text file (the family's
+    ``encode_prompts`` outputs, bf16; Z-Image and Qwen-Image: ``tlen`` caption tokens padded with zeros to ``padded``,
+    with their mask)."""
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g)
+
+    def caption(dim: int) -> torch.Tensor:  # tlen tokens, then zeros to the cached length
+        return torch.cat([randn(tlen, dim), torch.zeros(padded - tlen, dim)]).bfloat16()
+
+    mask = torch.arange(padded) < tlen
+    if family == "flux":  # 2x2 patches of 16 channels packed into in_channels; T5 padded to tlen, CLIP pooled
+        latents = randn(config["in_channels"] // 4, height // 8, width // 8)
+        embeds = randn(tlen, config["joint_attention_dim"]).bfloat16()
+        text = {"prompt_embeds": embeds, "pooled_prompt_embeds": randn(config["pooled_projection_dim"]).bfloat16()}
+    elif family == "sdxl":  # CLIP-L + OpenCLIP-G: 77 tokens; the pooled vector is what the time ids leave
+        latents = randn(config["in_channels"], height // 8, width // 8)
+        embeds = randn(77, config["cross_attention_dim"]).bfloat16()
+        pooled = config["projection_class_embeddings_input_dim"] - 6 * config["addition_time_embed_dim"]
+        text = {"prompt_embeds": embeds, "pooled_prompt_embeds": randn(pooled).bfloat16()}
+    elif family == "zimage":  # in_channels latent channels (patched inside); Qwen3 features with a bool mask
+        latents = randn(config["in_channels"], height // 8, width // 8)
+        text = {"prompt_embeds": caption(config["cap_feat_dim"]), "prompt_mask": mask}
+    elif family == "qwenimage":  # 2x2 patches of out_channels packed into in_channels; Qwen2.5-VL, an int64 mask
+        latents = randn(config["out_channels"], height // 8, width // 8)
+        text = {"prompt_embeds": caption(config["joint_attention_dim"]), "prompt_embeds_mask": mask.long()}
+    else:
+        raise ValueError(f"no cached batch layout for the {family!r} family")
+    size = torch.tensor([height, width])
+    return {
+        "latents": latents,
+        **text,
+        "original_size": size,
+        "crop_top_left": torch.zeros(2, dtype=torch.int64),
+        "target_size": size,
+    }
 
 
 class Synthetic(Dataset):
-    """Cached-latent batches of the family's shapes (what the latent cache serves)."""
+    """Cached-latent batches of the family's shapes (what the latent cache serves): four distinct samples, repeated."""
 
     def __init__(
         self,
@@ -146,28 +220,9 @@ class Synthetic(Dataset):
         family_obj: Any = None,
     ) -> None:
         g = torch.Generator().manual_seed(0)
-        if family == "flux":
-            channels, text_dim, pooled_dim = (
-                config["in_channels"] // 4,
-                config["joint_attention_dim"],
-                config["pooled_projection_dim"],
-            )
-        else:
-            channels, text_dim, tlen = config["in_channels"], config["cross_attention_dim"], 77
-            pooled_dim = config["projection_class_embeddings_input_dim"] - 6 * config["addition_time_embed_dim"]
-        size = torch.tensor([height, width])
+        padded = getattr(family_obj, "max_sequence_length", tlen)  # the length the text cache stores
         self.family = family_obj
-        self.items = [
-            {
-                "latents": torch.randn(channels, height // 8, width // 8, generator=g),
-                "prompt_embeds": torch.randn(tlen, text_dim, generator=g).bfloat16(),
-                "pooled_prompt_embeds": torch.randn(pooled_dim, generator=g).bfloat16(),
-                "original_size": size,
-                "crop_top_left": torch.zeros(2, dtype=torch.int64),
-                "target_size": size,
-            }
-            for _ in range(4)
-        ]
+        self.items = [cached_item(family, config, height, width, tlen, padded, g) for _ in range(4)]
         self.n = n
 
     def __len__(self) -> int:
@@ -327,12 +382,8 @@ def bare_loop(module: LoraModule, dataset: Dataset, a: argparse.Namespace, devic
 
 def run(a: argparse.Namespace) -> dict[str, Any]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    if a.family == "flux":
-        config = FLUX_TINY if a.tiny else FLUX_DEV
-        family = RandomFlux(config, device, max_sequence_length=a.tlen)
-    else:
-        config = SDXL_TINY if a.tiny else SDXL_BASE
-        family = random_sdxl_family(config, device)
+    config = CONFIGS[a.family][1 if a.tiny else 0]
+    family = random_family(a.family, config, device, **family_options(a.family, a.tlen))
     out: dict[str, Any] = {
         "tool": "lightning-lora",
         "family": a.family,
@@ -421,9 +472,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         from lightning_lora.plan import plan_training
 
         names = {"adamw8bit": "AdamW8bit", "adafactor": "Adafactor", "adafactor-hf": "Adafactor", "adamw": "AdamW"}
-        plan = plan_training(
-            module.recipe, a.h, a.w, a.batch, a.tlen if a.family == "flux" else 77, optimizer=names[a.opt]
-        )
+        plan = plan_training(module.recipe, a.h, a.w, a.batch, text_length(a.family, a.tlen), optimizer=names[a.opt])
         out["planned_peak_GiB"] = round(plan.peak_gib, 2)
         out["planned"] = {k: round(v, 3) for k, v in vars(plan).items() if isinstance(v, float)}
     return out
@@ -432,7 +481,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
 def parser() -> argparse.ArgumentParser:
     """The command line; ``parser().parse_args([...])`` gives every option its default."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--family", default="flux", choices=["flux", "sdxl"])
+    p.add_argument("--family", default="flux", choices=list(CONFIGS))
     p.add_argument("--quant", default="none", choices=["none", "nf4", "fp8", "fp8_compute"])
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--targets", default="attention")
@@ -441,7 +490,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--every", type=int, default=1, help="with --gc 1: checkpoint one block in N")
     p.add_argument("--h", type=int, default=512)
     p.add_argument("--w", type=int, default=768)
-    p.add_argument("--tlen", type=int, default=512)
+    p.add_argument(
+        "--tlen",
+        type=int,
+        default=512,
+        help="text tokens the denoiser sees: FLUX's T5 length; Z-Image / Qwen-Image: the caption's tokens (cached "
+        "padded to max(512, tlen) with a mask); SDXL: always 77",
+    )
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warm", type=int, default=3)

@@ -17,7 +17,7 @@ import zlib
 from typing import Any
 
 import torch
-from bench import FLUX_DEV, FLUX_TINY, RandomFlux, Synthetic
+from bench import FLUX_DEV, FLUX_TINY, Synthetic, random_family
 
 from lightning_lora.lora import LoraOptions, set_lora_input_casts
 from lightning_lora.module import LoraModule
@@ -28,7 +28,7 @@ def lora_gradients(mode: str, a: argparse.Namespace, device: str) -> dict[str, t
     """The LoRA gradients of one step on a base stored in ``mode`` (float32, on the CPU, by parameter name)."""
     config = FLUX_TINY if a.tiny else FLUX_DEV
     torch.manual_seed(0)  # the same random base for every mode
-    family = RandomFlux(config, device, max_sequence_length=a.tlen)
+    family = random_family("flux", config, device, max_sequence_length=a.tlen)
     module = LoraModule(
         pretrained="random-init",
         family=family,

@@ -22,6 +22,8 @@ import bench_suite  # noqa: E402
         ("sdxl", "lightning", 0, 1, "adafactor"),
         ("flux", "bare", 0, 0, "adamw"),
         ("flux", "lightning", 2, 0, "adamw"),
+        ("zimage", "lightning", 0, 0, "adamw"),
+        ("qwenimage", "lightning", 0, 1, "adamw8bit"),
     ],
 )
 def test_bench_runs_our_module_on_a_tiny_model(
@@ -37,6 +39,37 @@ def test_bench_runs_our_module_on_a_tiny_model(
     assert ("offloaded_inputs_GiB_per_step" in out) == bool(offload_act)  # on the CPU nothing moves
     if offload:  # 1 warm-up + 1 timed step: each block copied in forward and backward, less the one left in place
         assert out["block_copies"] == 2 * (2 * offload - 1) - 1 and out["offloaded_GiB"] >= 0
+
+
+@pytest.mark.parametrize("family", ["zimage", "qwenimage"])
+def test_bench_batches_have_the_caches_layout(family: str) -> None:
+    """The synthetic batches of the newer families hold what the latent cache stores for them: the tiny pipeline's
+    ``encode_images`` / ``encode_prompts`` outputs, key for key and shape for shape (the bench's tiny transformer has
+    the tiny pipeline's shapes), captions padded to ``max_sequence_length`` with their mask."""
+    import torch
+
+    from lightning_lora.families import FAMILIES
+
+    if family == "zimage":
+        from lightning_lora.tiny_zimage import build_tiny_zimage as build
+    else:
+        from lightning_lora.tiny_qwenimage import build_tiny_qwenimage as build
+    pipe = build()
+    config = bench.CONFIGS[family][1]
+    assert json.loads(json.dumps({k: pipe.transformer.config[k] for k in config if not k.startswith("_")})) == {
+        k: v for k, v in config.items() if not k.startswith("_")
+    }
+    real = FAMILIES[family](max_sequence_length=512)
+    cached = {"latents": real.encode_images(pipe.vae, torch.zeros(1, 3, 64, 96))[0]}
+    cached.update({k: v[0] for k, v in real.encode_prompts(pipe, ["a photo of a dog"]).items()})
+    random = bench.random_family(family, config, "cpu", **bench.family_options(family, 24))
+    item = bench.Synthetic(family, config, 64, 96, 24, family_obj=random)[0]
+    for key, value in cached.items():
+        assert item[key].shape == value.shape and item[key].dtype in (value.dtype, torch.bfloat16), key
+    mask = next(v for k, v in item.items() if k.endswith("mask"))
+    assert mask.dtype == cached[next(k for k in cached if k.endswith("mask"))].dtype and int(mask.sum()) == 24
+    assert item["prompt_embeds"][24:].abs().sum() == 0 and item["prompt_embeds"][:24].abs().min() > 0
+    assert item["noise"].shape == item["latents"].shape and 0 < float(item["timesteps"]) < 1
 
 
 def test_bench_suite_commands_pair_ours_with_the_reference() -> None:
