@@ -20,6 +20,8 @@ The adapter itself (its options, targets, peft config, which parameters are its 
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -135,11 +137,29 @@ def compile_repeated_blocks(denoiser: DiffusersModel, mode: str | None = None, e
     compile_fn = getattr(denoiser, "compile_repeated_blocks", None)
     if compile_fn is None or not getattr(denoiser, "_repeated_blocks", None):
         raise ConfigError(f"model.compile_blocks: {type(denoiser).__name__} declares no repeated blocks to compile.")
+    compile_cache_dir()
     compile_fn(fullgraph=False, mode=mode)
     for module in denoiser.modules():
         if type(module).__name__ in extra:
             module.compile(fullgraph=False, mode=mode)
     raise_recompile_limit(denoiser, (*denoiser._repeated_blocks, *extra))
+
+
+def compile_cache_dir() -> Path:
+    """Where ``torch.compile`` keeps what it compiled, so that the next run with the same model and settings loads it
+    instead of compiling again (inductor's FX graph and AOTAutograd caches, keyed by torch on the graphs, the shapes,
+    the torch version and the device).
+
+    ``TORCHINDUCTOR_CACHE_DIR`` when the user set it; otherwise ``<XDG_CACHE_HOME or ~/.cache>/lightning-lora/
+    torch-compile`` (set for this process), not torch's default under ``/tmp``, which a reboot or a fresh container
+    empties.
+    """
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if not chosen:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        chosen = os.path.join(base, "lightning-lora", "torch-compile")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = chosen
+    return Path(chosen)
 
 
 def raise_recompile_limit(denoiser: nn.Module, classes: tuple[str, ...]) -> int:

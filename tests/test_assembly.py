@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from diffusers import FluxTransformer2DModel
 from helpers import build_model, build_tiny, lora_model, random_inputs
 
+from lightning_lora.assembly import compile_repeated_blocks
 from lightning_lora.errors import ConfigError
 from lightning_lora.families.base import ModelSource
 from lightning_lora.families.flux import Flux
@@ -273,3 +276,55 @@ def test_compile_blocks_compiles_the_repeated_blocks_and_the_family_regions(
         most = max(sum(1 for kind, _ in layouts if kind == k) for k in kinds[family_name])
         assert most >= (3 if family_name == "sdxl" else 1)
         assert torch._dynamo.config.recompile_limit >= 4 * most
+
+
+def test_compiled_code_is_cached_where_a_reboot_keeps_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """torch's default compile cache is under /tmp (emptied by a reboot or a fresh container): ours is in the user's
+    cache folder, unless TORCHINDUCTOR_CACHE_DIR says otherwise."""
+    from lightning_lora.assembly import compile_cache_dir
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert compile_cache_dir() == tmp_path / "xdg" / "lightning-lora" / "torch-compile"
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "xdg" / "lightning-lora" / "torch-compile")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert compile_cache_dir() == tmp_path / "mine"
+
+
+def test_a_new_bucket_shape_compiles_once_not_every_step(
+    tiny_flux_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Buckets alternate image sizes from batch to batch. The compiled blocks compile for the first size, once more
+    for the second (dynamo then makes the changing dimensions dynamic), and never again, whatever comes after.
+    Counted with a backend that records each graph it is given (no code generation)."""
+    graphs: list[int] = []
+
+    def counting_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        graphs.append(len(gm.graph.nodes))
+        return gm.forward
+
+    original = torch.nn.Module.compile
+
+    def compile_with_counter(self: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+        kwargs.pop("mode", None)
+        original(self, backend=counting_backend, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "compile", compile_with_counter)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tiny_flux_dir.parent / "compile-cache"))
+    torch._dynamo.reset()
+    try:
+        family = Flux(max_sequence_length=8)
+        model = build_model(family, ModelSource(str(tiny_flux_dir), dtype=torch.float32), LoraOptions(rank=2))
+        compile_repeated_blocks(model, extra=family.compiled_regions)
+        caplog.set_level("WARNING", logger="torch._dynamo")
+        counts = []
+        for size in [(32, 32), (32, 32), (32, 48), (32, 48), (48, 32), (32, 32), (48, 48), (32, 48)]:
+            inputs = random_inputs(family, model, 1, size=size)
+            model(**inputs)[0].square().mean().backward()
+            counts.append(len(graphs))
+        assert counts[0] > 0 and counts[1] == counts[0]  # the same size again: nothing new
+        assert counts[2] > counts[1]  # the second size: once more (now with dynamic sizes)
+        assert counts[-1] == counts[3], counts  # then never again, for any size
+        assert "recompile_limit" not in caplog.text  # compiled, not fallen back to eager at the limit
+    finally:
+        torch._dynamo.reset()

@@ -90,19 +90,27 @@ class VRAMMonitor(Callback):
 
 
 class Throughput(Callback):
-    """Optimizer steps/s, images/s and minutes left to ``max_steps``."""
+    """Optimizer steps/s, images/s and minutes left to ``max_steps``; and ``perf/first_step_s``, the time of the first
+    optimizer step of a run (with ``model.compile_blocks``, mostly compiling: what the compile cache saves shows
+    there on the next run)."""
 
     def __init__(self) -> None:
         self._last: tuple[float, int] | None = None
+        self.first_step_s: float | None = None
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._last = (time.perf_counter(), trainer.global_step)
+        self.first_step_s = None
 
     @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, *args: Any
     ) -> None:
+        if self._last is not None and self.first_step_s is None and trainer.global_step > self._last[1]:
+            self.first_step_s = time.perf_counter() - self._last[0]
+            for logger in trainer.loggers:
+                logger.log_metrics({"perf/first_step_s": self.first_step_s}, step=trainer.global_step)
         if self._last is None or not trainer._logger_connector.should_update_logs:  # noqa: SLF001
             return
         now, step = time.perf_counter(), trainer.global_step
@@ -195,6 +203,14 @@ def start_summary(trainer: Trainer, pl_module: LightningModule) -> str:
             lines.append(f"Learning rate: {type(scheduler).__name__}: {shape}; {lr:.3g} at step {step}")
         else:
             lines.append(f"Learning rate: constant {lr:.3g}")
+    recipe = getattr(pl_module, "recipe", None)
+    if recipe is not None and recipe.compile_blocks:
+        from lightning_lora.assembly import compile_cache_dir
+
+        lines.append(
+            "Compiling: the repeated blocks compile during the first steps (about a minute on a GPU; a new image size "
+            f"once more); cached in {compile_cache_dir()}, so the next run with the same settings starts faster"
+        )
     if trainer.ckpt_path:
         lines.append(f"Resumed from {trainer.ckpt_path} at step {step}")
         lines.extend(f"  {note}" for note in getattr(pl_module, "resume_notes", []))

@@ -50,9 +50,15 @@ def test_fit_trains_and_writes_the_run_folder(tmp_path: Path, tiny_flux_dir: Pat
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(run), size_guidance={"images": 0}).Reload()
-    assert {"train/loss", "train/lr", "eval/loss", "perf/images_per_s", "perf/minutes_left"} <= set(
-        events.Tags()["scalars"]
-    )
+    assert {
+        "train/loss",
+        "train/lr",
+        "eval/loss",
+        "perf/images_per_s",
+        "perf/minutes_left",
+        "perf/first_step_s",
+    } <= set(events.Tags()["scalars"])
+    assert [e.step for e in events.Scalars("perf/first_step_s")] == [1]  # once, at the first optimizer step
     assert any(tag.startswith("config") for tag in events.Tags()["tensors"])  # the resolved config, as text
     assert any(tag.startswith("samples/") for tag in events.Tags()["images"])
     # The HParams tab: the run's options beside its final fixed evaluation loss, to compare runs in one table.
@@ -244,6 +250,7 @@ OUR_LINES = re.compile(
             r"^(skipped|note:) ",  # the same, logged as they are found
             r"^Training: steps \d+ -> \d+",
             r"^Learning rate: ",
+            r"^Compiling: ",
             r"^Resumed from ",
             r"^  model\.(scheduler|optimizer): ",
             r"^Fixed evaluation loss: ",
