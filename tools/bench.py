@@ -374,7 +374,7 @@ def bare_loop(module: LoraModule, dataset: Dataset, a: argparse.Namespace, devic
     if device == "cuda":
         torch.cuda.synchronize()
     seconds = (time.perf_counter() - t0) / a.steps
-    result: dict[str, Any] = {"s_per_step": round(seconds, 4), "loss": round(float(loss), 4)}
+    result: dict[str, Any] = {"s_per_step": round(seconds, 4), "loss": round(float(loss.detach()), 4)}
     if device == "cuda":
         result["peak_alloc_GiB"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     return result

@@ -32,7 +32,11 @@ def test_bench_runs_our_module_on_a_tiny_model(
     argv = ["--family", family, "--rank", "4", "--gc", str(offload_act), "--h", "64", "--w", "64", "--tlen", "16"]
     argv += ["--steps", "1", "--warm", "1", "--opt", opt, "--offload", str(offload), "--offload-act", str(offload_act)]
     args = bench.parser().parse_args([*argv, "--tiny", "--loop", loop])
-    out = bench.run(args)
+    if offload == 2:  # the tiny FLUX has two blocks: offloading both is what the copy count checks, and saves nothing
+        with pytest.warns(UserWarning, match="model.offload_blocks: 2 saves no weight memory"):
+            out = bench.run(args)
+    else:
+        out = bench.run(args)
     assert out["s_per_step"] > 0 and out["lora_params_M"] > 0 and out["loss"] > 0
     assert out["planned_peak_GiB"] >= out["planned"]["overhead"] > 0  # tiny model: little beyond the CUDA context
     assert {"weights", "lora", "activations", "transient"} <= out["planned"].keys()
