@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_lora.families.base import build_from_config
+from lightning_lora.families.flux import FLUX1_TRANSFORMER
 from lightning_lora.quant import fp8 as fp8_module
 from lightning_lora.quant.fp8 import FP8Linear
 
@@ -139,20 +141,8 @@ def block_model() -> nn.Module:
     from diffusers import FluxTransformer2DModel
 
     torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = FluxTransformer2DModel(
-            patch_size=1,
-            in_channels=64,
-            num_layers=1,
-            num_single_layers=1,
-            attention_head_dim=128,
-            num_attention_heads=24,
-            joint_attention_dim=4096,
-            pooled_projection_dim=768,
-            guidance_embeds=True,
-            axes_dims_rope=(16, 56, 56),
-        ).to(torch.bfloat16)
-    return model.eval()
+    config = {**FLUX1_TRANSFORMER, "num_layers": 1, "num_single_layers": 1}
+    return build_from_config(FluxTransformer2DModel, config, torch.bfloat16, "cuda").eval()
 
 
 def block_inputs(height: int, width: int, text_tokens: int) -> dict[str, torch.Tensor]:
