@@ -13,26 +13,38 @@ the same shapes: a time on a shared machine is only meaningful as a ratio.
     python tools/bench.py --family qwenimage --quant nf4 --gc 1 --h 1024 --w 1024 --tlen 512   # Qwen-Image, 20.4 B
     python tools/bench.py --tiny --steps 2 --warm 1             # a CPU smoke run of the same code
 
-Families (``--family``): ``flux`` (FLUX.1-dev), ``sdxl`` (SDXL base 1.0), ``zimage`` (Z-Image-Turbo) and
-``qwenimage`` (Qwen-Image). Each is the real family class (:func:`random_family`) with its denoiser built from the
-family's ``known_denoisers`` config, or a tiny config with ``--tiny``; the batches have exactly the keys and shapes its
-``loss`` reads from the cache (:func:`cached_item`).
+Families (``--family``): ``flux`` (FLUX.1-dev), ``sdxl`` (SDXL base 1.0), ``sd15`` (Stable Diffusion 1.5),
+``zimage`` (Z-Image-Turbo) and ``qwenimage`` (Qwen-Image). Each is the real family class (:func:`random_family`) with
+its denoiser built from the family's ``known_denoisers`` config, or a tiny config with ``--tiny``; the batches have
+exactly the keys and shapes its ``loss`` reads from the cache (:func:`cached_item`).
+
+A shipped config, as ``fit`` would use it (:func:`config_defaults`): ``--config configs/flux_4090.yaml`` takes every
+setting this tool has a flag for from the YAML (family, quantization, checkpointing, compile, offloading, attention,
+LoRA, optimizer, resolution, batch, text length, gradient accumulation); flags on the command line override it. What
+the YAML's model section sets that this tool cannot reproduce is listed in the output's ``not_reproduced``.
+``--memory-limit GIB`` caps this process's CUDA memory (``torch.cuda.set_per_process_memory_fraction``) to a card's
+size, so a config that does not fit its card ends as an out-of-memory error row:
+
+    python tools/bench.py --config configs/flux_4090.yaml --memory-limit 24 --steps 6 --warm 3
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 import traceback
+from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 from lightning.pytorch import Callback, LightningDataModule, Trainer
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_lora import objectives
-from lightning_lora.families import SDXL, DiffusionFamily, Flux, QwenImage, ZImage
+from lightning_lora.families import SD15, SDXL, DiffusionFamily, Flux, QwenImage, ZImage
 from lightning_lora.families.base import ModelSource, build_from_config
 from lightning_lora.families.unet import NoiseSchedule, UNetFamily
 from lightning_lora.lora import LoraOptions, set_lora_input_casts
@@ -61,6 +73,9 @@ SDXL_TINY = dict(
     addition_time_embed_dim=32,
     projection_class_embeddings_input_dim=64 + 6 * 32,
 )
+SD15_BASE = dict(SD15.known_denoisers["stable-diffusion-v1-5/stable-diffusion-v1-5"])
+SD15_TINY = dict(SD15_BASE, block_out_channels=(32, 32, 64, 64), layers_per_block=1, attention_head_dim=2)
+SD15_TINY.update(cross_attention_dim=64, sample_size=8)
 ZIMAGE_TURBO = dict(ZImage.known_denoisers["Tongyi-MAI/Z-Image-Turbo"])
 ZIMAGE_TINY = dict(  # lightning_lora.tiny_zimage's transformer: 1 + 1 refiners, 2 main layers, 2 heads of 32
     ZIMAGE_TURBO,
@@ -86,6 +101,7 @@ QWEN_IMAGE_TINY = dict(  # lightning_lora.tiny_qwenimage's transformer: 2 blocks
 CONFIGS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "flux": (FLUX_DEV, FLUX_TINY),  # FLUX.1-dev, 11.9 B
     "sdxl": (SDXL_BASE, SDXL_TINY),  # SDXL base 1.0's UNet, 2.6 B
+    "sd15": (SD15_BASE, SD15_TINY),  # Stable Diffusion 1.5's UNet, 0.86 B
     "zimage": (ZIMAGE_TURBO, ZIMAGE_TINY),  # Z-Image-Turbo, 6.15 B
     "qwenimage": (QWEN_IMAGE, QWEN_IMAGE_TINY),  # Qwen-Image, 20.4 B
 }
@@ -111,7 +127,7 @@ class RandomWeights:
 
         cls = getattr(diffusers, self.config["_class_name"])
         model: Any = build_from_config(cls, dict(self.config), source.dtype, self.device)
-        if isinstance(self, UNetFamily):  # what UNetFamily.load_denoiser attaches: SDXL's training schedule
+        if isinstance(self, UNetFamily):  # what UNetFamily.load_denoiser attaches: SDXL's / SD1.5's training schedule
             betas = objectives.beta_schedule("scaled_linear", 1000, 0.00085, 0.012)
             prediction = self.prediction_type or "epsilon"
             model.noise_schedule = NoiseSchedule(objectives.alphas_cumprod(betas), prediction)
@@ -127,6 +143,10 @@ class RandomSDXL(RandomWeights, SDXL):
     pass
 
 
+class RandomSD15(RandomWeights, SD15):
+    pass
+
+
 class RandomZImage(RandomWeights, ZImage):
     pass
 
@@ -136,7 +156,7 @@ class RandomQwenImage(RandomWeights, QwenImage):
 
 
 RANDOM: dict[str, type[DiffusionFamily]] = {
-    cls.name: cls for cls in (RandomFlux, RandomSDXL, RandomZImage, RandomQwenImage)
+    cls.name: cls for cls in (RandomFlux, RandomSDXL, RandomSD15, RandomZImage, RandomQwenImage)
 }
 
 
@@ -151,7 +171,8 @@ def random_family(name: str, config: dict[str, Any], device: str, **options: Any
 def family_options(family: str, tlen: int) -> dict[str, Any]:
     """The family's options for a run with ``tlen`` text tokens: FLUX pads T5 to (and attends over)
     ``max_sequence_length``; Z-Image and Qwen-Image cache captions padded to theirs (512 by default, as the shipped
-    configs) with a mask and hand the denoiser only the caption's tokens; SDXL's CLIP length is fixed (77)."""
+    configs) with a mask and hand the denoiser only the caption's tokens; SDXL's and SD1.5's CLIP length is fixed
+    (77)."""
     if family == "flux":
         return {"max_sequence_length": tlen}
     if family in ("zimage", "qwenimage"):
@@ -161,7 +182,7 @@ def family_options(family: str, tlen: int) -> dict[str, Any]:
 
 def text_length(family: str, tlen: int) -> int:
     """The text tokens the denoiser sees (the planner's ``text_len``)."""
-    return 77 if family == "sdxl" else tlen
+    return 77 if family in ("sdxl", "sd15") else tlen
 
 
 def cached_item(
@@ -188,6 +209,9 @@ def cached_item(
         embeds = randn(77, config["cross_attention_dim"]).bfloat16()
         pooled = config["projection_class_embeddings_input_dim"] - 6 * config["addition_time_embed_dim"]
         text = {"prompt_embeds": embeds, "pooled_prompt_embeds": randn(pooled).bfloat16()}
+    elif family == "sd15":  # CLIP-L: 77 tokens, no pooled vector, no size conditioning (the keys are ignored)
+        latents = randn(config["in_channels"], height // 8, width // 8)
+        text = {"prompt_embeds": randn(77, config["cross_attention_dim"]).bfloat16()}
     elif family == "zimage":  # in_channels latent channels (patched inside); Qwen3 features with a bool mask
         latents = randn(config["in_channels"], height // 8, width // 8)
         text = {"prompt_embeds": caption(config["cap_feat_dim"]), "prompt_mask": mask}
@@ -276,7 +300,8 @@ class StepTimer(Callback):
             self._sync()
             seconds = (time.perf_counter() - self._t0) / self.steps
             self.result["s_per_step"] = round(seconds, 4)
-            self.result["images_per_s"] = round(len(batch["latents"]) * trainer.world_size / seconds, 3)
+            images = len(batch["latents"]) * trainer.world_size * trainer.accumulate_grad_batches
+            self.result["images_per_s"] = round(images / seconds, 3)
             self.result["loss"] = round(float(outputs["loss"]), 4)
             if torch.cuda.is_available():
                 peaks = torch.tensor([torch.cuda.max_memory_allocated() / 2**30], device=pl_module.device)
@@ -333,20 +358,36 @@ def write_profile(prof: Any, wall: float, steps: int, path: str) -> None:
         f.write(events.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=70))
 
 
-def make_optimizer(name: str):
+OPTIMIZERS = {
+    "bitsandbytes.optim.AdamW8bit": "adamw8bit",
+    "bitsandbytes.optim.adamw.AdamW8bit": "adamw8bit",
+    "torch.optim.AdamW": "adamw",
+    "torch.optim.adamw.AdamW": "adamw",
+    "lightning_lora.optimizers.Adafactor": "adafactor",
+    "transformers.optimization.Adafactor": "adafactor-hf",
+    "transformers.Adafactor": "adafactor-hf",
+}
+"""``model.optimizer.class_path`` -> ``--opt``: the optimizers this tool builds."""
+
+
+def make_optimizer(name: str, options: dict[str, Any] | None = None):
+    """The optimizer ``name`` (``--opt``) with lr 1e-4, or with ``options`` (a config's ``init_args``) over that."""
+    kwargs = {"lr": 1e-4, **(options or {})}
+
     def build(params: Any) -> torch.optim.Optimizer:
         if name == "adamw8bit":
             import bitsandbytes as bnb
 
-            return bnb.optim.AdamW8bit(params, lr=1e-4)
+            return bnb.optim.AdamW8bit(params, **kwargs)
         if name in ("adafactor", "adafactor-hf"):  # ours (grouped) or transformers' (one tensor at a time)
             if name == "adafactor":
                 from lightning_lora.optimizers import Adafactor
             else:
                 from transformers.optimization import Adafactor
 
-            return Adafactor(params, lr=1e-4, scale_parameter=False, relative_step=False, warmup_init=False)
-        return torch.optim.AdamW(params, lr=1e-4)
+            fixed = {"scale_parameter": False, "relative_step": False, "warmup_init": False}
+            return Adafactor(params, **{**fixed, **kwargs})
+        return torch.optim.AdamW(params, **kwargs)
 
     return build
 
@@ -355,7 +396,7 @@ def bare_loop(module: LoraModule, dataset: Dataset, a: argparse.Namespace, devic
     """The same model and loss in a plain PyTorch loop (no Trainer): separates Lightning's overhead from ours."""
     denoiser = module.build(torch.device(device))
     set_lora_input_casts(denoiser, enabled=False)  # as LoraModule under bf16-mixed: this loop runs under autocast
-    optimizer = make_optimizer(a.opt)([p for p in denoiser.parameters() if p.requires_grad])
+    optimizer = make_optimizer(a.opt, optimizer_options(a))([p for p in denoiser.parameters() if p.requires_grad])
     loader = DataLoader(dataset, batch_size=a.batch, pin_memory=device == "cuda")
     for step, batch in enumerate(loader):
         if step == a.warm + a.steps:
@@ -380,42 +421,76 @@ def bare_loop(module: LoraModule, dataset: Dataset, a: argparse.Namespace, devic
     return result
 
 
+def optimizer_options(a: argparse.Namespace) -> dict[str, Any]:
+    """The config's ``model.optimizer.init_args``, when ``--opt`` is still the config's optimizer."""
+    name, options = getattr(a, "config_optimizer", (None, {}))
+    return dict(options) if name == a.opt else {}
+
+
+def apply_memory_limit(gib: float | None) -> float | None:
+    """Cap this process's CUDA caching allocator at ``gib`` GiB on every visible GPU (the fraction of the total that
+    is); nothing on the CPU. Returns the fraction set."""
+    if not gib or not torch.cuda.is_available():
+        return None
+    fraction = 1.0
+    for index in range(torch.cuda.device_count()):
+        total = torch.cuda.get_device_properties(index).total_memory
+        fraction = min(1.0, gib * 2**30 / total)
+        torch.cuda.set_per_process_memory_fraction(fraction, index)
+    return fraction
+
+
 def run(a: argparse.Namespace) -> dict[str, Any]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     config = CONFIGS[a.family][1 if a.tiny else 0]
-    family = random_family(a.family, config, device, **family_options(a.family, a.tlen))
+    config_family, config_family_args = getattr(a, "config_family", (None, {}))
+    family_args = dict(config_family_args) if config_family == a.family else {}
+    family = random_family(a.family, config, device, **{**family_args, **family_options(a.family, a.tlen)})
     out: dict[str, Any] = {
         "tool": "lightning-lora",
-        "family": a.family,
-        "quant": a.quant,
-        "rank": a.rank,
-        "gc": a.gc,
-        "every": a.every,
-        "h": a.h,
-        "w": a.w,
-        "tlen": a.tlen,
-        "batch": a.batch,
-        "opt": a.opt,
-        "compile": a.compile,
-        "attention": a.attention,
-        "targets": a.targets,
-        "offload": a.offload,
-        "offload_act": a.offload_act,
-        "variant": a.variant,
+        **header(a),
     }
+    fraction = apply_memory_limit(a.memory_limit)
+    if fraction is not None:
+        out["memory_fraction"] = round(fraction, 4)
+    out.update(
+        {
+            "family": a.family,
+            "quant": a.quant,
+            "rank": a.rank,
+            "alpha": a.alpha,
+            "gc": a.gc,
+            "every": a.every,
+            "h": a.h,
+            "w": a.w,
+            "tlen": a.tlen,
+            "batch": a.batch,
+            "opt": a.opt,
+            "compile": a.compile,
+            "attention": a.attention,
+            "targets": a.targets,
+            "offload": a.offload,
+            "offload_act": a.offload_act,
+            "variant": a.variant,
+            "accumulate": a.accumulate,
+        }
+    )
+    quant_options = dict(getattr(a, "config_quantization", {})) if a.quant != "none" else {}
     module = LoraModule(
         pretrained="random-init",
         family=family,
-        lora=LoraOptions(rank=a.rank, alpha=a.rank, targets=a.targets, variant=a.variant),
+        lora=LoraOptions(
+            rank=a.rank, alpha=a.rank if a.alpha is None else a.alpha, targets=a.targets, variant=a.variant
+        ),
         base_dtype="bf16",
-        quantization=QuantOptions(mode=a.quant),
+        quantization=QuantOptions(**{**quant_options, "mode": a.quant}),
         gradient_checkpointing=bool(a.gc),
         checkpoint_every=a.every,
         attention=a.attention,
         compile_blocks=bool(a.compile),
         offload_blocks=a.offload,
         offload_activations=bool(a.offload_act),
-        optimizer=make_optimizer(a.opt),
+        optimizer=make_optimizer(a.opt, optimizer_options(a)),
     )
     dataset = Synthetic(a.family, config, a.h, a.w, a.tlen, family_obj=family)
     if getattr(a, "cpp_wrapper", 0):  # experiment: inductor's C++ wrapper launches kernels without Python
@@ -432,6 +507,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         assembly.compile_repeated_blocks = functools.partial(assembly.compile_repeated_blocks, mode=a.compile_mode)
     t0 = time.perf_counter()
     if a.loop == "bare":
+        if a.accumulate != 1:
+            raise ValueError("--loop bare steps the optimizer every batch: give --accumulate 1")
         out["loop"] = "bare"
         out.update(bare_loop(module, dataset, a, device))
     else:
@@ -445,6 +522,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             strategy="ddp" if a.strategy == "lightning-ddp" else resolve_strategy(a.strategy, a.devices),
             precision="bf16-mixed",
             max_steps=a.warm + a.steps,
+            accumulate_grad_batches=a.accumulate,
             logger=False,
             enable_checkpointing=False,
             enable_progress_bar=False,
@@ -478,12 +556,168 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+FAMILY_CLASSES = {
+    "lightning_lora.families.Flux": "flux",
+    "lightning_lora.families.SDXL": "sdxl",
+    "lightning_lora.families.SD15": "sd15",
+    "lightning_lora.families.ZImage": "zimage",
+    "lightning_lora.families.QwenImage": "qwenimage",
+}
+"""``model.family.class_path`` -> ``--family`` (also the classes' module paths, e.g. ``...families.flux.Flux``)."""
+
+MODEL_FLAGS = {  # model.<key> -> (bench option, conversion)
+    "gradient_checkpointing": ("gc", int),
+    "checkpoint_every": ("every", int),
+    "compile_blocks": ("compile", int),
+    "offload_blocks": ("offload", int),
+    "offload_activations": ("offload_act", int),
+    "attention": ("attention", str),
+}
+
+
+class ConfigMismatch(ValueError):
+    """A shipped config asks for something this tool cannot build (an unknown family or optimizer)."""
+
+
+def _class_name(section: Any, where: str) -> str:
+    path = section.get("class_path") if isinstance(section, dict) else section
+    if not isinstance(path, str):
+        raise ConfigMismatch(f"{where}: expected a class_path, got {section!r}")
+    return path
+
+
+def config_defaults(path: str | Path) -> dict[str, Any]:
+    """The options a shipped YAML sets, as ``fit`` would use them, by ``parser()`` destination (read with
+    ``yaml.safe_load``: nothing in it runs). Besides the flags: ``config_family`` and
+    ``config_optimizer`` (the family's and the optimizer's ``init_args``, used while ``--family`` / ``--opt`` stay the
+    config's), ``config_quantization`` (``model.quantization`` beyond ``mode``) and ``not_reproduced``: what the
+    model section (and the trainer) set that this tool does not do, as ``key: value`` strings."""
+    doc = yaml.safe_load(Path(path).read_text()) or {}
+    model, data, trainer = (doc.get(k) or {} for k in ("model", "data", "trainer"))
+    out: dict[str, Any] = {}
+    skipped: list[str] = []
+
+    family_section = model.get("family") or {"class_path": "lightning_lora.families.Flux"}  # LoraModule's default
+    class_path = _class_name(family_section, "model.family.class_path")
+    short = f"lightning_lora.families.{class_path.rsplit('.', 1)[-1]}"
+    family = FAMILY_CLASSES.get(class_path) or FAMILY_CLASSES.get(
+        short if class_path.startswith("lightning_lora.") else ""
+    )
+    if family is None:
+        raise ConfigMismatch(
+            f"model.family.class_path: {class_path} is not a family this benchmark builds ({', '.join(FAMILY_CLASSES)})"
+        )
+    family_args = dict(family_section.get("init_args") or {}) if isinstance(family_section, dict) else {}
+    out["family"] = family
+    out["config_family"] = (family, {k: v for k, v in family_args.items() if k != "max_sequence_length"})
+    if family in ("sdxl", "sd15"):
+        out["tlen"] = 77
+    else:  # the family's own default when the config leaves it out (512 for all three)
+        default = getattr(RANDOM[family], "max_sequence_length", 512)
+        out["tlen"] = int(family_args.get("max_sequence_length") or default)
+
+    pretrained = model.get("pretrained")
+    if pretrained is not None and RANDOM[family].known_denoisers.get(pretrained) != CONFIGS[family][0]:
+        skipped.append(f"model.pretrained: {pretrained} (random weights of another {family} denoiser's config)")
+    for key in ("denoiser_file", "revision"):
+        if model.get(key) is not None:
+            skipped.append(f"model.{key}: {model[key]}")
+    if model.get("base_dtype", "bf16") != "bf16":
+        skipped.append(f"model.base_dtype: {model['base_dtype']} (this tool builds bf16)")
+    if model.get("memory", "as_configured") != "as_configured":
+        skipped.append(f"model.memory: {model['memory']} (the settings as written are measured)")
+
+    quantization = dict(model.get("quantization") or {})
+    out["quant"] = quantization.pop("mode", "none")
+    out["config_quantization"] = quantization
+    for key, (dest, convert) in MODEL_FLAGS.items():
+        if key in model:
+            out[dest] = convert(model[key])
+
+    lora = dict(model.get("lora") or {})
+    for key in ("rank", "alpha", "targets", "variant"):
+        if key in lora:
+            out[key] = lora.pop(key)
+    defaults = {f.name: f.default for f in dataclasses.fields(LoraOptions)}
+    skipped += [f"model.lora.{k}: {v}" for k, v in lora.items() if defaults.get(k, object()) != v]
+
+    if "optimizer" in model:
+        class_path = _class_name(model["optimizer"], "model.optimizer.class_path")
+        if class_path not in OPTIMIZERS:
+            raise ConfigMismatch(
+                f"model.optimizer.class_path: {class_path} is not an optimizer this benchmark builds "
+                f"({', '.join(OPTIMIZERS)})"
+            )
+        out["opt"] = OPTIMIZERS[class_path]
+        options = model["optimizer"].get("init_args") if isinstance(model["optimizer"], dict) else None
+        out["config_optimizer"] = (out["opt"], dict(options or {}))
+    else:  # LoraModule's default optimizer is AdamW
+        out["opt"] = "adamw"
+    if model.get("scheduler") is not None:
+        skipped.append(
+            f"model.scheduler: {_class_name(model['scheduler'], 'model.scheduler')} (no effect on step time)"
+        )
+    handled = {"pretrained", "denoiser_file", "revision", "family", "base_dtype", "memory", "quantization", "lora"}
+    handled |= {"optimizer", "scheduler", *MODEL_FLAGS}
+    skipped += [f"model.{k}: {v}" for k, v in model.items() if k not in handled]
+
+    if "resolution" in data:
+        out["h"] = out["w"] = int(data["resolution"])
+    if "batch_size" in data:
+        out["batch"] = int(data["batch_size"])
+    out["accumulate"] = int(trainer.get("accumulate_grad_batches") or 1)
+    if trainer.get("gradient_clip_val"):
+        skipped.append(f"trainer.gradient_clip_val: {trainer['gradient_clip_val']}")
+    if trainer.get("callbacks"):
+        names = [_class_name(c, "trainer.callbacks").rsplit(".", 1)[-1] for c in trainer["callbacks"]]
+        skipped.append(f"trainer.callbacks: {', '.join(names)} (not run)")
+    out["not_reproduced"] = skipped
+    return out
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with ``--config``'s settings (:func:`config_defaults`) as the defaults: a flag given on the
+    command line overrides the YAML. A config this tool cannot build is a parser error naming the option."""
+    p = parser()
+    a = p.parse_args(argv)
+    if a.config:
+        try:
+            p.set_defaults(**config_defaults(a.config))
+        except ConfigMismatch as e:
+            p.error(f"--config {a.config}: {e}")
+        a = p.parse_args(argv)
+    return a
+
+
+def header(a: argparse.Namespace) -> dict[str, Any]:
+    """What every output line carries about the run's origin: the config's name, the memory limit and what the
+    config sets that this tool does not reproduce."""
+    out: dict[str, Any] = {}
+    if a.config:
+        out["config"] = Path(a.config).name
+        out["not_reproduced"] = list(getattr(a, "not_reproduced", []))
+    if a.memory_limit:
+        out["memory_limit_GiB"] = a.memory_limit
+    return out
+
+
 def parser() -> argparse.ArgumentParser:
     """The command line; ``parser().parse_args([...])`` gives every option its default."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--family", default="flux", choices=list(CONFIGS))
     p.add_argument("--quant", default="none", choices=["none", "nf4", "fp8", "fp8_compute"])
+    p.add_argument(
+        "--config", default=None, help="a shipped YAML (configs/*.yaml): its settings are the defaults of every flag"
+    )
+    p.add_argument(
+        "--memory-limit",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="cap CUDA memory at this many GiB (torch.cuda.set_per_process_memory_fraction): a card's size",
+    )
     p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--alpha", type=float, default=None, help="model.lora.alpha (default: the rank)")
     p.add_argument("--targets", default="attention")
     p.add_argument("--variant", default="lora", choices=["lora", "dora", "lokr", "loha"], help="model.lora.variant")
     p.add_argument("--gc", type=int, default=0)
@@ -498,6 +732,7 @@ def parser() -> argparse.ArgumentParser:
         "padded to max(512, tlen) with a mask); SDXL: always 77",
     )
     p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--accumulate", type=int, default=1, help="trainer.accumulate_grad_batches (a step: N batches)")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warm", type=int, default=3)
     p.add_argument("--opt", default="adamw8bit", choices=["adamw8bit", "adamw", "adafactor", "adafactor-hf"])
@@ -518,13 +753,14 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def main() -> None:
-    a = parser().parse_args()
+def main(argv: list[str] | None = None) -> None:
+    a = parse_args(argv)
     try:
         out = run(a)
-    except Exception as e:  # one JSON line per configuration, also when it fails
+    except Exception as e:  # one JSON line per configuration, also when it fails (out of memory under --memory-limit)
         traceback.print_exc()
-        out = {"quant": a.quant, "rank": a.rank, "gc": a.gc, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+        out = {**header(a), "family": a.family, "quant": a.quant, "rank": a.rank, "gc": a.gc}
+        out["error"] = f"{type(e).__name__}: {str(e)[:300]}"
     print(json.dumps(out), flush=True)
 
 

@@ -127,3 +127,98 @@ def test_gpu_benchmark_script_runs_on_cpu(capsys) -> None:
     assert report["images"] == report["latent_files"] == 6 and report["skipped"] == 0
     assert report["images_per_s"] > 0 and report["vae"] == "tiny"
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == report
+
+
+SHIPPED_GPU_CONFIGS = sorted(p for p in (REPO / "configs").glob("*.yaml") if not p.name.startswith("tiny_"))
+
+
+@pytest.mark.parametrize("path", SHIPPED_GPU_CONFIGS, ids=lambda p: p.stem)
+def test_bench_config_takes_the_shipped_settings(path) -> None:
+    """``--config`` reads a shipped YAML as ``fit`` uses it: the values are checked against the file itself."""
+    import yaml
+
+    doc = yaml.safe_load(path.read_text())
+    model, data, trainer = doc["model"], doc["data"], doc["trainer"]
+    a = bench.parse_args(["--config", str(path)])
+    family = model["family"]["class_path"].rsplit(".", 1)[-1].lower()
+    assert a.family == family
+    assert a.quant == (model.get("quantization") or {}).get("mode", "none")
+    assert a.gc == int(model.get("gradient_checkpointing", False))
+    assert a.compile == int(model.get("compile_blocks", False))
+    assert a.offload_act == int(model.get("offload_activations", False))
+    assert (a.rank, a.alpha, a.targets) == (model["lora"]["rank"], model["lora"]["alpha"], model["lora"]["targets"])
+    assert bench.OPTIMIZERS[model["optimizer"]["class_path"]] == a.opt
+    assert a.h == a.w == data["resolution"] and a.batch == data["batch_size"]
+    assert a.accumulate == trainer.get("accumulate_grad_batches", 1)
+    text = model["family"].get("init_args", {}).get("max_sequence_length")
+    assert a.tlen == (77 if family in ("sdxl", "sd15") else text)
+    assert any(n.startswith("model.scheduler") for n in a.not_reproduced)  # listed, not silently dropped
+    assert bench.optimizer_options(a) == model["optimizer"]["init_args"]
+
+
+def test_bench_config_flags_on_the_command_line_win() -> None:
+    path = str(REPO / "configs" / "flux_4090.yaml")
+    a = bench.parse_args(["--config", path, "--h", "512", "--w", "768", "--opt", "adamw", "--accumulate", "1"])
+    assert (a.h, a.w, a.opt, a.accumulate) == (512, 768, "adamw", 1)
+    assert a.quant == "fp8_compute" and a.rank == 16  # the rest is still the config's
+    assert bench.optimizer_options(a) == {}  # the config's AdamW8bit arguments are not handed to another optimizer
+
+
+@pytest.mark.parametrize(
+    ("section", "class_path", "option"),
+    [
+        ("optimizer", "torch.optim.SGD", "model.optimizer.class_path"),
+        ("family", "my_package.families.Kandinsky", "model.family.class_path"),
+    ],
+)
+def test_bench_config_it_cannot_build_is_an_error_naming_the_option(
+    tmp_path, capsys, section: str, class_path: str, option: str
+) -> None:
+    import yaml
+
+    doc = yaml.safe_load((REPO / "configs" / "flux_4090.yaml").read_text())
+    doc["model"][section]["class_path"] = class_path
+    doc["model"]["offload_something_new"] = 3  # a setting this tool does not know: listed, not ignored
+    path = tmp_path / "odd.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(bench.ConfigMismatch, match=f"{option}: {class_path}"):
+        bench.config_defaults(path)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--config", str(path)])
+    assert option in capsys.readouterr().err
+    doc["model"][section]["class_path"] = {"optimizer": "torch.optim.AdamW", "family": "lightning_lora.families.Flux"}[
+        section
+    ]
+    path.write_text(yaml.safe_dump(doc))
+    assert "model.offload_something_new: 3" in bench.config_defaults(path)["not_reproduced"]
+
+
+def test_bench_runs_a_shipped_config_on_a_tiny_model(capsys) -> None:
+    """flux_4090 as shipped (FP8 compute, rank 16, checkpointing, 8-bit AdamW, accumulation 4) on the tiny FLUX, small
+    shapes. ``--compile 0``: regional compile works on the CPU but takes about a minute on 2 cores; the CPU has no FP8
+    units, so fp8_compute falls back to FP8 storage with its warning. ``--memory-limit`` is recorded (no effect on the
+    CPU)."""
+    argv = ["--tiny", "--config", str(REPO / "configs" / "flux_4090.yaml"), "--steps", "1", "--warm", "1"]
+    argv += ["--h", "64", "--w", "64", "--tlen", "16", "--compile", "0", "--memory-limit", "24"]
+    with pytest.warns(UserWarning, match="fp8_compute needs FP8 matrix units"):
+        bench.main(argv)
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert "error" not in out, out
+    assert out["config"] == "flux_4090.yaml" and out["memory_limit_GiB"] == 24 and "memory_fraction" not in out
+    assert (out["quant"], out["rank"], out["gc"], out["opt"], out["accumulate"]) == (
+        "fp8_compute",
+        16,
+        1,
+        "adamw8bit",
+        4,
+    )
+    assert (out["h"], out["w"], out["tlen"], out["compile"]) == (64, 64, 16, 0)
+    assert out["s_per_step"] > 0 and out["loss"] > 0 and out["images_per_s"] > 0
+    assert any(n.startswith("trainer.callbacks") for n in out["not_reproduced"])
+
+
+def test_bench_runs_sd15_on_a_tiny_model() -> None:
+    args = bench.parse_args(["--tiny", "--config", str(REPO / "configs" / "sd15_8gb.yaml"), "--opt", "adamw"])
+    args.steps, args.warm, args.h, args.w, args.batch = 1, 1, 64, 64, 1
+    out = bench.run(args)
+    assert out["family"] == "sd15" and out["tlen"] == 77 and out["alpha"] == 8 and out["s_per_step"] > 0
