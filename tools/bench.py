@@ -23,7 +23,8 @@ setting this tool has a flag for from the YAML (family, quantization, checkpoint
 LoRA, optimizer, resolution, batch, text length, gradient accumulation); flags on the command line override it. What
 the YAML's model section sets that this tool cannot reproduce is listed in the output's ``not_reproduced``.
 ``--memory-limit GIB`` caps this process's CUDA memory (``torch.cuda.set_per_process_memory_fraction``) to a card's
-size, so a config that does not fit its card ends as an out-of-memory error row:
+size from the first training step (:class:`MemoryLimit`: the random-weight build is not a real load), so a config that
+does not fit its card ends as an out-of-memory error row:
 
     python tools/bench.py --config configs/flux_4090.yaml --memory-limit 24 --steps 6 --warm 3
 """
@@ -395,6 +396,7 @@ def make_optimizer(name: str, options: dict[str, Any] | None = None):
 def bare_loop(module: LoraModule, dataset: Dataset, a: argparse.Namespace, device: str) -> dict[str, Any]:
     """The same model and loss in a plain PyTorch loop (no Trainer): separates Lightning's overhead from ours."""
     denoiser = module.build(torch.device(device))
+    MemoryLimit(a.memory_limit, {}).on_fit_start(None, module)  # type: ignore[arg-type]  # after the build, as there
     set_lora_input_casts(denoiser, enabled=False)  # as LoraModule under bf16-mixed: this loop runs under autocast
     optimizer = make_optimizer(a.opt, optimizer_options(a))([p for p in denoiser.parameters() if p.requires_grad])
     loader = DataLoader(dataset, batch_size=a.batch, pin_memory=device == "cuda")
@@ -440,6 +442,22 @@ def apply_memory_limit(gib: float | None) -> float | None:
     return fraction
 
 
+class MemoryLimit(Callback):
+    """``--memory-limit``, applied once the model is built and on its device (``on_fit_start``): the random weights
+    are drawn in bf16 on the GPU and quantized there, which a real load does not do (it quantizes layer by layer from
+    the CPU), so the build is not what a card must hold; training, from its first step, is."""
+
+    def __init__(self, gib: float | None, out: dict[str, Any]) -> None:
+        self.gib, self.out = gib, out
+
+    def on_fit_start(self, trainer: Trainer, pl_module: Any) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        fraction = apply_memory_limit(self.gib)
+        if fraction is not None:
+            self.out["memory_fraction"] = round(fraction, 4)
+
+
 def run(a: argparse.Namespace) -> dict[str, Any]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     config = CONFIGS[a.family][1 if a.tiny else 0]
@@ -450,9 +468,6 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         "tool": "lightning-lora",
         **header(a),
     }
-    fraction = apply_memory_limit(a.memory_limit)
-    if fraction is not None:
-        out["memory_fraction"] = round(fraction, 4)
     out.update(
         {
             "family": a.family,
@@ -513,7 +528,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         out.update(bare_loop(module, dataset, a, device))
     else:
         timer = StepTimer(a.warm, a.steps)
-        callbacks: list[Callback] = [timer]
+        callbacks: list[Callback] = [MemoryLimit(a.memory_limit, out), timer]
         if a.profile:
             callbacks.append(Profile(a.warm, a.steps, a.profile))
         trainer = Trainer(
