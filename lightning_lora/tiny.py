@@ -283,6 +283,26 @@ def _build(seed: int, component: str, factory: Callable[[], _Module]) -> _Module
     return module.eval()
 
 
+def tiny_flux_vae(seed: int, latent_channels: int = 16) -> AutoencoderKL:
+    """FLUX.1's VAE in miniature (Z-Image uses the same one): 16 latent channels, scale factor 8, FLUX's
+    ``scaling_factor`` / ``shift_factor``, no quant convs."""
+    return _build(seed, "vae", lambda: AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 4,  # 4 blocks -> 3 downsamplings -> scale factor 8
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(8, 8, 8, 8),
+        layers_per_block=1,
+        latent_channels=latent_channels,
+        norm_num_groups=4,
+        sample_size=64,
+        scaling_factor=0.3611,  # FLUX VAE values
+        shift_factor=0.1159,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    ))  # fmt: skip
+
+
 def build_tiny_flux(seed: int = 0, dim64: bool = False, guidance_embeds: bool = True) -> FluxPipeline:
     """A FLUX.1-dev-shaped ``FluxPipeline`` with tiny random weights (fp32, every component in ``eval()``).
 
@@ -311,21 +331,7 @@ def build_tiny_flux(seed: int = 0, dim64: bool = False, guidance_embeds: bool = 
         guidance_embeds=guidance_embeds,
         axes_dims_rope=(8, 12, 12) if dim64 else (4, 4, 8),  # must sum to attention_head_dim
     ))  # fmt: skip
-    vae = _build(seed, "vae", lambda: AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 4,  # 4 blocks -> 3 downsamplings -> scale factor 8
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        block_out_channels=(8, 8, 8, 8),
-        layers_per_block=1,
-        latent_channels=latent_channels,
-        norm_num_groups=4,
-        sample_size=64,
-        scaling_factor=0.3611,  # FLUX VAE values
-        shift_factor=0.1159,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-    ))  # fmt: skip
+    vae = tiny_flux_vae(seed, latent_channels)
     text_encoder = _build(seed, "text_encoder", lambda: CLIPTextModel(CLIPTextConfig(
         vocab_size=len(clip_tok),
         hidden_size=width,

@@ -42,11 +42,11 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
 from tokenizers import AddedToken
 from transformers import Qwen2Tokenizer, Qwen3Config, Qwen3Model
 
-from lightning_lora.tiny import CAPTION_WORDS, _build, _bytes_to_unicode, _save_tiny
+from lightning_lora.tiny import CAPTION_WORDS, _build, _bytes_to_unicode, _save_tiny, tiny_flux_vae
 
 __all__ = [
     "CHAT_TEMPLATE",
@@ -157,21 +157,7 @@ def build_tiny_zimage(seed: int = 0) -> ZImagePipeline:
         axes_dims=[8, 12, 12],  # sum = head dim (64 / 2); each even (complex rotary pairs)
         axes_lens=[1536, 512, 512],  # the real model's
     ))  # fmt: skip
-    vae = _build(seed, "vae", lambda: AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        block_out_channels=(8, 8, 8, 8),
-        layers_per_block=1,
-        latent_channels=16,
-        norm_num_groups=4,
-        sample_size=64,
-        scaling_factor=0.3611,
-        shift_factor=0.1159,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-    ))  # fmt: skip
+    vae = tiny_flux_vae(seed)  # Z-Image uses FLUX.1's VAE
     text_encoder = _build(seed, "text_encoder", lambda: Qwen3Model(Qwen3Config(
         vocab_size=len(tokenizer),
         hidden_size=width,
