@@ -19,19 +19,21 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 from pathlib import Path
 
 import numpy as np
 
 __all__ = ["PHOTOS", "TINY_MODELS", "prepare"]
 
-#: Folder name under the demo folder -> name of the lightning_lora.tiny function that writes it.
+#: Folder name under the demo folder -> ``module:function`` that writes it (the newer families' tiny pipelines have
+#: modules of their own, which import the shared pieces of :mod:`lightning_lora.tiny`).
 TINY_MODELS: dict[str, str] = {
-    "tiny-flux": "save_tiny_flux",
-    "tiny-sdxl": "save_tiny_sdxl",
-    "tiny-sd15": "save_tiny_sd15",
-    "tiny-zimage": "save_tiny_zimage",
-    "tiny-qwenimage": "save_tiny_qwenimage",
+    "tiny-flux": "lightning_lora.tiny:save_tiny_flux",
+    "tiny-sdxl": "lightning_lora.tiny:save_tiny_sdxl",
+    "tiny-sd15": "lightning_lora.tiny:save_tiny_sd15",
+    "tiny-zimage": "lightning_lora.tiny_zimage:save_tiny_zimage",
+    "tiny-qwenimage": "lightning_lora.tiny_qwenimage:save_tiny_qwenimage",
 }
 
 # scikit-image sample name -> caption. "sks" is the usual rare trigger token of DreamBooth-style LoRAs.
@@ -59,10 +61,12 @@ def prepare(out: Path) -> tuple[Path, Path]:
     """Write the tiny pipelines (:data:`TINY_MODELS`) and the photos under ``out``; return tiny-flux/ and photos/."""
     from PIL import Image
 
-    from lightning_lora import tiny
     from lightning_lora.io import atomic_write, atomic_write_bytes
 
-    models = {name: getattr(tiny, save)(out / name, seed=0) for name, save in TINY_MODELS.items()}
+    models = {}
+    for name, where in TINY_MODELS.items():
+        module, function = where.split(":")
+        models[name] = getattr(importlib.import_module(module), function)(out / name, seed=0)
     model = models["tiny-flux"]
     photos = out / "photos"
     photos.mkdir(parents=True, exist_ok=True)

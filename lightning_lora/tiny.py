@@ -105,10 +105,8 @@ __all__ = [
     "make_clip_tokenizer",
     "make_t5_tokenizer",
     "save_tiny_flux",
-    "save_tiny_qwenimage",
     "save_tiny_sd15",
     "save_tiny_sdxl",
-    "save_tiny_zimage",
     "t5_vocab",
 ]
 
@@ -548,25 +546,3 @@ def save_tiny_sd15(folder: Path, seed: int = 0, prediction_type: str = "epsilon"
     """Build the tiny SD1.5 pipeline and save it to ``folder`` (atomically, idempotent; see :func:`save_tiny_flux`)."""
     wanted = {"family": "sd15", "seed": seed, "prediction_type": prediction_type}
     return _save_tiny(Path(folder), wanted, lambda: build_tiny_sd15(seed, prediction_type), "SD1.5")
-
-
-# --------------------------------------------------------------------------------------------------- Z-Image
-
-
-def save_tiny_zimage(folder: Path, seed: int = 0) -> Path:
-    """Build the tiny Z-Image pipeline and save it to ``folder`` (atomically, idempotent; see :func:`save_tiny_flux`).
-    Built in :mod:`lightning_lora.tiny_zimage` (its Qwen3 text encoder and chat-template tokenizer)."""
-    from lightning_lora.tiny_zimage import save_tiny_zimage as save
-
-    return save(folder, seed=seed)
-
-
-# --------------------------------------------------------------------------------------------------- Qwen-Image
-
-
-def save_tiny_qwenimage(folder: Path, seed: int = 0) -> Path:
-    """The tiny Qwen-Image pipeline, saved to ``folder``: built by :mod:`lightning_lora.tiny_qwenimage` (its own module:
-    a video VAE, a Qwen2.5-VL text encoder and a byte-level BPE tokenizer)."""
-    from lightning_lora.tiny_qwenimage import save_tiny_qwenimage as save
-
-    return save(folder, seed=seed)
