@@ -97,9 +97,10 @@ def no_buffer_sync(ddp_parameters: Collection[str]) -> dict[str, bool]:
     return {"broadcast_buffers": False}
 
 
-def resolve_strategy(strategy: Any, devices: Any) -> Any:
-    """``ddp`` (or ``auto`` with more than one device) as :class:`LoraDDPStrategy`; anything else unchanged."""
+def resolve_strategy(strategy: Any, devices: Any, num_nodes: int = 1) -> Any:
+    """``ddp`` (or ``auto`` with more than one device, or more than one node: Lightning's ``auto`` is DDP then) as
+    :class:`LoraDDPStrategy`; anything else unchanged."""
     several = (isinstance(devices, int) and devices > 1) or (isinstance(devices, list | tuple) and len(devices) > 1)
-    if strategy == "ddp" or (strategy == "auto" and several):
+    if strategy == "ddp" or (strategy == "auto" and (several or num_nodes > 1)):
         return LoraDDPStrategy()
     return strategy

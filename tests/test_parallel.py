@@ -50,20 +50,23 @@ def test_ddp_takes_every_backend_and_fsdp_a_plain_base(mode: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("strategy", "devices", "ours"),
+    ("strategy", "devices", "nodes", "ours"),
     [
-        ("ddp", 2, True),
-        ("ddp", "auto", True),
-        ("auto", 2, True),
-        ("auto", [0, 1], True),
-        ("auto", 1, False),
-        ("auto", "auto", False),
-        ("fsdp", 2, False),
-        ("ddp_spawn", 2, False),
+        ("ddp", 2, 1, True),
+        ("ddp", 1, 2, True),
+        ("auto", 1, 2, True),  # Lightning's auto is DDP for several nodes of one device each
+        ("auto", "auto", 2, True),
+        ("ddp", "auto", 1, True),
+        ("auto", 2, 1, True),
+        ("auto", [0, 1], 1, True),
+        ("auto", 1, 1, False),
+        ("auto", "auto", 1, False),
+        ("fsdp", 2, 1, False),
+        ("ddp_spawn", 2, 1, False),
     ],
 )
-def test_ddp_becomes_the_lora_ddp_strategy(strategy: str, devices: object, ours: bool) -> None:
-    resolved = resolve_strategy(strategy, devices)
+def test_ddp_becomes_the_lora_ddp_strategy(strategy: str, devices: object, nodes: int, ours: bool) -> None:
+    resolved = resolve_strategy(strategy, devices, nodes)
     assert isinstance(resolved, LoraDDPStrategy) == ours
     if ours:
         assert resolved._ddp_kwargs == {"broadcast_buffers": False, "gradient_as_bucket_view": True}

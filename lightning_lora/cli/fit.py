@@ -138,7 +138,9 @@ class LoraCLI(LightningCLI):
                 "trainer.use_distributed_sampler: true would replace lightning-lora's bucket sampler, which already "
                 "gives each GPU its share of every batch (one aspect-ratio bucket per step); leave it false."
             )
-        config["strategy"] = resolve_strategy(config.get("strategy", "auto"), config.get("devices", "auto"))
+        config["strategy"] = resolve_strategy(
+            config.get("strategy", "auto"), config.get("devices", "auto"), config.get("num_nodes") or 1
+        )
         plugins = config.get("plugins") or []
         plugins = plugins if isinstance(plugins, list) else [plugins]
         if not any(isinstance(p, CheckpointIO) for p in plugins):

@@ -7,6 +7,8 @@ No test module imports another test module: what two of them need lives here, on
 * :mod:`helpers.models`: the trainable model of a recipe, tiny LoRA models whose ``lora_B`` are not zero (a fresh LoRA
   is a no-op), random denoiser inputs for any family (:func:`random_inputs`) and the gradients of two steps;
 * :mod:`helpers.resume`: run configs that checkpoint every step, and the bit-for-bit comparison of two runs;
+* :mod:`helpers.nodes`: a run on several simulated nodes (one process each, with the environment torchrun or SLURM
+  gives it: :func:`fit_on_nodes`);
 * :mod:`helpers.crash`: callbacks that kill or interrupt a run, loaded by class path (``helpers.crash.KillAt``) in a
   config, in-process or in a subprocess (:func:`fit_in_subprocess` puts tests/ on its ``PYTHONPATH``);
 * :mod:`helpers.diffusers_quirks`: the two places where diffusers' converters hard-code FLUX.1's widths, made to read
@@ -23,9 +25,11 @@ from helpers.cli import (
     REPO,
     TESTS,
     check_fit_lowers_eval_loss,
+    command_env,
     eval_history,
     family_class_path,
     family_config,
+    fit_command,
     fit_in_subprocess,
     run_cli,
     tree_digest,
@@ -44,6 +48,7 @@ from helpers.models import (
     random_inputs,
     two_step_grads,
 )
+from helpers.nodes import NodeRun, fit_on_nodes, free_port, node_env
 from helpers.resume import (
     assert_same_lora,
     assert_same_run,
@@ -57,6 +62,7 @@ __all__ = [
     "ALPHA",
     "RANK",
     "DISTRIBUTED_ENV",
+    "NodeRun",
     "REPO",
     "TESTS",
     "allow_any_flux_width",
@@ -66,16 +72,21 @@ __all__ = [
     "build_tiny",
     "check_exact_resume",
     "check_fit_lowers_eval_loss",
+    "command_env",
     "denoiser_output",
     "diffusers_kohya_reads_flux_widths",
     "eval_history",
     "family_class_path",
     "family_config",
     "final_lora",
+    "fit_command",
     "fit_in_subprocess",
+    "fit_on_nodes",
+    "free_port",
     "lora_layers",
     "lora_model",
     "loss_curve",
+    "node_env",
     "nonzero_lora_b",
     "random_inputs",
     "resume_config",

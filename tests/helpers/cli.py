@@ -104,22 +104,41 @@ def run_cli(args: list[str]) -> LoraCLI:
     return LoraCLI(args=args)
 
 
-DISTRIBUTED_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE")
-"""The variables torch.distributed and Lightning read to join a process group."""
+DISTRIBUTED_ENV = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "WORLD_SIZE",
+    "RANK",
+    "LOCAL_RANK",
+    "NODE_RANK",
+    "GROUP_RANK",
+    "LOCAL_WORLD_SIZE",
+    "TORCHELASTIC_RUN_ID",
+)
+"""The variables torch.distributed and Lightning read to join a process group (``TORCHELASTIC_RUN_ID`` makes
+Lightning take the torchrun environment; ``SLURM_*`` variables, which make it take SLURM's, are dropped too)."""
+
+
+def command_env(**extra: str) -> dict[str, str]:
+    """The environment of a ``lightning-lora`` process a test starts: offline, one thread, tests/ on ``PYTHONPATH``
+    (a config may load the callbacks of :mod:`helpers.crash`), plus ``extra``.
+
+    Without any rendezvous variable of this pytest process (an in-process DDP test that ran before keeps its
+    MASTER_PORT bound while its process group lives) or of a SLURM job the tests run in: a user's shell has none.
+    """
+    path = os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH", "")) if p)
+    env = {k: v for k, v in os.environ.items() if k not in DISTRIBUTED_ENV and not k.startswith("SLURM_")}
+    return env | {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": path} | extra
+
+
+def fit_command(config: Path, *extra: str) -> list[str]:
+    """``lightning-lora fit --config CONFIG [EXTRA...]`` with this Python."""
+    return [sys.executable, "-m", "lightning_lora", "fit", "--config", str(config), *extra]
 
 
 def fit_in_subprocess(config: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    """``lightning-lora fit --config CONFIG [EXTRA...]`` in its own process, offline, as a user runs it.
-
-    tests/ is on the process's ``PYTHONPATH``, so a config may load the callbacks of :mod:`helpers.crash`.
-    """
-    path = os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH", "")) if p)
-    # Not the rendezvous of an in-process DDP test that ran before in this pytest process (its MASTER_PORT stays
-    # bound while its process group lives): a user's shell has none of these.
-    env = {k: v for k, v in os.environ.items() if k not in DISTRIBUTED_ENV}
-    env |= {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
-    command = [sys.executable, "-m", "lightning_lora", "fit", "--config", str(config), *extra]
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    """``lightning-lora fit --config CONFIG [EXTRA...]`` in its own process, offline, as a user runs it."""
+    return subprocess.run(fit_command(config, *extra), env=command_env(), capture_output=True, text=True, timeout=300)
 
 
 def tree_digest(folder: Path) -> str:

@@ -1,0 +1,62 @@
+"""Shard a frozen bf16 base over the GPUs with FSDP2 (``torch.distributed.fsdp.fully_shard``): each GPU keeps 1/N of
+the weights, and gathers one block's full weights just before it runs (forward, and again in the backward).
+
+When this is worth it: a base whose bf16 weights do not fit one GPU beside the activations, 20-32 B parameters
+(Qwen-Image, FLUX.2 dev). Below that, DDP (:class:`~lightning_lora.parallel.LoraDDPStrategy`) is faster: it moves only
+the LoRA gradients between GPUs, where FSDP moves every block's weights twice per step.
+
+Why FSDP2 and not Lightning's ``FSDPStrategy`` (FSDP1):
+
+* FSDP1 flattens each wrapped module's parameters into one flat tensor of one dtype; a bf16 base carrying float32 LoRA
+  parameters in the same block is refused ("Must flatten tensors with uniform dtype") unless every LoRA layer is its
+  own unit. FSDP2 shards each parameter on its own (a ``DTensor`` per parameter): any mix of dtypes and of
+  ``requires_grad``.
+* ``FSDPStrategy`` accepts only its own ``FSDPPrecision`` plugin, whose ``bf16-mixed`` gathers the float32 LoRA in bf16
+  and averages its gradients in bf16; FSDP2 runs under Lightning's ``ModelParallelStrategy``, which takes any precision
+  plugin, and :func:`shard_base` keeps every parameter in its own dtype and averages gradients in float32.
+* FSDP1 refuses a CPU-only machine ("FSDP needs a non-CPU accelerator device"), and Lightning refuses ``fsdp`` without
+  a GPU; FSDP2 runs on the CPU over gloo, so the sharding is tested in CI (tests/test_sharding.py).
+
+Units: each repeated block (the family's ``_repeated_blocks``: FLUX's double and single blocks, a UNet's transformer
+blocks) is one unit, and the root holds the rest (embeddings, final norm and projection). Peak weight memory per GPU is
+about ``weights / N`` plus one or two gathered blocks in flight.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_lora.offload import repeated_blocks
+
+__all__ = ["local_parameter_bytes", "shard_base"]
+
+
+def shard_base(denoiser: nn.Module, mesh: DeviceMesh) -> list[nn.Module]:
+    """``fully_shard`` each repeated block of ``denoiser`` and then the denoiser itself over ``mesh`` (a 1-D mesh: every
+    rank holds an equal share of every parameter). Parameters keep their dtype (bf16 base, float32 LoRA); gradients
+    are averaged in float32. Returns the blocks that became their own unit.
+
+    Call it on every rank, after LoRA is injected and before the optimizer is built (the optimizer must see the sharded
+    parameters): in ``configure_model`` under Lightning's ``ModelParallelStrategy``, whose ``device_mesh`` it takes.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32, output_dtype=None)
+    blocks = repeated_blocks(denoiser)
+    for block in blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(denoiser, mesh=mesh, mp_policy=policy)
+    return blocks
+
+
+def local_parameter_bytes(module: nn.Module) -> int:
+    """Bytes of parameters this rank holds: its shard of each sharded parameter, the whole of any other."""
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+    for p in module.parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        total += local.numel() * local.element_size()
+    return total

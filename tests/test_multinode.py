@@ -1,0 +1,88 @@
+"""Several machines through Lightning's own multi-node support, simulated on the CPU: two "nodes" of one process each
+(gloo on localhost, ``trainer.num_nodes: 2``, the environment torchrun or SLURM gives each process) train the LoRA that
+one node with two processes trains, bit for bit, and a run stopped on the 2-node layout resumes exactly.
+
+Why bit for bit, and not within a tolerance: the global rank of a process decides everything it computes (its slice of
+every global batch, the per-sample noise and timesteps, its seed: base + global rank), and the layout decides only
+where the processes run. Both layouts run the same two processes with the same inputs; DDP averages their gradients
+with one all-reduce over gloo, and a sum of two numbers does not depend on their order. Any difference is a bug: a
+rank that reads the local rank where it should read the global one, a per-node step that ran twice or not at all.
+
+The two "nodes" share the run folder and the cache, as the nodes of a cluster share a network file system (the README
+says the run folder must be shared: checkpoints are written by global rank 0 and read by every rank on resume).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers import NodeRun, assert_same_run, fit_in_subprocess, fit_on_nodes, resume_config
+
+pytestmark = pytest.mark.subprocess
+
+STEPS, STOP = 5, 3
+"""5 steps of a global batch of 2 out of 4 images: the stop at step 3 is inside the second epoch."""
+LAYOUT: dict[str, Any] = {
+    "trainer.strategy": "ddp",
+    "data.batch_size": 1,  # per process: a global batch of 2
+    "data.max_aspect_ratio": 1.0,  # square buckets only: every global batch is full (a partial one cannot be split)
+}
+
+
+def check(runs: list[NodeRun]) -> None:
+    for node, run in enumerate(runs):
+        assert run.returncode == 0, f"node {node}:\n{run.stderr[-3000:]}"
+
+
+def trained_state(config: Path, step: int) -> dict[str, Any]:
+    """The LoRA tensors and the optimizer state of the step-``step`` checkpoint of the run of ``config``."""
+    ckpt = torch.load(config.parent / "run" / "checkpoints" / f"step{step:04d}.ckpt", weights_only=True)
+    assert ckpt["global_step"] == step
+    return {"lora": ckpt["state_dict"], "optimizer": ckpt["optimizer_states"], "rng": ckpt["rng_states"]}
+
+
+def assert_equal_state(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert a["lora"].keys() == b["lora"].keys() and a["lora"]
+    differing = [k for k in a["lora"] if not torch.equal(a["lora"][k], b["lora"][k])]
+    assert not differing, f"{len(differing)} LoRA tensors differ, e.g. {differing[:2]}"
+    torch.testing.assert_close(a["optimizer"], b["optimizer"], rtol=0, atol=0)
+    # Both ranks' generators, in global-rank order: rank r of one layout is rank r of the other.
+    assert len(a["rng"]) == len(b["rng"]) == 2
+    for state_a, state_b in zip(a["rng"], b["rng"], strict=True):
+        assert torch.equal(state_a["torch"], state_b["torch"])
+
+
+@pytest.fixture(scope="module")
+def one_node(tmp_path_factory: pytest.TempPathFactory, tiny_flux_dir: Path, photos_dir: Path) -> Path:
+    """The config of a finished 1 node x 2 processes run (Lightning starts the second process), checkpointed every
+    step; its folder's ``cache`` is built, for the runs that compare with it."""
+    root = tmp_path_factory.mktemp("layouts")
+    config = resume_config(root, tiny_flux_dir, photos_dir, "one_node", steps=STEPS, **LAYOUT, **{"trainer.devices": 2})
+    run = fit_in_subprocess(config)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return config
+
+
+def test_two_nodes_train_what_one_node_trains_and_resume_exactly(
+    one_node: Path, tiny_flux_dir: Path, photos_dir: Path
+) -> None:
+    """torchrun's environment: 2 nodes x 1 process, stopped at step 3 and resumed with ``--ckpt_path last``."""
+    config = resume_config(one_node.parent.parent, tiny_flux_dir, photos_dir, "two_nodes", steps=STEPS, **LAYOUT)
+    check(fit_on_nodes(config, "--trainer.max_steps", str(STOP)))
+    assert_equal_state(trained_state(one_node, STOP), trained_state(config, STOP))
+    resumed = fit_on_nodes(config, "--ckpt_path", "last")
+    check(resumed)
+    assert f"(step {STEPS})" in resumed[0].stdout  # global rank 0 prints the summary; node 1 prints none
+    assert "Run folder" not in resumed[1].stdout
+    assert_equal_state(trained_state(one_node, STEPS), trained_state(config, STEPS))
+    assert_same_run(one_node, config, after_step=1)  # the exported LoRA and the loss at every step
+
+
+def test_slurm_nodes_train_what_one_node_trains(one_node: Path, tiny_flux_dir: Path, photos_dir: Path) -> None:
+    """SLURM's environment (``srun --nodes 2 --ntasks-per-node 1``): Lightning's SLURMEnvironment takes the ranks."""
+    config = resume_config(one_node.parent.parent, tiny_flux_dir, photos_dir, "slurm", steps=STEPS, **LAYOUT)
+    check(fit_on_nodes(config, "--trainer.max_steps", str(STOP), launcher="slurm"))
+    assert_equal_state(trained_state(one_node, STOP), trained_state(config, STOP))
