@@ -8,11 +8,12 @@
     .demo/tiny-sd15/     a StableDiffusionPipeline folder (~2 MB)
     .demo/tiny-zimage/   a ZImagePipeline folder (Qwen3 text encoder, chat-template tokenizer; ~3 MB)
     .demo/tiny-qwenimage/ a QwenImagePipeline folder (video VAE, Qwen2.5-VL text encoder; ~1.4 MB)
+    .demo/tiny-flux2/    a Flux2KleinPipeline folder (batch-normalised VAE, 28-layer Qwen3 text encoder; ~6 MB)
     .demo/photos/        photos that ship inside scikit-image (no download) as PNG, each with a .txt caption
 
 ``configs/tiny_cpu.yaml`` (FLUX, what ``make demo`` trains), ``configs/tiny_sdxl_cpu.yaml``,
-``configs/tiny_sd15_cpu.yaml``, ``configs/tiny_zimage_cpu.yaml`` and ``configs/tiny_qwenimage_cpu.yaml`` train on
-exactly these. Existing files are left as they are (the step is idempotent).
+``configs/tiny_sd15_cpu.yaml``, ``configs/tiny_zimage_cpu.yaml``, ``configs/tiny_qwenimage_cpu.yaml`` and
+``configs/tiny_flux2_cpu.yaml`` train on exactly these. Existing files are left as they are (the step is idempotent).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ TINY_MODELS: dict[str, str] = {
     "tiny-sd15": "lightning_lora.tiny:save_tiny_sd15",
     "tiny-zimage": "lightning_lora.tiny_zimage:save_tiny_zimage",
     "tiny-qwenimage": "lightning_lora.tiny_qwenimage:save_tiny_qwenimage",
+    "tiny-flux2": "lightning_lora.tiny_flux2:save_tiny_flux2",
 }
 
 # scikit-image sample name -> caption. "sks" is the usual rare trigger token of DreamBooth-style LoRAs.

@@ -393,6 +393,8 @@ def _family_of(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str],
         return FAMILIES[named]()
     base = metadata.get("ss_base_model_version", "") + " " + metadata.get("modelspec.architecture", "")
     markers: tuple[tuple[str, str], ...] = (
+        ("flux2", "flux2"),  # before FLUX.1's marker, which it contains (kohya's; ModelSpec's next)
+        ("flux-2", "flux2"),
         ("flux", "flux"),
         ("sdxl", "sdxl"),
         ("stable-diffusion-xl", "sdxl"),
@@ -416,6 +418,10 @@ _ZIMAGE_MODULES = re.compile(  # its blocks ("attention", not FLUX's "attn") and
     r"(^|[._])((layers|noise_refiner|context_refiner)[._]\d+[._](attention|feed_forward|adaLN_modulation)"
     r"|all_x_embedder|all_final_layer|cap_embedder|t_embedder[._]mlp)[._]"
 )
+_FLUX2_MODULES = re.compile(  # FLUX.2's fused single-block projections, SwiGLU MLPs and shared modulation
+    r"(single_transformer_blocks\.\d+\.attn\.(to_qkv_mlp_proj|to_out)\.|\.(ff|ff_context)\.linear_(in|out)\."
+    r"|stream_modulation|time_guidance_embed)"
+)
 _QWEN_IMAGE_STREAMS = re.compile(r"transformer_blocks[._]\d+[._](img|txt)_(mlp|mod)[._]")
 _JOINT_ATTENTION = re.compile(
     r"transformer\.transformer_blocks\.\d+\.attn\.(to_[qkv]|to_out\.0|add_[qkv]_proj|to_add_out)\."
@@ -423,12 +429,15 @@ _JOINT_ATTENTION = re.compile(
 
 
 def _family_from_keys(tensors: Mapping[str, torch.Tensor]) -> str | None:
-    """The family whose module names the keys use (Z-Image's modules; Qwen-Image's image/text-stream MLPs and
+    """The family whose module names the keys use (Z-Image's modules; FLUX.2's fused single blocks, MLPs and
+    modulation; Qwen-Image's image/text-stream MLPs and
     modulation; FLUX's blocks; SDXL's SGM blocks or its 2048-wide cross-attention; SD1.x's 768/1024-wide one), or None
     (also for joint-attention layers alone, which FLUX and Qwen-Image name alike)."""
     keys = list(tensors)
     if any(_ZIMAGE_MODULES.search(k) for k in keys):
         return "zimage"
+    if any(_FLUX2_MODULES.search(k) for k in keys):  # diffusers names only: its kohya names are FLUX.1's
+        return "flux2"
     if any(_QWEN_IMAGE_STREAMS.search(k) for k in keys):  # Qwen-Image's own image/text-stream MLPs and modulation
         return "qwenimage"
     if any(k.startswith("transformer.") or "double_blocks" in k or "single_blocks" in k for k in keys):

@@ -90,6 +90,13 @@ def tiny_zimage_dir(tiny_pipeline: Callable[[str], Path]) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_flux2_dir(tiny_pipeline: Callable[[str], Path]) -> Path:
+    """A saved tiny FLUX.2 klein pipeline folder (Flux2 transformer, batch-normalised VAE, 28-layer Qwen3 causal LM,
+    chat-template tokenizer; a base model: ``is_distilled`` false)."""
+    return tiny_pipeline("flux2")
+
+
+@pytest.fixture(scope="session")
 def photos_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Four real photos from scikit-image (shipped in its wheel) with .txt captions."""
     from PIL import Image

@@ -13,10 +13,17 @@ the same shapes: a time on a shared machine is only meaningful as a ratio.
     python tools/bench.py --family qwenimage --quant nf4 --gc 1 --h 1024 --w 1024 --tlen 512   # Qwen-Image, 20.4 B
     python tools/bench.py --tiny --steps 2 --warm 1             # a CPU smoke run of the same code
 
+Several GPUs: ``--devices N`` with ``--strategy ddp`` (ours, every GPU a whole base) or ``--strategy fsdp2`` (a bf16
+base sharded with FSDP2 over the N GPUs, :mod:`lightning_lora.sharding`); ``weights_GiB_per_device`` is rank 0's share
+of the weights, ``peak_*`` the largest over the ranks:
+
+    python tools/bench.py --quant none --opt adamw --devices 2 --strategy fsdp2
+
 Families (``--family``): ``flux`` (FLUX.1-dev), ``sdxl`` (SDXL base 1.0), ``sd15`` (Stable Diffusion 1.5),
-``zimage`` (Z-Image-Turbo) and ``qwenimage`` (Qwen-Image). Each is the real family class (:func:`random_family`) with
-its denoiser built from the family's ``known_denoisers`` config, or a tiny config with ``--tiny``; the batches have
-exactly the keys and shapes its ``loss`` reads from the cache (:func:`cached_item`).
+``zimage`` (Z-Image-Turbo), ``qwenimage`` (Qwen-Image) and ``flux2`` (FLUX.2 klein base 4B). Each is the real
+family class (:func:`random_family`) with its denoiser built from the family's ``known_denoisers`` config, or a tiny
+config with ``--tiny``; the batches have exactly the keys and shapes its ``loss`` reads from the cache
+(:func:`cached_item`).
 
 A shipped config, as ``fit`` would use it (:func:`config_defaults`): ``--config configs/flux_4090.yaml`` takes every
 setting this tool has a flag for from the YAML (family, quantization, checkpointing, compile, offloading, attention,
@@ -42,16 +49,18 @@ from typing import Any
 import torch
 import yaml
 from lightning.pytorch import Callback, LightningDataModule, Trainer
+from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_lora import objectives
-from lightning_lora.families import SD15, SDXL, DiffusionFamily, Flux, QwenImage, ZImage
+from lightning_lora.families import SD15, SDXL, DiffusionFamily, Flux, Flux2, QwenImage, ZImage
 from lightning_lora.families.base import ModelSource, build_from_config
 from lightning_lora.families.unet import NoiseSchedule, UNetFamily
 from lightning_lora.lora import LoraOptions, set_lora_input_casts
 from lightning_lora.module import LoraModule
 from lightning_lora.parallel import resolve_strategy
 from lightning_lora.quant import QuantOptions
+from lightning_lora.sharding import local_parameter_bytes, shard_base
 
 FLUX_DEV = dict(Flux.known_denoisers["black-forest-labs/FLUX.1-dev"])
 FLUX_TINY = dict(
@@ -99,12 +108,24 @@ QWEN_IMAGE_TINY = dict(  # lightning_lora.tiny_qwenimage's transformer: 2 blocks
     joint_attention_dim=64,
     axes_dims_rope=[4, 6, 6],
 )
+FLUX2_KLEIN = dict(Flux2.known_denoisers["black-forest-labs/FLUX.2-klein-base-4B"])
+FLUX2_TINY = dict(  # lightning_lora.tiny_flux2's transformer: 2 double + 2 single blocks, 2 heads of 32
+    FLUX2_KLEIN,
+    in_channels=64,
+    num_layers=2,
+    num_single_layers=2,
+    attention_head_dim=32,
+    num_attention_heads=2,
+    joint_attention_dim=192,
+    axes_dims_rope=[8, 8, 8, 8],
+)
 CONFIGS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "flux": (FLUX_DEV, FLUX_TINY),  # FLUX.1-dev, 11.9 B
     "sdxl": (SDXL_BASE, SDXL_TINY),  # SDXL base 1.0's UNet, 2.6 B
     "sd15": (SD15_BASE, SD15_TINY),  # Stable Diffusion 1.5's UNet, 0.86 B
     "zimage": (ZIMAGE_TURBO, ZIMAGE_TINY),  # Z-Image-Turbo, 6.15 B
     "qwenimage": (QWEN_IMAGE, QWEN_IMAGE_TINY),  # Qwen-Image, 20.4 B
+    "flux2": (FLUX2_KLEIN, FLUX2_TINY),  # FLUX.2 klein base 4B, 3.9 B
 }
 """The denoiser configs by family: the real one (the family's ``known_denoisers``) and a tiny one for CPU runs."""
 
@@ -156,8 +177,12 @@ class RandomQwenImage(RandomWeights, QwenImage):
     pass
 
 
+class RandomFlux2(RandomWeights, Flux2):
+    pass
+
+
 RANDOM: dict[str, type[DiffusionFamily]] = {
-    cls.name: cls for cls in (RandomFlux, RandomSDXL, RandomSD15, RandomZImage, RandomQwenImage)
+    cls.name: cls for cls in (RandomFlux, RandomSDXL, RandomSD15, RandomZImage, RandomQwenImage, RandomFlux2)
 }
 
 
@@ -174,7 +199,7 @@ def family_options(family: str, tlen: int) -> dict[str, Any]:
     ``max_sequence_length``; Z-Image and Qwen-Image cache captions padded to theirs (512 by default, as the shipped
     configs) with a mask and hand the denoiser only the caption's tokens; SDXL's and SD1.5's CLIP length is fixed
     (77)."""
-    if family == "flux":
+    if family in ("flux", "flux2"):  # FLUX.2 too attends over every padded position
         return {"max_sequence_length": tlen}
     if family in ("zimage", "qwenimage"):
         return {"max_sequence_length": max(tlen, 512)}
@@ -219,6 +244,9 @@ def cached_item(
     elif family == "qwenimage":  # 2x2 patches of out_channels packed into in_channels; Qwen2.5-VL, an int64 mask
         latents = randn(config["out_channels"], height // 8, width // 8)
         text = {"prompt_embeds": caption(config["joint_attention_dim"]), "prompt_embeds_mask": mask.long()}
+    elif family == "flux2":  # patchified, batch-normalised latents at H/16; three LLM layers side by side, no mask
+        latents = randn(config["in_channels"], height // 16, width // 16)
+        text = {"prompt_embeds": randn(tlen, config["joint_attention_dim"]).bfloat16()}
     else:
         raise ValueError(f"no cached batch layout for the {family!r} family")
     size = torch.tensor([height, width])
@@ -458,6 +486,32 @@ class MemoryLimit(Callback):
             self.out["memory_fraction"] = round(fraction, 4)
 
 
+class ShardedLoraModule(LoraModule):
+    """:class:`LoraModule` whose base is sharded with FSDP2 over the data-parallel mesh of Lightning's
+    ``ModelParallelStrategy`` once it is built (``--strategy fsdp2``; :func:`lightning_lora.sharding.shard_base`)."""
+
+    def configure_model(self) -> None:
+        built = self.denoiser is not None
+        super().configure_model()
+        if not built:
+            mesh = self.device_mesh
+            if mesh is None:
+                raise RuntimeError("--strategy fsdp2: the module has no device mesh (not under ModelParallelStrategy)")
+            shard_base(self._require_model(), mesh["data_parallel"])
+
+
+def bench_strategy(name: str, devices: int) -> Any:
+    """``--strategy``: ours (``auto`` / ``ddp``), Lightning's own DDP (``lightning-ddp``), or FSDP2 (``fsdp2``: every
+    device holds 1/N of the base, no tensor parallelism)."""
+    if name == "lightning-ddp":
+        return "ddp"
+    if name == "fsdp2":
+        return ModelParallelStrategy(
+            data_parallel_size=devices, tensor_parallel_size=1, save_distributed_checkpoint=False
+        )
+    return resolve_strategy(name, devices)
+
+
 def run(a: argparse.Namespace) -> dict[str, Any]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     config = CONFIGS[a.family][1 if a.tiny else 0]
@@ -491,7 +545,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         }
     )
     quant_options = dict(getattr(a, "config_quantization", {})) if a.quant != "none" else {}
-    module = LoraModule(
+    if a.strategy == "fsdp2" and (a.quant != "none" or a.offload or a.loop == "bare"):
+        raise ValueError("--strategy fsdp2 shards a bf16 base: give --quant none, --offload 0 and --loop lightning")
+    module = (ShardedLoraModule if a.strategy == "fsdp2" else LoraModule)(
         pretrained="random-init",
         family=family,
         lora=LoraOptions(
@@ -534,7 +590,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         trainer = Trainer(
             accelerator="gpu" if device == "cuda" else "cpu",
             devices=a.devices,
-            strategy="ddp" if a.strategy == "lightning-ddp" else resolve_strategy(a.strategy, a.devices),
+            strategy=bench_strategy(a.strategy, a.devices),
             precision="bf16-mixed",
             max_steps=a.warm + a.steps,
             accumulate_grad_batches=a.accumulate,
@@ -550,6 +606,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         if trainer.global_rank != 0:
             raise SystemExit(0)  # rank 0 prints the result
         out.update(timer.result)
+        weights = local_parameter_bytes(module._require_model())  # rank 0's share
+        out["weights_GiB_per_device"] = round(weights / 2**30, 3)
     out["wall_s"] = round(time.perf_counter() - t0, 1)
     assert module.denoiser is not None
     offloader = getattr(module.denoiser, "_lora_offloader", None)
@@ -577,6 +635,7 @@ FAMILY_CLASSES = {
     "lightning_lora.families.SD15": "sd15",
     "lightning_lora.families.ZImage": "zimage",
     "lightning_lora.families.QwenImage": "qwenimage",
+    "lightning_lora.families.Flux2": "flux2",
 }
 """``model.family.class_path`` -> ``--family`` (also the classes' module paths, e.g. ``...families.flux.Flux``)."""
 
@@ -761,7 +820,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--devices", type=int, default=1, help="GPUs (DDP when more than one)")
     p.add_argument(
-        "--strategy", default="auto", help="auto / ddp: ours (LoraDDPStrategy); lightning-ddp: Lightning's own DDP"
+        "--strategy",
+        default="auto",
+        help="auto / ddp: ours (LoraDDPStrategy); lightning-ddp: Lightning's own DDP; fsdp2: the bf16 base sharded "
+        "over --devices GPUs (Lightning's ModelParallelStrategy + lightning_lora.sharding)",
     )
     p.add_argument("--loop", default="lightning", choices=["lightning", "bare"], help="bare: no Trainer (diagnosis)")
     p.add_argument("--profile", default="", help="write a torch.profiler summary of the timed steps to this file")

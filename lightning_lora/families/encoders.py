@@ -3,7 +3,9 @@
 
 FLUX.1 encodes with CLIP-L (123 M parameters, the pooled vector) and T5-XXL's encoder (4.76 B: ~8.9 GiB in bf16, the
 largest single thing many users load); SDXL with CLIP-L and OpenCLIP ViT-bigG (695 M); SD1.5 with CLIP-L; Qwen-Image
-with Qwen2.5-VL-7B (8.3 B with its vision tower, which text-only encoding never runs). Their
+with Qwen2.5-VL-7B (8.3 B with its vision tower, which text-only encoding never runs); FLUX.2 klein with Qwen3-4B / 8B
+(as causal LMs, language-model head included) and FLUX.2 dev with Mistral-Small-3.1-24B (24 B with its vision tower).
+Their
 ``config.json`` fields that decide the shapes ship here, so a plan of the shipped configs needs no download; a local
 folder's own configs are read instead. :func:`skeleton` builds one on the meta device (shapes, no memory).
 """
@@ -15,7 +17,17 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["CLIP_L", "OPENCLIP_BIGG", "QWEN25_VL_7B", "QWEN3_4B", "T5_XXL", "skeleton"]
+__all__ = [
+    "CLIP_L",
+    "MISTRAL_SMALL_31",
+    "OPENCLIP_BIGG",
+    "QWEN25_VL_7B",
+    "QWEN3_4B",
+    "QWEN3_4B_LM",
+    "QWEN3_8B_LM",
+    "T5_XXL",
+    "skeleton",
+]
 
 CLIP_L: dict[str, Any] = {
     "_class": "CLIPTextModel",
@@ -72,6 +84,60 @@ QWEN3_4B: dict[str, Any] = {
 }
 """Qwen3-4B without its language-model head (4.0 B parameters, 7.5 GiB in bf16): Z-Image's ``text_encoder``, loaded as
 ``Qwen3Model`` (the pipeline reads its second-to-last hidden states)."""
+
+QWEN3_4B_LM: dict[str, Any] = {**QWEN3_4B, "_class": "Qwen3ForCausalLM"}
+"""Qwen3-4B with its (tied) language-model head, as ``Qwen3ForCausalLM``: FLUX.2 klein 4B's ``text_encoder`` (the
+pipeline stacks the hidden states of layers 9, 18 and 27)."""
+
+QWEN3_8B_LM: dict[str, Any] = {
+    "_class": "Qwen3ForCausalLM",
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "max_position_embeddings": 40960,
+    "tie_word_embeddings": False,
+    "use_cache": False,
+}
+"""Qwen3-8B as ``Qwen3ForCausalLM`` (8.2 B parameters, 15.3 GiB in bf16): FLUX.2 klein 9B's ``text_encoder``."""
+
+MISTRAL_SMALL_31: dict[str, Any] = {
+    "_class": "Mistral3ForConditionalGeneration",
+    "hidden_size": 5120,  # the text model's (read by the planner for the caching activations)
+    "text_config": {
+        "model_type": "mistral",
+        "hidden_size": 5120,
+        "intermediate_size": 32768,
+        "num_hidden_layers": 40,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 131072,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-05,
+        "tie_word_embeddings": False,
+        "use_cache": False,
+    },
+    "vision_config": {
+        "model_type": "pixtral",
+        "hidden_size": 1024,
+        "intermediate_size": 4096,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 16,
+        "head_dim": 64,
+        "patch_size": 14,
+        "image_size": 1540,
+    },
+    "spatial_merge_size": 2,
+    "multimodal_projector_bias": False,
+    "projector_hidden_act": "gelu",
+    "tie_word_embeddings": False,
+}
+"""Mistral-Small-3.1-24B with its Pixtral vision tower (24 B parameters, ~45 GiB in bf16; the tower is loaded, never
+run): FLUX.2 dev's ``text_encoder`` (the pipeline stacks the hidden states of layers 10, 20 and 30)."""
 
 QWEN25_VL_7B: dict[str, Any] = {
     "_class": "Qwen2_5_VLForConditionalGeneration",

@@ -33,6 +33,7 @@ The modules
 * :mod:`.clients`: which layers of a file each of those loaders applies, by its key rules (export prints it).
 * :mod:`.bfl`: diffusers <-> Black Forest Labs names of the FLUX transformer (single-file checkpoints, kohya FLUX).
 * :mod:`.ldm`: diffusers <-> LDM/SGM names of a Stable Diffusion UNet (single-file checkpoints, kohya SDXL).
+* :mod:`.flux2`: diffusers <-> BFL names of the FLUX.2 transformer, and its ComfyUI LoRA layout.
 
 Which family writes which format
 --------------------------------
@@ -52,6 +53,9 @@ family     diffusers                                     kohya
 
 ``qwenimage`` writes both too: its diffusers file is ComfyUI's (ComfyUI builds Qwen-Image with diffusers' names); its
 kohya file is musubi-tuner's layout (diffusers names with ``_``), which ComfyUI and diffusers (plain LoRA) read.
+
+``flux2`` writes both: its diffusers file is what ``Flux2KleinPipeline.load_lora_weights`` reads; its kohya file is the
+ComfyUI layout (BFL names, q/k/v fused), which diffusers reads too (:mod:`.flux2`).
 
 A training run writes both by default (``<name>.safetensors`` and ``<name>.kohya.safetensors``).
 

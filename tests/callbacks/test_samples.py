@@ -1,6 +1,7 @@
-"""The sample images are what a user gets at inference: for FLUX, SDXL, SD1.5 and Z-Image, the image the SampleImages
-callback draws at the end of a fit equals the image of a *fresh* diffusers pipeline, loaded from the model folder, with
-the exported LoRA file loaded through ``load_lora_weights``, for the same prompt, seed and settings.
+"""The sample images are what a user gets at inference: for every family (FLUX, FLUX.2, SDXL, ...), the image the
+SampleImages callback draws at the end of a fit equals the image of a *fresh* diffusers pipeline, loaded from the
+model folder, with the exported LoRA file loaded through ``load_lora_weights``, for the same prompt, seed and
+settings.
 
 This covers the whole chain at once: cached prompt (and empty-prompt) embeddings vs. the pipeline's own text encoding,
 the family's sampling pipeline and scheduler vs. the one ``from_pretrained`` builds, classifier-free guidance
@@ -31,6 +32,8 @@ CASES = {
     "zimage": ("ZImage", {}, 4.0, {}),  # CFG (the base model's way): the cached empty prompt is the negative
     # Qwen-Image: true CFG with the empty prompt as the negative; cached embeddings cut back from their padded length
     "qwenimage": ("QwenImage", {"max_sequence_length": 64}, 4.0, {"true_cfg_scale": 4.0, "negative_prompt": ""}),
+    # FLUX.2 klein base: CFG with the empty prompt (its pipeline's own negative), every padded text position
+    "flux2": ("Flux2", {"max_sequence_length": 64}, 4.0, {"max_sequence_length": 64}),
 }
 
 

@@ -11,7 +11,8 @@ family's formats is applied by three witnesses:
   ``unet_to_diffusers``, attention only as ``unet.<...>.processor.to_q``; FLUX diffusers names via
   ``flux_to_diffusers``, each onto its row slice of the fused weight, ``norm_out.linear`` with the scale/shift swap;
   Z-Image diffusers names via ``z_image_to_diffusers``, q/k/v onto their rows of the original fused ``qkv``;
-  Qwen-Image, built with diffusers' names, under ``transformer.``, ``lycoris_`` and no prefix),
+  Qwen-Image, built with diffusers' names, under ``transformer.``, ``lycoris_`` and no prefix; FLUX.2, built with
+  BFL's names, through the generic ``lora_unet_`` / ``diffusion_model.`` map only),
   the suffixes ``load_lora`` reads, and the deltas of ``comfy/weight_adapter/lora.py``, ``loha.py``, ``lokr.py`` and
   ``base.py`` ``weight_decompose`` (``alpha / mat2.shape[0]``, no alpha -> 1, LoKr's ``dim``, DoRA by axis);
 * kohya's sd-scripts: :func:`kohya_apply`, ``networks/lora.py`` / ``networks/lora_flux.py``
@@ -60,6 +61,7 @@ from lightning_lora.formats.bfl import (
     swap_halves,
 )
 from lightning_lora.formats.clients import TOOLS
+from lightning_lora.formats.flux2 import diffusers_to_bfl as flux2_to_bfl
 from lightning_lora.formats.ldm import UNetLayout, diffusers_to_ldm
 from lightning_lora.formats.zimage import diffusers_to_original
 from lightning_lora.lora import LoraOptions, parse_key, peft_config, resolve_targets
@@ -145,7 +147,12 @@ def diffusers_apply(family: DiffusionFamily, base: torch.nn.Module, file: Path) 
             warnings.simplefilter("ignore")
             pipe.load_lora_weights(file)
     except (ValueError, KeyError) as e:
-        refusals = ("Invalid LoRA checkpoint", "not been correctly renamed", "should be empty at this point")
+        refusals = (
+            "Invalid LoRA checkpoint",
+            "not been correctly renamed",
+            "should be empty at this point",
+            "are not LyCORIS Flux2 LoKr keys",  # FLUX.2: a LoKr file with per-part and fused names
+        )
         if any(refusal in str(e) for refusal in refusals):
             return None
         raise
@@ -157,6 +164,10 @@ def diffusers_apply(family: DiffusionFamily, base: torch.nn.Module, file: Path) 
 
 def _is_flux(model: torch.nn.Module) -> bool:
     return type(model).__name__ == "FluxTransformer2DModel"
+
+
+def _is_flux2(model: torch.nn.Module) -> bool:
+    return type(model).__name__ == "Flux2Transformer2DModel"
 
 
 def _is_qwenimage(model: torch.nn.Module) -> bool:
@@ -203,6 +214,11 @@ def comfy_weights(base: torch.nn.Module) -> tuple[dict[str, torch.Tensor], Calla
         return {f"diffusion_model.{k}": v for k, v in sd.items()}, lambda s: {
             k.removeprefix("diffusion_model."): v for k, v in s.items()
         }
+    if _is_flux2(base):  # BFL's names; back through diffusers' own single-file converter
+        from diffusers.loaders.single_file_utils import convert_flux2_transformer_checkpoint_to_diffusers as back2
+
+        bfl2 = {f"diffusion_model.{k}": v for k, v in flux2_to_bfl(sd).items()}
+        return bfl2, lambda s: back2({k.removeprefix("diffusion_model."): v for k, v in s.items()})
     if _is_zimage(base):  # the original names; back through diffusers' own single-file converter
         from diffusers.loaders.single_file_utils import convert_z_image_transformer_checkpoint_to_diffusers as back
 
@@ -227,6 +243,8 @@ def comfy_key_map(base: torch.nn.Module, model_sd: Mapping[str, torch.Tensor]) -
             key_map[k[: -len(".weight")]] = k
     if _is_zimage(base):
         return {**key_map, **_zimage_key_map(base)}
+    if _is_flux2(base):  # no diffusers-name rules known for FLUX.2: the generic map only
+        return key_map
     if _is_qwenimage(base):  # comfy/lora.py: isinstance(model, QwenImage)
         for k in model_sd:
             if k.startswith("diffusion_model.") and k.endswith(".weight"):
@@ -362,7 +380,7 @@ def kohya_apply(
     weights (diffusers names) and the unexpected keys. ``ss_network_module: lycoris.kohya`` loads through LyCORIS."""
     if not any(k.startswith("lora_unet_") for k in lora):  # sd-scripts reads lora_unet_ names only
         return base_weights(base), set(lora)
-    if _is_qwenimage(base):  # sd-scripts has no Qwen-Image network (musubi-tuner trains it)
+    if _is_qwenimage(base) or _is_flux2(base):  # sd-scripts has no Qwen-Image or FLUX.2 network
         return base_weights(base), set(lora)
     model_sd, back = comfy_weights(base)  # sd-scripts builds the same modules: BFL, SGM; SD1.x in diffusers names
     flux = _is_flux(base)
@@ -691,9 +709,11 @@ def test_custom_targets_outside_the_blocks_are_named(bases: dict, tmp_path: Path
     """Layers outside the blocks load in ComfyUI, not in sd-scripts (nor, for FLUX kohya files, in diffusers), and
     export says which tool skips which layer."""
     family, base = bases[name]
-    outside = {"flux": ["x_embedder", "norm_out.linear"], "qwenimage": ["img_in", "norm_out.linear"]}.get(
-        name, ["conv_in", "time_embedding.linear_1"]
-    )
+    outside = {
+        "flux": ["x_embedder", "norm_out.linear"],
+        "flux2": ["x_embedder", "norm_out.linear"],
+        "qwenimage": ["img_in", "norm_out.linear"],
+    }.get(name, ["conv_in", "time_embedding.linear_1"])
     model, options = adapted(family, base, outside, "lora")
     state = get_peft_model_state_dict(model)
     coverage = file_coverage(state, family, "kohya")
@@ -703,7 +723,7 @@ def test_custom_targets_outside_the_blocks_are_named(bases: dict, tmp_path: Path
     assert "kohya does not load 2 layer(s) of k.safetensors" in notes
     path = export_lora(state, tmp_path / "k.safetensors", format="kohya", lora=options, family=family, info={})
     assert json.loads(read_metadata(path)["lightning_lora.loads_in"]) == (
-        ["ComfyUI"] if name == "flux" else ["diffusers", "ComfyUI"]
+        ["ComfyUI"] if name in ("flux", "flux2") else ["diffusers", "ComfyUI"]  # their converters drop norm_out
     )
 
 
@@ -745,7 +765,11 @@ def test_metadata_tools_read(bases: dict, tmp_path: Path, name: str) -> None:
         assert meta["lightning_lora.variant"] == "LoRA" and meta["lightning_lora.trigger"] == "sks dog"
     assert kohya["ss_output_name"] == "my-lora" and kohya["ss_network_dim"] == str(RANK)
     assert float(kohya["ss_network_alpha"]) == ALPHA
-    networks = {"flux": "networks.lora_flux", "qwenimage": "networks.lora_qwen_image"}  # musubi-tuner's for Qwen
+    networks = {  # musubi-tuner's for Qwen; FLUX.2 has none in sd-scripts (its names follow FLUX.1's network)
+        "flux": "networks.lora_flux",
+        "flux2": "networks.lora_flux2",
+        "qwenimage": "networks.lora_qwen_image",
+    }
     assert kohya["ss_network_module"] == networks.get(name, "networks.lora")
     args = json.loads(kohya.get("ss_network_args", "{}"))
     assert args == ({"conv_dim": str(RANK), "conv_alpha": str(ALPHA)} if preset == "locon" else {})
@@ -860,10 +884,10 @@ def test_a_run_warns_before_training_about_layers_no_file_brings_to_a_tool(bases
     assert callback.loads_in == {"diffusers": ["diffusers"], "kohya": ["diffusers", "ComfyUI"]}
 
 
-@pytest.mark.parametrize("name", ["zimage", "qwenimage"])
+@pytest.mark.parametrize("name", ["zimage", "qwenimage", "flux2"])
 def test_a_tool_without_support_for_the_family_is_no_warning(bases: dict, tmp_path: Path, name: str, caplog) -> None:
-    """sd-scripts has no Z-Image or Qwen-Image network: every run would warn that it loads nothing. That is a fact of
-    the family (logged once), not a warning about the run; the written files still say where they load."""
+    """sd-scripts has no Z-Image, Qwen-Image or FLUX.2 network: every run would warn that it loads nothing. That is a
+    fact of the family (logged once), not a warning about the run; the written files still say where they load."""
     family, base = bases[name]
     model, options = adapted(family, base, "attention", "lora")
     trainer, module = _stub_run(tmp_path, family, model, options)

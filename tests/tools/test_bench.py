@@ -24,6 +24,7 @@ import bench_suite  # noqa: E402
         ("flux", "lightning", 2, 0, "adamw"),
         ("zimage", "lightning", 0, 0, "adamw"),
         ("qwenimage", "lightning", 0, 1, "adamw8bit"),
+        ("flux2", "lightning", 0, 0, "adamw"),
     ],
 )
 def test_bench_runs_our_module_on_a_tiny_model(
@@ -222,3 +223,31 @@ def test_bench_runs_sd15_on_a_tiny_model() -> None:
     args.steps, args.warm, args.h, args.w, args.batch = 1, 1, 64, 64, 1
     out = bench.run(args)
     assert out["family"] == "sd15" and out["tlen"] == 77 and out["alpha"] == 8 and out["s_per_step"] > 0
+
+
+def test_bench_shards_a_bf16_base_with_fsdp2() -> None:
+    """``--strategy fsdp2`` on one CPU process (gloo): Lightning's ModelParallelStrategy with the base sharded by
+    lightning_lora.sharding over a mesh of one; the 2-process sharding itself is tests/test_sharding.py."""
+    import os
+
+    import torch
+    from helpers import DISTRIBUTED_ENV
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    argv = ["--family", "flux", "--rank", "4", "--h", "64", "--w", "64", "--tlen", "16", "--steps", "1", "--warm", "1"]
+    args = bench.parser().parse_args([*argv, "--opt", "adamw", "--tiny", "--strategy", "fsdp2"])
+    before = {name: os.environ.get(name) for name in DISTRIBUTED_ENV}  # Lightning sets them in this process
+    try:
+        out = bench.run(args)
+    finally:  # the one-process group would keep its port bound for the rest of the session
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    assert out["strategy"] == ModelParallelStrategy.__name__ and out["s_per_step"] > 0 and out["loss"] > 0
+    assert out["weights_GiB_per_device"] > 0
+    with pytest.raises(ValueError, match="--strategy fsdp2 shards a bf16 base: give --quant none"):
+        bench.run(bench.parser().parse_args([*argv, "--tiny", "--strategy", "fsdp2", "--quant", "nf4"]))

@@ -1,0 +1,480 @@
+"""The FLUX.2 family: its objective against the pipeline's own components (scheduler, packing, position ids, timestep
+convention), cached text and latents against the pipeline's, its timestep shift, LoRA presets and files, loading
+(folder, single files, hub id offline, the klein/dev variant), text-encoder quantization for caching, and the memory
+plan from the hub id with nothing downloaded.
+
+Model-level facts these tests pin (diffusers 0.42.1, ``pipelines/flux2/pipeline_flux2_klein.py``): the pipeline feeds
+the transformer ``t / 1000`` for a scheduler timestep ``t = 1000 sigma`` and steps with its output as the velocity;
+latents are the VAE's mean, patchified 2x2 and batch-normalised; captions are three Qwen3 layers' hidden states of the
+chat-templated prompt padded to ``max_sequence_length``, every position kept.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from diffusers import Flux2KleinPipeline, Flux2Transformer2DModel
+from peft.utils import get_peft_model_state_dict
+from safetensors.torch import load_file, save_file
+
+from lightning_lora.errors import ConfigError
+from lightning_lora.export import export_lora, read_lora_file, read_metadata
+from lightning_lora.families import Flux2, ModelSource
+from lightning_lora.families.flux2 import empirical_mu
+from lightning_lora.formats.flux2 import diffusers_to_bfl
+from lightning_lora.lora import LoraOptions, peft_config, resolve_targets
+
+PROMPT = "a photo of sks cat"
+HUB_ID = "black-forest-labs/FLUX.2-klein-4B"
+LENGTH = 32  # text tokens in these tests (the template is 13 of them)
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny_flux2_dir: Path) -> Flux2KleinPipeline:
+    """The pipeline's own components, loaded from the saved tiny folder."""
+    pipe = Flux2KleinPipeline.from_pretrained(tiny_flux2_dir)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _pixels(seed: int = 0, batch: int = 2) -> torch.Tensor:
+    return torch.rand(batch, 3, 32, 48, generator=torch.Generator().manual_seed(seed)) * 2 - 1
+
+
+# -- the objective -------------------------------------------------------------------------------------------------
+
+
+def test_loss_is_the_pipelines_own_flow_matching_objective(pipe: Flux2KleinPipeline) -> None:
+    """Noised by the pipeline's scheduler at two of its timesteps, packed and positioned by the pipeline's own
+    helpers, fed ``t / 1000`` as ``__call__`` does: its prediction against the velocity ``noise - x0`` is our loss,
+    per sample."""
+    family, scheduler = Flux2(max_sequence_length=LENGTH), pipe.scheduler
+    x0 = family.encode_images(pipe.vae, _pixels())
+    noise = torch.randn(x0.shape, generator=torch.Generator().manual_seed(1))
+    scheduler.set_timesteps(sigmas=[1.0, 0.75, 0.5, 0.25], mu=1.3)
+    t, sigmas = scheduler.timesteps[[1, 2]], scheduler.sigmas[[1, 2]]
+    with torch.no_grad():
+        noisy = torch.cat([scheduler.scale_noise(x0[i : i + 1], t[i : i + 1], noise[i : i + 1]) for i in range(2)])
+        embeds, txt_ids = pipe.encode_prompt([PROMPT, ""], max_sequence_length=LENGTH)
+
+        def predict(timestep: torch.Tensor) -> torch.Tensor:
+            return pipe.transformer(
+                hidden_states=pipe._pack_latents(noisy),
+                timestep=timestep,
+                guidance=None,
+                encoder_hidden_states=embeds,
+                txt_ids=txt_ids,
+                img_ids=pipe._prepare_latent_ids(noisy),
+                return_dict=False,
+            )[0]
+
+        target = pipe._pack_latents(noise - x0)
+        expected = (predict(t / 1000) - target).pow(2).mean(dim=(1, 2))
+        batch = {"latents": x0, **family.encode_prompts(pipe, [PROMPT, ""])}
+        loss = family.loss(pipe.transformer, batch, noise, sigmas)
+        # Other conventions give other numbers: the test can tell them apart.
+        wrong_time = (predict(t) - target).pow(2).mean(dim=(1, 2))  # the scheduler's timestep, not / 1000
+        wrong_sign = (predict(t / 1000) + target).pow(2).mean(dim=(1, 2))  # x0 - noise
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    assert (wrong_time - expected).abs().max() > 1e-3 and (wrong_sign - expected).abs().max() > 1e-2
+
+
+def test_the_velocity_target_steps_along_the_path(pipe: Flux2KleinPipeline) -> None:
+    """The scheduler's Euler step with ``noise - x0`` (our target) moves ``x_sigma`` exactly to ``x_sigma'``."""
+    scheduler = pipe.scheduler
+    x0 = Flux2().encode_images(pipe.vae, _pixels(1))
+    noise = torch.randn(x0.shape, generator=torch.Generator().manual_seed(2))
+    scheduler.set_timesteps(sigmas=[1.0, 0.75, 0.5, 0.25], mu=1.3)
+    t, t_next = scheduler.timesteps[1:2], scheduler.timesteps[2:3]
+    here = scheduler.scale_noise(x0, t, noise)
+    scheduler._step_index = None  # a fresh step from timestep t
+    stepped = scheduler.step(noise - x0, t, here, return_dict=False)[0]
+    torch.testing.assert_close(stepped, scheduler.scale_noise(x0, t_next, noise))
+
+
+def test_timesteps_follow_the_pipelines_shift() -> None:
+    """``empirical_mu`` is the pipeline's ``compute_empirical_mu``; ``flux2_shift`` moves the draw by ``exp(mu)`` of the
+    batch's image tokens (more for larger images, and for fewer inference steps); a fixed shift of 1 is the plain
+    logit-normal draw."""
+    from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
+
+    for tokens in (64, 1024, 4096, 4300, 4301, 16384):
+        for steps in (1, 4, 28, 50, 200):
+            assert empirical_mu(tokens, steps) == pytest.approx(compute_empirical_mu(tokens, steps), abs=1e-9)
+    small, large = (torch.zeros(1, 1, 1, 1).expand(4000, 128, side, side) for side in (32, 64))  # no memory
+    draw = lambda family, x: family.sample_timesteps(x, torch.Generator().manual_seed(0))  # noqa: E731
+    a, b = draw(Flux2(), small), draw(Flux2(), large)
+    assert b.mean() > a.mean() + 0.02
+    assert draw(Flux2(inference_steps=4), small).mean() > a.mean() + 0.01
+    plain = draw(Flux2(timestep_sampling="logit_normal"), small)
+    assert a.mean() > plain.mean() + 0.2
+    torch.testing.assert_close(draw(Flux2(shift=1.0), small), plain)
+    torch.testing.assert_close(draw(Flux2(shift=3.0), small), draw(Flux2(shift=3.0), large))
+
+
+def test_bad_options_name_the_option() -> None:
+    with pytest.raises(ConfigError, match=r"model\.family\.init_args\.shift"):
+        Flux2(shift=0.0)
+    with pytest.raises(ConfigError, match=r"model\.family\.init_args\.max_sequence_length"):
+        Flux2(max_sequence_length=8)
+    with pytest.raises(ConfigError, match=r"model\.family\.init_args\.variant"):
+        Flux2(variant="pro")  # type: ignore[arg-type]
+
+
+# -- text and images -----------------------------------------------------------------------------------------------
+
+
+def test_cached_text_is_the_pipelines(pipe: Flux2KleinPipeline) -> None:
+    """The cached embeddings are exactly the pipeline's ``encode_prompt`` (three stacked Qwen3 layers, every padded
+    position), and each prompt's alone."""
+    prompts = [PROMPT, "", "a close up portrait of a young woman in red"]
+    cached = Flux2(max_sequence_length=LENGTH).encode_prompts(pipe, prompts)
+    assert cached.keys() == {"prompt_embeds"}
+    assert cached["prompt_embeds"].shape == (3, LENGTH, 3 * pipe.text_encoder.config.hidden_size)
+    theirs, _ = pipe.encode_prompt(prompts, max_sequence_length=LENGTH)
+    torch.testing.assert_close(cached["prompt_embeds"], theirs)
+    alone = Flux2(max_sequence_length=LENGTH).encode_prompts(pipe, [prompts[2]])["prompt_embeds"]
+    torch.testing.assert_close(alone[0], theirs[2])
+
+
+def test_prompt_limit_counts_the_chat_template(pipe: Flux2KleinPipeline) -> None:
+    family = Flux2(max_sequence_length=64)  # the tiny vocabulary spells <think> out: a longer template than Qwen3's
+    limit = family.prompt_limit(pipe)
+    assert "Qwen3" in str(limit)
+    prompts = [" ".join(["cat"] * n) for n in range(limit.tokens - 1, limit.tokens + 2)]
+    templated = [
+        pipe.tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True, enable_thinking=False
+        )
+        for p in prompts
+    ]
+    cut = [len(ids) > 64 for ids in pipe.tokenizer(templated).input_ids]
+    assert limit.truncated(prompts) == cut == [False, False, True]
+
+
+def test_latents_are_the_pipelines(pipe: Flux2KleinPipeline) -> None:
+    """Our latents are the pipeline's ``_encode_vae_image`` (mean, patchified, batch-normalised), and its decoding path
+    (de-normalise, unpatchify) gives back the VAE's own posterior mean."""
+    pixels = _pixels(3, batch=1)
+    latents = Flux2().encode_images(pipe.vae, pixels)
+    assert latents.shape == (1, 4 * pipe.vae.config.latent_channels, 2, 3) and latents.dtype == torch.float32
+    with torch.no_grad():
+        torch.testing.assert_close(latents, pipe._encode_vae_image(pixels, generator=None))
+        z = pipe.vae.encode(pixels).latent_dist.mode()
+    bn = pipe.vae.bn
+    assert bn.running_mean.abs().max() > 0.1  # the tiny VAE's statistics are not the identity
+    denormalized = latents * torch.sqrt(bn.running_var.view(1, -1, 1, 1) + pipe.vae.config.batch_norm_eps)
+    denormalized = denormalized + bn.running_mean.view(1, -1, 1, 1)
+    torch.testing.assert_close(pipe._unpatchify_latents(denormalized), z)
+
+
+def test_text_encoder_in_fp8_and_nf4_for_caching(tiny_flux2_dir: Path, tmp_path: Path) -> None:
+    """``data.text_encoder_quantization``: Qwen3's linear layers stored in FP8 / NF4 while caching, the embeddings close
+    to the plain ones, under keys of their own."""
+    import bitsandbytes as bnb
+
+    from lightning_lora.data.cache import LatentCache, quantize_text_encoders
+    from lightning_lora.quant.fp8 import FP8Linear
+
+    family, source = Flux2(max_sequence_length=LENGTH), ModelSource(str(tiny_flux2_dir), dtype=torch.float32)
+    plain = LatentCache(tmp_path, family, source)
+    plain.encode_texts([PROMPT], torch.device("cpu"))
+    reference = plain.load_text(plain.text_key(PROMPT))["prompt_embeds"]
+    for mode, kind, tolerance in (("fp8", FP8Linear, 0.1), ("nf4", bnb.nn.Linear4bit, 0.3)):
+        cache = LatentCache(tmp_path, family, source, text_encoder_quantization=mode)
+        assert cache.text_key(PROMPT) != plain.text_key(PROMPT)
+        encoders = family.load_text_encoders(source)
+        swapped = quantize_text_encoders(encoders, family.text_encoders, mode, torch.device("cpu"), torch.float32)
+        linears = [m for m in encoders.text_encoder.modules() if isinstance(m, kind)]
+        assert swapped == len(linears) >= 7 * encoders.text_encoder.config.num_hidden_layers
+        cache.encode_texts([PROMPT], torch.device("cpu"))
+        got = cache.load_text(cache.text_key(PROMPT))["prompt_embeds"]
+        assert not torch.equal(got, reference) and (got - reference).norm() < tolerance * reference.norm(), mode
+
+
+def test_the_text_cache_key_covers_length_and_variant(tiny_flux2_dir: Path, tmp_path: Path) -> None:
+    from lightning_lora.data.cache import LatentCache
+
+    source = ModelSource(str(tiny_flux2_dir))
+    families = [Flux2(max_sequence_length=64), Flux2(max_sequence_length=512), Flux2(variant="dev")]
+    assert len({LatentCache(tmp_path, f, source).text_key(PROMPT) for f in families}) == 3
+
+
+# -- LoRA ----------------------------------------------------------------------------------------------------------
+
+
+def _linear_names(model: torch.nn.Module) -> set[str]:
+    return {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+
+
+def test_lora_presets(pipe: Flux2KleinPipeline) -> None:
+    names = _linear_names(pipe.transformer)
+
+    def matches(preset: str) -> set[str]:
+        return {n for n in names if re.fullmatch(Flux2.lora_presets[preset], n)}
+
+    double = [f"transformer_blocks.{i}" for i in range(2)]
+    single = {f"single_transformer_blocks.{i}.attn.{p}" for i in range(2) for p in ("to_qkv_mlp_proj", "to_out")}
+    image = {f"{b}.attn.{p}" for b in double for p in ("to_q", "to_k", "to_v", "to_out.0")}
+    text = {f"{b}.attn.{p}" for b in double for p in ("add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")}
+    mlp = {f"{b}.{ff}.{p}" for b in double for ff in ("ff", "ff_context") for p in ("linear_in", "linear_out")}
+    assert image | text | mlp | single <= names
+    assert matches("attention") == image | single
+    assert matches("attention_all") == image | text | single
+    assert matches("all_linear") == image | text | mlp | single
+    assert not any("modulation" in n or "embed" in n for n in matches("all_linear"))
+
+
+def _adapted(pipe: Flux2KleinPipeline, targets: str | list[str]) -> tuple[torch.nn.Module, LoraOptions]:
+    family = Flux2()
+    model = Flux2Transformer2DModel.from_config(pipe.transformer.config)
+    model.load_state_dict(pipe.transformer.state_dict())
+    options = LoraOptions(rank=4, alpha=2.0, targets=targets)
+    model.add_adapter(peft_config(options, resolve_targets(targets, family, model)))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(0.3 * torch.randn(p.shape, generator=generator))
+    return model.eval(), options
+
+
+def _inputs(model: torch.nn.Module) -> dict[str, object]:
+    from lightning_lora.families.flux2 import image_ids, text_ids
+
+    g = torch.Generator().manual_seed(4)
+    return {
+        "hidden_states": torch.randn(1, 6, model.config.in_channels, generator=g),
+        "encoder_hidden_states": torch.randn(1, 5, model.config.joint_attention_dim, generator=g),
+        "timestep": torch.tensor([0.3]),
+        "img_ids": image_ids(2, 3),
+        "txt_ids": text_ids(5),
+        "return_dict": False,
+    }
+
+
+def test_the_diffusers_file_loads_with_no_key_left_over(
+    pipe: Flux2KleinPipeline, tiny_flux2_dir: Path, tmp_path: Path
+) -> None:
+    """``Flux2KleinPipeline.load_lora_weights`` puts every tensor of the file into the transformer's adapter (nothing
+    unexpected, nothing missing), the scale folded so that the model computes what was trained; the file carries its
+    ModelSpec and is read back as FLUX.2 even without our metadata."""
+    family = Flux2()
+    model, options = _adapted(pipe, "all_linear")
+    state = get_peft_model_state_dict(model)
+    path = export_lora(state, tmp_path / "f.safetensors", format="diffusers", lora=options, family=family, info={})
+    tensors = load_file(path)
+    assert all(k.startswith("transformer.") for k in tensors)
+    fresh = Flux2KleinPipeline.from_pretrained(tiny_flux2_dir)
+    fresh.load_lora_weights(path, adapter_name="f")
+    loaded = {n: p for n, p in fresh.transformer.named_parameters() if ".lora_" in n}
+    assert len(loaded) == len(tensors)
+    for key, tensor in tensors.items():
+        module, ab, _ = key.removeprefix("transformer.").rsplit(".", 2)
+        torch.testing.assert_close(loaded[f"{module}.{ab}.f.weight"], tensor)
+    with torch.no_grad():
+        torch.testing.assert_close(fresh.transformer(**_inputs(model))[0], model(**_inputs(model))[0])
+    meta = read_metadata(path)
+    assert meta["modelspec.architecture"] == "flux-2/lora"
+    assert json.loads(meta["lightning_lora.loads_in"]) == ["diffusers"]
+    bare = tmp_path / "bare.safetensors"
+    save_file(tensors, bare)  # the tensors, no metadata
+    assert read_lora_file(bare).family.name == "flux2"
+
+
+def test_the_comfyui_file_round_trips(pipe: Flux2KleinPipeline, tiny_flux2_dir: Path, tmp_path: Path) -> None:
+    """The ComfyUI layout (``lora_unet_<BFL module>``, q/k/v fused block-diagonally): applied to BFL's weights by
+    ComfyUI's rule (the generic ``lora_unet_`` map, ``up @ down * alpha / rank``) and converted back by diffusers' own
+    single-file converter, it is the trained model; diffusers' ``load_lora_weights`` reads the same file to the same
+    model; and converting it to the diffusers layout and back gives the same file."""
+    from diffusers.loaders.single_file_utils import convert_flux2_transformer_checkpoint_to_diffusers as to_diffusers
+
+    from lightning_lora.export import convert_lora_file
+
+    family = Flux2()
+    model, options = _adapted(pipe, "all_linear")
+    state = get_peft_model_state_dict(model)
+    path = export_lora(state, tmp_path / "c.kohya.safetensors", format="kohya", lora=options, family=family, info={})
+    lora = load_file(path)
+    assert "lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight" in lora
+    assert json.loads(read_metadata(path)["lightning_lora.loads_in"]) == ["diffusers", "ComfyUI"]
+    merged = {k: v for k, v in _merged(model).items()}
+    bfl = diffusers_to_bfl(pipe.transformer.state_dict())
+    for key in {k.rsplit(".", 2)[0] for k in lora}:
+        down, up = lora[f"{key}.lora_down.weight"], lora[f"{key}.lora_up.weight"]
+        weight = f"{key.removeprefix('lora_unet_')}".replace("_", ".")
+        target = next(k for k in bfl if k.replace("_", ".") == f"{weight}.weight")
+        bfl[target] = bfl[target] + up @ down * (float(lora[f"{key}.alpha"]) / down.shape[0])
+    comfy = to_diffusers(dict(bfl))
+    assert comfy.keys() == merged.keys()
+    for key, value in merged.items():
+        torch.testing.assert_close(comfy[key], value, atol=1e-5, rtol=1e-4, msg=key)
+    fresh = Flux2KleinPipeline.from_pretrained(tiny_flux2_dir)
+    fresh.load_lora_weights(path)
+    with torch.no_grad():
+        torch.testing.assert_close(fresh.transformer(**_inputs(model))[0], model(**_inputs(model))[0])
+    as_diffusers = convert_lora_file(path, tmp_path / "d.safetensors", format="diffusers")
+    again = load_file(convert_lora_file(as_diffusers, tmp_path / "e.kohya.safetensors", format="kohya"))
+    assert again.keys() == lora.keys()
+
+    def delta(tensors: dict[str, torch.Tensor], key: str) -> torch.Tensor:
+        down, up = tensors[f"{key}.lora_down.weight"], tensors[f"{key}.lora_up.weight"]
+        return up @ down * (float(tensors[f"{key}.alpha"]) / down.shape[0])
+
+    for key in {k.rsplit(".", 2)[0] for k in lora}:
+        torch.testing.assert_close(delta(again, key), delta(lora, key), atol=1e-6, rtol=1e-5, msg=key)
+
+
+def _merged(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    import copy
+
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    model = copy.deepcopy(model)
+    for module in model.modules():
+        if isinstance(module, BaseTunerLayer):
+            module.merge()
+    out = {}
+    for key, value in model.state_dict().items():
+        if "lora_" in key:
+            continue
+        out[key.replace(".base_layer.", ".")] = value
+    return out
+
+
+# -- memory options ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_offloading_and_checkpointing_train_the_same_gradients(
+    pipe: Flux2KleinPipeline, tiny_flux2_dir: Path, checkpointing: bool
+) -> None:
+    """``model.offload_blocks`` / ``gradient_checkpointing`` on the double and single blocks (``_repeated_blocks``, in
+    the order they run): the gradients of two steps of our loss are the plain model's."""
+    from helpers import build_tiny
+
+    from lightning_lora.offload import repeated_blocks
+
+    family = Flux2(max_sequence_length=LENGTH)
+    x0 = family.encode_images(pipe.vae, _pixels())
+    batch = {"latents": x0, **family.encode_prompts(pipe, [PROMPT, "a rocket"])}
+
+    def grads(model: torch.nn.Module) -> list[dict[str, torch.Tensor]]:
+        out = []
+        for seed in (1, 3):
+            model.zero_grad()
+            g = torch.Generator().manual_seed(seed)
+            family.loss(model, batch, family.sample_noise(x0, g), family.sample_timesteps(x0, g)).mean().backward()
+            out.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
+        return out
+
+    plain = grads(build_tiny(tiny_flux2_dir, 0, checkpointing, family=family))
+    model = build_tiny(tiny_flux2_dir, 3, checkpointing, family=family)
+    assert len(repeated_blocks(model)) == 4  # 2 double, 2 single blocks
+    for before, after in zip(plain, grads(model), strict=True):
+        assert before.keys() == after.keys()
+        for name, grad in before.items():
+            assert grad.abs().max() > 0, name
+            torch.testing.assert_close(after[name], grad)
+    assert model._lora_offloader.loads == (2 * 3 - 1) + (2 * 3 - 2)  # in the order they run: no extra copies
+
+
+# -- the tiny pipeline ---------------------------------------------------------------------------------------------
+
+
+def test_the_tiny_pipeline_is_deterministic_and_reads_the_real_layers() -> None:
+    from lightning_lora.tiny_flux2 import build_tiny_flux2
+
+    a, b = build_tiny_flux2(seed=0), build_tiny_flux2(seed=0)
+    for name in ("transformer", "text_encoder", "vae"):
+        sa, sb = getattr(a, name).state_dict(), getattr(b, name).state_dict()
+        assert all(torch.equal(sa[k], sb[k]) for k in sa), name
+    # The pipeline's default layers (9, 18, 27) exist, and 27 is not the normed last one.
+    assert a.text_encoder.config.num_hidden_layers > 27
+    assert a.transformer.config.joint_attention_dim == 3 * a.text_encoder.config.hidden_size
+
+
+# -- loading -------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["bfl", "comfy", "diffusers"])
+def test_single_file_transformer(tmp_path: Path, tiny_flux2_dir: Path, layout: str) -> None:
+    """The single files people download (BFL's names, ComfyUI's ``model.diffusion_model.`` prefix) and a file in
+    diffusers' names load through diffusers' ``from_single_file``, the rest of the pipeline from the folder."""
+    reference = Flux2Transformer2DModel.from_pretrained(tiny_flux2_dir, subfolder="transformer").state_dict()
+    weights = {
+        "bfl": lambda: diffusers_to_bfl(reference),
+        "comfy": lambda: diffusers_to_bfl(reference, prefix="model.diffusion_model."),
+        "diffusers": lambda: reference,
+    }[layout]()
+    file = tmp_path / "flux-2-klein-4b.safetensors"
+    save_file({k: v.contiguous() + 0.5 for k, v in weights.items()}, file)  # the file's weights, not the folder's
+    source = ModelSource(str(tiny_flux2_dir), denoiser_file=str(file), dtype=torch.float32)
+    Flux2().check_source(source)
+    loaded = Flux2().load_denoiser(source).state_dict()
+    assert loaded.keys() == reference.keys()
+    for key, value in loaded.items():
+        torch.testing.assert_close(value, reference[key] + 0.5, msg=key)
+
+
+def test_local_folder_wrong_family_and_wrong_variant(tiny_flux2_dir: Path, tiny_flux_dir: Path, tmp_path: Path) -> None:
+    family, source = Flux2(), ModelSource(str(tiny_flux2_dir), dtype=torch.float32)
+    family.check_source(source)
+    denoiser = family.load_denoiser(source)
+    assert not any(p.requires_grad for p in denoiser.parameters()) and not denoiser.training
+    encoders = family.load_text_encoders(source)
+    assert not encoders.text_encoder.training and encoders.tokenizer.chat_template
+    assert not family.is_distilled(source)
+    with pytest.raises(ConfigError, match=r"model\.pretrained: .* holds a FluxPipeline pipeline.*Flux2KleinPipeline"):
+        family.check_source(ModelSource(str(tiny_flux_dir)))
+    dev = tmp_path / "FLUX.2-dev"
+    dev.mkdir()
+    (dev / "model_index.json").write_text(json.dumps({"_class_name": "Flux2Pipeline"}))
+    with pytest.raises(ConfigError, match=r"holds a Flux2Pipeline.*variant: dev"):
+        family.check_source(ModelSource(str(dev)))
+    Flux2(variant="dev").check_source(ModelSource(str(dev)))
+    with pytest.raises(ConfigError, match=r"variant: .*FLUX.2-dev is FLUX.2 dev, not klein; set variant: dev"):
+        family.check_source(ModelSource("black-forest-labs/FLUX.2-dev"))
+
+
+def test_hub_id_offline_fails_with_a_clear_message(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    source = ModelSource(HUB_ID)
+    Flux2().check_source(source)  # a hub id is accepted before anything is loaded
+    with pytest.raises(ConfigError, match=r"model\.pretrained.*FLUX\.2-klein-4B.*offline"):
+        Flux2().load_text_encoders(source)
+    base = ModelSource(HUB_ID.replace("klein-", "klein-base-"))
+    assert Flux2().is_distilled(source) and not Flux2().is_distilled(base)
+
+
+# -- memory plan ---------------------------------------------------------------------------------------------------
+
+
+def test_the_hub_model_plans_with_nothing_downloaded_like_its_local_configs(tmp_path: Path) -> None:
+    """``plan`` on the hub id needs no file (the real configs ship with the family) and gives the same plan as a local
+    folder holding those configs; the sizes are the real model's: 3.88 B transformer, 4.02 B Qwen3-4B encoder."""
+    from lightning_lora.families.encoders import QWEN3_4B_LM
+    from lightning_lora.plan import caching_peaks, plan_for
+    from lightning_lora.recipe import ModelRecipe
+
+    folder = tmp_path / "FLUX.2-klein-4B"
+    (folder / "transformer").mkdir(parents=True)
+    (folder / "text_encoder").mkdir()
+    (folder / "model_index.json").write_text(json.dumps({"_class_name": "Flux2KleinPipeline"}))
+    (folder / "transformer" / "config.json").write_text(json.dumps(Flux2.known_denoisers[HUB_ID]))
+    encoder = {"architectures": [QWEN3_4B_LM["_class"]], **{k: v for k, v in QWEN3_4B_LM.items() if k != "_class"}}
+    (folder / "text_encoder" / "config.json").write_text(json.dumps(encoder))
+    data = SimpleNamespace(resolution=512, batch_size=1)
+    hub = ModelRecipe(Flux2(), ModelSource(HUB_ID), LoraOptions(rank=8), gradient_checkpointing=True)
+    from_hub = plan_for(hub, data)
+    assert from_hub == plan_for(hub.replace(source=ModelSource(str(folder))), data)
+    assert from_hub.weights * 2**30 / 2 == pytest.approx(3.876e9, rel=2e-3)  # bf16: 2 bytes a parameter
+    text = {mode: caching_peaks(hub, mode, 4, 1024)[0] for mode in ("none", "nf4")}
+    assert text["nf4"] < 0.5 * text["none"]
+    dev = ModelRecipe(Flux2(variant="dev"), ModelSource("black-forest-labs/FLUX.2-dev"), LoraOptions(rank=8))
+    assert plan_for(dev, data).weights * 2**30 / 2 == pytest.approx(32.2e9, rel=0.02)
