@@ -15,7 +15,10 @@ __version__ = "0.1.0"
 _PUBLIC = {
     "LoraModule": "lightning_lora.module",
     "LoraOptions": "lightning_lora.lora",
-    "QuantOptions": "lightning_lora.quant",
+    "BF16": "lightning_lora.precision",
+    "FP8": "lightning_lora.precision",
+    "FP8Compute": "lightning_lora.precision",
+    "NF4": "lightning_lora.precision",
     "LatentDataModule": "lightning_lora.data.datamodule",
     "Flux": "lightning_lora.families",
     "SDXL": "lightning_lora.families",

@@ -4,8 +4,8 @@ inject LoRA with peft, prepare it for training.
 The order matters and is fixed here, once:
 
 1. load the denoiser (transformer / UNet) in the base dtype, frozen (``requires_grad_(False)``);
-2. (quantize the base, when a quantized precision is chosen: before LoRA, so peft wraps the quantized layers and the
-   adapters themselves stay unquantized);
+2. quantize the base, when the precision plugin is a quantized format: before LoRA, so peft wraps the quantized
+   layers and the adapters themselves stay unquantized;
 3. inject LoRA with peft (``add_adapter``): only ``lora_A`` / ``lora_B`` require gradients;
 4. keep the LoRA parameters in float32 even when the base is bf16: the updates of a rank-16 adapter are tiny and
    would be rounded away in bf16 (diffusers' ``cast_training_params`` does the same); autocast runs the matmuls in
@@ -32,7 +32,6 @@ from lightning_lora.families.base import DiffusersModel
 from lightning_lora.hardware import check_attention
 from lightning_lora.lora import inject_lora, trainable_parameters
 from lightning_lora.offload import offload_blocks, offloaded_blocks, repeated_blocks
-from lightning_lora.quant import quantize_base
 from lightning_lora.recipe import AttentionBackend, ModelRecipe
 from lightning_lora.recompute import InputOffloader, checkpoint_function, recomputed
 
@@ -53,7 +52,7 @@ def build_lora_model(recipe: ModelRecipe, device: torch.device | None = None) ->
     offloaded = offloaded_blocks(denoiser, recipe.offload_blocks)  # the same modules after quantization and LoRA
     # The blocks to offload are quantized on the CPU, where they will stay: the GPU never holds them all.
     on_cpu = frozenset(id(m) for block in offloaded for m in block.modules())
-    quantize_base(denoiser, recipe.quantization, device, source.dtype, on_cpu)
+    recipe.precision.quantize(denoiser, device, on_cpu)
     inject_lora(denoiser, family, recipe.lora)
     for p in trainable_parameters(denoiser):
         p.data = p.data.to(torch.float32)

@@ -16,11 +16,11 @@ What differs for this trainer, and what happens on ROCm:
 * ``model.attention: xformers``: refused (xformers publishes no ROCm kernels); ``auto`` uses PyTorch SDPA, which
   has flash and memory-efficient kernels on ROCm.
 * ``model.attention: cudnn``: refused (cuDNN is NVIDIA's library).
-* ``model.quantization.mode: fp8_compute``: FP8 matmuls on gfx94x / gfx95x (MI300, MI350), as on CUDA 8.9+;
+* ``lightning_lora.precision.FP8Compute``: FP8 matmuls on gfx94x / gfx95x (MI300, MI350), as on CUDA 8.9+;
   on other cards it falls back to ``fp8`` storage with a warning, the same as on an Ampere card. MI300 multiplies
   ``float8_e4m3fnuz`` (largest value 240), not the OCP ``float8_e4m3fn`` (448) of NVIDIA and MI350: the FP8 weights
   are quantized in the device's format (:func:`fp8_dtype`).
-* ``model.quantization.mode: nf4``: bitsandbytes' ROCm build; if it does not import, the error names the extra.
+* ``lightning_lora.precision.NF4``: bitsandbytes' ROCm build; if it does not import, the error names the extra.
 
 Everything else (bf16, FP8 storage, SDPA flash / memory-efficient / math, DDP over RCCL) is the same code on both.
 The functions here only read torch's answers, so tests can fake a HIP build by patching ``torch.version.hip`` and

@@ -26,7 +26,6 @@ import torch
 from jsonargparse import lazy_instance
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
-from lightning.pytorch.plugins.precision import MixedPrecision
 from typing_extensions import override
 
 from lightning_lora.assembly import build_lora_model
@@ -35,12 +34,10 @@ from lightning_lora.errors import ConfigError
 from lightning_lora.families.base import DiffusionFamily, ModelSource
 from lightning_lora.families.flux import Flux
 from lightning_lora.lora import LoraOptions, set_lora_input_casts, trainable_parameters
-from lightning_lora.quant import QuantOptions
-from lightning_lora.recipe import AttentionBackend, ModelRecipe, check_trainer_precision
+from lightning_lora.precision import BasePrecision, precision_of
+from lightning_lora.recipe import AttentionBackend, ModelRecipe
 
-__all__ = ["DTYPES", "LoraModule", "primitive_hparams"]
-
-DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+__all__ = ["LoraModule", "primitive_hparams"]
 
 
 def _default_optimizer(params: Any) -> torch.optim.Optimizer:
@@ -57,9 +54,6 @@ class LoraModule(LightningModule):
             ``flux1-dev.safetensors`` downloaded for ComfyUI).
         revision: hub revision of ``pretrained``.
         lora: LoRA rank, alpha, targets, dropout, init.
-        base_dtype: dtype of the frozen base weights (and the compute dtype of quantized layers). LoRA parameters
-            are always float32.
-        quantization: store the base's linear layers in NF4 or FP8 (see :class:`QuantOptions`).
         gradient_checkpointing: recompute block activations in the backward pass (less memory, ~30% slower).
         checkpoint_every: with ``gradient_checkpointing``, recompute one in N repeated blocks (FLUX's transformer
             blocks, the UNet's attention blocks) and keep the others' activations: 1 (every block) saves the most;
@@ -77,7 +71,8 @@ class LoraModule(LightningModule):
             recomputation in pinned CPU memory instead of on the GPU (copied out while the forward goes on, back
             when the backward reaches the block): FLUX at 512x768 keeps 0.67 GiB less on the GPU. Any base, NF4 too.
         memory: ``auto``: when ``fit`` starts, measure the GPU's free memory and take the fastest settings the memory
-            planner says fit: gradient checkpointing, checkpointed inputs in CPU memory, an FP8 or NF4 base,
+            planner says fit: gradient checkpointing, checkpointed inputs in CPU memory, an FP8 or NF4 base (the
+            precision plugin),
             offloaded blocks (never a smaller batch or image: that would be another training). The choice is printed,
             written into the run's config.yaml and kept by a resume. A number: the same for that many GiB.
             ``as_configured``: the options as written.
@@ -94,8 +89,6 @@ class LoraModule(LightningModule):
         denoiser_file: str | None = None,
         revision: str | None = None,
         lora: LoraOptions = LoraOptions(),
-        base_dtype: Literal["bf16", "fp16", "fp32"] = "bf16",
-        quantization: QuantOptions = QuantOptions(),
         gradient_checkpointing: bool = False,
         checkpoint_every: int = 1,
         attention: AttentionBackend = "auto",
@@ -108,13 +101,13 @@ class LoraModule(LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["optimizer", "scheduler"])
-        source = ModelSource(pretrained, denoiser_file, revision, DTYPES[base_dtype])
-        #: Everything that decides how the model is built, checked once (lightning_lora.recipe).
+        source = ModelSource(pretrained, denoiser_file, revision)
+        #: Everything that decides how the model is built, checked once (lightning_lora.recipe). The base format is
+        #: the trainer's precision plugin: BF16 until ``fit`` starts (:meth:`use_precision`).
         self.recipe = ModelRecipe(
             family=family,
             source=source,
             lora=lora,
-            quantization=quantization,
             gradient_checkpointing=gradient_checkpointing,
             checkpoint_every=checkpoint_every,
             attention=attention,
@@ -122,6 +115,7 @@ class LoraModule(LightningModule):
             offload_blocks=offload_blocks,
             offload_activations=offload_activations,
         )
+        self.hparams["precision"] = self.recipe.precision.spec()
         if not isinstance(memory, str) and memory <= 0:
             raise ConfigError(f"model.memory: {memory} GiB must be positive (or auto, or as_configured).")
         self.memory = memory
@@ -158,7 +152,17 @@ class LoraModule(LightningModule):
         self.memory_settings = dict(settings)
         for name in ("gradient_checkpointing", "checkpoint_every", "offload_activations", "offload_blocks"):
             self.hparams[name] = getattr(self.recipe, name)
-        self.hparams["quantization"] = self.recipe.quantization
+        self.hparams["precision"] = self.recipe.precision.spec()
+
+    def use_precision(self, precision: BasePrecision) -> None:
+        """Build the base in ``precision``'s format (the trainer's plugin: ``fit`` calls this when it starts, and
+        :meth:`setup` for a Trainer made in Python). A :class:`ConfigError` if the model options cannot go with it."""
+        if precision is self.recipe.precision:
+            return
+        if self.denoiser is not None and precision != self.recipe.precision:
+            raise RuntimeError(f"the model is built in {self.recipe.precision!r} already; {precision!r} comes too late")
+        self.recipe = self.recipe.with_precision(precision)
+        self.hparams["precision"] = precision.spec()
 
     @property
     def optimizer_name(self) -> str:
@@ -170,8 +174,11 @@ class LoraModule(LightningModule):
     # -- model -------------------------------------------------------------------------------------------------
     @override
     def setup(self, stage: str) -> None:
-        """Before any weight loads: refuse a trainer precision that would cast the LoRA."""
-        check_trainer_precision(self.trainer.precision)
+        """Before any weight loads: take the trainer's base format (a trainer precision that would cast the LoRA is
+        refused), and autocast on the trainer's device."""
+        precision = precision_of(self.trainer)
+        precision.bind(self.trainer.strategy.root_device)
+        self.use_precision(precision)
 
     @override
     def configure_model(self) -> None:
@@ -179,8 +186,8 @@ class LoraModule(LightningModule):
             self.build(torch.device("cpu"))
             return
         denoiser = self.build(self.trainer.strategy.root_device)
-        # Under a mixed-precision plugin every forward (training, samples, evaluation) runs under autocast.
-        set_lora_input_casts(denoiser, enabled=not isinstance(self.trainer.precision_plugin, MixedPrecision))
+        # Under autocast (every forward: training, samples, evaluation) the LoRA layers need no input casts.
+        set_lora_input_casts(denoiser, enabled=not self.recipe.precision.autocasts)
 
     def build(self, device: torch.device) -> torch.nn.Module:
         """Load the backbone on ``device`` and inject LoRA, once (``configure_model`` calls this with the trainer's

@@ -35,20 +35,20 @@ def check_strategy(strategy: Strategy, recipe: ModelRecipe) -> None:
     if not isinstance(strategy, SHARDING_STRATEGIES):
         return
     name = type(strategy).__name__
-    quantization_mode, offload_blocks = recipe.quantization.mode, recipe.offload_blocks
+    offload_blocks = recipe.offload_blocks
     if offload_blocks:
         raise ConfigError(
             f"trainer.strategy: {name} shards the base model's weights, which does not work with "
             f"model.offload_blocks: {offload_blocks} (offloading swaps the weights of whole blocks in and out). Use "
             "trainer.strategy: ddp, or model.offload_blocks: 0 to shard the base."
         )
-    if quantization_mode == "none":
+    if recipe.precision.shardable:
         return
     raise ConfigError(
-        f"trainer.strategy: {name} shards the base model's weights, which does not work with "
-        f"model.quantization.mode: {quantization_mode} (quantized weights cannot be flattened into shards). "
+        f"trainer.strategy: {name} shards the base model's weights, which does not work with the "
+        f"trainer.plugins: {type(recipe.precision).__name__} base (quantized weights cannot be flattened into shards). "
         "Use trainer.strategy: ddp (every GPU keeps its own quantized copy; only the LoRA gradients are "
-        "synchronized), or model.quantization.mode: none with a bf16 base to shard it."
+        "synchronized), or the lightning_lora.precision.BF16 plugin to shard a bf16 base."
     )
 
 

@@ -21,7 +21,6 @@ Sampling needs the frozen weights, the VAE and one forward pass's largest interm
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -33,8 +32,7 @@ from torch import nn
 
 from lightning_lora.errors import ConfigError
 from lightning_lora.offload import offloaded_blocks
-from lightning_lora.quant import QuantOptions
-from lightning_lora.quant.options import linear_layers
+from lightning_lora.precision import BF16, FP8, NF4, BasePrecision, text_encoder_precision
 from lightning_lora.recipe import ModelRecipe
 
 __all__ = [
@@ -47,7 +45,6 @@ __all__ = [
     "fitting_changes",
     "optimizer_name",
     "plan_for",
-    "module_weight_bytes",
     "offloaded_weight_bytes",
     "optimizer_bytes_per_param",
     "plan_training",
@@ -149,50 +146,17 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
-def weight_bytes(model: nn.Module, quantization: QuantOptions, dtype: torch.dtype) -> float:
-    """Bytes of the frozen base in its storage format (``model`` may live on the meta device)."""
-    return sum(module_weight_bytes(model, quantization, dtype).values())
+def weight_bytes(model: nn.Module, precision: BasePrecision) -> float:
+    """Bytes of the frozen base in ``precision``'s format (``model`` may live on the meta device)."""
+    return sum(precision.module_weight_bytes(model).values())
 
 
-def module_weight_bytes(model: nn.Module, quantization: QuantOptions, dtype: torch.dtype) -> dict[int, float]:
-    """Bytes of each module's own frozen tensors in their storage format, by ``id(module)``."""
-    base = 2 if dtype in (torch.bfloat16, torch.float16) else 4
-    quantized: dict[int, nn.Linear] = {}
-    if quantization.mode != "none":
-        quantized = {id(layer): layer for *_, layer in linear_layers(model, quantization.skip)}
-        if quantization.mode == "nf4":
-            quantized = {k: v for k, v in quantized.items() if v.in_features % 64 == 0}
-    sizes: dict[int, float] = {}
-    seen: set[int] = set()  # a tied weight (T5's shared embedding) is one tensor, counted once
-    for module in model.modules():
-        total = 0.0
-        own = [p for p in module.parameters(recurse=False) if id(p) not in seen]
-        seen.update(id(p) for p in own)
-        if id(module) in quantized:
-            weight: Any = module.weight
-            n = weight.numel()
-            if quantization.mode == "nf4":
-                absmax = n / 64 * (1 + 4 / 256) if quantization.double_quant else n / 64 * 4
-                total += n / 2 + absmax
-            else:
-                total += n + weight.shape[0] * 4
-            # The bias stays in the compute dtype (NF4: bitsandbytes casts it there anyway).
-            total += sum(p.numel() * base for p in own if p is not module.weight)
-            own = []
-        small = 4 if quantization.mode == "nf4" and quantization.upcast_small_params else base
-        total += sum(p.numel() * (small if quantization.mode == "nf4" else base) for p in own)
-        sizes[id(module)] = total
-    return sizes
-
-
-def offloaded_weight_bytes(
-    model: nn.Module, blocks: list[nn.Module], quantization: QuantOptions, dtype: torch.dtype
-) -> float:
+def offloaded_weight_bytes(model: nn.Module, blocks: list[nn.Module], precision: BasePrecision) -> float:
     """GPU memory that offloading ``blocks`` takes off the frozen weights: their bytes, less the two consecutive
     offloaded blocks that are on the GPU at a time (the running one and the one being copied)."""
     if not blocks:
         return 0.0
-    sizes = module_weight_bytes(model, quantization, dtype)
+    sizes = precision.module_weight_bytes(model)
     chosen = [sum(sizes[id(m)] for m in block.modules()) for block in blocks]
     in_flight = max((a + b for a, b in zip(chosen, chosen[1:], strict=False)), default=chosen[0])
     return sum(chosen) - in_flight
@@ -337,8 +301,8 @@ def plan_training(
     family, source = recipe.family, recipe.source
     model = family.denoiser_skeleton(source)  # meta device: shapes only
     offloaded = offloaded_blocks(model, recipe.offload_blocks)
-    weights = weight_bytes(model, recipe.quantization, source.dtype)
-    resident = weights - offloaded_weight_bytes(model, offloaded, recipe.quantization, source.dtype)
+    weights = weight_bytes(model, recipe.precision)
+    resident = weights - offloaded_weight_bytes(model, offloaded, recipe.precision)
     counted = _count(recipe, height, width, batch, text_len)
     saved, largest, moved, lora_params = counted.saved, counted.largest, counted.moved, counted.lora_params
     if recipe.compile_blocks and not recipe.gradient_checkpointing:
@@ -399,10 +363,8 @@ def caching_peaks(
         model = skeleton(config, source.dtype)
         keep = [rf"(^|\.){re.escape(m)}$" for m in getattr(model, "_keep_in_fp32_modules", None) or []]
         # As quantize_text_encoders stores them: unquantized layers stay in the load dtype.
-        mode: Any = text_quantization
-        quantization = QuantOptions(mode=mode, skip=keep, upcast_small_params=False)
-        weights += weight_bytes(model, quantization, source.dtype)
-        host += weight_bytes(model, QuantOptions(), source.dtype)
+        weights += weight_bytes(model, text_encoder_precision(text_quantization, source.dtype, keep))
+        host += weight_bytes(model, text_encoder_precision("none", source.dtype, []))
         hidden = config.get("d_model") or config.get("hidden_size") or 0
         # CLIP reads its 77 positions; T5 and the LLM encoders (Qwen3...) the family's text length.
         clip = str(config.get("_class", "")).startswith("CLIP")
@@ -444,8 +406,8 @@ def plan_for(
     plan.notes += notes
     # Loading passes the base's weights through CPU memory in its dtype; offloaded blocks stay there, pinned.
     model = recipe.family.denoiser_skeleton(recipe.source)
-    base = weight_bytes(model, QuantOptions(), recipe.source.dtype)
-    sizes = module_weight_bytes(model, recipe.quantization, recipe.source.dtype)
+    base = weight_bytes(model, BF16(dtype=recipe.precision.dtype))
+    sizes = recipe.precision.module_weight_bytes(model)
     pinned = sum(sizes[id(m)] for block in offloaded_blocks(model, recipe.offload_blocks) for m in block.modules())
     plan.host = max((base + pinned) / GIB, text_host)
     return plan
@@ -477,13 +439,13 @@ def _candidates(recipe: ModelRecipe, datamodule: Any) -> list[Changes]:
         flag = (gc_flags if needs_gc else "") + "--model.offload_activations true"
         tries.append((flag, {**checkpointing, "offload_activations": True}, {}))
     smallest: tuple[str, dict[str, Any]] = ("", {})
-    for mode in ("fp8", "nf4"):
-        if recipe.quantization.mode != mode:
-            quantization = {"quantization": dataclasses.replace(recipe.quantization, mode=mode)}
-            tries.append((f"--model.quantization.mode {mode}", quantization, {}))
-            flag = f"--model.quantization.mode {mode} --model.gradient_checkpointing true"
-            tries.append((flag, {**quantization, **checkpointing}, {}))
-            smallest = (f"--model.quantization.mode {mode} ", quantization)
+    for fmt in (FP8, NF4):  # FP8Compute is an FP8: the same memory
+        if not isinstance(recipe.precision, fmt):
+            base = {"precision": recipe.precision.as_format(fmt.__name__)}  # the same dtype: a plain replace
+            plugin = f"--trainer.plugins lightning_lora.precision.{fmt.__name__}"
+            tries.append((plugin, base, {}))
+            tries.append((f"{plugin} --model.gradient_checkpointing true", {**base, **checkpointing}, {}))
+            smallest = (f"{plugin} ", base)
     # The least memory without changing the training: the smallest base, every block checkpointed, inputs in CPU.
     least_flags = smallest[0] + gc_flags + "--model.offload_activations true"
     least = {**smallest[1], **checkpointing, "offload_activations": True}

@@ -1,8 +1,9 @@
 """The model recipe: everything that decides how the trainable model is built, in one frozen object.
 
-A user writes these as flat options of ``model:`` in the YAML (``model.lora.rank``, ``model.quantization.mode``,
-``model.gradient_checkpointing``, ``model.offload_blocks``...); :class:`~lightning_lora.module.LoraModule` turns them
-into one :class:`ModelRecipe` when it is created. From then on the recipe is what the rest of the code reads:
+A user writes these as flat options of ``model:`` in the YAML (``model.lora.rank``, ``model.gradient_checkpointing``,
+``model.offload_blocks``...), and the frozen base's format as a precision plugin (``trainer.plugins``:
+:mod:`lightning_lora.precision`); :class:`~lightning_lora.module.LoraModule` turns them into one :class:`ModelRecipe`
+(the plugin joins when ``fit`` starts). From then on the recipe is what the rest of the code reads:
 
 * :func:`~lightning_lora.assembly.build_lora_model` builds the model from it (load, freeze, quantize, inject LoRA,
   checkpointing, offloading, attention, compile);
@@ -19,32 +20,25 @@ the planner tries is refused by exactly the rule that refuses the user's config.
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from lightning_lora.errors import ConfigError
 from lightning_lora.families.base import DiffusionFamily, ModelSource
 from lightning_lora.lora import LoraOptions
-from lightning_lora.quant import QuantOptions
+from lightning_lora.precision import BF16, BasePrecision
 
-__all__ = ["AttentionBackend", "MEMORY_SETTINGS", "TRAINER_PRECISIONS", "ModelRecipe", "check_trainer_precision"]
+__all__ = ["AttentionBackend", "MEMORY_SETTINGS", "ModelRecipe"]
 
 MEMORY_SETTINGS = (
     "gradient_checkpointing",
     "checkpoint_every",
     "offload_activations",
     "offload_blocks",
-    "quantization.mode",
+    "precision",
 )
-"""The options ``model.memory`` may choose (they change memory and speed, never what is trained)."""
-
-TRAINER_PRECISIONS = ("bf16-mixed", "16-mixed", "32-true")
-"""The ``trainer.precision`` values that train a LoRA right. The frozen base's dtype is ``model.base_dtype`` and its
-storage ``model.quantization.mode``; the trainer's precision only decides autocast. The others cast the whole module,
-LoRA included: ``bf16-true`` / ``16-true`` would train the LoRA and keep its optimizer state in 16 bits (updates
-smaller than a bf16 step of the weight are lost) and turn float8 base weights back into bf16; ``64-true`` doubles a
-bf16 base; Lightning's ``transformer-engine`` and bitsandbytes plugins would quantize the adapters."""
+"""The options ``model.memory`` may choose (they change memory and speed, never what is trained): ``precision`` is the
+base format's plugin, by class name (``NF4``...)."""
 
 AttentionBackend = Literal["auto", "sdpa", "flash", "efficient", "cudnn", "math", "xformers"]
 
@@ -57,7 +51,8 @@ class ModelRecipe:
         family: the model family and its objective options.
         source: where the frozen weights come from, and their dtype.
         lora: the adapter.
-        quantization: the base's storage format.
+        precision: the frozen base's format (a :mod:`lightning_lora.precision` plugin); ``source.dtype`` must be its
+            dtype (:meth:`with_precision` changes both).
         gradient_checkpointing: recompute block activations in the backward pass.
         checkpoint_every: with checkpointing, one block in this many is recomputed.
         attention: the attention kernel.
@@ -69,7 +64,7 @@ class ModelRecipe:
     family: DiffusionFamily
     source: ModelSource
     lora: LoraOptions = field(default_factory=LoraOptions)
-    quantization: QuantOptions = field(default_factory=QuantOptions)
+    precision: BasePrecision = field(default_factory=BF16)
     gradient_checkpointing: bool = False
     checkpoint_every: int = 1
     attention: AttentionBackend = "auto"
@@ -78,6 +73,11 @@ class ModelRecipe:
     offload_activations: bool = False
 
     def __post_init__(self) -> None:
+        if self.source.dtype != self.precision.base_dtype:  # a caller's mistake: the plugin says the dtype
+            raise ValueError(
+                f"ModelRecipe: source.dtype {self.source.dtype} is not the dtype of {self.precision!r}; give "
+                "precision=BF16(dtype=...) (or another plugin) with that dtype, or use with_precision()"
+            )
         self.check()
 
     def check(self) -> None:
@@ -90,24 +90,8 @@ class ModelRecipe:
                 "model.offload_activations: true moves the inputs that checkpointed blocks keep for the backward to "
                 "CPU memory; it needs model.gradient_checkpointing: true."
             )
-        for pattern in self.quantization.skip:
-            try:
-                re.compile(pattern)
-            except re.error as e:
-                raise ConfigError(f"model.quantization.skip: {pattern!r} is not a regular expression ({e}).") from e
         self._check_offload()
-        if self.lora.variant in ("lokr", "loha") and self.quantization.mode == "nf4":
-            raise ConfigError(
-                f"model.lora.variant: {self.lora.variant} reads the base layer's weight shape, and an NF4 layer keeps "
-                "its weight packed (peft's LoKr / LoHa layers fail on it). Use model.quantization.mode: fp8 (half of "
-                "bf16) or none, or variant lora / dora."
-            )
-        if self.lora.variant == "dora" and self.quantization.mode in ("fp8", "fp8_compute"):
-            raise ConfigError(
-                "model.lora.variant: dora normalizes the base weight plus the update each step, and peft cannot read "
-                f"lightning-lora's float8 weights (model.quantization.mode: {self.quantization.mode}). Use variant "
-                "lora, or a bf16 or NF4 base."
-            )
+        self.precision.check_recipe(self)
 
     def _check_offload(self) -> None:
         count = self.offload_blocks
@@ -115,12 +99,6 @@ class ModelRecipe:
             raise ConfigError(f"model.offload_blocks: {count} must be 0 (off) or a number of blocks.")
         if count == 0:
             return
-        if self.quantization.mode == "nf4":
-            raise ConfigError(
-                "model.offload_blocks works with a bf16 or FP8 base, not with NF4 (bitsandbytes keeps each layer's "
-                "packed weight from the forward to the backward, so evicting it would free nothing). NF4 is already a "
-                "quarter of bf16: set model.offload_blocks: 0, or use model.quantization.mode: fp8."
-            )
         if self.compile_blocks:
             raise ConfigError(
                 "model.offload_blocks and model.compile_blocks cannot be combined (the compiled blocks would capture "
@@ -128,31 +106,24 @@ class ModelRecipe:
             )
 
     def memory_settings(self) -> dict[str, Any]:
-        """The :data:`MEMORY_SETTINGS` of this recipe, by their YAML names below ``model.`` (plain values)."""
+        """The :data:`MEMORY_SETTINGS` of this recipe, by their YAML names below ``model.`` (plain values;
+        ``precision``: the plugin's class name, which goes into ``trainer.plugins``)."""
         return {
-            name: self.quantization.mode if name == "quantization.mode" else getattr(self, name)
+            name: type(self.precision).__name__ if name == "precision" else getattr(self, name)
             for name in MEMORY_SETTINGS
         }
 
     def with_memory_settings(self, settings: dict[str, Any]) -> ModelRecipe:
         """This recipe with some :data:`MEMORY_SETTINGS` set (as :meth:`memory_settings` names them)."""
-        changes = {k: v for k, v in settings.items() if k in MEMORY_SETTINGS and k != "quantization.mode"}
-        if "quantization.mode" in settings:
-            changes["quantization"] = dataclasses.replace(self.quantization, mode=settings["quantization.mode"])
+        changes = {k: v for k, v in settings.items() if k in MEMORY_SETTINGS and k != "precision"}
+        if "precision" in settings:
+            return self.with_precision(self.precision.as_format(settings["precision"])).replace(**changes)
         return self.replace(**changes)
+
+    def with_precision(self, precision: BasePrecision) -> ModelRecipe:
+        """This recipe with another base format (the source loads in its dtype)."""
+        return self.replace(precision=precision, source=dataclasses.replace(self.source, dtype=precision.base_dtype))
 
     def replace(self, **changes: Any) -> ModelRecipe:
         """A new recipe with ``changes`` (checked like any recipe; a :class:`ConfigError` for an impossible one)."""
         return dataclasses.replace(self, **changes)
-
-
-def check_trainer_precision(precision: str) -> None:
-    """Refuse a ``trainer.precision`` (or precision plugin) that casts the LoRA itself (:data:`TRAINER_PRECISIONS`)."""
-    if str(precision) in TRAINER_PRECISIONS:
-        return
-    raise ConfigError(
-        f"trainer.precision: {precision} is not supported: it casts the whole model, LoRA and optimizer state "
-        "included (a bf16 LoRA loses small updates; float8 or NF4 base weights would be cast back). Use "
-        "trainer.precision: bf16-mixed (autocast; the LoRA stays float32). The frozen base's dtype is "
-        "model.base_dtype and its storage model.quantization.mode (nf4, fp8...)."
-    )

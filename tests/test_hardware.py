@@ -12,9 +12,9 @@ from torch import nn
 from lightning_lora.assembly import configure_attention
 from lightning_lora.errors import ConfigError
 from lightning_lora.hardware import Backend, check_attention, detect, fp8_compute_supported, fp8_dtype
-from lightning_lora.quant import QuantOptions, quantize_base
-from lightning_lora.quant import fp8 as fp8_module
-from lightning_lora.quant.nf4 import require_bitsandbytes
+from lightning_lora.precision import FP8Compute
+from lightning_lora.precision import fp8 as fp8_module
+from lightning_lora.precision.nf4 import require_bitsandbytes
 
 CUDA = torch.device("cuda", 0)
 
@@ -123,13 +123,13 @@ def test_fp8_on_rocm_quantizes_in_the_cards_format_and_falls_back_without_fp8_un
         model[0].weight.mul_(1000.0)  # beyond both formats' largest value: the scale must use the card's
     x = torch.randn(4, 64)
     reference = model(x)
-    options = QuantOptions(mode="fp8_compute")
+    plugin = FP8Compute()
     on_cpu = frozenset(id(layer) for layer in model)
     if compute:
-        assert quantize_base(model, options, CUDA, torch.bfloat16, on_cpu=on_cpu) == 2
+        assert plugin.quantize(model, CUDA, on_cpu=on_cpu) == 2
     else:
-        with pytest.warns(UserWarning, match=r"model.quantization.mode: fp8_compute needs FP8 .*gfx1100"):
-            assert quantize_base(model, options, CUDA, torch.bfloat16, on_cpu=on_cpu) == 2
+        with pytest.warns(UserWarning, match=r"trainer.plugins: FP8Compute needs FP8 .*gfx1100"):
+            assert plugin.quantize(model, CUDA, on_cpu=on_cpu) == 2
     layers = list(model)
     assert all(isinstance(layer, fp8_module.FP8Linear) and layer.compute is compute for layer in layers)
     assert all(layer.weight.dtype == fp8 for layer in layers)
@@ -150,7 +150,7 @@ def test_nf4_without_bitsandbytes_names_the_extra_and_rocm(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # import fails
     require_bitsandbytes.cache_clear()
     try:
-        with pytest.raises(ConfigError, match=r"model.quantization.mode: nf4 .*lightning-lora\[bnb\].*ROCm 6.4"):
+        with pytest.raises(ConfigError, match=r"NF4 \(lightning_lora.precision.NF4.*lightning-lora\[bnb\].*ROCm 6.4"):
             require_bitsandbytes()
     finally:
         require_bitsandbytes.cache_clear()

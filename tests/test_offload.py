@@ -8,14 +8,14 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import build_model, build_tiny, random_inputs, run_cli, two_step_grads, write_config
+from helpers import build_model, build_tiny, precision_for, random_inputs, run_cli, two_step_grads, write_config
 
 from lightning_lora.errors import ConfigError
 from lightning_lora.families.base import ModelSource
 from lightning_lora.families.flux import Flux
 from lightning_lora.lora import LoraOptions
 from lightning_lora.offload import BlockOffloader, pick_offloaded, repeated_blocks
-from lightning_lora.quant import QuantOptions
+from lightning_lora.precision import BF16, FP8, NF4
 
 
 def _empty(block: torch.nn.Module) -> list[bool]:
@@ -131,7 +131,7 @@ def test_pick_offloaded_spreads_the_blocks() -> None:
     [
         ({"offload_blocks": 5}, "more than the model's 4 repeated blocks"),
         ({"offload_blocks": -1}, "must be 0"),
-        ({"offload_blocks": 2, "quantization": QuantOptions(mode="nf4")}, "not with NF4"),
+        ({"offload_blocks": 2, "precision": NF4(dtype="fp32")}, "not with NF4"),
         ({"offload_blocks": 3, "compile_blocks": True}, "compile_blocks"),
     ],
 )
@@ -143,15 +143,16 @@ def test_offload_refusals(tiny_flux_dir: Path, kwargs: dict[str, Any], match: st
 def test_the_module_refuses_before_loading(tiny_flux_dir: Path) -> None:
     from lightning_lora.module import LoraModule
 
+    module = LoraModule(str(tiny_flux_dir), offload_blocks=1)
     with pytest.raises(ConfigError, match="model.offload_blocks"):
-        LoraModule(str(tiny_flux_dir), quantization=QuantOptions(mode="nf4"), offload_blocks=1)
+        module.use_precision(NF4())  # when fit starts, before any weight loads
 
 
 def test_fp8_storage_base_offloads_its_buffers(tiny_flux_dir: Path) -> None:
     """FP8 storage keeps its weights and scales in buffers: they move out too, and the block still computes."""
     torch.manual_seed(0)
     source = ModelSource(str(tiny_flux_dir), dtype=torch.bfloat16)
-    kwargs: dict[str, Any] = {"quantization": QuantOptions(mode="fp8")}
+    kwargs: dict[str, Any] = {"precision": FP8()}
     reference = build_model(Flux(), source, LoraOptions(rank=2), **kwargs)
     model = build_model(Flux(), source, LoraOptions(rank=2), offload_blocks=3, **kwargs)
     offloaded = model._lora_offloader.blocks
@@ -167,7 +168,8 @@ def test_planner_counts_the_weights_left_on_the_device(tiny_flux_dir: Path) -> N
     from lightning_lora.module import LoraModule
     from lightning_lora.plan import GIB, plan_training
 
-    module = LoraModule(str(tiny_flux_dir), base_dtype="fp32", lora=LoraOptions(rank=2), offload_blocks=3)
+    module = LoraModule(str(tiny_flux_dir), lora=LoraOptions(rank=2), offload_blocks=3)
+    module.use_precision(BF16(dtype="fp32"))
     model = module.build(torch.device("cpu"))
     offloader = model._lora_offloader
 
@@ -221,7 +223,7 @@ def test_evicted_weights_are_freed(tiny_flux_dir: Path, mode: str, checkpointing
         Flux(),
         ModelSource(str(tiny_flux_dir), dtype=dtype),
         LoraOptions(rank=2),
-        quantization=QuantOptions(mode=mode),
+        precision=precision_for(mode, dtype),
         gradient_checkpointing=checkpointing,
         offload_blocks=4,
     )
@@ -259,10 +261,8 @@ def test_inference_mode_leaves_normal_tensors(tiny_flux_dir: Path) -> None:
 
 def test_fp8_layers_of_offloaded_blocks_are_quantized_on_the_cpu() -> None:
     """The GPU never holds the offloaded blocks, not even while the base is quantized (here the "GPU" is meta)."""
-    from lightning_lora.quant import quantize_base
-
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Sequential(torch.nn.Linear(64, 64)))
     on_cpu = frozenset(id(m) for m in model[1].modules())
-    assert quantize_base(model, QuantOptions(mode="fp8"), torch.device("meta"), torch.bfloat16, on_cpu) == 2
+    assert FP8().quantize(model, torch.device("meta"), on_cpu) == 2
     assert model[0].weight.device.type == "meta"
     assert model[1][0].weight.device.type == "cpu" and model[1][0].weight.dtype == torch.float8_e4m3fn

@@ -19,6 +19,7 @@ from lightning_lora.errors import ConfigError
 from lightning_lora.families.base import ModelSource
 from lightning_lora.families.flux import Flux
 from lightning_lora.lora import LoraOptions
+from lightning_lora.precision import BF16
 from lightning_lora.recompute import InputOffloader
 
 
@@ -141,11 +142,11 @@ def test_planner_counts_the_inputs_off_the_device(tiny_flux_dir: Path) -> None:
     def plan(offload: bool) -> Any:
         module = LoraModule(
             str(tiny_flux_dir),
-            base_dtype="fp32",
             lora=LoraOptions(rank=2),
             gradient_checkpointing=True,
             offload_activations=offload,
         )
+        module.use_precision(BF16(dtype="fp32"))
         return plan_training(module.recipe, 2048, 2048, 1, 64)  # block inputs of 2 MiB: above MIN_OFFLOAD_BYTES
 
     kept, moved = plan(False), plan(True)

@@ -8,14 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import DISTRIBUTED_ENV, run_cli, write_config
+from helpers import DISTRIBUTED_ENV, precision_for, run_cli, write_config
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
 
 from lightning_lora.errors import ConfigError
 from lightning_lora.families.base import ModelSource
 from lightning_lora.families.flux import Flux
 from lightning_lora.parallel import LoraDDPStrategy, check_strategy, no_buffer_sync, resolve_strategy
-from lightning_lora.quant import QuantOptions
 from lightning_lora.recipe import ModelRecipe
 
 
@@ -24,7 +23,7 @@ def recipe(mode: str = "none", offload_blocks: int = 0) -> ModelRecipe:
     return ModelRecipe(
         Flux(),
         ModelSource("black-forest-labs/FLUX.1-dev"),
-        quantization=QuantOptions(mode=mode),
+        precision=precision_for(mode),
         offload_blocks=offload_blocks,
     )
 
@@ -32,7 +31,8 @@ def recipe(mode: str = "none", offload_blocks: int = 0) -> ModelRecipe:
 @pytest.mark.parametrize("strategy", [FSDPStrategy, ModelParallelStrategy])
 @pytest.mark.parametrize("mode", ["nf4", "fp8", "fp8_compute"])
 def test_sharding_a_quantized_base_is_refused(strategy: type, mode: str) -> None:
-    with pytest.raises(ConfigError, match=rf"trainer.strategy: {strategy.__name__}.*quantization.mode: {mode}.*ddp"):
+    plugin = type(precision_for(mode)).__name__
+    with pytest.raises(ConfigError, match=rf"trainer.strategy: {strategy.__name__}.*trainer.plugins: {plugin} .*ddp"):
         check_strategy(strategy(), recipe(mode))
 
 

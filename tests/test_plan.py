@@ -13,17 +13,17 @@ from torch import nn
 from lightning_lora.errors import ConfigError
 from lightning_lora.module import LoraModule
 from lightning_lora.plan import MemoryPlan, plan_training, saved_activation_bytes, weight_bytes
-from lightning_lora.quant import QuantOptions
+from lightning_lora.precision import BF16, FP8, NF4
 
 
 def test_weight_bytes_by_storage_format() -> None:
     model = nn.Sequential(nn.Linear(128, 64, bias=False), nn.LayerNorm(64))  # 8192 + 128 parameters
-    assert weight_bytes(model, QuantOptions(), torch.bfloat16) == (8192 + 128) * 2
-    assert weight_bytes(model, QuantOptions(mode="fp8"), torch.bfloat16) == 8192 + 64 * 4 + 128 * 2
+    assert weight_bytes(model, BF16()) == (8192 + 128) * 2
+    assert weight_bytes(model, FP8()) == 8192 + 64 * 4 + 128 * 2
     nf4 = 8192 / 2 + 8192 / 64 * (1 + 4 / 256) + 128 * 4  # 4-bit codes, 8-bit absmax (+ its fp32 scales), fp32 norm
-    assert weight_bytes(model, QuantOptions(mode="nf4"), torch.bfloat16) == pytest.approx(nf4)
+    assert weight_bytes(model, NF4()) == pytest.approx(nf4)
     plain_nf4 = 8192 / 2 + 8192 / 64 * 4 + 128 * 4
-    assert weight_bytes(model, QuantOptions(mode="nf4", double_quant=False), torch.bfloat16) == pytest.approx(plain_nf4)
+    assert weight_bytes(model, NF4(double_quant=False)) == pytest.approx(plain_nf4)
 
 
 def test_meta_count_matches_a_real_forward() -> None:
@@ -42,12 +42,15 @@ def test_meta_count_matches_a_real_forward() -> None:
 
 def test_plan_of_the_tiny_flux(tiny_flux_dir: Path, photos_dir: Path) -> None:
     def plan(**options: object) -> MemoryPlan:
-        module = LoraModule(str(tiny_flux_dir), **options)
+        precision = options.pop("precision", None)
+        module = LoraModule(str(tiny_flux_dir), **options)  # type: ignore[arg-type]
+        if precision is not None:
+            module.use_precision(precision)  # type: ignore[arg-type]
         return plan_training(module.recipe, 256, 256, 2, 32)
 
     full, checkpointed = plan(), plan(gradient_checkpointing=True)
     assert checkpointed.activations < full.activations
-    assert plan(quantization=QuantOptions(mode="fp8")).weights < full.weights
+    assert plan(precision=FP8()).weights < full.weights
     assert plan(compile_blocks=True).activations == pytest.approx(0.78 * full.activations)
     # Checkpointed blocks keep only their inputs: compiling does not shrink those.
     assert plan(compile_blocks=True, gradient_checkpointing=True).activations == checkpointed.activations
@@ -70,7 +73,7 @@ def test_suggestions_try_partial_checkpointing_first(tiny_flux_dir: Path, monkey
             peak = 30.0
         else:
             peak = {1: 20.0, 2: 24.0, 3: 26.0}[recipe.checkpoint_every]
-        if recipe.quantization.mode != "none":
+        if type(recipe.precision).__name__ != "BF16":
             peak -= 12.0
         if recipe.offload_activations:
             peak -= 1.0
@@ -86,7 +89,7 @@ def test_suggestions_try_partial_checkpointing_first(tiny_flux_dir: Path, monkey
     assert fits[2].startswith(
         "--model.gradient_checkpointing true --model.checkpoint_every 1 --model.offload_activations"
     )
-    assert "(~19.0 GiB)" in fits[2] and "quantization" in fits[3]
+    assert "(~19.0 GiB)" in fits[2] and "--trainer.plugins lightning_lora.precision.FP8" in fits[3]
     assert not any("checkpoint_every 3" in f for f in fits)
     # The fewest offloaded blocks that fit, without checkpointing: 30 - 0.5 x 12 = 24 <= 24.7 (10 gives 25).
     assert [f.split("   ")[0] for f in fits if "offload_blocks" in f] == ["--model.offload_blocks 12"]
@@ -95,7 +98,7 @@ def test_suggestions_try_partial_checkpointing_first(tiny_flux_dir: Path, monkey
     # Already offloading: the NF4 alternatives, which the recipe refuses with offloading, are left out.
     offloading = recipe.replace(gradient_checkpointing=True, offload_blocks=4)
     suggested = plan.fitting_changes(offloading, None, vram=10.0)
-    assert suggested and not any("nf4" in f for f in suggested) and any("fp8" in f for f in suggested)
+    assert suggested and not any("NF4" in f for f in suggested) and any("precision.FP8" in f for f in suggested)
     partial = recipe.replace(gradient_checkpointing=True, checkpoint_every=3)
     assert plan.fitting_changes(partial, None, vram=22.0)[0].startswith("--model.checkpoint_every 1")
     checkpointed = recipe.replace(gradient_checkpointing=True)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import build_model, random_inputs, resume_config, run_cli
+from helpers import build_model, precision_for, random_inputs, resume_config, run_cli
 from safetensors.torch import load_file
 
 from lightning_lora.errors import ConfigError
@@ -17,7 +17,6 @@ from lightning_lora.families import Flux
 from lightning_lora.families.base import ModelSource
 from lightning_lora.lora import VARIANTS, LoraOptions, is_adapter_param, parse_key
 from lightning_lora.plan import plan_training
-from lightning_lora.quant import QuantOptions
 from lightning_lora.recipe import ModelRecipe
 
 
@@ -42,7 +41,7 @@ def test_each_variant_trains_its_own_tensors(flux64: Path, variant: str, mode: s
     dtype = torch.float32 if mode == "none" else torch.bfloat16
     family = Flux(max_sequence_length=8)
     lora = LoraOptions(rank=4, variant=variant, targets="all_linear")  # type: ignore[arg-type]
-    model = build_model(family, ModelSource(str(flux64), dtype=dtype), lora, quantization=QuantOptions(mode=mode))  # type: ignore[arg-type]
+    model = build_model(family, ModelSource(str(flux64), dtype=dtype), lora, precision=precision_for(mode, dtype))
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
     kinds = {parse_key(n).variant for n in trainable}  # type: ignore[union-attr]
     expected = {"lora": {"LoRA"}, "dora": {"LoRA", "DoRA"}, "lokr": {"LoKr"}, "loha": {"LoHa"}}[variant]
@@ -62,7 +61,8 @@ def test_each_variant_trains_its_own_tensors(flux64: Path, variant: str, mode: s
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_the_planner_counts_the_variant_as_built(flux64: Path, variant: str) -> None:
     lora = LoraOptions(rank=4, variant=variant)  # type: ignore[arg-type]
-    recipe = ModelRecipe(Flux(max_sequence_length=8), ModelSource(str(flux64), dtype=torch.float32), lora)
+    source = ModelSource(str(flux64), dtype=torch.float32)
+    recipe = ModelRecipe(Flux(max_sequence_length=8), source, lora, precision_for("none", torch.float32))
     built = sum(p.numel() for p in build_model(recipe.family, recipe.source, lora).parameters() if p.requires_grad)
     plan = plan_training(recipe, 64, 64, 1, 8)
     assert plan.lora * 2**30 / 4 == pytest.approx(built)
@@ -81,7 +81,7 @@ def test_the_planner_counts_the_variant_as_built(flux64: Path, variant: str) -> 
 def test_what_cannot_work_is_refused_before_loading(lora: dict, mode: str, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         options = LoraOptions(**lora)
-        ModelRecipe(Flux(), ModelSource("black-forest-labs/FLUX.1-dev"), options, QuantOptions(mode=mode))  # type: ignore[arg-type]
+        ModelRecipe(Flux(), ModelSource("black-forest-labs/FLUX.1-dev"), options, precision_for(mode))
 
 
 @pytest.mark.parametrize("variant", ["dora", "lokr", "loha"])

@@ -1,10 +1,10 @@
 """GPU benchmark: lightning-lora's own training step on a randomly initialised model of the real size.
 
 Runs the real thing, not a copy: ``LoraModule`` (assembly, quantization, attention, compile options) inside a Lightning
-``Trainer`` with ``bf16-mixed`` precision, on synthetic cached-latent batches of the right shapes. Random weights
-have the real compute and memory. Prints one JSON line per run: seconds per step (mean over ``--steps`` after
-``--warm`` warm-up steps), peak allocated / reserved GiB over the timed steps, the static footprint after set-up,
-and the memory planner's prediction for the same settings.
+``Trainer`` with the bf16 precision plugin ``--quant`` names (``lightning_lora.precision``), on synthetic cached-latent
+batches of the right shapes. Random weights have the real compute and memory. Prints one JSON line per run: seconds
+per step (mean over ``--steps`` after ``--warm`` warm-up steps), peak allocated / reserved GiB over the timed steps,
+the static footprint after set-up, and the memory planner's prediction for the same settings.
 
 Compare with the plain diffusers + peft reference recipe (``ref_recipe.py``, BENCHMARKS.md) run in the same GPU call on
 the same shapes: a time on a shared machine is only meaningful as a ratio.
@@ -59,7 +59,7 @@ from lightning_lora.families.unet import NoiseSchedule, UNetFamily
 from lightning_lora.lora import LoraOptions, set_lora_input_casts
 from lightning_lora.module import LoraModule
 from lightning_lora.parallel import resolve_strategy
-from lightning_lora.quant import QuantOptions
+from lightning_lora.precision import PRECISIONS, BasePrecision
 from lightning_lora.sharding import local_parameter_bytes, shard_base
 
 FLUX_DEV = dict(Flux.known_denoisers["black-forest-labs/FLUX.1-dev"])
@@ -300,13 +300,30 @@ class SyntheticData(LightningDataModule):
         return DataLoader(self.dataset, batch_size=self.batch_size, shuffle=False, pin_memory=torch.cuda.is_available())
 
 
+def process_age() -> float | None:
+    """Seconds since this process started (Linux: from /proc; None elsewhere), imports included."""
+    import os
+
+    try:
+        with open("/proc/self/stat") as f:
+            started = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: start time, clock ticks after boot
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return uptime - started / os.sysconf("SC_CLK_TCK")
+
+
 class StepTimer(Callback):
-    """Times the optimizer steps after the warm-up; peak memory over the same window."""
+    """Times the optimizer steps after the warm-up; peak memory over the same window. Also the start: the first
+    optimizer step's time from the start of training (``first_step_s``: compiling, or loading compiled code from the
+    cache) and from the start of the process (``to_first_step_s``: what a user waits for the first step)."""
 
     def __init__(self, warm: int, steps: int) -> None:
         self.warm, self.steps = warm, steps
         self.result: dict[str, Any] = {}
         self._t0 = 0.0
+        self._train_start = 0.0
 
     def _sync(self) -> None:
         if torch.cuda.is_available():
@@ -316,6 +333,7 @@ class StepTimer(Callback):
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
             self.result["static_GiB"] = round(torch.cuda.memory_allocated() / 2**30, 2)
+        self._train_start = time.perf_counter()
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if trainer.global_step == self.warm and not self._t0:
@@ -325,6 +343,12 @@ class StepTimer(Callback):
             self._t0 = time.perf_counter()
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == 1 and "first_step_s" not in self.result:
+            self._sync()
+            self.result["first_step_s"] = round(time.perf_counter() - self._train_start, 2)
+            age = process_age()
+            if age is not None:
+                self.result["to_first_step_s"] = round(age, 2)
         if trainer.global_step == self.warm + self.steps:
             self._sync()
             seconds = (time.perf_counter() - self._t0) / self.steps
@@ -512,9 +536,36 @@ def bench_strategy(name: str, devices: int) -> Any:
     return resolve_strategy(name, devices)
 
 
+QUANT_PLUGINS = {"none": "BF16", "nf4": "NF4", "fp8": "FP8", "fp8_compute": "FP8Compute"}
+"""``--quant`` values and the precision plugins (``lightning_lora.precision``) they name."""
+
+
+def bench_precision(quant: str, options: dict[str, Any]) -> BasePrecision:
+    """The bf16 precision plugin of ``--quant`` with a config's other init_args (``options``)."""
+    return PRECISIONS[QUANT_PLUGINS[quant]](**{**options, "dtype": "bf16"})
+
+
+def config_precision(trainer: dict[str, Any]) -> tuple[str, dict[str, Any], list[str]]:
+    """``--quant``, the plugin's other init_args and what is not reproduced, from a config's trainer section (its
+    ``lightning_lora.precision`` plugin, or a plain ``trainer.precision``: the bf16 base)."""
+    plugins = trainer.get("plugins") or []
+    plugins = plugins if isinstance(plugins, list) else [plugins]
+    ours = [p for p in plugins if _class_name(p, "trainer.plugins").startswith("lightning_lora.precision.")]
+    if not ours:
+        precision = str(trainer.get("precision") or "bf16-mixed")
+        return "none", {}, [] if precision == "bf16-mixed" else [f"trainer.precision: {precision} (this tool: bf16)"]
+    name = _class_name(ours[0], "trainer.plugins").rsplit(".", 1)[-1]
+    quant = {plugin: q for q, plugin in QUANT_PLUGINS.items()}[name]
+    options = dict((ours[0].get("init_args") if isinstance(ours[0], dict) else None) or {})
+    dtype = options.pop("dtype", "bf16")
+    return quant, options, [] if dtype == "bf16" else [f"trainer.plugins: {name} dtype {dtype} (this tool: bf16)"]
+
+
 def run(a: argparse.Namespace) -> dict[str, Any]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     config = CONFIGS[a.family][1 if a.tiny else 0]
+    if a.denoiser and not a.tiny:  # another known denoiser of the family (a shipped config's model.pretrained)
+        config = dict(RANDOM[a.family].known_denoisers[a.denoiser])
     config_family, config_family_args = getattr(a, "config_family", (None, {}))
     family_args = dict(config_family_args) if config_family == a.family else {}
     family = random_family(a.family, config, device, **{**family_args, **family_options(a.family, a.tlen)})
@@ -544,7 +595,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             "accumulate": a.accumulate,
         }
     )
-    quant_options = dict(getattr(a, "config_quantization", {})) if a.quant != "none" else {}
+    precision = bench_precision(a.quant, dict(getattr(a, "config_quantization", {})))
     if a.strategy == "fsdp2" and (a.quant != "none" or a.offload or a.loop == "bare"):
         raise ValueError("--strategy fsdp2 shards a bf16 base: give --quant none, --offload 0 and --loop lightning")
     module = (ShardedLoraModule if a.strategy == "fsdp2" else LoraModule)(
@@ -553,8 +604,6 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         lora=LoraOptions(
             rank=a.rank, alpha=a.rank if a.alpha is None else a.alpha, targets=a.targets, variant=a.variant
         ),
-        base_dtype="bf16",
-        quantization=QuantOptions(**{**quant_options, "mode": a.quant}),
         gradient_checkpointing=bool(a.gc),
         checkpoint_every=a.every,
         attention=a.attention,
@@ -563,6 +612,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         offload_activations=bool(a.offload_act),
         optimizer=make_optimizer(a.opt, optimizer_options(a)),
     )
+    module.use_precision(precision)
     dataset = Synthetic(a.family, config, a.h, a.w, a.tlen, family_obj=family)
     if getattr(a, "cpp_wrapper", 0):  # experiment: inductor's C++ wrapper launches kernels without Python
         from torch._inductor import config as inductor_config
@@ -591,7 +641,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             accelerator="gpu" if device == "cuda" else "cpu",
             devices=a.devices,
             strategy=bench_strategy(a.strategy, a.devices),
-            precision="bf16-mixed",
+            plugins=[precision],
             max_steps=a.warm + a.steps,
             accumulate_grad_batches=a.accumulate,
             logger=False,
@@ -664,8 +714,8 @@ def config_defaults(path: str | Path) -> dict[str, Any]:
     """The options a shipped YAML sets, as ``fit`` would use them, by ``parser()`` destination (read with
     ``yaml.safe_load``: nothing in it runs). Besides the flags: ``config_family`` and
     ``config_optimizer`` (the family's and the optimizer's ``init_args``, used while ``--family`` / ``--opt`` stay the
-    config's), ``config_quantization`` (``model.quantization`` beyond ``mode``) and ``not_reproduced``: what the
-    model section (and the trainer) set that this tool does not do, as ``key: value`` strings."""
+    config's), ``config_quantization`` (the precision plugin's ``init_args`` but ``dtype``) and ``not_reproduced``:
+    what the model section (and the trainer) set that this tool does not do, as ``key: value`` strings."""
     doc = yaml.safe_load(Path(path).read_text()) or {}
     model, data, trainer = (doc.get(k) or {} for k in ("model", "data", "trainer"))
     out: dict[str, Any] = {}
@@ -691,19 +741,18 @@ def config_defaults(path: str | Path) -> dict[str, Any]:
         out["tlen"] = int(family_args.get("max_sequence_length") or default)
 
     pretrained = model.get("pretrained")
-    if pretrained is not None and RANDOM[family].known_denoisers.get(pretrained) != CONFIGS[family][0]:
-        skipped.append(f"model.pretrained: {pretrained} (random weights of another {family} denoiser's config)")
+    if pretrained in RANDOM[family].known_denoisers:
+        out["denoiser"] = pretrained  # random weights of its config (FLUX.2 dev, klein 9B...)
+    elif pretrained is not None:
+        skipped.append(f"model.pretrained: {pretrained} (not a known {family} denoiser: the default one's config)")
     for key in ("denoiser_file", "revision"):
         if model.get(key) is not None:
             skipped.append(f"model.{key}: {model[key]}")
-    if model.get("base_dtype", "bf16") != "bf16":
-        skipped.append(f"model.base_dtype: {model['base_dtype']} (this tool builds bf16)")
     if model.get("memory", "as_configured") != "as_configured":
         skipped.append(f"model.memory: {model['memory']} (the settings as written are measured)")
 
-    quantization = dict(model.get("quantization") or {})
-    out["quant"] = quantization.pop("mode", "none")
-    out["config_quantization"] = quantization
+    out["quant"], out["config_quantization"], note = config_precision(trainer)
+    skipped += note
     for key, (dest, convert) in MODEL_FLAGS.items():
         if key in model:
             out[dest] = convert(model[key])
@@ -731,7 +780,7 @@ def config_defaults(path: str | Path) -> dict[str, Any]:
         skipped.append(
             f"model.scheduler: {_class_name(model['scheduler'], 'model.scheduler')} (no effect on step time)"
         )
-    handled = {"pretrained", "denoiser_file", "revision", "family", "base_dtype", "memory", "quantization", "lora"}
+    handled = {"pretrained", "denoiser_file", "revision", "family", "memory", "lora"}
     handled |= {"optimizer", "scheduler", *MODEL_FLAGS}
     skipped += [f"model.{k}: {v}" for k, v in model.items() if k not in handled]
 
@@ -772,6 +821,8 @@ def header(a: argparse.Namespace) -> dict[str, Any]:
         out["not_reproduced"] = list(getattr(a, "not_reproduced", []))
     if a.memory_limit:
         out["memory_limit_GiB"] = a.memory_limit
+    if a.denoiser:
+        out["denoiser"] = a.denoiser
     return out
 
 
@@ -779,6 +830,9 @@ def parser() -> argparse.ArgumentParser:
     """The command line; ``parser().parse_args([...])`` gives every option its default."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--family", default="flux", choices=list(CONFIGS))
+    p.add_argument(
+        "--denoiser", default=None, help="a hub id the family knows the config of (default: the family's first row)"
+    )
     p.add_argument("--quant", default="none", choices=["none", "nf4", "fp8", "fp8_compute"])
     p.add_argument(
         "--config", default=None, help="a shipped YAML (configs/*.yaml): its settings are the defaults of every flag"

@@ -39,6 +39,7 @@ from lightning_lora.data.cache import ImageIndex, LatentCache, decode_loader
 from lightning_lora.data.sources import ImageFolder, scan
 from lightning_lora.families.base import ModelSource
 from lightning_lora.families.flux import Flux
+from lightning_lora.precision import DTYPES
 
 FLUX_VAE_CONFIG = {
     "in_channels": 3,
@@ -58,7 +59,6 @@ FLUX_VAE_CONFIG = {
     "mid_block_add_attention": True,
 }
 TINY_VAE_CONFIG = {**FLUX_VAE_CONFIG, "block_out_channels": [32, 32, 64, 64], "layers_per_block": 1}
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def build_vae(config: dict, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:

@@ -1,5 +1,5 @@
 """Micro-benchmark of one frozen linear layer, forward + input gradient, on FLUX.1 shapes: bf16 vs FP8 storage vs
-FP8 compute (lightning_lora.quant.fp8). Prints one JSON line per shape with ms per call and the speed-up over bf16.
+FP8 compute (lightning_lora.precision.fp8). Prints one JSON line per shape with ms per call and the speed-up over bf16.
 
     python tools/fp8_micro.py [--tokens 2048]
 """
@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from lightning_lora.quant.fp8 import FP8Linear
+from lightning_lora.precision.fp8 import FP8Linear
 
 SHAPES = {"qkv": (3072, 3072), "mlp_up": (3072, 12288), "mlp_down": (12288, 3072), "single_out": (15360, 3072)}
 

@@ -21,7 +21,7 @@ from bench import FLUX_DEV, FLUX_TINY, Synthetic, random_family
 
 from lightning_lora.lora import LoraOptions, set_lora_input_casts
 from lightning_lora.module import LoraModule
-from lightning_lora.quant import QuantOptions
+from lightning_lora.precision import PRECISIONS
 
 
 def lora_gradients(mode: str, a: argparse.Namespace, device: str) -> dict[str, torch.Tensor]:
@@ -33,9 +33,8 @@ def lora_gradients(mode: str, a: argparse.Namespace, device: str) -> dict[str, t
         pretrained="random-init",
         family=family,
         lora=LoraOptions(rank=a.rank, alpha=a.rank, targets=a.targets),
-        base_dtype="bf16",
-        quantization=QuantOptions(mode=mode),  # type: ignore[arg-type]
     )
+    module.use_precision(PRECISIONS[{"none": "BF16", "nf4": "NF4", "fp8": "FP8", "fp8_compute": "FP8Compute"}[mode]]())
     denoiser = module.build(torch.device(device))
     set_lora_input_casts(denoiser, enabled=False)  # as under bf16-mixed: the step runs under autocast
     trainable = {n: p for n, p in denoiser.named_parameters() if p.requires_grad}

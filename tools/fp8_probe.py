@@ -7,8 +7,8 @@ layers. Prints one JSON line per measurement (``--out`` also appends them to a f
 Modes:
 
 * ``bf16``: ``nn.Linear`` in bf16;
-* ``ours``: :class:`lightning_lora.quant.fp8.FP8Linear` with ``compute=True`` (float8 weight + row scale, activations
-  and output gradients quantized per row, ``torch._scaled_mm``);
+* ``ours``: :class:`lightning_lora.precision.fp8.FP8Linear` with ``compute=True`` (float8 weight + row scale,
+  activations and output gradients quantized per row, ``torch._scaled_mm``);
 * ``ours_nested``: the same with the quantizers compiled as their own functions even inside a compiled region (what
   lightning-lora did before; measures what inlining them into the region is worth);
 * ``ao_rowwise`` / ``ao_tensorwise``: torchao's ``convert_to_float8_training`` (bf16 weights, cast to float8 on the
@@ -31,8 +31,8 @@ from torch import nn
 
 from lightning_lora.families.base import build_from_config
 from lightning_lora.families.flux import FLUX1_TRANSFORMER
-from lightning_lora.quant import fp8 as fp8_module
-from lightning_lora.quant.fp8 import FP8Linear
+from lightning_lora.precision import fp8 as fp8_module
+from lightning_lora.precision.fp8 import FP8Linear
 
 SHAPES = {"qkv": (3072, 3072), "mlp_up": (3072, 12288), "mlp_down": (12288, 3072), "single_out": (15360, 3072)}
 MODES = ("bf16", "ours", "ours_nested", "ao_rowwise", "ao_tensorwise")

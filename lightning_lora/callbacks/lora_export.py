@@ -35,7 +35,7 @@ from lightning_lora.errors import ConfigError, first_line
 from lightning_lora.export import check_export, file_coverage, save_lora
 from lightning_lora.formats import VARIANTS, LoraFormat
 from lightning_lora.formats.clients import TOOLS
-from lightning_lora.module import DTYPES
+from lightning_lora.precision import DTYPES
 
 __all__ = ["LoraExport"]
 

@@ -37,10 +37,10 @@ from lightning_lora.export import (
     read_lora_file,
 )
 from lightning_lora.families import FAMILIES
+from lightning_lora.precision import DTYPES
 
 __all__ = ["main", "build_parser"]
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # as lightning_lora.module.DTYPES
 _TOOL = {"diffusers": "diffusers", "ComfyUI": "ComfyUI", "kohya": "kohya's sd-scripts"}
 
 
@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="the model family of a .safetensors input (default: from its metadata or keys)",
     )
-    parser.add_argument("--dtype", choices=list(_DTYPES), default="fp32", help="tensor dtype in the file")
+    parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="tensor dtype in the file")
     parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     return parser
 
@@ -81,7 +81,7 @@ def main(argv: list[str]) -> int:
     except SystemExit as e:  # argparse printed usage (status 2) or --help (status 0)
         return int(e.code or 0)
     try:
-        path, notes = _export(args.checkpoint, args.format, args.out, _DTYPES[args.dtype], args.overwrite, args.family)
+        path, notes = _export(args.checkpoint, args.format, args.out, DTYPES[args.dtype], args.overwrite, args.family)
     except ConfigError as e:
         print(f"lightning-lora export: error: {e}", file=sys.stderr)
         return 2

@@ -54,7 +54,7 @@ from lightning_lora.data.datamodule import LatentDataModule
 from lightning_lora.errors import ConfigError
 from lightning_lora.module import LoraModule, primitive_hparams
 from lightning_lora.parallel import check_strategy, resolve_strategy
-from lightning_lora.recipe import check_trainer_precision
+from lightning_lora.precision import BasePrecision, check_trainer_precision, for_trainer_precision, precision_of
 
 __all__ = ["LoraCLI", "main", "run_summary", "write_error"]
 
@@ -90,6 +90,11 @@ class LoraCLI(LightningCLI):
             args=args,
             run=run,
         )
+
+    def parse_arguments(self, parser: Any, args: Any) -> None:
+        """LightningCLI's parsing, after :func:`check_moved_options` (a one-line error for an option that moved)."""
+        check_moved_options(sys.argv[1:] if args is None else args)
+        super().parse_arguments(parser, args)
 
     def _parse_ckpt_path(self) -> None:
         """Nothing: LightningCLI would merge the checkpoint's hyper-parameters into the config here (see the module
@@ -143,9 +148,15 @@ class LoraCLI(LightningCLI):
         )
         plugins = config.get("plugins") or []
         plugins = plugins if isinstance(plugins, list) else [plugins]
+        plugins, config["precision"] = resolve_precision(config.get("precision"), plugins)
         if not any(isinstance(p, CheckpointIO) for p in plugins):
-            config["plugins"] = [*plugins, AtomicCheckpointIO()]
-        return super().instantiate_trainer(**kwargs)
+            plugins.append(AtomicCheckpointIO())
+        config["plugins"] = plugins
+        trainer = super().instantiate_trainer(**kwargs)
+        # The base format joins the model's recipe now, before anything is cached (the text encoders load in its
+        # dtype, and the `cache` verb builds no more than this), and a model option it cannot go with stops here.
+        self.model.use_precision(precision_of(trainer))
+        return trainer
 
     def before_fit(self) -> None:
         # Cross-object checks, before any weights load: the data resolution must suit the model family.
@@ -153,8 +164,8 @@ class LoraCLI(LightningCLI):
         self.datamodule.spec(self.model.family)
         check_writable(Path(self.trainer.default_root_dir), "trainer.default_root_dir")
         check_writable(self._checkpoint_dir(), "ModelCheckpoint dirpath")
+        self.model.recipe.precision.bind(self.trainer.strategy.root_device)  # autocast on the trainer's device
         check_strategy(self.trainer.strategy, self.model.recipe)
-        check_trainer_precision(self.trainer.precision)  # before caching, which runs before the module's own check
         if torch.cuda.is_available() and self.trainer.strategy.root_device.type == "cuda":
             planned = warn_if_too_big(self.model, self.datamodule, self.trainer.strategy.root_device)
             for cb in self.trainer.callbacks:  # type: ignore[attr-defined]
@@ -219,9 +230,17 @@ class LoraCLI(LightningCLI):
             why = f"{where}: {changed} (~{fit.peak_gib:.1f} GiB planned)"
         model.use_memory_settings(settings)
         os.environ[MEMORY_ENV] = json.dumps(settings)
+        precision = model.recipe.precision
+        if precision is not self.trainer.precision_plugin:  # another base format: the trainer runs it too
+            precision.bind(self.trainer.strategy.root_device)
+            self.trainer.strategy.precision_plugin = precision
         section = self.config.get(str(self.subcommand), self.config)  # what config.yaml is written from
         for name, value in settings.items():
-            section[f"model.{name}"] = value
+            if name == "precision":
+                section["trainer.precision"] = None
+                section["trainer.plugins"] = with_precision_spec(section.get("trainer.plugins"), precision.spec())
+            else:
+                section[f"model.{name}"] = value
         rank_zero_info(f"model.memory: {model.memory}: {why}")
 
     def _checkpoint_dir(self) -> Path:
@@ -236,6 +255,84 @@ class LoraCLI(LightningCLI):
             line = CONSOLE.summary() if CONSOLE is not None else None
             if line:
                 print(line, flush=True)
+
+
+MOVED_OPTIONS = {
+    "model.quantization": "the base format is a precision plugin now: trainer.plugins: lightning_lora.precision.NF4 "
+    "(mode nf4), FP8 (fp8), FP8Compute (fp8_compute) or BF16 (none), e.g. `plugins: {class_path: "
+    "lightning_lora.precision.NF4}` under trainer:, or --trainer.plugins lightning_lora.precision.NF4; the options "
+    "double_quant, upcast_small_params and skip are its init_args",
+    "model.base_dtype": "the base dtype is the precision plugin's dtype now: trainer.precision: bf16-mixed (bf16), "
+    "16-mixed (fp16) or 32-true (fp32), or the plugin's init_args: {dtype: fp16}",
+}
+"""Options that moved, and where to (:func:`check_moved_options`)."""
+
+
+def check_moved_options(args: Any) -> None:
+    """A :class:`ConfigError` naming the replacement of a :data:`MOVED_OPTIONS` option in a ``--config`` file or a
+    flag (instead of the parser's "unexpected key")."""
+    if not isinstance(args, list | tuple):
+        return
+    found: list[str] = []
+    for i, arg in enumerate(args):
+        arg = str(arg)
+        found += [option for option in MOVED_OPTIONS if arg == f"--{option}" or arg.startswith(f"--{option}.")]
+        if arg == "--config" and i + 1 < len(args):
+            found += _moved_in_file(Path(str(args[i + 1])))
+        elif arg.startswith("--config="):
+            found += _moved_in_file(Path(arg.split("=", 1)[1]))
+    if found:
+        option = found[0]
+        raise ConfigError(f"{option} is no longer an option: {MOVED_OPTIONS[option]}.")
+
+
+def _moved_in_file(path: Path) -> list[str]:
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return []  # the parser names the file and its problem
+    model = data.get("model") if isinstance(data, dict) else None
+    if not isinstance(model, dict):
+        return []
+    return [option for option in MOVED_OPTIONS if option.split(".", 1)[1] in model]
+
+
+def resolve_precision(precision: Any, plugins: list[Any]) -> tuple[list[Any], None]:
+    """The trainer's plugins with exactly one of our precision plugins (the ``trainer.precision`` it is given, which
+    then becomes None: Lightning takes one or the other). A :class:`ConfigError` for both at once, two plugins, or a
+    precision plugin of Lightning's (it would cast or quantize the LoRA too)."""
+    from lightning.pytorch.plugins.precision import Precision
+
+    ours = [p for p in plugins if isinstance(p, BasePrecision)]
+    others = [p for p in plugins if isinstance(p, Precision) and not isinstance(p, BasePrecision)]
+    if others:
+        check_trainer_precision(type(others[0]).__name__)
+    if len(ours) > 1:
+        names = ", ".join(type(p).__name__ for p in ours)
+        raise ConfigError(f"trainer.plugins: {names}: one precision plugin (the frozen base's format), not several.")
+    if ours and precision is not None:
+        raise ConfigError(
+            f"trainer.precision: {precision} and trainer.plugins: {type(ours[0]).__name__} both set the precision; "
+            f"remove trainer.precision (the plugin autocasts to its dtype, {ours[0].dtype}; set its dtype with "
+            "init_args: {dtype: fp16} on a GPU without bf16)."
+        )
+    if not ours:
+        plugins = [*plugins, for_trainer_precision(precision or "bf16-mixed")]
+    return plugins, None
+
+
+def with_precision_spec(plugins: Any, spec: dict[str, Any]) -> list[Any]:
+    """A config's ``trainer.plugins`` with its precision plugin replaced by ``spec`` (or ``spec`` added)."""
+    entries = plugins if isinstance(plugins, list) else ([] if plugins is None else [plugins])
+
+    def class_path(entry: Any) -> str:
+        value = entry.get("class_path") if hasattr(entry, "get") else getattr(entry, "class_path", entry)
+        return str(value or "")
+
+    kept = [e for e in entries if not class_path(e).startswith("lightning_lora.precision.")]
+    return [*kept, spec]
 
 
 def check_run_length(max_steps: Any) -> None:

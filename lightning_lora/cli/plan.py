@@ -14,9 +14,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from lightning_lora.cli.fit import LoraCLI
+from lightning_lora.cli.fit import LoraCLI, resolve_precision
 from lightning_lora.data.datamodule import DataOptions
 from lightning_lora.errors import ConfigError
+from lightning_lora.precision import BasePrecision
 
 __all__ = ["PlanCLI", "main"]
 
@@ -35,6 +36,10 @@ class PlanCLI(LoraCLI):
         self.config_init = instantiate(self.config)
         self.datamodule = self._get(self.config_init, "data")
         self.model = self._get(self.config_init, "model")
+        trainer = self._get(self.config_init, "trainer", default={})
+        plugins = trainer.get("plugins") or []
+        plugins, _ = resolve_precision(trainer.get("precision"), plugins if isinstance(plugins, list) else [plugins])
+        self.model.use_precision(next(p for p in plugins if isinstance(p, BasePrecision)))  # the base format to plan
         self.trainer = None  # type: ignore[assignment]  # planning builds no Trainer (it would need the accelerator)
 
 

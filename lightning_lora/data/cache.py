@@ -304,7 +304,7 @@ def quantize_text_encoders(
     T5-XXL) stay unquantized, in the load dtype. Returns how many were swapped."""
     if mode == "none":
         return 0
-    from lightning_lora.quant import QuantOptions, quantize_base
+    from lightning_lora.precision import text_encoder_precision
 
     swapped = 0
     for name in components:
@@ -313,8 +313,7 @@ def quantize_text_encoders(
             keep = [rf"(^|\.){re.escape(m)}$" for m in getattr(component, "_keep_in_fp32_modules", None) or []]
             # Frozen and inference-only: the layers left unquantized stay in the load dtype (no fp32 upcast, which for
             # T5's wo alone would be 4 GB).
-            options = QuantOptions(mode=mode, skip=keep, upcast_small_params=False)  # type: ignore[arg-type]
-            swapped += quantize_base(component, options, device, dtype)  # type: ignore[arg-type]
+            swapped += text_encoder_precision(mode, dtype, keep).quantize(component, device)
     return swapped
 
 

@@ -28,8 +28,8 @@ def test_the_fastest_settings_that_fit_each_card(gib: int) -> None:
     chosen = recipe.replace(**fit.changes)
     assert plan_for(chosen, data).peak_gib == pytest.approx(fit.peak_gib)
     # The bf16 base (22 GiB) needs a 32 GB card; 24 and 16 GB take FP8, smaller ones NF4.
-    expected = {32: "none", 24: "fp8", 16: "fp8", 12: "nf4", 8: "nf4"}[gib]
-    assert chosen.quantization.mode == expected, fit.flags
+    expected = {32: "BF16", 24: "FP8", 16: "FP8", 12: "NF4", 8: "NF4"}[gib]
+    assert type(chosen.precision).__name__ == expected, fit.flags
     assert chosen.lora == recipe.lora  # never another adapter, batch or image: the same training
 
 

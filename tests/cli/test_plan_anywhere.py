@@ -121,7 +121,7 @@ def test_the_cards_table_gives_the_fastest_fit_per_size(tiny_flux_dir: Path, mon
         peak = 40.0 if datamodule.batch_size == 2 else 28.0
         if recipe.gradient_checkpointing:
             peak -= 10.0
-        peak -= {"none": 0.0, "fp8": 8.0, "nf4": 20.0}[recipe.quantization.mode]
+        peak -= {"BF16": 0.0, "FP8": 8.0, "NF4": 20.0}[type(recipe.precision).__name__]
         peak -= 2.0 if recipe.offload_activations else 0.0
         peak -= 0.5 * recipe.offload_blocks
         return SimpleNamespace(peak_gib=peak)
@@ -130,12 +130,9 @@ def test_the_cards_table_gives_the_fastest_fit_per_size(tiny_flux_dir: Path, mon
     recipe = ModelRecipe(Flux(), ModelSource(str(tiny_flux_dir)))
     rows = dict(cards_table(recipe, SimpleNamespace(resolution=1024, batch_size=2), sizes=(8, 12, 24, 48)))
     assert rows[48] is not None and rows[48].flags == "" and rows[48].peak_gib == 40.0  # as configured
-    assert (
-        rows[24] is not None and rows[24].flags == "--model.quantization.mode fp8 --model.gradient_checkpointing true"
-    )
-    assert (
-        rows[12] is not None and rows[12].flags == "--model.quantization.mode nf4 --model.gradient_checkpointing true"
-    )
+    fp8, nf4 = ("--trainer.plugins lightning_lora.precision." + name for name in ("FP8", "NF4"))
+    assert rows[24] is not None and rows[24].flags == f"{fp8} --model.gradient_checkpointing true"
+    assert rows[12] is not None and rows[12].flags == f"{nf4} --model.gradient_checkpointing true"
     # 8 GiB: nf4 + checkpointing + offloaded inputs is 8 > 7.6, offloading blocks does not reach it: a smaller batch.
     assert rows[8] is not None and rows[8].flags.endswith("--data.batch_size 1") and rows[8].peak_gib == -4.0
 

@@ -431,7 +431,7 @@ def test_text_encoders_in_fp8_for_caching(tmp_path: Path, tiny_flux_dir: Path) -
     from torch import nn
 
     from lightning_lora.data.cache import quantize_text_encoders
-    from lightning_lora.quant.fp8 import FP8Linear
+    from lightning_lora.precision.fp8 import FP8Linear
 
     plain = _cache(tmp_path / "c", tiny_flux_dir)
     fp8 = LatentCache(tmp_path / "c", plain.family, plain.source, text_encoder_quantization="fp8")

@@ -1,12 +1,15 @@
 """The FLUX.2 family: its objective against the pipeline's own components (scheduler, packing, position ids, timestep
 convention), cached text and latents against the pipeline's, its timestep shift, LoRA presets and files, loading
 (folder, single files, hub id offline, the klein/dev variant), text-encoder quantization for caching, and the memory
-plan from the hub id with nothing downloaded.
+plan from the hub id with nothing downloaded. klein's tests run on the tiny ``Flux2KleinPipeline``; the ``dev`` tests
+(at the end) repeat the ones where dev differs on the tiny ``Flux2Pipeline``: the guidance input, Mistral3's text
+with its system message, its tokenizer folder, LoRA files loaded by ``Flux2Pipeline``, single files.
 
-Model-level facts these tests pin (diffusers 0.42.1, ``pipelines/flux2/pipeline_flux2_klein.py``): the pipeline feeds
-the transformer ``t / 1000`` for a scheduler timestep ``t = 1000 sigma`` and steps with its output as the velocity;
-latents are the VAE's mean, patchified 2x2 and batch-normalised; captions are three Qwen3 layers' hidden states of the
-chat-templated prompt padded to ``max_sequence_length``, every position kept.
+Model-level facts these tests pin (diffusers 0.42.1, ``pipelines/flux2/pipeline_flux2_klein.py`` and
+``pipeline_flux2.py``): the pipeline feeds the transformer ``t / 1000`` for a scheduler timestep ``t = 1000 sigma`` and
+steps with its output as the velocity; latents are the VAE's mean, patchified 2x2 and batch-normalised; captions are
+three layers' hidden states (Qwen3's 9/18/27; dev: Mistral3's 10/20/30) of the chat-templated prompt padded to
+``max_sequence_length``, every position kept; dev's guidance is a float32 input of the scale, ``guidance_scale``.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from diffusers import Flux2KleinPipeline, Flux2Transformer2DModel
+from diffusers import Flux2KleinPipeline, Flux2Pipeline, Flux2Transformer2DModel
 from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 
@@ -179,7 +182,7 @@ def test_text_encoder_in_fp8_and_nf4_for_caching(tiny_flux2_dir: Path, tmp_path:
     import bitsandbytes as bnb
 
     from lightning_lora.data.cache import LatentCache, quantize_text_encoders
-    from lightning_lora.quant.fp8 import FP8Linear
+    from lightning_lora.precision.fp8 import FP8Linear
 
     family, source = Flux2(max_sequence_length=LENGTH), ModelSource(str(tiny_flux2_dir), dtype=torch.float32)
     plain = LatentCache(tmp_path, family, source)
@@ -254,6 +257,7 @@ def _inputs(model: torch.nn.Module) -> dict[str, object]:
         "timestep": torch.tensor([0.3]),
         "img_ids": image_ids(2, 3),
         "txt_ids": text_ids(5),
+        "guidance": torch.tensor([3.5]) if model.config.guidance_embeds else None,  # dev's input
         "return_dict": False,
     }
 
@@ -450,6 +454,212 @@ def test_hub_id_offline_fails_with_a_clear_message(monkeypatch: pytest.MonkeyPat
         Flux2().load_text_encoders(source)
     base = ModelSource(HUB_ID.replace("klein-", "klein-base-"))
     assert Flux2().is_distilled(source) and not Flux2().is_distilled(base)
+
+
+# -- FLUX.2 dev ----------------------------------------------------------------------------------------------------
+
+DEV_LENGTH = 64  # dev's template (<s>, the system message, the turn markers) is 32 tokens of the tiny vocabulary
+
+
+@pytest.fixture(scope="module")
+def dev_pipe(tiny_flux2_dev_dir: Path) -> Flux2Pipeline:
+    """The tiny dev pipeline's own components, loaded from its saved folder."""
+    pipe = Flux2Pipeline.from_pretrained(tiny_flux2_dev_dir)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def test_dev_loss_is_the_pipelines_objective_with_its_guidance_input(dev_pipe: Flux2Pipeline) -> None:
+    """As klein's, through ``Flux2Pipeline``'s components, with the guidance input the pipeline builds for
+    ``guidance_scale`` (float32, one per sample): our loss feeds ``model.family.init_args.guidance``."""
+    family, scheduler = Flux2(variant="dev", guidance=3.5, max_sequence_length=DEV_LENGTH), dev_pipe.scheduler
+    x0 = family.encode_images(dev_pipe.vae, _pixels())
+    noise = torch.randn(x0.shape, generator=torch.Generator().manual_seed(1))
+    scheduler.set_timesteps(sigmas=[1.0, 0.75, 0.5, 0.25], mu=1.3)
+    t, sigmas = scheduler.timesteps[[1, 2]], scheduler.sigmas[[1, 2]]
+    with torch.no_grad():
+        noisy = torch.cat([scheduler.scale_noise(x0[i : i + 1], t[i : i + 1], noise[i : i + 1]) for i in range(2)])
+        embeds, txt_ids = dev_pipe.encode_prompt([PROMPT, ""], max_sequence_length=DEV_LENGTH)
+
+        def predict(timestep: torch.Tensor, scale: float) -> torch.Tensor:
+            return dev_pipe.transformer(
+                hidden_states=dev_pipe._pack_latents(noisy),
+                timestep=timestep,
+                guidance=torch.full([1], scale, dtype=torch.float32).expand(2),  # as Flux2Pipeline.__call__
+                encoder_hidden_states=embeds,
+                txt_ids=txt_ids,
+                img_ids=dev_pipe._prepare_latent_ids(noisy),
+                return_dict=False,
+            )[0]
+
+        target = dev_pipe._pack_latents(noise - x0)
+        expected = (predict(t / 1000, 3.5) - target).pow(2).mean(dim=(1, 2))
+        batch = {"latents": x0, **family.encode_prompts(dev_pipe, [PROMPT, ""])}
+        loss = family.loss(dev_pipe.transformer, batch, noise, sigmas)
+        other_guidance = (predict(t / 1000, 1.0) - target).pow(2).mean(dim=(1, 2))
+        wrong_time = (predict(t, 3.5) - target).pow(2).mean(dim=(1, 2))
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    assert (other_guidance - expected).abs().max() > 1e-4 and (wrong_time - expected).abs().max() > 1e-3
+
+
+def test_dev_cached_text_is_the_pipelines(dev_pipe: Flux2Pipeline) -> None:
+    """The cached embeddings are ``Flux2Pipeline.encode_prompt``'s (the system message and the prompt through Mistral3,
+    layers 10, 20 and 30 stacked, every padded position), and each prompt's alone."""
+    prompts = [PROMPT, "", "a close up portrait of a young woman in red"]
+    family = Flux2(variant="dev", max_sequence_length=DEV_LENGTH)
+    cached = family.encode_prompts(dev_pipe, prompts)
+    assert cached.keys() == {"prompt_embeds"}
+    assert cached["prompt_embeds"].shape == (3, DEV_LENGTH, 3 * dev_pipe.text_encoder.config.text_config.hidden_size)
+    theirs, _ = dev_pipe.encode_prompt(prompts, max_sequence_length=DEV_LENGTH)
+    torch.testing.assert_close(cached["prompt_embeds"], theirs)
+    alone = family.encode_prompts(dev_pipe, [prompts[2]])["prompt_embeds"]
+    torch.testing.assert_close(alone[0], theirs[2])
+    klein_layers = dev_pipe.encode_prompt(prompts, max_sequence_length=DEV_LENGTH, text_encoder_out_layers=(9, 18, 27))
+    assert not torch.allclose(klein_layers[0], theirs)  # the layers matter: the test would see klein's
+
+
+def test_dev_prompt_limit_counts_the_system_message(dev_pipe: Flux2Pipeline) -> None:
+    """The prompt tokens dev reads are ``max_sequence_length`` less the system turn and the turn markers: a prompt is
+    reported cut exactly when the pipeline's templated, tokenized input is longer than that."""
+    from diffusers.pipelines.flux2.pipeline_flux2 import format_input
+
+    limit = Flux2(variant="dev", max_sequence_length=DEV_LENGTH).prompt_limit(dev_pipe)
+    assert "Mistral" in str(limit) and 0 < limit.tokens < DEV_LENGTH - 30
+    # limit.tokens counts the <s> a plain call of the tokenizer adds: a prompt of limit.tokens - 1 words just fits.
+    prompts = [" ".join(["cat"] * n) for n in range(limit.tokens - 2, limit.tokens + 1)]
+    ids = dev_pipe.tokenizer.apply_chat_template(
+        format_input(prompts, system_message=dev_pipe.system_message), tokenize=True, return_dict=True
+    )["input_ids"]
+    assert limit.truncated(prompts) == [len(i) > DEV_LENGTH for i in ids] == [False, False, True]
+
+
+def test_dev_local_folder_and_variant(tiny_flux2_dev_dir: Path) -> None:
+    """A ``Flux2Pipeline`` folder loads as dev (frozen, in eval mode, the guidance embedder present) and is refused as
+    klein with the option to set."""
+    family, source = Flux2(variant="dev"), ModelSource(str(tiny_flux2_dev_dir), dtype=torch.float32)
+    family.check_source(source)
+    denoiser = family.load_denoiser(source)
+    assert denoiser.config.guidance_embeds and not denoiser.training
+    assert not any(p.requires_grad for p in denoiser.parameters())
+    encoders = family.load_text_encoders(source)
+    assert type(encoders).__name__ == "Flux2Pipeline" and not encoders.text_encoder.training
+    assert not family.is_distilled(source)
+    with pytest.raises(ConfigError, match=r"holds a Flux2Pipeline.*variant: dev"):
+        Flux2().check_source(source)
+
+
+def test_dev_reads_the_real_tokenizer_folder_without_torchvision(tiny_flux2_dev_dir: Path, tmp_path: Path) -> None:
+    """FLUX.2 dev's ``tokenizer`` folder is a ``PixtralProcessor`` (``processor_config.json``,
+    ``preprocessor_config.json``), which transformers 5 builds only with torchvision; the family reads its tokenizer
+    and chat template alone and encodes exactly as from the tiny folder. A tokenizer without a chat template is refused
+    naming the option."""
+    import importlib.util
+    import shutil
+
+    from transformers import AutoProcessor
+
+    folder = tmp_path / "FLUX.2-dev"
+    shutil.copytree(tiny_flux2_dev_dir, folder)
+    index = json.loads((folder / "model_index.json").read_text())
+    index["tokenizer"] = ["transformers", "PixtralProcessor"]
+    (folder / "model_index.json").write_text(json.dumps(index))
+    processor = {"processor_class": "PixtralProcessor", "patch_size": 16, "spatial_merge_size": 2}
+    (folder / "tokenizer" / "processor_config.json").write_text(json.dumps(processor))
+    image = {"image_processor_type": "PixtralImageProcessorFast", "processor_class": "PixtralProcessor"}
+    (folder / "tokenizer" / "preprocessor_config.json").write_text(json.dumps(image))
+    if importlib.util.find_spec("torchvision") is None:  # why the family does not load the processor
+        with pytest.raises(ImportError, match="Torchvision"):
+            AutoProcessor.from_pretrained(folder / "tokenizer")
+    family = Flux2(variant="dev", max_sequence_length=DEV_LENGTH)
+    got = family.encode_prompts(family.load_text_encoders(ModelSource(str(folder))), [PROMPT])
+    tiny = family.load_text_encoders(ModelSource(str(tiny_flux2_dev_dir)))
+    torch.testing.assert_close(got["prompt_embeds"], family.encode_prompts(tiny, [PROMPT])["prompt_embeds"])
+    (folder / "tokenizer" / "chat_template.jinja").unlink()
+    with pytest.raises(ConfigError, match=r"model\.pretrained: .*no chat template"):
+        family.load_text_encoders(ModelSource(str(folder)))
+
+
+def test_dev_text_encoder_in_fp8_and_nf4_for_caching(tiny_flux2_dev_dir: Path, tmp_path: Path) -> None:
+    """``data.text_encoder_quantization`` on Mistral3 (Mistral-Small-3.1 is 48 GB in bf16: caching on a smaller card
+    needs it): the decoder's linear layers stored in FP8 / NF4, the embeddings close to the plain ones."""
+    import bitsandbytes as bnb
+
+    from lightning_lora.data.cache import LatentCache, quantize_text_encoders
+    from lightning_lora.precision.fp8 import FP8Linear
+
+    family = Flux2(variant="dev", max_sequence_length=DEV_LENGTH)
+    source = ModelSource(str(tiny_flux2_dev_dir), dtype=torch.float32)
+    plain = LatentCache(tmp_path, family, source)
+    plain.encode_texts([PROMPT], torch.device("cpu"))
+    reference = plain.load_text(plain.text_key(PROMPT))["prompt_embeds"]
+    layers = 7 * family.load_text_encoders(source).text_encoder.config.text_config.num_hidden_layers
+    for mode, kind, tolerance in (("fp8", FP8Linear, 0.1), ("nf4", bnb.nn.Linear4bit, 0.3)):
+        cache = LatentCache(tmp_path, family, source, text_encoder_quantization=mode)
+        assert cache.text_key(PROMPT) != plain.text_key(PROMPT)
+        encoders = family.load_text_encoders(source)
+        swapped = quantize_text_encoders(encoders, family.text_encoders, mode, torch.device("cpu"), torch.float32)
+        language_model = encoders.text_encoder.model.language_model
+        assert sum(isinstance(m, kind) for m in language_model.modules()) == layers and swapped >= layers
+        cache.encode_texts([PROMPT], torch.device("cpu"))
+        got = cache.load_text(cache.text_key(PROMPT))["prompt_embeds"]
+        assert not torch.equal(got, reference) and (got - reference).norm() < tolerance * reference.norm(), mode
+
+
+@pytest.mark.parametrize("fmt", ["diffusers", "kohya"])
+def test_dev_lora_files_load_into_flux2_pipeline(
+    dev_pipe: Flux2Pipeline, tiny_flux2_dev_dir: Path, tmp_path: Path, fmt: str
+) -> None:
+    """``Flux2Pipeline.load_lora_weights`` reads both files (diffusers' names; ComfyUI's BFL names) to the trained
+    model's output, guidance input included; the diffusers file's every tensor lands in the adapter, none left over."""
+    family = Flux2(variant="dev")
+    model, options = _adapted(dev_pipe, "all_linear")
+    state = get_peft_model_state_dict(model)
+    path = export_lora(state, tmp_path / f"f.{fmt}.safetensors", format=fmt, lora=options, family=family, info={})
+    tensors = load_file(path)
+    fresh = Flux2Pipeline.from_pretrained(tiny_flux2_dev_dir)
+    fresh.load_lora_weights(path, adapter_name="f")
+    if fmt == "diffusers":
+        loaded = {n: p for n, p in fresh.transformer.named_parameters() if ".lora_" in n}
+        assert len(loaded) == len(tensors)
+        for key, tensor in tensors.items():
+            module, ab, _ = key.removeprefix("transformer.").rsplit(".", 2)
+            torch.testing.assert_close(loaded[f"{module}.{ab}.f.weight"], tensor)
+    inputs = _inputs(model)
+    assert inputs["guidance"] is not None
+    with torch.no_grad():
+        expected, base = model(**inputs)[0], dev_pipe.transformer(**inputs)[0]
+        torch.testing.assert_close(fresh.transformer(**inputs)[0], expected, atol=1e-5, rtol=1e-4)
+    assert (expected - base).abs().max() > 1e-3  # the LoRA changes the output
+
+
+@pytest.mark.parametrize("layout", ["bfl", "comfy"])
+def test_dev_single_file_transformer(tmp_path: Path, tiny_flux2_dev_dir: Path, layout: str) -> None:
+    """dev's single files (BFL's names, with ``guidance_in``; ComfyUI's prefix) load through diffusers'
+    ``from_single_file`` with the guidance embedder's weights."""
+    reference = Flux2Transformer2DModel.from_pretrained(tiny_flux2_dev_dir, subfolder="transformer").state_dict()
+    bfl = diffusers_to_bfl(reference, prefix="model.diffusion_model." if layout == "comfy" else "")
+    assert any("guidance_in." in k for k in bfl)
+    file = tmp_path / "flux2-dev.safetensors"
+    save_file({k: v.contiguous() + 0.5 for k, v in bfl.items()}, file)
+    source = ModelSource(str(tiny_flux2_dev_dir), denoiser_file=str(file), dtype=torch.float32)
+    Flux2(variant="dev").check_source(source)
+    loaded = Flux2(variant="dev").load_denoiser(source).state_dict()
+    assert loaded.keys() == reference.keys() and any("guidance_embedder" in k for k in loaded)
+    for key, value in loaded.items():
+        torch.testing.assert_close(value, reference[key] + 0.5, msg=key)
+
+
+def test_dev_tiny_pipeline_is_deterministic_and_reads_the_real_layers() -> None:
+    from lightning_lora.tiny_flux2 import build_tiny_flux2_dev
+
+    a, b = build_tiny_flux2_dev(seed=0), build_tiny_flux2_dev(seed=0)
+    for name in ("transformer", "text_encoder", "vae"):
+        sa, sb = getattr(a, name).state_dict(), getattr(b, name).state_dict()
+        assert all(torch.equal(sa[k], sb[k]) for k in sa), name
+    text = a.text_encoder.config.text_config
+    assert text.num_hidden_layers > 30  # the pipeline's layers 10, 20, 30 exist, and 30 is not the normed last one
+    assert a.transformer.config.joint_attention_dim == 3 * text.hidden_size and a.transformer.config.guidance_embeds
+    assert a.tokenizer.convert_tokens_to_ids("[IMG]") == a.text_encoder.config.image_token_index
 
 
 # -- memory plan ---------------------------------------------------------------------------------------------------

@@ -481,7 +481,7 @@ def test_the_shipped_architecture_plans_like_a_local_folder(tmp_path: Path) -> N
     from diffusers import QwenImageTransformer2DModel
 
     from lightning_lora.plan import caching_peaks, weight_bytes
-    from lightning_lora.quant import QuantOptions
+    from lightning_lora.precision import BF16
     from lightning_lora.recipe import ModelRecipe
 
     # diffusers' defaults are Qwen-Image's transformer config (its docs load "Qwen/QwenImage-20B" with them).
@@ -504,7 +504,7 @@ def test_the_shipped_architecture_plans_like_a_local_folder(tmp_path: Path) -> N
     assert {k: read[k] for k in shipped} == shipped
     from_folder = (family.text_encoder_configs(local) or {})["text_encoder"]
     assert {k: v for k, v in from_folder.items() if k != "architectures"} == encoder
-    weights = weight_bytes(family.denoiser_skeleton(hub), QuantOptions(), torch.bfloat16)
+    weights = weight_bytes(family.denoiser_skeleton(hub), BF16())
     assert weights / 2 == pytest.approx(20.43e9, rel=2e-3)  # bf16: 2 bytes per weight
     text, _, host, notes = caching_peaks(ModelRecipe(family, hub, LoraOptions(rank=8)), "none", 4, 1024)
     assert host * 2**30 / 2 == pytest.approx(8.29e9, rel=2e-3) and text > host and not notes  # Qwen2.5-VL-7B, known

@@ -161,7 +161,7 @@ def test_text_encoder_in_fp8_and_nf4_for_caching(tiny_zimage_dir: Path, tmp_path
     import bitsandbytes as bnb
 
     from lightning_lora.data.cache import LatentCache, quantize_text_encoders
-    from lightning_lora.quant.fp8 import FP8Linear
+    from lightning_lora.precision.fp8 import FP8Linear
 
     family, source = ZImage(max_sequence_length=32), ModelSource(str(tiny_zimage_dir), dtype=torch.float32)
     plain = LatentCache(tmp_path, family, source)

@@ -45,6 +45,7 @@ from helpers.models import (
     lora_layers,
     lora_model,
     nonzero_lora_b,
+    precision_for,
     random_inputs,
     two_step_grads,
 )
@@ -88,6 +89,7 @@ __all__ = [
     "loss_curve",
     "node_env",
     "nonzero_lora_b",
+    "precision_for",
     "random_inputs",
     "resume_config",
     "run_cli",

@@ -58,7 +58,6 @@ def write_config(tmp_path: Path, model_dir: Path, photos: Path, **overrides: obj
         "model": {
             "pretrained": str(model_dir),
             "family": {"class_path": "lightning_lora.families.Flux", "init_args": {"max_sequence_length": 16}},
-            "base_dtype": "fp32",
             "lora": {"rank": 4, "alpha": 8},
             "optimizer": {"class_path": "torch.optim.AdamW", "init_args": {"lr": 0.01}},
         },

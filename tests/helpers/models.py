@@ -18,16 +18,28 @@ from torch import nn
 from lightning_lora.assembly import build_lora_model
 from lightning_lora.families.base import DiffusionFamily, ModelSource
 from lightning_lora.lora import LoraOptions
+from lightning_lora.precision import BF16, FP8, NF4, BasePrecision, FP8Compute, dtype_name
 from lightning_lora.recipe import ModelRecipe
 
 RANK, ALPHA = 4, 8.0
 """The LoRA of :func:`lora_model`: alpha / rank = 2, so a scale that is dropped or applied twice shows."""
 
 
+PLUGINS: dict[str, type[BasePrecision]] = {"none": BF16, "fp8": FP8, "fp8_compute": FP8Compute, "nf4": NF4}
+"""The precision plugins by the short names tests are parametrized with."""
+
+
+def precision_for(mode: str, dtype: torch.dtype = torch.bfloat16, **options: Any) -> BasePrecision:
+    """The precision plugin ``mode`` names (:data:`PLUGINS`) with base dtype ``dtype``."""
+    return PLUGINS[mode](dtype=dtype_name(dtype), **options)
+
+
 def build_model(
     family: DiffusionFamily, source: ModelSource, lora: LoraOptions, device: Any = None, **options: Any
 ) -> nn.Module:
-    """The trainable model of a :class:`ModelRecipe` with these options, as ``LoraModule`` builds it."""
+    """The trainable model of a :class:`ModelRecipe` with these options, as ``LoraModule`` builds it (the base in
+    ``source.dtype`` unless ``precision`` says otherwise)."""
+    options.setdefault("precision", BF16(dtype=dtype_name(source.dtype)))
     return build_lora_model(ModelRecipe(family, source, lora, **options), device)
 
 

@@ -143,7 +143,8 @@ def test_bench_config_takes_the_shipped_settings(path) -> None:
     a = bench.parse_args(["--config", str(path)])
     family = model["family"]["class_path"].rsplit(".", 1)[-1].lower()
     assert a.family == family
-    assert a.quant == (model.get("quantization") or {}).get("mode", "none")
+    plugin = trainer["plugins"]["class_path"].rsplit(".", 1)[-1]  # every shipped config names its precision plugin
+    assert bench.QUANT_PLUGINS[a.quant] == plugin
     assert a.gc == int(model.get("gradient_checkpointing", False))
     assert a.compile == int(model.get("compile_blocks", False))
     assert a.offload_act == int(model.get("offload_activations", False))
@@ -201,7 +202,7 @@ def test_bench_runs_a_shipped_config_on_a_tiny_model(capsys) -> None:
     CPU)."""
     argv = ["--tiny", "--config", str(REPO / "configs" / "flux_4090.yaml"), "--steps", "1", "--warm", "1"]
     argv += ["--h", "64", "--w", "64", "--tlen", "16", "--compile", "0", "--memory-limit", "24"]
-    with pytest.warns(UserWarning, match="fp8_compute needs FP8 matrix units"):
+    with pytest.warns(UserWarning, match="FP8Compute needs FP8 matrix units"):
         bench.main(argv)
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert "error" not in out, out
@@ -251,3 +252,15 @@ def test_bench_shards_a_bf16_base_with_fsdp2() -> None:
     assert out["weights_GiB_per_device"] > 0
     with pytest.raises(ValueError, match="--strategy fsdp2 shards a bf16 base: give --quant none"):
         bench.run(bench.parser().parse_args([*argv, "--tiny", "--strategy", "fsdp2", "--quant", "nf4"]))
+
+
+def test_bench_builds_the_denoiser_a_config_names() -> None:
+    """A config whose ``model.pretrained`` is another known denoiser of its family (FLUX.2 dev, not klein) is measured
+    on random weights of that denoiser's config, not the family's default one."""
+    from lightning_lora.families import Flux2
+
+    dev = bench.parse_args(["--config", str(REPO / "configs" / "flux2_dev_24gb.yaml")])
+    assert dev.denoiser == "black-forest-labs/FLUX.2-dev" and bench.header(dev)["denoiser"] == dev.denoiser
+    assert not any(s.startswith("model.pretrained") for s in dev.not_reproduced)
+    assert Flux2.known_denoisers[dev.denoiser] != bench.CONFIGS["flux2"][0]  # a different (32 B) transformer
+    assert bench.parse_args(["--family", "flux2"]).denoiser is None  # flags alone: the family's default

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from lightning_lora.hardware import fp8_compute_supported, fp8_dtype
-from lightning_lora.quant.options import QuantOptions, linear_layers
+from lightning_lora.precision.layers import linear_layers
 
 __all__ = ["FP8Linear", "fp8_compute_supported", "quantize_fp8", "quantize_rowwise"]
 
@@ -167,14 +167,14 @@ class FP8Linear(nn.Linear):
 
 
 def quantize_fp8(
-    model: nn.Module, options: QuantOptions, device: torch.device, compute: bool, on_cpu: frozenset[int] = frozenset()
+    model: nn.Module, skip: list[str], device: torch.device, compute: bool, on_cpu: frozenset[int] = frozenset()
 ) -> int:
-    """Swap every linear layer of ``model`` (but ``options.skip``) for an :class:`FP8Linear` in the FP8 format of
+    """Swap every linear layer of ``model`` (but those ``skip`` matches) for an :class:`FP8Linear` in the FP8 format of
     ``device`` (:func:`~lightning_lora.hardware.fp8_dtype`), quantized on ``device`` (on the CPU for the layers whose
     ``id`` is in ``on_cpu``); returns how many were swapped."""
     dtype = fp8_dtype(device)
     count = 0
-    for parent, name, _, linear in linear_layers(model, options.skip):
+    for parent, name, _, linear in linear_layers(model, skip):
         linear.to(torch.device("cpu") if id(linear) in on_cpu else device)
         layer = FP8Linear(linear, compute=compute, dtype=dtype)
         setattr(parent, name, layer)

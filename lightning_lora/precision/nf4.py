@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from lightning_lora.errors import ConfigError
-from lightning_lora.quant.options import QuantOptions, linear_layers
+from lightning_lora.precision.layers import linear_layers
 
 __all__ = ["quantize_nf4", "require_bitsandbytes"]
 
@@ -61,16 +61,27 @@ def require_bitsandbytes() -> Any:
         if torch.version.hip is not None:
             hint = f" (this is a ROCm {torch.version.hip} build of torch: bitsandbytes needs a ROCm-enabled release)"
         raise ConfigError(
-            f"model.quantization.mode: nf4 needs bitsandbytes: pip install 'lightning-lora[bnb]'{hint}; "
+            "NF4 (lightning_lora.precision.NF4, data.text_encoder_quantization: nf4) needs bitsandbytes: pip install "
+            f"'lightning-lora[bnb]'{hint}; "
             f"importing it failed with: {e}"
         ) from e
     return bitsandbytes
 
 
-def quantize_nf4(model: nn.Module, options: QuantOptions, device: torch.device, compute_dtype: torch.dtype) -> int:
+def quantize_nf4(
+    model: nn.Module,
+    skip: list[str],
+    device: torch.device,
+    compute_dtype: torch.dtype,
+    double_quant: bool = True,
+    upcast_small_params: bool = True,
+) -> int:
+    """Swap every linear layer of ``model`` (but those ``skip`` matches, and those whose ``in_features`` is not a
+    multiple of 64) for an NF4 layer on ``device`` that computes in ``compute_dtype``; returns how many were swapped.
+    ``double_quant`` and ``upcast_small_params``: see :class:`lightning_lora.precision.NF4`."""
     bnb = require_bitsandbytes()
     count = 0
-    for parent, name, _, linear in linear_layers(model, options.skip):
+    for parent, name, _, linear in linear_layers(model, skip):
         if linear.in_features % 64:
             continue
         layer = _autocast_linear4bit()(
@@ -78,14 +89,14 @@ def quantize_nf4(model: nn.Module, options: QuantOptions, device: torch.device, 
             linear.out_features,
             bias=linear.bias is not None,
             compute_dtype=compute_dtype,
-            compress_statistics=options.double_quant,
+            compress_statistics=double_quant,
             quant_type="nf4",
             device="meta",
         )
         layer.weight = bnb.nn.Params4bit(
             linear.weight.data,
             requires_grad=False,
-            compress_statistics=options.double_quant,
+            compress_statistics=double_quant,
             quant_type="nf4",
             module=layer,
         )._quantize(device)
@@ -101,7 +112,7 @@ def quantize_nf4(model: nn.Module, options: QuantOptions, device: torch.device, 
         setattr(parent, name, layer)
         count += 1
         del linear
-    if options.upcast_small_params:
+    if upcast_small_params:
         keep = {id(m.bias) for m in model.modules() if isinstance(m, bnb.nn.Linear4bit) and m.bias is not None}
         for p in model.parameters():
             small = not isinstance(p, bnb.nn.Params4bit) and id(p) not in keep

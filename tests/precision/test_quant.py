@@ -3,19 +3,21 @@ and short fits through the CLI with each backend. Speed and memory are measured 
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-from helpers import build_model, run_cli, write_config
+from helpers import assert_same_lora, build_model, precision_for, resume_config, run_cli
 from torch import nn
 
 from lightning_lora.assembly import configure_attention
 from lightning_lora.errors import ConfigError
 from lightning_lora.families import Flux, ModelSource
 from lightning_lora.lora import LoraOptions
-from lightning_lora.quant import QuantOptions, quantize_base
-from lightning_lora.quant.fp8 import FP8Linear, _ScaledMatmul, quantize_rowwise
+from lightning_lora.precision import FP8, FP8Compute
+from lightning_lora.precision.fp8 import FP8Linear, _ScaledMatmul, quantize_rowwise
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +118,7 @@ def test_fp8_quantizers_are_inlined_into_a_compiled_region() -> None:
     """In eager mode the quantizers run as their own compiled kernels on CUDA; inside a compiled region
     (``model.compile_blocks``) they must be the plain functions, which the region's compiler fuses with their
     neighbours (a nested compiled function made FP8 compute 3.7x slower: BENCHMARKS.md, call 16)."""
-    from lightning_lora.quant import fp8
+    from lightning_lora.precision import fp8
 
     assert fp8._fused(fp8.quantize_rowwise, "cuda") is not fp8.quantize_rowwise
     assert fp8._fused(fp8.quantize_rowwise, "cpu") is fp8.quantize_rowwise
@@ -133,8 +135,8 @@ def test_fp8_quantizers_are_inlined_into_a_compiled_region() -> None:
 
 def test_fp8_compute_falls_back_to_storage_without_fp8_units() -> None:
     model = nn.Sequential(_linear(), nn.ReLU(), _linear(n_in=96, n_out=32))
-    with pytest.warns(UserWarning, match="fp8_compute needs FP8 matrix units"):
-        n = quantize_base(model, QuantOptions(mode="fp8_compute"), torch.device("cpu"), torch.bfloat16)
+    with pytest.warns(UserWarning, match="FP8Compute needs FP8 matrix units"):
+        n = FP8Compute().quantize(model, torch.device("cpu"))
     assert n == 2 and all(isinstance(m, FP8Linear) and not m.compute for m in model if isinstance(m, nn.Linear))
 
 
@@ -142,14 +144,11 @@ def test_skip_patterns_leave_layers_unquantized() -> None:
     model = nn.Sequential()
     model.add_module("keep", _linear())
     model.add_module("quant", _linear(n_in=96, n_out=64))
-    quantize_base(model, QuantOptions(mode="fp8", skip=["keep"]), torch.device("cpu"), torch.bfloat16)
+    FP8(skip=["keep"]).quantize(model, torch.device("cpu"))
     assert type(model.keep) is nn.Linear and isinstance(model.quant, FP8Linear)
-    # An invalid pattern is refused when the options are read, before any weight loads.
-    from lightning_lora.families.base import ModelSource
-    from lightning_lora.recipe import ModelRecipe
-
-    with pytest.raises(ConfigError, match="model.quantization.skip"):
-        ModelRecipe(Flux(), ModelSource("black-forest-labs/FLUX.1-dev"), quantization=QuantOptions(skip=["("]))
+    # An invalid pattern is refused when the plugin is made (the config is read), before any weight loads.
+    with pytest.raises(ConfigError, match=r"trainer.plugins: FP8\(skip=\['\('\]\) is not a regular expression"):
+        FP8(skip=["("])
 
 
 @pytest.mark.parametrize("mode", ["nf4", "fp8"])
@@ -160,7 +159,7 @@ def test_lora_on_a_quantized_tiny_flux(tiny_flux64_dir: Path, mode: str) -> None
         Flux(max_sequence_length=8),
         ModelSource(str(tiny_flux64_dir), dtype=torch.bfloat16),
         LoraOptions(rank=4, targets="all_linear"),
-        quantization=QuantOptions(mode=mode),
+        precision=precision_for(mode),
     )
     quantized = bnb.nn.Linear4bit if mode == "nf4" else FP8Linear
     base_layers = [m.base_layer for n, m in model.named_modules() if hasattr(m, "base_layer") and "lora" not in n]
@@ -187,27 +186,31 @@ def test_lora_on_a_quantized_tiny_flux(tiny_flux64_dir: Path, mode: str) -> None
     assert {n: p.dtype for n, p in model.named_parameters()} == dtypes
 
 
-@pytest.mark.parametrize("mode", ["nf4", "fp8"])
-def test_fit_and_resume_with_a_quantized_base(
-    tmp_path: Path, tiny_flux64_dir: Path, photos_dir: Path, mode: str
+@pytest.mark.parametrize("plugin", ["BF16", "FP8", "FP8Compute", "NF4"])
+def test_each_plugin_fits_resumes_exactly_and_exports(
+    tmp_path: Path, tiny_flux64_dir: Path, photos_dir: Path, plugin: str
 ) -> None:
-    config = write_config(
-        tmp_path,
-        tiny_flux64_dir,
-        photos_dir,
-        **{
-            "trainer.max_steps": 3,
-            "trainer.precision": "bf16-mixed",
-            "model.base_dtype": "bf16",
-            "model.quantization": {"mode": mode},
-            "trainer.callbacks": [],
-        },
-    )
-    run_cli(["fit", "--config", str(config)])
-    ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)
-    assert ckpt["state_dict"] and all(".lora_" in k for k in ckpt["state_dict"])  # no quantized base inside
-    cli = run_cli(["fit", "--config", str(config), "--ckpt_path", "last", "--trainer.max_steps", "5"])
-    assert cli.trainer.global_step == 5
+    """Each plugin through the command, named in ``trainer.plugins`` (a bf16 base under CPU autocast; FP8Compute stores
+    FP8 here, the CPU having no FP8 units): 4 steps in one go and 2 + 2 with a resume in between train the same LoRA,
+    bit for bit (exported files compared), and the checkpoint holds only the LoRA."""
+    options: dict[str, Any] = {
+        "trainer.precision": None,
+        "trainer.plugins": {"class_path": f"lightning_lora.precision.{plugin}"},
+    }
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", ".*FP8Compute needs FP8 matrix units", UserWarning)  # the CPU: FP8 storage
+        a = resume_config(tmp_path, tiny_flux64_dir, photos_dir, "a", steps=4, **options)
+        cli = run_cli(["fit", "--config", str(a)])
+        assert type(cli.model.recipe.precision).__name__ == plugin
+        assert cli.trainer.precision_plugin is cli.model.recipe.precision  # one object: autocast and the base format
+        assert cli.model.recipe.source.dtype == torch.bfloat16 and cli.trainer.global_step == 4
+        b = resume_config(tmp_path, tiny_flux64_dir, photos_dir, "b", steps=4, **options)
+        run_cli(["fit", "--config", str(b), "--trainer.max_steps", "2"])
+        ckpt = torch.load(b.parent / "run" / "checkpoints" / "last.ckpt", weights_only=True)
+        assert ckpt["state_dict"] and all(".lora_" in k for k in ckpt["state_dict"])  # no quantized base inside
+        assert run_cli(["fit", "--config", str(b), "--ckpt_path", "last"]).trainer.global_step == 4
+    lora = assert_same_lora(a, b)
+    assert lora and all(v.dtype == torch.float32 for v in lora.values())
 
 
 def test_xformers_on_cpu_is_refused_with_the_option_name() -> None:
