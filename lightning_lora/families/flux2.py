@@ -32,7 +32,12 @@ steps, shift 7.6). ``timestep_sampling: flux2_shift`` (the default) draws logit-
 shift for the batch's image size at ``inference_steps`` steps, so training sees the noise levels inference visits;
 ``logit_normal`` / ``uniform`` draw them unshifted (what diffusers' own FLUX.2 LoRA scripts do).
 
-LoRA files: the diffusers layout (``transformer.<module>``), which ``Flux2KleinPipeline.load_lora_weights`` loads; and
+dev's ``tokenizer`` folder is Mistral-Small-3.1's ``PixtralProcessor``, which transformers 5 builds only with
+torchvision; the pipeline only applies its chat template to text, so the tokenizer is loaded alone (``AutoTokenizer``:
+the same tokens, since the template starts with ``<s>`` and neither adds special tokens).
+
+LoRA files: the diffusers layout (``transformer.<module>``), which ``Flux2KleinPipeline.load_lora_weights`` and
+``Flux2Pipeline.load_lora_weights`` load; and
 the ComfyUI layout (``--format kohya``): ComfyUI builds FLUX.2 with Black Forest Labs' module names, and its loader
 maps ``lora_unet_<BFL module>`` keys onto every weight of the model. See :mod:`lightning_lora.formats.flux2`.
 """
@@ -349,18 +354,27 @@ class Flux2(DiffusionFamily):
         from transformers.utils import logging as transformers_logging
 
         transformers_logging.disable_progress_bar()
+        from transformers import AutoTokenizer
+
         if self.variant == "klein":
-            from transformers import AutoTokenizer, Qwen3ForCausalLM
+            from transformers import Qwen3ForCausalLM
 
             te: Any = load_weights(Qwen3ForCausalLM.from_pretrained, source, "text_encoder", dtype=source.dtype)
-            tokenizer = load_component(AutoTokenizer.from_pretrained, source, "tokenizer")
         else:
-            from transformers import AutoProcessor, Mistral3ForConditionalGeneration
+            from transformers import Mistral3ForConditionalGeneration
 
             te = load_weights(
                 Mistral3ForConditionalGeneration.from_pretrained, source, "text_encoder", dtype=source.dtype
             )
-            tokenizer = load_component(AutoProcessor.from_pretrained, source, "tokenizer")
+        # dev's folder holds a PixtralProcessor, which transformers 5 builds only with torchvision installed; the
+        # pipeline only applies its chat template to text, which its tokenizer does alike (the template starts with
+        # <s>, so neither adds special tokens): the tokenizer alone is loaded, with or without torchvision.
+        tokenizer = load_component(AutoTokenizer.from_pretrained, source, "tokenizer")
+        if not tokenizer.chat_template:
+            raise ConfigError(
+                f"model.pretrained: the tokenizer of {source.pretrained!r} has no chat template (FLUX.2 wraps every "
+                "prompt in it); use the model's own tokenizer folder, with its chat_template.jinja."
+            )
         # A pipeline with only its text parts: encode_prompt is then exactly what inference does.
         cls = getattr(diffusers, _PIPELINES[self.variant])
         return cls(
@@ -418,14 +432,18 @@ class Flux2(DiffusionFamily):
             )
             overhead = len(tokenizer(template).input_ids)
             return PromptLimit(tokenizer, self.max_sequence_length - overhead, "Qwen3")
-        processor = encoders.tokenizer
+        # dev: the pipeline's system turn and an empty user turn. The template holds <s>, which a plain call of the
+        # tokenizer (what PromptLimit counts) adds too: that one is not the prompt's.
+        tokenizer = getattr(encoders.tokenizer, "tokenizer", encoders.tokenizer)  # a PixtralProcessor's, or itself
         _, system = _text_facts("dev")
         messages = [
             {"role": "system", "content": [{"type": "text", "text": system}]},
             {"role": "user", "content": [{"type": "text", "text": ""}]},
         ]
-        overhead = len(processor.apply_chat_template(messages, tokenize=True, add_generation_prompt=False))
-        return PromptLimit(processor.tokenizer, self.max_sequence_length - overhead, "Mistral")
+        template = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+        overhead = len(tokenizer(template, add_special_tokens=False).input_ids)
+        added = len(tokenizer("").input_ids)  # <s> of a plain call
+        return PromptLimit(tokenizer, self.max_sequence_length - overhead + added, "Mistral")
 
     # -- training ----------------------------------------------------------------------------------------------
     def resolution_shift(self, image_tokens: int) -> float:

@@ -5,7 +5,8 @@ settings.
 
 This covers the whole chain at once: cached prompt (and empty-prompt) embeddings vs. the pipeline's own text encoding,
 the family's sampling pipeline and scheduler vs. the one ``from_pretrained`` builds, classifier-free guidance
-(SDXL's zeroed negative, SD1.5's and Z-Image's empty-prompt negative), and the LoRA export. The images are compared as
+(SDXL's zeroed negative, SD1.5's and Z-Image's empty-prompt negative), distilled guidance (FLUX.1-dev's and FLUX.2
+dev's guidance input), and the LoRA export. The images are compared as
 the 8-bit PNGs a user sees; float rounding may move a pixel by one level, a wrong LoRA scale or negative prompt moves
 many.
 """
@@ -34,6 +35,9 @@ CASES = {
     "qwenimage": ("QwenImage", {"max_sequence_length": 64}, 4.0, {"true_cfg_scale": 4.0, "negative_prompt": ""}),
     # FLUX.2 klein base: CFG with the empty prompt (its pipeline's own negative), every padded text position
     "flux2": ("Flux2", {"max_sequence_length": 64}, 4.0, {"max_sequence_length": 64}),
+    # FLUX.2 dev: guidance-distilled, the scale is the transformer's guidance input; Mistral3 captions with the system
+    # message (32 of the 64 tokens)
+    "flux2_dev": ("Flux2", {"variant": "dev", "max_sequence_length": 64}, 4.0, {"max_sequence_length": 64}),
 }
 
 

@@ -3,7 +3,8 @@
 A family (``lightning_lora.families.base.DiffusionFamily``) is accepted by registering it (a ``name`` of its own, which
 puts it in :data:`~lightning_lora.families.base.FAMILIES`) and giving it a tiny random pipeline
 (:meth:`~lightning_lora.families.base.DiffusionFamily.save_tiny`). Every test here is parametrized over the registry
-and asks the family object for what differs between families, never the family's name:
+(plus the variants that load another pipeline class, :data:`VARIANTS`, each on its own tiny pipeline) and asks the
+family object for what differs between families, never the family's name:
 
 * the class path that chooses it in a config (its module and class name);
 * the image side (32 pixels, rounded up to a multiple of its ``latent_divisor``);
@@ -79,22 +80,41 @@ class Runs:
     cli_b: LoraCLI
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
-def family(request: pytest.FixtureRequest) -> DiffusionFamily:
-    return FAMILIES[request.param]()
+# The cases: every registered family with its defaults, and each variant that loads another pipeline class (another
+# text encoder, other denoiser inputs) with the init_args that choose it and the session fixture of its tiny pipeline.
+CASES: dict[str, tuple[str, dict[str, Any]]] = {name: (name, {}) for name in sorted(FAMILIES)}
+VARIANTS: dict[str, tuple[str, dict[str, Any], str]] = {
+    "flux2-dev": ("flux2", {"variant": "dev"}, "tiny_flux2_dev_dir"),  # Flux2Pipeline: Mistral3 text, guidance input
+}
+CASES.update({case: (name, init_args) for case, (name, init_args, _) in VARIANTS.items()})
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
 
 
 @pytest.fixture(scope="module")
-def model_dir(family: DiffusionFamily, tiny_pipeline: Callable[[str], Path]) -> Path:
-    return tiny_pipeline(family.name)
+def family(case: str) -> DiffusionFamily:
+    name, init_args = CASES[case]
+    return FAMILIES[name](**init_args)
 
 
 @pytest.fixture(scope="module")
-def runs(family: DiffusionFamily, model_dir: Path, photos_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Runs:
-    root = tmp_path_factory.mktemp(f"contract-{family.name}")
+def model_dir(case: str, tiny_pipeline: Callable[[str], Path], request: pytest.FixtureRequest) -> Path:
+    if case in VARIANTS:
+        return Path(request.getfixturevalue(VARIANTS[case][2]))
+    return tiny_pipeline(CASES[case][0])
+
+
+@pytest.fixture(scope="module")
+def runs(
+    case: str, family: DiffusionFamily, model_dir: Path, photos_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Runs:
+    root = tmp_path_factory.mktemp(f"contract-{case}")
     export = {"class_path": "lightning_lora.callbacks.LoraExport", "init_args": {"formats": list(family.lora_formats)}}
     options = {
-        "model.family": {"class_path": family_class_path(family), "init_args": {}},
+        "model.family": {"class_path": family_class_path(family), "init_args": CASES[case][1]},
         "model.lora.targets": every_preset(family),
         "data.resolution": resolution(family),
         "callbacks": [export],
