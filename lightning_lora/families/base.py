@@ -240,6 +240,8 @@ class DiffusionFamily(ABC):
     pipeline_classes: ClassVar[tuple[str, ...]]
     """``_class_name`` values of ``model_index.json`` this family can load."""
     denoiser_subfolder: ClassVar[str]
+    denoiser_class: ClassVar[str]
+    """The denoiser's diffusers class, by name (``FluxTransformer2DModel``): loading, single files, the planner."""
     latent_divisor: ClassVar[int]
     """Image sides must be multiples of this many pixels (VAE downscale x latent patch size)."""
     lora_presets: ClassVar[dict[str, str]]
@@ -278,9 +280,16 @@ class DiffusionFamily(ABC):
     def check_source(self, source: ModelSource) -> None:
         check_source(source, self.pipeline_classes)
 
-    @abstractmethod
+    def denoiser_cls(self) -> Any:
+        """The diffusers class of the denoiser (:attr:`denoiser_class`, imported now)."""
+        import diffusers
+
+        return getattr(diffusers, self.denoiser_class)
+
     def load_denoiser(self, source: ModelSource) -> nn.Module:
-        """The trainable backbone (transformer or UNet) in ``source.dtype``, frozen, in eval mode."""
+        """The trainable backbone (transformer or UNet) in ``source.dtype``, frozen, in eval mode (by default
+        :meth:`load_denoiser_weights` of :attr:`denoiser_class`; families whose single files need more override it)."""
+        return self.load_denoiser_weights(self.denoiser_cls(), source)
 
     def load_vae(self, source: ModelSource) -> nn.Module:
         """The VAE (``vae/`` of ``source``), frozen, in eval mode."""
@@ -462,7 +471,8 @@ class DiffusionFamily(ABC):
 
     def denoiser_skeleton(self, source: ModelSource) -> nn.Module:
         """The denoiser built from its config on the ``meta`` device: real shapes, no memory, no weights."""
-        raise NotImplementedError(f"the memory planner does not support the {self.name} family yet")
+        cls = self.denoiser_cls()
+        return build_from_config(cls, self.denoiser_config(source, cls.load_config), source.dtype)
 
     def example_inputs(
         self, model: DiffusersModel, batch: int, height: int, width: int, text_len: int, device: str, dtype: torch.dtype

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-from torch import nn
 from typing_extensions import override
 
 from lightning_lora import objectives
@@ -32,7 +31,6 @@ from lightning_lora.families.base import (
     DiffusionFamily,
     ModelSource,
     PromptLimit,
-    build_from_config,
     compute_dtype,
     load_component,
     load_weights,
@@ -104,6 +102,7 @@ class Flux(DiffusionFamily):
     """
 
     name: ClassVar[str] = "flux"
+    denoiser_class: ClassVar[str] = "FluxTransformer2DModel"
     pipeline_classes: ClassVar[tuple[str, ...]] = ("FluxPipeline",)
     denoiser_subfolder: ClassVar[str] = "transformer"
     latent_divisor: ClassVar[int] = 16
@@ -151,11 +150,6 @@ class Flux(DiffusionFamily):
         self.shift = shift
 
     # -- loading -----------------------------------------------------------------------------------------------
-    def load_denoiser(self, source: ModelSource) -> nn.Module:
-        from diffusers import FluxTransformer2DModel
-
-        return self.load_denoiser_weights(FluxTransformer2DModel, source)
-
     def load_text_encoders(self, source: ModelSource) -> Any:
         from diffusers import FluxPipeline
         from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast  # type: ignore[attr-defined]
@@ -311,12 +305,6 @@ class Flux(DiffusionFamily):
         return flux_coverage(format, variants)
 
     # -- memory planning ---------------------------------------------------------------------------------------
-    def denoiser_skeleton(self, source: ModelSource) -> nn.Module:
-        from diffusers import FluxTransformer2DModel
-
-        config = self.denoiser_config(source, FluxTransformer2DModel.load_config)
-        return build_from_config(FluxTransformer2DModel, config, source.dtype)
-
     def example_inputs(
         self, model: DiffusersModel, batch: int, height: int, width: int, text_len: int, device: str, dtype: torch.dtype
     ) -> dict[str, Any]:

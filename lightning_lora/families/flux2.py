@@ -64,7 +64,6 @@ from lightning_lora.families.base import (
     DiffusionFamily,
     ModelSource,
     PromptLimit,
-    build_from_config,
     check_source,
     compute_dtype,
     load_component,
@@ -230,6 +229,7 @@ class Flux2(DiffusionFamily):
     """
 
     name: ClassVar[str] = "flux2"
+    denoiser_class: ClassVar[str] = "Flux2Transformer2DModel"
     pipeline_classes: ClassVar[tuple[str, ...]] = tuple(_PIPELINES.values())
     denoiser_subfolder: ClassVar[str] = "transformer"
     latent_divisor: ClassVar[int] = 16
@@ -573,12 +573,6 @@ class Flux2(DiffusionFamily):
         return flux2_coverage(format, variants)
 
     # -- memory planning ---------------------------------------------------------------------------------------
-    def denoiser_skeleton(self, source: ModelSource) -> nn.Module:
-        from diffusers import Flux2Transformer2DModel
-
-        config = self.denoiser_config(source, Flux2Transformer2DModel.load_config)
-        return build_from_config(Flux2Transformer2DModel, config, source.dtype)
-
     def example_inputs(
         self, model: DiffusersModel, batch: int, height: int, width: int, text_len: int, device: str, dtype: torch.dtype
     ) -> dict[str, Any]:

@@ -71,7 +71,6 @@ from lightning_lora.families.base import (
     DiffusionFamily,
     ModelSource,
     PromptLimit,
-    build_from_config,
     compute_dtype,
     load_component,
     load_weights,
@@ -163,6 +162,7 @@ class QwenImage(DiffusionFamily):
     """
 
     name: ClassVar[str] = "qwenimage"
+    denoiser_class: ClassVar[str] = "QwenImageTransformer2DModel"
     pipeline_classes: ClassVar[tuple[str, ...]] = ("QwenImagePipeline",)
     denoiser_subfolder: ClassVar[str] = "transformer"
     latent_divisor: ClassVar[int] = 16
@@ -460,12 +460,6 @@ class QwenImage(DiffusionFamily):
         return qwenimage_coverage(format, variants)
 
     # -- memory planning ---------------------------------------------------------------------------------------
-    def denoiser_skeleton(self, source: ModelSource) -> nn.Module:
-        from diffusers import QwenImageTransformer2DModel
-
-        config = self.denoiser_config(source, QwenImageTransformer2DModel.load_config)
-        return build_from_config(QwenImageTransformer2DModel, config, source.dtype)
-
     def example_inputs(
         self, model: DiffusersModel, batch: int, height: int, width: int, text_len: int, device: str, dtype: torch.dtype
     ) -> dict[str, Any]:

@@ -45,7 +45,6 @@ from lightning_lora.families.base import (
     DiffusersModel,
     DiffusionFamily,
     ModelSource,
-    build_from_config,
     compute_dtype,
     load_component,
 )
@@ -101,6 +100,7 @@ class UNetFamily(DiffusionFamily):
     """
 
     denoiser_subfolder: ClassVar[str] = "unet"
+    denoiser_class: ClassVar[str] = "UNet2DConditionModel"
     # The transformer blocks alone leave the ResNets' ~600 small kernels a step eager (group norms, SiLU, convs).
     compiled_regions: ClassVar[tuple[str, ...]] = ("ResnetBlock2D",)
     latent_divisor: ClassVar[int] = 8
@@ -270,12 +270,6 @@ class UNetFamily(DiffusionFamily):
         return unet_coverage(format, variants)
 
     # -- memory planning ---------------------------------------------------------------------------------------
-    def denoiser_skeleton(self, source: ModelSource) -> nn.Module:
-        from diffusers import UNet2DConditionModel
-
-        config = self.denoiser_config(source, UNet2DConditionModel.load_config)
-        return build_from_config(UNet2DConditionModel, config, source.dtype)
-
     def example_inputs(
         self, model: DiffusersModel, batch: int, height: int, width: int, text_len: int, device: str, dtype: torch.dtype
     ) -> dict[str, Any]:

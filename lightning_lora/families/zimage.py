@@ -50,7 +50,6 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-from torch import nn
 from typing_extensions import override
 
 from lightning_lora import objectives
@@ -60,7 +59,6 @@ from lightning_lora.families.base import (
     DiffusionFamily,
     ModelSource,
     PromptLimit,
-    build_from_config,
     compute_dtype,
     load_component,
     load_weights,
@@ -123,6 +121,7 @@ class ZImage(DiffusionFamily):
     """
 
     name: ClassVar[str] = "zimage"
+    denoiser_class: ClassVar[str] = "ZImageTransformer2DModel"
     pipeline_classes: ClassVar[tuple[str, ...]] = ("ZImagePipeline",)
     denoiser_subfolder: ClassVar[str] = "transformer"
     latent_divisor: ClassVar[int] = 16
@@ -177,13 +176,6 @@ class ZImage(DiffusionFamily):
         self.shift = shift
 
     # -- loading -----------------------------------------------------------------------------------------------
-    def load_denoiser(self, source: ModelSource) -> nn.Module:
-        from diffusers import ZImageTransformer2DModel
-
-        # A single file may hold the original names (ComfyUI's download: x_embedder, fused attention.qkv) or
-        # diffusers' names; diffusers' from_single_file reads both.
-        return self.load_denoiser_weights(ZImageTransformer2DModel, source)
-
     def load_text_encoders(self, source: ModelSource) -> Any:
         from diffusers import ZImagePipeline
         from transformers import AutoTokenizer, Qwen3Model
@@ -331,12 +323,6 @@ class ZImage(DiffusionFamily):
         return zimage_coverage(format, variants)
 
     # -- memory planning ---------------------------------------------------------------------------------------
-    def denoiser_skeleton(self, source: ModelSource) -> nn.Module:
-        from diffusers import ZImageTransformer2DModel
-
-        config = self.denoiser_config(source, ZImageTransformer2DModel.load_config)
-        return build_from_config(ZImageTransformer2DModel, config, source.dtype)
-
     def example_inputs(
         self, model: DiffusersModel, batch: int, height: int, width: int, text_len: int, device: str, dtype: torch.dtype
     ) -> dict[str, Any]:

@@ -34,7 +34,7 @@ import re
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
@@ -46,8 +46,6 @@ from lightning_lora.precision.layers import linear_layers
 
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer
-
-    from lightning_lora.recipe import ModelRecipe
 
 __all__ = [
     "BF16",
@@ -65,6 +63,18 @@ __all__ = [
     "precision_of",
     "text_encoder_precision",
 ]
+
+
+class ModelOptions(Protocol):
+    """What a plugin checks of the model's options (a :class:`~lightning_lora.recipe.ModelRecipe`, which imports this
+    package: the recipe sits above the plugins)."""
+
+    @property
+    def lora(self) -> Any: ...
+
+    @property
+    def offload_blocks(self) -> int: ...
+
 
 BaseDtype = Literal["bf16", "fp16", "fp32"]
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -152,7 +162,7 @@ class BasePrecision(MixedPrecision):
         CPU: offloaded blocks), before LoRA is injected; returns how many layers were replaced."""
         return 0
 
-    def check_recipe(self, recipe: ModelRecipe) -> None:
+    def check_recipe(self, recipe: ModelOptions) -> None:
         """Raise a :class:`ConfigError` for model options this base format cannot go with."""
 
     def module_weight_bytes(self, model: nn.Module) -> dict[int, float]:
@@ -222,7 +232,7 @@ class FP8(BasePrecision):
         return False
 
     @override
-    def check_recipe(self, recipe: ModelRecipe) -> None:
+    def check_recipe(self, recipe: ModelOptions) -> None:
         if recipe.lora.variant == "dora":
             raise ConfigError(
                 "model.lora.variant: dora normalizes the base weight plus the update each step, and peft cannot read "
@@ -298,7 +308,7 @@ class NF4(BasePrecision):
         return quantize_nf4(model, self.skip, device, self.base_dtype, self.double_quant, self.upcast_small_params)
 
     @override
-    def check_recipe(self, recipe: ModelRecipe) -> None:
+    def check_recipe(self, recipe: ModelOptions) -> None:
         if recipe.lora.variant in ("lokr", "loha"):
             raise ConfigError(
                 f"model.lora.variant: {recipe.lora.variant} reads the base layer's weight shape, and an NF4 layer "
