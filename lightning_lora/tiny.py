@@ -66,6 +66,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterable, Sequence
+from itertools import pairwise
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -192,6 +193,37 @@ def _bpe(word: str, ranks: dict[tuple[str, str], int]) -> list[str]:
     while len(symbols) > 1:
         pairs = zip(symbols[:-1], symbols[1:], strict=True)
         rank, i = min((ranks.get(pair, len(ranks)), i) for i, pair in enumerate(pairs))
+        if rank == len(ranks):
+            break
+        symbols[i : i + 2] = [symbols[i] + symbols[i + 1]]
+    return symbols
+
+
+def byte_level_bpe(words: Iterable[str], specials: Sequence[str]) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """A byte-level BPE vocabulary and merge list (GPT-2 / Qwen style, no end-of-word marker; pure and deterministic)
+    in which ``word`` and `` word`` are one token each for every word of ``words``: ids 0..255 are the byte characters,
+    then every piece the merges make, then ``specials``."""
+    byte_to_char = _bytes_to_unicode()
+    vocab = {char: i for i, char in enumerate(byte_to_char.values())}
+    merges: list[tuple[str, str]] = []
+    ranks: dict[tuple[str, str], int] = {}
+    for form in dict.fromkeys(form for word in words for form in (word, " " + word)):  # in order, de-duplicated
+        pieces = _merge_bytes([byte_to_char[b] for b in form.encode()], ranks)
+        while len(pieces) > 1:  # glue left to right: new merges rank below all older ones
+            pair = (pieces[0], pieces[1])
+            ranks[pair] = len(merges)
+            merges.append(pair)
+            pieces[:2] = [pair[0] + pair[1]]
+            vocab.setdefault(pieces[0], len(vocab))
+    for special in specials:
+        vocab[special] = len(vocab)
+    return vocab, merges
+
+
+def _merge_bytes(symbols: list[str], ranks: dict[tuple[str, str], int]) -> list[str]:
+    """Byte-level BPE: apply the best-ranked adjacent merge until none applies."""
+    while len(symbols) > 1:
+        rank, i = min((ranks.get(pair, len(ranks)), i) for i, pair in enumerate(pairwise(symbols)))
         if rank == len(ranks):
             break
         symbols[i : i + 2] = [symbols[i] + symbols[i + 1]]

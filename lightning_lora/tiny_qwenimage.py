@@ -46,7 +46,7 @@ from diffusers import (
 )
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
-from lightning_lora.tiny import CAPTION_WORDS, _build, _bytes_to_unicode, _save_tiny
+from lightning_lora.tiny import CAPTION_WORDS, _build, _save_tiny, byte_level_bpe
 
 __all__ = [
     "QWEN_IMAGE_SCHEDULER_CONFIG",
@@ -89,40 +89,13 @@ _LATENTS_MEAN = [-0.7571, -0.7089, -0.9113, 0.1075]
 _LATENTS_STD = [2.8184, 1.4541, 2.3275, 2.6558]
 
 
-def _byte_bpe(word: str, ranks: dict[tuple[str, str], int]) -> list[str]:
-    """Split ``word`` (byte-level characters) with BPE ``ranks``: repeatedly apply the best-ranked adjacent merge."""
-    symbols = list(word)
-    while len(symbols) > 1:
-        rank, i = min(
-            (ranks.get(pair, len(ranks)), i) for i, pair in enumerate(zip(symbols[:-1], symbols[1:], strict=True))
-        )
-        if rank == len(ranks):
-            break
-        symbols[i : i + 2] = [symbols[i] + symbols[i + 1]]
-    return symbols
-
-
 def qwen_vocab_and_merges(
     words: Iterable[str] = (*TEMPLATE_WORDS, *CAPTION_WORDS),
 ) -> tuple[dict[str, int], list[tuple[str, str]]]:
-    """The byte-level BPE vocabulary and merges of the tiny Qwen tokenizer (pure and deterministic): ids 0..255 are the
-    byte characters, then every piece the merges make, then the three special tokens."""
-    byte_to_char = _bytes_to_unicode()
-    vocab = {char: i for i, char in enumerate(byte_to_char.values())}
-    merges: list[tuple[str, str]] = []
-    ranks: dict[tuple[str, str], int] = {}
-    forms = dict.fromkeys(form for word in words for form in (word, " " + word))  # order kept, de-duplicated
-    for form in forms:
-        pieces = _byte_bpe("".join(byte_to_char[b] for b in form.encode()), ranks)
-        while len(pieces) > 1:  # glue left to right: new merges rank below all older ones
-            pair = (pieces[0], pieces[1])
-            ranks[pair] = len(merges)
-            merges.append(pair)
-            pieces[:2] = [pair[0] + pair[1]]
-            vocab.setdefault(pieces[0], len(vocab))
-    for special in (ENDOFTEXT, IM_START, IM_END):
-        vocab[special] = len(vocab)
-    return vocab, merges
+    """The byte-level BPE vocabulary and merges of the tiny Qwen tokenizer
+    (:func:`lightning_lora.tiny.byte_level_bpe`): the byte characters, every piece the merges make, then the three
+    special tokens."""
+    return byte_level_bpe(words, (ENDOFTEXT, IM_START, IM_END))
 
 
 def make_qwen_tokenizer() -> Qwen2Tokenizer:

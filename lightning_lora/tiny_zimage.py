@@ -38,7 +38,6 @@ tools and thinking blocks, which the pipeline never uses; with ``enable_thinking
 from __future__ import annotations
 
 from collections.abc import Iterable
-from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +45,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTra
 from tokenizers import AddedToken
 from transformers import Qwen2Tokenizer, Qwen3Config, Qwen3Model
 
-from lightning_lora.tiny import CAPTION_WORDS, _build, _bytes_to_unicode, _save_tiny, tiny_flux_vae
+from lightning_lora.tiny import CAPTION_WORDS, _build, _save_tiny, byte_level_bpe, tiny_flux_vae
 
 __all__ = [
     "CHAT_TEMPLATE",
@@ -81,41 +80,13 @@ CHAT_TEMPLATE = (
 )
 
 _ROLES = ("user", "assistant", "system")
-_SPACE = "\u0120"  # "Ġ": the byte-level character of a space
 
 
 def qwen_vocab_and_merges(words: Iterable[str] = CAPTION_WORDS) -> tuple[dict[str, int], list[tuple[str, str]]]:
-    """The byte-level BPE vocabulary (specials included, last) and merge list of the tiny Qwen tokenizer (pure and
-    deterministic): ``word`` and ``Ġword`` are one token each for every word of ``words`` and the chat roles."""
-    byte_to_char = _bytes_to_unicode()
-    tokens = list(byte_to_char.values())
-    known = set(tokens)
-    merges: list[tuple[str, str]] = []
-    ranks: dict[tuple[str, str], int] = {}
-    for word in dict.fromkeys([*_ROLES, *words]):
-        spelled = "".join(byte_to_char[b] for b in word.encode())
-        for piece in (spelled, _SPACE + spelled):
-            symbols = _apply_merges(list(piece), ranks)
-            while len(symbols) > 1:  # glue left to right: new merges rank below all older ones
-                pair = (symbols[0], symbols[1])
-                ranks[pair] = len(merges)
-                merges.append(pair)
-                symbols[:2] = [pair[0] + pair[1]]
-                if symbols[0] not in known:
-                    known.add(symbols[0])
-                    tokens.append(symbols[0])
-    tokens += QWEN_SPECIALS
-    return {token: i for i, token in enumerate(tokens)}, merges
-
-
-def _apply_merges(symbols: list[str], ranks: dict[tuple[str, str], int]) -> list[str]:
-    """BPE: apply the best-ranked merge until none applies (no end-of-word marker, unlike CLIP)."""
-    while len(symbols) > 1:
-        rank, i = min((ranks.get(pair, len(ranks)), i) for i, pair in enumerate(pairwise(symbols)))
-        if rank == len(ranks):
-            break
-        symbols[i : i + 2] = [symbols[i] + symbols[i + 1]]
-    return symbols
+    """The byte-level BPE vocabulary (specials included, last) and merge list of the tiny Qwen tokenizer
+    (:func:`~lightning_lora.tiny.byte_level_bpe`): ``word`` and ``Ġword`` are one token each for every word of
+    ``words`` and the chat roles."""
+    return byte_level_bpe([*_ROLES, *words], QWEN_SPECIALS)
 
 
 def make_qwen_tokenizer(words: Iterable[str] = CAPTION_WORDS) -> Qwen2Tokenizer:
