@@ -34,6 +34,7 @@ from lightning_lora.errors import ConfigError
 from lightning_lora.families.base import DiffusionFamily, ModelSource
 from lightning_lora.families.flux import Flux
 from lightning_lora.lora import LoraOptions, set_lora_input_casts, trainable_parameters
+from lightning_lora.parallel import prepare_model
 from lightning_lora.precision import BasePrecision, precision_of
 from lightning_lora.recipe import AttentionBackend, ModelRecipe
 
@@ -174,20 +175,42 @@ class LoraModule(LightningModule):
     # -- model -------------------------------------------------------------------------------------------------
     @override
     def setup(self, stage: str) -> None:
-        """Before any weight loads: take the trainer's base format (a trainer precision that would cast the LoRA is
-        refused), and autocast on the trainer's device."""
+        """Before any weight loads: take rank 0's ``model.memory`` choice (:meth:`_take_rank_zero_memory_choice`), the
+        trainer's base format (a trainer precision that would cast the LoRA is refused), and autocast on the trainer's
+        device."""
+        if self.memory != "as_configured" and self.trainer.world_size > 1:
+            self._take_rank_zero_memory_choice()
         precision = precision_of(self.trainer)
         precision.bind(self.trainer.strategy.root_device)
         self.use_precision(precision)
+
+    def _take_rank_zero_memory_choice(self) -> None:
+        """Every rank builds what global rank 0's ``model.memory`` chose. ``fit`` chooses before the process group
+        exists, each process from its own GPU's free memory: the ranks Lightning starts inherit rank 0's choice (an
+        environment variable), but processes a cluster launcher starts (torchrun, SLURM) each choose their own, and
+        ranks that build different models (another base format, other checkpointing) cannot train together. Here the
+        group is up and nothing is built yet: rank 0's choice is broadcast, and a rank that chose otherwise takes it,
+        its precision plugin included (the trainer runs that one)."""
+        chosen = self.trainer.strategy.broadcast(self.memory_settings, src=0)
+        if chosen is None or chosen == self.memory_settings:
+            return
+        self.use_memory_settings(chosen)
+        precision = self.recipe.precision
+        if precision is not self.trainer.strategy.precision_plugin:
+            precision.bind(self.trainer.strategy.root_device)
+            self.trainer.strategy.precision_plugin = precision
 
     @override
     def configure_model(self) -> None:
         if self._trainer is None:
             self.build(torch.device("cpu"))
             return
+        if self.denoiser is not None:  # idempotent, as Lightning requires
+            return
         denoiser = self.build(self.trainer.strategy.root_device)
         # Under autocast (every forward: training, samples, evaluation) the LoRA layers need no input casts.
         set_lora_input_casts(denoiser, enabled=not self.recipe.precision.autocasts)
+        prepare_model(self.trainer.strategy, denoiser)  # trainer.strategy: fsdp shards it (lightning_lora.parallel)
 
     def build(self, device: torch.device) -> torch.nn.Module:
         """Load the backbone on ``device`` and inject LoRA, once (``configure_model`` calls this with the trainer's

@@ -24,13 +24,16 @@ about ``weights / N`` plus one or two gathered blocks in flight.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_lora.offload import repeated_blocks
 
-__all__ = ["local_parameter_bytes", "shard_base"]
+__all__ = ["full_state", "full_tensor", "local_parameter_bytes", "shard_base", "shard_like"]
 
 
 def shard_base(denoiser: nn.Module, mesh: DeviceMesh) -> list[nn.Module]:
@@ -60,3 +63,29 @@ def local_parameter_bytes(module: nn.Module) -> int:
         local = p.to_local() if isinstance(p, DTensor) else p
         total += local.numel() * local.element_size()
     return total
+
+
+def full_tensor(value: Any) -> Any:
+    """The whole of a sharded tensor (a ``DTensor``: gathered from every rank, so every rank must call this, in the same
+    order); any other value unchanged."""
+    from torch.distributed.tensor import DTensor
+
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def full_state(state: Mapping[str, Any]) -> dict[str, Any]:
+    """``state`` with every sharded tensor gathered whole (:func:`full_tensor`: a collective under FSDP, on every rank):
+    what a LoRA export or a checkpoint holds, whichever strategy trained it."""
+    return {k: full_tensor(v) for k, v in state.items()}
+
+
+def shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of the whole tensor ``full`` as ``like`` (a sharded parameter, or a tensor of its shape) is
+    sharded, on ``like``'s device; ``full`` itself (moved there) when ``like`` is not sharded. Every rank holds ``full``
+    (read from a checkpoint), so each takes its own shard without any communication."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(like, DTensor):
+        return full.to(like.device)
+    local = like.to_local()
+    return distribute_tensor(full.to(local.device), like.device_mesh, like.placements, src_data_rank=None)

@@ -86,3 +86,25 @@ def test_slurm_nodes_train_what_one_node_trains(one_node: Path, tiny_flux_dir: P
     config = resume_config(one_node.parent.parent, tiny_flux_dir, photos_dir, "slurm", steps=STEPS, **LAYOUT)
     check(fit_on_nodes(config, "--trainer.max_steps", str(STOP), launcher="slurm"))
     assert_equal_state(trained_state(one_node, STOP), trained_state(config, STOP))
+
+
+def test_memory_auto_takes_rank_zeros_choice_on_every_node(
+    tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path
+) -> None:
+    """``model.memory: auto`` with processes a cluster launcher starts (torchrun): each measures its own GPU before
+    the process group exists, and node 1, with less memory free, chooses gradient checkpointing; every rank must build
+    rank 0's choice (as configured) all the same (helpers.fake_memory fakes the free memory and the planner's
+    choice)."""
+    import json
+
+    fake = {
+        "class_path": "helpers.fake_memory.FakeMemoryChoice",
+        "init_args": {"gib": [80.0, 10.0], "changes": [{}, {"gradient_checkpointing": True}]},
+    }
+    config = resume_config(
+        tmp_path, tiny_flux_dir, photos_dir, "auto", steps=1, callbacks=[fake], **LAYOUT, **{"model.memory": "auto"}
+    )
+    check(fit_on_nodes(config))
+    built = [json.loads((config.parent / "run" / f"memory-rank{r}.json").read_text()) for r in range(2)]
+    assert built[0]["recipe"]["gradient_checkpointing"] is False
+    assert built[1] == built[0]

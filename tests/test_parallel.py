@@ -14,7 +14,13 @@ from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParalle
 from lightning_lora.errors import ConfigError
 from lightning_lora.families.base import ModelSource
 from lightning_lora.families.flux import Flux
-from lightning_lora.parallel import LoraDDPStrategy, check_strategy, no_buffer_sync, resolve_strategy
+from lightning_lora.parallel import (
+    LoraDDPStrategy,
+    LoraFSDPStrategy,
+    check_strategy,
+    no_buffer_sync,
+    resolve_strategy,
+)
 from lightning_lora.recipe import ModelRecipe
 
 
@@ -46,7 +52,16 @@ def test_sharding_an_offloaded_base_is_refused(strategy: type) -> None:
 @pytest.mark.parametrize("mode", ["none", "nf4", "fp8", "fp8_compute"])
 def test_ddp_takes_every_backend_and_fsdp_a_plain_base(mode: str) -> None:
     check_strategy(DDPStrategy(), recipe(mode))
-    check_strategy(FSDPStrategy(), recipe())
+    check_strategy(LoraFSDPStrategy(), recipe())
+
+
+def test_fsdp_becomes_ours_and_lightnings_fsdp_is_refused_naming_it() -> None:
+    assert isinstance(resolve_strategy("fsdp", 2), LoraFSDPStrategy)
+    for strategy in ("fsdp_cpu_offload", FSDPStrategy(), ModelParallelStrategy()):
+        with pytest.raises(ConfigError, match=r"Use trainer.strategy: fsdp \(lightning_lora.parallel.LoraFSDPStrategy"):
+            resolve_strategy(strategy, 2)
+    with pytest.raises(ConfigError, match="Use trainer.strategy: fsdp"):
+        check_strategy(FSDPStrategy(), recipe())
 
 
 @pytest.mark.parametrize(
@@ -61,7 +76,6 @@ def test_ddp_takes_every_backend_and_fsdp_a_plain_base(mode: str) -> None:
         ("auto", [0, 1], 1, True),
         ("auto", 1, 1, False),
         ("auto", "auto", 1, False),
-        ("fsdp", 2, 1, False),
         ("ddp_spawn", 2, 1, False),
     ],
 )

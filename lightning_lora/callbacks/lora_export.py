@@ -32,7 +32,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_lora.errors import ConfigError, first_line
-from lightning_lora.export import check_export, file_coverage, save_lora
+from lightning_lora.export import check_export, export_lora, file_coverage
 from lightning_lora.formats import VARIANTS, LoraFormat
 from lightning_lora.formats.clients import TOOLS
 from lightning_lora.precision import DTYPES
@@ -171,7 +171,14 @@ class LoraExport(Callback):
         return [f"  {'LoRA file:':<26}{path}  (loads in {self.describe(fmt)})" for fmt, path in self.last_files()]
 
     def export(self, trainer: Trainer, pl_module: LightningModule, stem: str) -> None:
+        """Write the LoRA files of ``stem``: the LoRA is gathered whole on every rank (under ``trainer.strategy: fsdp``
+        each rank holds a shard of it: every rank takes part), and global rank 0 writes."""
+        from peft.utils import get_peft_model_state_dict
+
+        from lightning_lora.sharding import full_state
+
         module: Any = pl_module
+        state = full_state(get_peft_model_state_dict(module.denoiser, unwrap_compiled=True))
         if trainer.is_global_zero:
             info = {
                 "family": module.family.name,
@@ -186,8 +193,8 @@ class LoraExport(Callback):
                 ),  # no log_dir: it broadcasts
             }
             for fmt, path in self.paths(trainer, stem).items():
-                save_lora(
-                    module.denoiser,
+                export_lora(
+                    state,
                     path,
                     family=module.family,
                     lora=module.lora,

@@ -8,7 +8,8 @@ Memory: the prompts (and the empty prompt, the negative side of classifier-free 
 encoded once, through the text cache, in ``setup``: before the model is built, so the text encoders never share the
 GPU with it; they are then freed (they are not needed while training). The VAE stays on the CPU between samples
 and moves to the GPU only for the decode (``offload_vae``). Generation runs under ``no_grad`` in eval mode, and
-training mode is restored after. Only global rank 0 generates and writes; the other ranks wait at a barrier.
+training mode is restored after. Only global rank 0 generates and writes; the other ranks wait at a barrier
+(under ``trainer.strategy: fsdp`` every rank generates in step, as the sharded model's forward needs every rank).
 
 A sample never ends a run: running out of GPU memory while generating skips that step's images with a warning that
 says what to lower, frees what the attempt allocated, and training goes on. The generation's own peak GPU memory is
@@ -30,6 +31,7 @@ from typing_extensions import override
 
 from lightning_lora.errors import first_line
 from lightning_lora.io import atomic_write
+from lightning_lora.parallel import runs_forward_on_every_rank
 
 __all__ = ["SampleImages"]
 
@@ -98,6 +100,11 @@ class SampleImages(Callback):
         module.family.check_resolution(height, width, "SampleImages height/width")
         if trainer.is_global_zero:
             self._encode_prompts(trainer, pl_module)
+        if runs_forward_on_every_rank(trainer.strategy):  # a sharded model: every rank draws (see sample)
+            trainer.strategy.barrier("SampleImages.setup")  # rank 0 has cached the prompts' embeddings: the others
+            self.prompts = trainer.strategy.broadcast(self.prompts)  # read them (or none drew: rank 0 ran out)
+            if self.prompts and not trainer.is_global_zero:
+                self._encode_prompts(trainer, pl_module)
 
     def _encode_prompts(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Encode the prompts through the data's text cache (reusing cached ones) before the model is built, so that
@@ -137,9 +144,12 @@ class SampleImages(Callback):
         self._vae = None
 
     def sample(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Draw every prompt at the current step (rank 0), log and save the images."""
+        """Draw every prompt at the current step (rank 0), log and save the images.
+
+        Under ``trainer.strategy: fsdp`` every rank holds a shard of the model and each forward gathers the weights
+        from all ranks, so every rank draws the same images (same seeds) in step; only rank 0 keeps them."""
         self._last_step = trainer.global_step
-        if self.prompts and trainer.is_global_zero:
+        if self.prompts and (trainer.is_global_zero or runs_forward_on_every_rank(trainer.strategy)):
             cuda = pl_module.device.type == "cuda"
             if cuda:
                 torch.cuda.reset_peak_memory_stats(pl_module.device)
@@ -160,7 +170,7 @@ class SampleImages(Callback):
                 for logger in trainer.loggers:
                     logger.log_metrics({"vram/sample_peak_GiB": peak}, step=trainer.global_step)
                 torch.cuda.reset_peak_memory_stats(pl_module.device)  # the training window starts afresh
-            if images:
+            if images and trainer.is_global_zero:
                 self._publish(trainer, images)
         trainer.strategy.barrier("SampleImages")
 

@@ -204,7 +204,8 @@ class LoraCLI(LightningCLI):
         from lightning_lora.hardware import free_memory_gib
         from lightning_lora.plan import choose_for_memory
 
-        # DDP: the ranks Lightning starts (LOCAL_RANK > 0, new processes of this command) take rank 0's choice.
+        # DDP: the ranks Lightning starts (LOCAL_RANK > 0, new processes of this command) take rank 0's choice; ranks a
+        # cluster launcher starts choose here and take rank 0's once the process group is up (LoraModule.setup).
         inherited = os.environ.get(MEMORY_ENV) if int(os.environ.get("LOCAL_RANK", "0")) > 0 else None
         saved = ((checkpoint or {}).get(STAMP) or {}).get("memory")
         if inherited:
@@ -229,6 +230,12 @@ class LoraCLI(LightningCLI):
             changed = fit.flags or "the options as written"
             why = f"{where}: {changed} (~{fit.peak_gib:.1f} GiB planned)"
         model.use_memory_settings(settings)
+        try:  # a sharding strategy cannot take every choice (a quantized or offloaded base)
+            check_strategy(self.trainer.strategy, model.recipe)
+        except ConfigError as e:
+            raise ConfigError(
+                f"model.memory: {model.memory} chose {settings} ({why}), but {e} Or set model.memory: as_configured."
+            ) from None
         os.environ[MEMORY_ENV] = json.dumps(settings)
         precision = model.recipe.precision
         if precision is not self.trainer.precision_plugin:  # another base format: the trainer runs it too

@@ -1,0 +1,157 @@
+"""``trainer.strategy: fsdp`` through the command: a bf16 base sharded over two CPU processes (gloo) with FSDP2
+(:class:`lightning_lora.parallel.LoraFSDPStrategy`) trains the LoRA that two processes of DDP train, stops and resumes
+exactly, writes checkpoints a DDP run resumes from, and exports the LoRA its checkpoint holds.
+
+Tolerance (measured: the LoRA after 1-5 steps differs from DDP's by at most 5e-6 of each tensor's largest value, the
+RNG states are equal): both strategies run the same two processes on the same global batches with the same per-sample
+noise and average the two ranks' gradients over gloo (a division by 2 is exact, so the order of dividing and summing
+does not matter), and AdamW is elementwise. What differs is where the weights live: FSDP2 computes each block with
+parameters unsharded into its all-gather buffer, DDP with its own tensors, and the CPU matrix kernels may block a
+product differently for another memory layout: a float32 rounding per product (relative ~1e-7), which AdamW's division
+by ``sqrt(v)`` amplifies for a gradient near zero. Hence ``rtol=1e-4, atol=1e-6``, the tolerance of tests/test_ddp.py's
+one-rank / two-rank comparison; a wrong average (a missing or doubled division by the world size) or a lost shard would
+be off by 1e-2 or more. Within one strategy (stop and resume, checkpoint and exported file) it is bit for bit.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers import fit_in_subprocess, resume_config
+from helpers.cli import command_env, fit_command
+from safetensors.torch import load_file
+
+pytestmark = pytest.mark.subprocess
+
+STEPS, STOP = 5, 3
+SAMPLES = {
+    "class_path": "lightning_lora.callbacks.SampleImages",
+    "init_args": {"prompts": ["a photo of sks cat"], "every_n_steps": 0, "steps": 2, "height": 32, "width": 32},
+}
+FSDP: dict[str, Any] = {"trainer.strategy": "fsdp", "callbacks": [SAMPLES]}  # samples: every rank draws, in step
+LAYOUT: dict[str, Any] = {
+    "trainer.devices": 2,
+    "data.batch_size": 1,  # per process: a global batch of 2
+    "data.max_aspect_ratio": 1.0,  # square buckets only: every global batch is full
+}
+
+
+def run(config: Path, *extra: str) -> str:
+    result = fit_in_subprocess(config, *extra)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result.stdout
+
+
+def state(config: Path, step: int) -> dict[str, Any]:
+    """The LoRA tensors, optimizer state and RNG states of the step-``step`` checkpoint of the run of ``config``."""
+    ckpt = torch.load(config.parent / "run" / "checkpoints" / f"step{step:04d}.ckpt", weights_only=True)
+    assert ckpt["global_step"] == step
+    return {"lora": ckpt["state_dict"], "optimizer": ckpt["optimizer_states"], "rng": ckpt["rng_states"]}
+
+
+def assert_equal_state(a: dict[str, Any], b: dict[str, Any], exact: bool = False) -> None:
+    """The same LoRA, optimizer state (in the same layout: index keys, whole tensors) and RNG states; bit for bit when
+    ``exact``, else within the tolerance of the module docstring."""
+    rtol, atol = (0.0, 0.0) if exact else (1e-4, 1e-6)
+    assert a["lora"].keys() == b["lora"].keys() and a["lora"]
+    torch.testing.assert_close(a["lora"], b["lora"], rtol=rtol, atol=atol)
+    torch.testing.assert_close(a["optimizer"], b["optimizer"], rtol=rtol, atol=atol)
+    assert len(a["rng"]) == len(b["rng"]) == 2
+    for rng_a, rng_b in zip(a["rng"], b["rng"], strict=True):  # the same draws: the same generator states
+        assert torch.equal(rng_a["torch"], rng_b["torch"])
+    for rng_a, rng_b in zip(a["rng"], b["rng"], strict=True):
+        assert torch.equal(rng_a["torch"], rng_b["torch"])
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory: pytest.TempPathFactory, tiny_flux_dir: Path, photos_dir: Path) -> Path:
+    """A finished 2-process DDP run of :data:`STEPS` steps, checkpointed every step (its folder's cache is built)."""
+    root = tmp_path_factory.mktemp("fsdp")
+    config = resume_config(root, tiny_flux_dir, photos_dir, "ddp", steps=STEPS, **LAYOUT, **{"trainer.strategy": "ddp"})
+    run(config)
+    return config
+
+
+def test_fsdp_trains_what_ddp_trains_resumes_exactly_and_exports_its_checkpoint(
+    ddp: Path, tiny_flux_dir: Path, photos_dir: Path
+) -> None:
+    root = ddp.parent.parent
+    config = resume_config(root, tiny_flux_dir, photos_dir, "fsdp", steps=STEPS, **LAYOUT, **FSDP)
+    run(config, "--trainer.max_steps", str(STOP))
+    assert_equal_state(state(ddp, STOP), state(config, STOP))
+    stopped = state(config, STOP)
+    out = run(config, "--ckpt_path", "last")
+    assert f"(step {STEPS})" in out
+    assert_equal_state(state(ddp, STEPS), state(config, STEPS))
+    # Exact resume: an uninterrupted FSDP run of the same config ends with the same bits.
+    straight = resume_config(root, tiny_flux_dir, photos_dir, "fsdp_straight", steps=STEPS, **LAYOUT, **FSDP)
+    run(straight)
+    assert_equal_state(stopped, state(straight, STOP), exact=True)
+    assert_equal_state(state(straight, STEPS), state(config, STEPS), exact=True)
+
+    # The exported file holds the checkpoint's LoRA (the same tensors `lightning-lora export` takes from it), and
+    # the DDP run's file.
+    from lightning_lora.export import checkpoint_lora, export_lora
+
+    exported = load_file(config.parent / "run" / "lora" / "lora.safetensors")
+    ckpt = checkpoint_lora(config.parent / "run" / "checkpoints" / f"step{STEPS:04d}.ckpt")
+    again = export_lora(
+        ckpt.state,
+        root / "from_ckpt.safetensors",
+        format="diffusers",
+        lora=ckpt.lora,
+        family=ckpt.family,
+        info=ckpt.info,
+    )
+    expected = load_file(again)
+    assert exported.keys() == expected.keys() and exported
+    assert all(torch.equal(exported[k], expected[k]) for k in expected)
+    reference = load_file(ddp.parent / "run" / "lora" / "lora.safetensors")
+    torch.testing.assert_close(exported, reference, rtol=1e-4, atol=1e-6)
+    assert list((config.parent / "run" / "samples").glob("step000005_*.png"))  # every rank drew; rank 0 wrote
+
+
+def test_a_checkpoint_moves_between_fsdp_and_ddp(ddp: Path, tiny_flux_dir: Path, photos_dir: Path) -> None:
+    """DDP's step-3 checkpoint resumed under FSDP, and FSDP's resumed under DDP, end where DDP's uninterrupted run
+    ends, bit for bit."""
+    root = ddp.parent.parent
+    for name, strategy in (("ddp_to_fsdp", "fsdp"), ("fsdp_to_ddp", "ddp")):
+        config = resume_config(
+            root, tiny_flux_dir, photos_dir, name, steps=STEPS, **LAYOUT, **{"trainer.strategy": strategy}
+        )
+        source = ddp.parent if strategy == "fsdp" else root / "fsdp"
+        checkpoints = config.parent / "run" / "checkpoints"
+        checkpoints.mkdir(parents=True)
+        shutil.copy(source / "run" / "checkpoints" / f"step{STOP:04d}.ckpt", checkpoints / "last.ckpt")
+        run(config, "--ckpt_path", "last")
+        assert_equal_state(state(ddp, STEPS), state(config, STEPS))
+
+
+def test_a_quantized_base_is_refused_before_loading(tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path) -> None:
+    import subprocess
+
+    for plugin in ("NF4", "FP8"):
+        config = resume_config(
+            tmp_path,
+            tiny_flux_dir,
+            photos_dir,
+            plugin,
+            steps=2,
+            **LAYOUT,
+            **{
+                "trainer.strategy": "fsdp",
+                "trainer.precision": None,
+                "trainer.plugins": [
+                    {"class_path": f"lightning_lora.precision.{plugin}", "init_args": {"dtype": "fp32"}}
+                ],
+            },
+        )
+        result = subprocess.run(fit_command(config), env=command_env(), capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2, result.stderr[-3000:]
+        assert "trainer.strategy: LoraFSDPStrategy shards the base model's weights" in result.stderr
+        assert f"trainer.plugins: {plugin} base" in result.stderr and "Use trainer.strategy: ddp" in result.stderr
+        assert not (config.parent / "run" / "checkpoints").exists() and not (tmp_path / "cache").exists()
