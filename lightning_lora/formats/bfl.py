@@ -53,7 +53,10 @@ from torch import Tensor
 
 __all__ = [
     "BFL_PREFIX_COMFY",
+    "DOUBLE_NORMS",
+    "DOUBLE_QKV",
     "GLOBAL_MODULES",
+    "SINGLE_NORMS",
     "BflSlice",
     "FluxDims",
     "bfl_slice",
@@ -138,14 +141,16 @@ _DOUBLE = {
     "ff_context.net.0.proj": "txt_mlp.0",
     "ff_context.net.2": "txt_mlp.2",
 }
-_DOUBLE_NORMS = {
+# The norms and fused q/k/v of a double block, and a single block's norms: the same names in FLUX.2
+# (lightning_lora.formats.flux2).
+DOUBLE_NORMS = {
     "attn.norm_q": "img_attn.norm.query_norm",
     "attn.norm_k": "img_attn.norm.key_norm",
     "attn.norm_added_q": "txt_attn.norm.query_norm",
     "attn.norm_added_k": "txt_attn.norm.key_norm",
 }
 # Fused: diffusers module -> (BFL module, index of the part among [q, k, v]).
-_DOUBLE_QKV = {
+DOUBLE_QKV = {
     "attn.to_q": ("img_attn.qkv", 0),
     "attn.to_k": ("img_attn.qkv", 1),
     "attn.to_v": ("img_attn.qkv", 2),
@@ -155,7 +160,7 @@ _DOUBLE_QKV = {
 }
 # Inside ``single_transformer_blocks.i`` -> ``single_blocks.i``.
 _SINGLE = {"norm.linear": "modulation.lin", "proj_out": "linear2"}
-_SINGLE_NORMS = {"attn.norm_q": "norm.query_norm", "attn.norm_k": "norm.key_norm"}
+SINGLE_NORMS = {"attn.norm_q": "norm.query_norm", "attn.norm_k": "norm.key_norm"}
 _SINGLE_LINEAR1 = ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")  # row order inside linear1
 
 _BLOCK = re.compile(r"^(transformer_blocks|single_transformer_blocks)\.(\d+)\.(.+)$")
@@ -181,17 +186,17 @@ def bfl_slice(module: str, dims: FluxDims) -> BflSlice:
         prefix = f"double_blocks.{index}."
         if rest in _DOUBLE:
             return BflSlice(prefix + _DOUBLE[rest])
-        if rest in _DOUBLE_NORMS:
-            return BflSlice(prefix + _DOUBLE_NORMS[rest], weight_name="scale")
-        if rest in _DOUBLE_QKV:
-            target, part = _DOUBLE_QKV[rest]
+        if rest in DOUBLE_NORMS:
+            return BflSlice(prefix + DOUBLE_NORMS[rest], weight_name="scale")
+        if rest in DOUBLE_QKV:
+            target, part = DOUBLE_QKV[rest]
             return BflSlice(prefix + target, start=part * inner, size=inner, total=3 * inner)
     else:
         prefix = f"single_blocks.{index}."
         if rest in _SINGLE:
             return BflSlice(prefix + _SINGLE[rest])
-        if rest in _SINGLE_NORMS:
-            return BflSlice(prefix + _SINGLE_NORMS[rest], weight_name="scale")
+        if rest in SINGLE_NORMS:
+            return BflSlice(prefix + SINGLE_NORMS[rest], weight_name="scale")
         if rest in _SINGLE_LINEAR1:
             part = _SINGLE_LINEAR1.index(rest)
             size = dims.mlp_hidden_dim if rest == "proj_mlp" else inner
@@ -271,9 +276,9 @@ def bfl_to_diffusers(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
     dims = flux_dims_from_state_dict(bfl)
     names = list(_GLOBAL)
     for i in range(dims.num_layers):
-        names += [f"transformer_blocks.{i}.{rest}" for rest in [*_DOUBLE, *_DOUBLE_NORMS, *_DOUBLE_QKV]]
+        names += [f"transformer_blocks.{i}.{rest}" for rest in [*_DOUBLE, *DOUBLE_NORMS, *DOUBLE_QKV]]
     for i in range(dims.num_single_layers):
-        names += [f"single_transformer_blocks.{i}.{rest}" for rest in [*_SINGLE, *_SINGLE_NORMS, *_SINGLE_LINEAR1]]
+        names += [f"single_transformer_blocks.{i}.{rest}" for rest in [*_SINGLE, *SINGLE_NORMS, *_SINGLE_LINEAR1]]
     out: dict[str, Tensor] = {}
     used: set[str] = set()
     for module in names:

@@ -55,7 +55,7 @@ import torch
 from torch import Tensor
 
 from lightning_lora.formats.adapters import Adapter, adapters_from_peft
-from lightning_lora.formats.bfl import BflSlice, swap_halves
+from lightning_lora.formats.bfl import DOUBLE_NORMS, DOUBLE_QKV, SINGLE_NORMS, BflSlice, swap_halves
 from lightning_lora.formats.clients import Coverage
 from lightning_lora.formats.kohya import LYCORIS_PREFIX, KohyaNetwork, _fuse, adapter_to_kohya, kohya_name
 
@@ -93,22 +93,7 @@ _DOUBLE = {
     "ff_context.linear_in": "txt_mlp.0",
     "ff_context.linear_out": "txt_mlp.2",
 }
-_DOUBLE_NORMS = {
-    "attn.norm_q": "img_attn.norm.query_norm",
-    "attn.norm_k": "img_attn.norm.key_norm",
-    "attn.norm_added_q": "txt_attn.norm.query_norm",
-    "attn.norm_added_k": "txt_attn.norm.key_norm",
-}
-_DOUBLE_QKV = {
-    "attn.to_q": ("img_attn.qkv", 0),
-    "attn.to_k": ("img_attn.qkv", 1),
-    "attn.to_v": ("img_attn.qkv", 2),
-    "attn.add_q_proj": ("txt_attn.qkv", 0),
-    "attn.add_k_proj": ("txt_attn.qkv", 1),
-    "attn.add_v_proj": ("txt_attn.qkv", 2),
-}
 _SINGLE = {"attn.to_qkv_mlp_proj": "linear1", "attn.to_out": "linear2"}
-_SINGLE_NORMS = {"attn.norm_q": "norm.query_norm", "attn.norm_k": "norm.key_norm"}
 _BLOCK = re.compile(r"^(transformer_blocks|single_transformer_blocks)\.(\d+)\.(.+)$")
 # The modules diffusers' kohya FLUX.2 converter reads (the rest it drops with a warning).
 _DIFFUSERS_KOHYA = re.compile(
@@ -136,17 +121,17 @@ def flux2_slice(module: str, inner_dim: int) -> BflSlice:
         prefix = f"double_blocks.{index}."
         if rest in _DOUBLE:
             return BflSlice(prefix + _DOUBLE[rest])
-        if rest in _DOUBLE_NORMS:
-            return BflSlice(prefix + _DOUBLE_NORMS[rest], weight_name="scale")
-        if rest in _DOUBLE_QKV:
-            target, part = _DOUBLE_QKV[rest]
+        if rest in DOUBLE_NORMS:
+            return BflSlice(prefix + DOUBLE_NORMS[rest], weight_name="scale")
+        if rest in DOUBLE_QKV:
+            target, part = DOUBLE_QKV[rest]
             return BflSlice(prefix + target, start=part * inner_dim, size=inner_dim, total=3 * inner_dim)
     else:
         prefix = f"single_blocks.{index}."
         if rest in _SINGLE:
             return BflSlice(prefix + _SINGLE[rest])
-        if rest in _SINGLE_NORMS:
-            return BflSlice(prefix + _SINGLE_NORMS[rest], weight_name="scale")
+        if rest in SINGLE_NORMS:
+            return BflSlice(prefix + SINGLE_NORMS[rest], weight_name="scale")
     raise KeyError(f"not a FLUX.2 transformer module: {module!r}")
 
 
