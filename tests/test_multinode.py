@@ -69,23 +69,19 @@ def one_node(tmp_path_factory: pytest.TempPathFactory, tiny_flux_dir: Path, phot
 def test_two_nodes_train_what_one_node_trains_and_resume_exactly(
     one_node: Path, tiny_flux_dir: Path, photos_dir: Path
 ) -> None:
-    """torchrun's environment: 2 nodes x 1 process, stopped at step 3 and resumed with ``--ckpt_path last``."""
+    """2 nodes x 1 process, started with SLURM's environment (``srun --nodes 2 --ntasks-per-node 1``: Lightning's
+    SLURMEnvironment takes the ranks), stopped at step 3, and resumed with ``--ckpt_path last`` under torchrun's (a
+    requeued job may well come back under another launcher): both launchers in one run, each checked against the
+    1-node run."""
     config = resume_config(one_node.parent.parent, tiny_flux_dir, photos_dir, "two_nodes", steps=STEPS, **LAYOUT)
-    check(fit_on_nodes(config, "--trainer.max_steps", str(STOP)))
+    check(fit_on_nodes(config, "--trainer.max_steps", str(STOP), launcher="slurm"))
     assert_equal_state(trained_state(one_node, STOP), trained_state(config, STOP))
-    resumed = fit_on_nodes(config, "--ckpt_path", "last")
+    resumed = fit_on_nodes(config, "--ckpt_path", "last", launcher="torchrun")
     check(resumed)
     assert f"(step {STEPS})" in resumed[0].stdout  # global rank 0 prints the summary; node 1 prints none
     assert "Run folder" not in resumed[1].stdout
     assert_equal_state(trained_state(one_node, STEPS), trained_state(config, STEPS))
     assert_same_run(one_node, config, after_step=1)  # the exported LoRA and the loss at every step
-
-
-def test_slurm_nodes_train_what_one_node_trains(one_node: Path, tiny_flux_dir: Path, photos_dir: Path) -> None:
-    """SLURM's environment (``srun --nodes 2 --ntasks-per-node 1``): Lightning's SLURMEnvironment takes the ranks."""
-    config = resume_config(one_node.parent.parent, tiny_flux_dir, photos_dir, "slurm", steps=STEPS, **LAYOUT)
-    check(fit_on_nodes(config, "--trainer.max_steps", str(STOP), launcher="slurm"))
-    assert_equal_state(trained_state(one_node, STOP), trained_state(config, STOP))
 
 
 def test_memory_auto_takes_rank_zeros_choice_on_every_node(
