@@ -13,11 +13,11 @@ the same shapes: a time on a shared machine is only meaningful as a ratio.
     python tools/bench.py --family qwenimage --quant nf4 --gc 1 --h 1024 --w 1024 --tlen 512   # Qwen-Image, 20.4 B
     python tools/bench.py --tiny --steps 2 --warm 1             # a CPU smoke run of the same code
 
-Several GPUs: ``--devices N`` with ``--strategy ddp`` (ours, every GPU a whole base) or ``--strategy fsdp2`` (a bf16
-base sharded with FSDP2 over the N GPUs, :mod:`lightning_lora.sharding`); ``weights_GiB_per_device`` is rank 0's share
-of the weights, ``peak_*`` the largest over the ranks:
+Several GPUs: ``--devices N`` with ``--strategy ddp`` (ours, every GPU a whole base) or ``--strategy fsdp`` (a bf16
+base sharded with FSDP2 over the N GPUs: ``trainer.strategy: fsdp``, :class:`lightning_lora.parallel.LoraFSDPStrategy`);
+``weights_GiB_per_device`` is rank 0's share of the weights, ``peak_*`` the largest over the ranks:
 
-    python tools/bench.py --quant none --opt adamw --devices 2 --strategy fsdp2
+    python tools/bench.py --quant none --opt adamw --devices 2 --strategy fsdp
 
 Families (``--family``): ``flux`` (FLUX.1-dev), ``sdxl`` (SDXL base 1.0), ``sd15`` (Stable Diffusion 1.5),
 ``zimage`` (Z-Image-Turbo), ``qwenimage`` (Qwen-Image) and ``flux2`` (FLUX.2 klein base 4B). Each is the real
@@ -49,7 +49,6 @@ from typing import Any
 import torch
 import yaml
 from lightning.pytorch import Callback, LightningDataModule, Trainer
-from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_lora import objectives
@@ -60,7 +59,7 @@ from lightning_lora.lora import LoraOptions, set_lora_input_casts
 from lightning_lora.module import LoraModule
 from lightning_lora.parallel import resolve_strategy
 from lightning_lora.precision import PRECISIONS, BasePrecision
-from lightning_lora.sharding import local_parameter_bytes, shard_base
+from lightning_lora.sharding import local_parameter_bytes
 
 FLUX_DEV = dict(Flux.known_denoisers["black-forest-labs/FLUX.1-dev"])
 FLUX_TINY = dict(
@@ -510,29 +509,11 @@ class MemoryLimit(Callback):
             self.out["memory_fraction"] = round(fraction, 4)
 
 
-class ShardedLoraModule(LoraModule):
-    """:class:`LoraModule` whose base is sharded with FSDP2 over the data-parallel mesh of Lightning's
-    ``ModelParallelStrategy`` once it is built (``--strategy fsdp2``; :func:`lightning_lora.sharding.shard_base`)."""
-
-    def configure_model(self) -> None:
-        built = self.denoiser is not None
-        super().configure_model()
-        if not built:
-            mesh = self.device_mesh
-            if mesh is None:
-                raise RuntimeError("--strategy fsdp2: the module has no device mesh (not under ModelParallelStrategy)")
-            shard_base(self._require_model(), mesh["data_parallel"])
-
-
 def bench_strategy(name: str, devices: int) -> Any:
-    """``--strategy``: ours (``auto`` / ``ddp``), Lightning's own DDP (``lightning-ddp``), or FSDP2 (``fsdp2``: every
-    device holds 1/N of the base, no tensor parallelism)."""
+    """``--strategy`` as ``fit`` resolves ``trainer.strategy`` (``auto`` / ``ddp``: LoraDDPStrategy; ``fsdp``:
+    LoraFSDPStrategy, every device 1/N of the base), or Lightning's own DDP (``lightning-ddp``)."""
     if name == "lightning-ddp":
         return "ddp"
-    if name == "fsdp2":
-        return ModelParallelStrategy(
-            data_parallel_size=devices, tensor_parallel_size=1, save_distributed_checkpoint=False
-        )
     return resolve_strategy(name, devices)
 
 
@@ -596,9 +577,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         }
     )
     precision = bench_precision(a.quant, dict(getattr(a, "config_quantization", {})))
-    if a.strategy == "fsdp2" and (a.quant != "none" or a.offload or a.loop == "bare"):
-        raise ValueError("--strategy fsdp2 shards a bf16 base: give --quant none, --offload 0 and --loop lightning")
-    module = (ShardedLoraModule if a.strategy == "fsdp2" else LoraModule)(
+    if a.strategy == "fsdp" and (a.quant != "none" or a.offload or a.loop == "bare"):
+        raise ValueError("--strategy fsdp shards a bf16 base: give --quant none, --offload 0 and --loop lightning")
+    module = LoraModule(
         pretrained="random-init",
         family=family,
         lora=LoraOptions(
@@ -876,8 +857,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--strategy",
         default="auto",
-        help="auto / ddp: ours (LoraDDPStrategy); lightning-ddp: Lightning's own DDP; fsdp2: the bf16 base sharded "
-        "over --devices GPUs (Lightning's ModelParallelStrategy + lightning_lora.sharding)",
+        help="auto / ddp: ours (LoraDDPStrategy); lightning-ddp: Lightning's own DDP; fsdp: the bf16 base sharded "
+        "over --devices GPUs (LoraFSDPStrategy, as trainer.strategy: fsdp)",
     )
     p.add_argument("--loop", default="lightning", choices=["lightning", "bare"], help="bare: no Trainer (diagnosis)")
     p.add_argument("--profile", default="", help="write a torch.profiler summary of the timed steps to this file")

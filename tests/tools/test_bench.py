@@ -226,17 +226,18 @@ def test_bench_runs_sd15_on_a_tiny_model() -> None:
     assert out["family"] == "sd15" and out["tlen"] == 77 and out["alpha"] == 8 and out["s_per_step"] > 0
 
 
-def test_bench_shards_a_bf16_base_with_fsdp2() -> None:
-    """``--strategy fsdp2`` on one CPU process (gloo): Lightning's ModelParallelStrategy with the base sharded by
-    lightning_lora.sharding over a mesh of one; the 2-process sharding itself is tests/test_sharding.py."""
+def test_bench_shards_a_bf16_base_with_fsdp() -> None:
+    """``--strategy fsdp`` on one CPU process (gloo): the strategy ``trainer.strategy: fsdp`` gives a run
+    (LoraFSDPStrategy), with the base sharded over a mesh of one; 2 processes: tests/test_fsdp.py, test_sharding.py."""
     import os
 
     import torch
     from helpers import DISTRIBUTED_ENV
-    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from lightning_lora.parallel import LoraFSDPStrategy
 
     argv = ["--family", "flux", "--rank", "4", "--h", "64", "--w", "64", "--tlen", "16", "--steps", "1", "--warm", "1"]
-    args = bench.parser().parse_args([*argv, "--opt", "adamw", "--tiny", "--strategy", "fsdp2"])
+    args = bench.parser().parse_args([*argv, "--opt", "adamw", "--tiny", "--strategy", "fsdp"])
     before = {name: os.environ.get(name) for name in DISTRIBUTED_ENV}  # Lightning sets them in this process
     try:
         out = bench.run(args)
@@ -248,10 +249,10 @@ def test_bench_shards_a_bf16_base_with_fsdp2() -> None:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-    assert out["strategy"] == ModelParallelStrategy.__name__ and out["s_per_step"] > 0 and out["loss"] > 0
+    assert out["strategy"] == LoraFSDPStrategy.__name__ and out["s_per_step"] > 0 and out["loss"] > 0
     assert out["weights_GiB_per_device"] > 0
-    with pytest.raises(ValueError, match="--strategy fsdp2 shards a bf16 base: give --quant none"):
-        bench.run(bench.parser().parse_args([*argv, "--tiny", "--strategy", "fsdp2", "--quant", "nf4"]))
+    with pytest.raises(ValueError, match="--strategy fsdp shards a bf16 base: give --quant none"):
+        bench.run(bench.parser().parse_args([*argv, "--tiny", "--strategy", "fsdp", "--quant", "nf4"]))
 
 
 def test_bench_builds_the_denoiser_a_config_names() -> None:
