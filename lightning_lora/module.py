@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 import torch
 from jsonargparse import lazy_instance
-from lightning.pytorch import LightningModule
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from typing_extensions import override
 
@@ -195,10 +195,13 @@ class LoraModule(LightningModule):
         if chosen is None or chosen == self.memory_settings:
             return
         self.use_memory_settings(chosen)
-        precision = self.recipe.precision
-        if precision is not self.trainer.strategy.precision_plugin:
-            precision.bind(self.trainer.strategy.root_device)
-            self.trainer.strategy.precision_plugin = precision
+        self.hand_precision_to(self.trainer)
+
+    def hand_precision_to(self, trainer: Trainer) -> None:
+        """Make ``trainer`` run the recipe's base format: ``model.memory`` may have chosen another plugin than the
+        configured one (:meth:`setup` then binds it to the trainer's device)."""
+        if self.recipe.precision is not trainer.strategy.precision_plugin:
+            trainer.strategy.precision_plugin = self.recipe.precision
 
     @override
     def configure_model(self) -> None:

@@ -164,7 +164,6 @@ class LoraCLI(LightningCLI):
         self.datamodule.spec(self.model.family)
         check_writable(Path(self.trainer.default_root_dir), "trainer.default_root_dir")
         check_writable(self._checkpoint_dir(), "ModelCheckpoint dirpath")
-        self.model.recipe.precision.bind(self.trainer.strategy.root_device)  # autocast on the trainer's device
         check_strategy(self.trainer.strategy, self.model.recipe)
         if torch.cuda.is_available() and self.trainer.strategy.root_device.type == "cuda":
             planned = warn_if_too_big(self.model, self.datamodule, self.trainer.strategy.root_device)
@@ -237,15 +236,13 @@ class LoraCLI(LightningCLI):
                 f"model.memory: {model.memory} chose {settings} ({why}), but {e} Or set model.memory: as_configured."
             ) from None
         os.environ[MEMORY_ENV] = json.dumps(settings)
-        precision = model.recipe.precision
-        if precision is not self.trainer.precision_plugin:  # another base format: the trainer runs it too
-            precision.bind(self.trainer.strategy.root_device)
-            self.trainer.strategy.precision_plugin = precision
+        model.hand_precision_to(self.trainer)  # another base format: the trainer runs it too
         section = self.config.get(str(self.subcommand), self.config)  # what config.yaml is written from
         for name, value in settings.items():
             if name == "precision":
                 section["trainer.precision"] = None
-                section["trainer.plugins"] = with_precision_spec(section.get("trainer.plugins"), precision.spec())
+                spec = model.recipe.precision.spec()
+                section["trainer.plugins"] = with_precision_spec(section.get("trainer.plugins"), spec)
             else:
                 section[f"model.{name}"] = value
         rank_zero_info(f"model.memory: {model.memory}: {why}")
