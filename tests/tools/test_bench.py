@@ -39,6 +39,9 @@ def test_bench_runs_our_module_on_a_tiny_model(
     else:
         out = bench.run(args)
     assert out["s_per_step"] > 0 and out["lora_params_M"] > 0 and out["loss"] > 0
+    if loop == "lightning":  # each timed step's time, and no compile (nothing is compiled here)
+        assert len(out["step_s_each"]) == 1 and out["step_s_each"][0] > 0 and out["graphs_compiled_timed"] == 0
+        assert out["s_per_step_median"] == out["step_s_each"][0]
     assert out["planned_peak_GiB"] >= out["planned"]["overhead"] > 0  # tiny model: little beyond the CUDA context
     assert {"weights", "lora", "activations", "transient"} <= out["planned"].keys()
     assert ("offloaded_inputs_GiB_per_step" in out) == bool(offload_act)  # on the CPU nothing moves
