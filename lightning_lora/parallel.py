@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy, Strategy
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -45,6 +46,8 @@ __all__ = [
     "prepare_model",
     "resolve_strategy",
     "runs_forward_on_every_rank",
+    "shard_count",
+    "shards_of",
 ]
 
 SHARDING_STRATEGIES: tuple[type[Strategy], ...] = (FSDPStrategy, ModelParallelStrategy, DeepSpeedStrategy)
@@ -159,6 +162,35 @@ def prepare_model(strategy: Strategy, denoiser: nn.Module) -> None:
     under :class:`LoraFSDPStrategy`; nothing under any other strategy."""
     if isinstance(strategy, LoraFSDPStrategy):
         strategy.shard(denoiser)
+
+
+def shard_count(strategy: Any, devices: Any = 1, num_nodes: Any = 1) -> int:
+    """How many GPUs a run shards the frozen base over (what the memory planner divides by): every process of the run,
+    ``devices`` per node times ``num_nodes`` as a trainer or its config gives them, under ``trainer.strategy: fsdp``
+    (the name or a :class:`LoraFSDPStrategy`); 1 under any other strategy, where each GPU holds the whole base.
+    ``devices`` ``auto`` / ``-1`` count this machine's GPUs (1 without any)."""
+    if not (isinstance(strategy, LoraFSDPStrategy) or (isinstance(strategy, str) and strategy == "fsdp")):
+        return 1
+    return _device_count(devices) * max(int(num_nodes or 1), 1)
+
+
+def shards_of(trainer: Trainer) -> int:
+    """:func:`shard_count` of a built trainer."""
+    return shard_count(trainer.strategy, trainer.num_devices, trainer.num_nodes)
+
+
+def _device_count(devices: Any) -> int:
+    if isinstance(devices, list | tuple):
+        return max(len(devices), 1)
+    text = str(devices).strip() if devices is not None else "auto"
+    if "," in text:
+        return max(len([d for d in text.split(",") if d.strip()]), 1)
+    if text in ("auto", "-1"):
+        return max(torch.cuda.device_count(), 1)
+    try:
+        return max(int(text), 1)
+    except ValueError as e:
+        raise ConfigError(f"trainer.devices: {devices!r} is not a device count, a list of GPU ids or 'auto'.") from e
 
 
 def runs_forward_on_every_rank(strategy: Strategy) -> bool:

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from lightning_lora.errors import ConfigError
-from lightning_lora.offload import offloaded_blocks
+from lightning_lora.offload import offloaded_blocks, repeated_blocks
 from lightning_lora.precision import BF16, FP8, NF4, BasePrecision, text_encoder_precision
 from lightning_lora.recipe import ModelRecipe
 
@@ -160,6 +160,21 @@ def offloaded_weight_bytes(model: nn.Module, blocks: list[nn.Module], precision:
     chosen = [sum(sizes[id(m)] for m in block.modules()) for block in blocks]
     in_flight = max((a + b for a, b in zip(chosen, chosen[1:], strict=False)), default=chosen[0])
     return sum(chosen) - in_flight
+
+
+def sharded_weight_bytes(model: nn.Module, precision: BasePrecision, shards: int) -> tuple[float, float]:
+    """Frozen-weight bytes on each GPU when the base is sharded over ``shards`` GPUs the way
+    :func:`~lightning_lora.sharding.shard_base` shards it, and the part of them that is gathered blocks in flight.
+
+    Each repeated block is its own unit: a GPU keeps 1/``shards`` of it, and gathers its full weights just before it
+    runs, the next block's while it runs (FSDP2 prefetches one unit ahead in the forward and in the backward): two
+    blocks whole at a time, on top of the shards. The root unit (embeddings, final norm and projection) stays whole
+    from the forward to its backward."""
+    sizes = precision.module_weight_bytes(model)
+    blocks = [sum(sizes[id(m)] for m in block.modules()) for block in repeated_blocks(model)]
+    in_flight = sum(sorted(blocks, reverse=True)[:2])
+    root = sum(sizes.values()) - sum(blocks)
+    return sum(blocks) / shards + root + in_flight, in_flight
 
 
 @contextlib.contextmanager
@@ -296,15 +311,21 @@ def plan_training(
     text_len: int,
     optimizer: str = "AdamW",
     sample_size: tuple[int, int] | None = None,
+    shards: int = 1,
 ) -> MemoryPlan:
-    """Predict the training peak of the model ``recipe`` describes, at this image size, batch and text length."""
+    """Predict the training peak of the model ``recipe`` describes, at this image size, batch and text length, on each
+    GPU: ``shards`` > 1 is a base sharded over that many GPUs (``trainer.strategy: fsdp``, :func:`sharded_weight_bytes`;
+    the LoRA, its gradients and optimizer state are sharded with it)."""
     family, source = recipe.family, recipe.source
     model = family.denoiser_skeleton(source)  # meta device: shapes only
     offloaded = offloaded_blocks(model, recipe.offload_blocks)
     weights = weight_bytes(model, recipe.precision)
     resident = weights - offloaded_weight_bytes(model, offloaded, recipe.precision)
     counted = _count(recipe, height, width, batch, text_len)
-    saved, largest, moved, lora_params = counted.saved, counted.largest, counted.moved, counted.lora_params
+    saved, largest, moved = counted.saved, counted.largest, counted.moved
+    lora_params = counted.lora_params / shards  # sharded with the base (each rank's optimizer steps its shard)
+    if shards > 1:
+        resident, in_flight = sharded_weight_bytes(model, recipe.precision, shards)
     if recipe.compile_blocks and not recipe.gradient_checkpointing:
         saved *= COMPILED_SAVED_FRACTION  # checkpointed blocks keep only their inputs, which compiling cannot shrink
     per_block = (saved + moved) / max(counted.blocks, 1)
@@ -323,6 +344,11 @@ def plan_training(
         plan.notes.append(
             f"offload_blocks {recipe.offload_blocks}: {(weights - resident) / GIB:.2f} GiB less frozen weight on the "
             "GPU (the blocks wait in pinned CPU memory and are copied in twice per step, two at a time)"
+        )
+    if shards > 1:
+        plan.notes.append(
+            f"sharded over {shards} GPUs (trainer.strategy: fsdp): each holds 1/{shards} of the blocks' weights and of "
+            f"the LoRA, and the whole of the rest, plus two gathered blocks in flight ({in_flight / GIB:.2f} GiB)"
         )
     if moved:
         plan.notes.append(
@@ -388,15 +414,20 @@ def optimizer_name(factory: Any) -> str:
 
 
 def plan_for(
-    recipe: ModelRecipe, datamodule: Any, optimizer: str = "AdamW", sample_size: tuple[int, int] | None = None
+    recipe: ModelRecipe,
+    datamodule: Any,
+    optimizer: str = "AdamW",
+    sample_size: tuple[int, int] | None = None,
+    shards: int = 1,
 ) -> MemoryPlan:
     """The plan of a run: ``recipe`` at the data module's largest resolution and batch size, the family's text
-    length."""
+    length, on each GPU (``shards``: :func:`plan_training`; :func:`~lightning_lora.parallel.shard_count` of a trainer
+    or a config)."""
     resolution = getattr(datamodule, "resolution", 512)
     side = max(resolution) if isinstance(resolution, list | tuple) else int(resolution)
     text_len = recipe.family.text_tokens
     plan = plan_training(
-        recipe, side, side, datamodule.batch_size, text_len, optimizer=optimizer, sample_size=sample_size
+        recipe, side, side, datamodule.batch_size, text_len, optimizer=optimizer, sample_size=sample_size, shards=shards
     )
     text_quantization = getattr(datamodule, "text_encoder_quantization", "none")
     encode_batch = int(getattr(datamodule, "encode_batch_size", 4))
@@ -482,8 +513,8 @@ class Fit:
 class _Planner:
     """Plans of a recipe and its alternatives for one data module, each planned once."""
 
-    def __init__(self, recipe: ModelRecipe, datamodule: Any, optimizer: str) -> None:
-        self.recipe, self.datamodule, self.optimizer = recipe, datamodule, optimizer
+    def __init__(self, recipe: ModelRecipe, datamodule: Any, optimizer: str, shards: int = 1) -> None:
+        self.recipe, self.datamodule, self.optimizer, self.shards = recipe, datamodule, optimizer, shards
         self._peaks: dict[str, float | None] = {}
 
     def peak(self, flags: str, changes: dict[str, Any], data: dict[str, Any] | None = None) -> float | None:
@@ -496,7 +527,11 @@ class _Planner:
                     batch_size=data.get("batch_size", datamodule.batch_size),
                 )
             try:
-                self._peaks[flags] = plan_for(self.recipe.replace(**changes), datamodule, self.optimizer).peak_gib
+                changed = self.recipe.replace(**changes)
+                if self.shards > 1 and (not changed.precision.shardable or changed.offload_blocks):
+                    raise ConfigError("a sharded base is a bf16 base, not offloaded")  # as check_strategy refuses
+                plan = plan_for(changed, datamodule, self.optimizer, shards=self.shards)
+                self._peaks[flags] = plan.peak_gib
             except ConfigError:  # a change the other settings refuse (e.g. NF4 with model.offload_blocks): not a fix
                 self._peaks[flags] = None
         return self._peaks[flags]
@@ -537,10 +572,13 @@ class _Planner:
         return found
 
 
-def choose_for_memory(recipe: ModelRecipe, datamodule: Any, vram: float, optimizer: str = "AdamW") -> Fit | None:
+def choose_for_memory(
+    recipe: ModelRecipe, datamodule: Any, vram: float, optimizer: str = "AdamW", shards: int = 1
+) -> Fit | None:
     """The fastest way to run the same training in ``vram`` GiB (``model.memory``): as configured when it fits, else
-    the first alternative that fits without changing the data (batch, resolution); None when none does."""
-    planner = _Planner(recipe, datamodule, optimizer)
+    the first alternative that fits without changing the data (batch, resolution); None when none does. ``shards``:
+    :func:`plan_training`'s (a sharded base takes no quantized or offloaded alternative)."""
+    planner = _Planner(recipe, datamodule, optimizer, shards)
     configured = planner.peak("", {})
     if configured is not None and configured <= vram * 0.95:
         return Fit("", configured)
@@ -548,10 +586,12 @@ def choose_for_memory(recipe: ModelRecipe, datamodule: Any, vram: float, optimiz
     return same[0] if same else None
 
 
-def fitting_changes(recipe: ModelRecipe, datamodule: Any, vram: float, optimizer: str = "AdamW") -> list[str]:
+def fitting_changes(
+    recipe: ModelRecipe, datamodule: Any, vram: float, optimizer: str = "AdamW", shards: int = 1
+) -> list[str]:
     """Changes (as command-line options, with the planned peak) that bring the plan under ``vram`` GiB, fastest first;
     each is tried as a new recipe (``recipe.replace``), so a combination the recipe refuses is never suggested."""
-    return [fit.line() for fit in _Planner(recipe, datamodule, optimizer).fits(vram)]
+    return [fit.line() for fit in _Planner(recipe, datamodule, optimizer, shards).fits(vram)]
 
 
 CARDS: dict[str, float] = {
@@ -600,10 +640,15 @@ def card_memory(name: str) -> float:
 
 
 def cards_table(
-    recipe: ModelRecipe, datamodule: Any, optimizer: str = "AdamW", sizes: tuple[int, ...] = CARD_SIZES
+    recipe: ModelRecipe,
+    datamodule: Any,
+    optimizer: str = "AdamW",
+    sizes: tuple[int, ...] = CARD_SIZES,
+    shards: int = 1,
 ) -> list[tuple[int, Fit | None]]:
-    """For each card size (GiB): the fastest way to run that fits (as configured when it does), or None."""
-    planner = _Planner(recipe, datamodule, optimizer)
+    """For each card size (GiB): the fastest way to run that fits (as configured when it does), or None; with
+    ``shards`` > 1, on each of that many cards of the size."""
+    planner = _Planner(recipe, datamodule, optimizer, shards)
     configured = planner.peak("", {})
     rows: list[tuple[int, Fit | None]] = []
     for size in sizes:

@@ -20,6 +20,7 @@ from lightning_lora.parallel import (
     check_strategy,
     no_buffer_sync,
     resolve_strategy,
+    shard_count,
 )
 from lightning_lora.recipe import ModelRecipe
 
@@ -88,6 +89,31 @@ def test_ddp_becomes_the_lora_ddp_strategy(strategy: str, devices: object, nodes
         assert resolved == strategy
     # A user's own DDP options win over ours.
     assert LoraDDPStrategy(broadcast_buffers=True)._ddp_kwargs["broadcast_buffers"] is True
+
+
+@pytest.mark.parametrize(
+    ("strategy", "devices", "nodes", "shards"),
+    [
+        ("fsdp", 2, 1, 2),
+        ("fsdp", [0, 1, 2], 1, 3),
+        ("fsdp", "0,1", 2, 4),
+        ("fsdp", "4", 1, 4),
+        (LoraFSDPStrategy(), 2, 3, 6),
+        ("fsdp", "auto", 1, max(torch.cuda.device_count(), 1)),
+        ("ddp", 4, 1, 1),  # each GPU holds the whole base
+        ("auto", 8, 2, 1),
+        (None, 2, 1, 1),
+    ],
+)
+def test_shard_count_is_every_process_under_fsdp_only(
+    strategy: object, devices: object, nodes: int, shards: int
+) -> None:
+    assert shard_count(strategy, devices, nodes) == shards
+
+
+def test_shard_count_names_a_bad_device_count() -> None:
+    with pytest.raises(ConfigError, match="trainer.devices: 'two'"):
+        shard_count("fsdp", "two")
 
 
 def test_no_buffer_sync_follows_the_ddp_at_hand() -> None:

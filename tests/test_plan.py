@@ -40,6 +40,50 @@ def test_meta_count_matches_a_real_forward() -> None:
     assert largest == 8 * 64 * 4  # the GELU input / Linear output, float32
 
 
+def test_the_planned_shard_is_what_fsdp2_keeps_on_each_rank(tiny_flux_dir: Path) -> None:
+    """``plan_training(shards=N)``: each GPU keeps 1/N of every block (as ``shard_base`` shards them: checked against
+    FSDP2's own shards, in one process over a fake process group of 4 ranks), the root unit whole (it stays gathered
+    from the forward to its backward) and two whole blocks in flight; the LoRA, its gradients and optimizer state are
+    divided by N; the activations are each GPU's own."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from lightning_lora.assembly import build_lora_model
+    from lightning_lora.offload import repeated_blocks
+    from lightning_lora.plan import sharded_weight_bytes
+    from lightning_lora.sharding import shard_base
+
+    def frozen_bytes(modules: list[nn.Module]) -> int:
+        tensors = {id(p): p for m in modules for p in m.parameters() if not p.requires_grad}
+        return sum(getattr(p, "to_local", lambda p=p: p)().numel() * p.element_size() for p in tensors.values())
+
+    module = LoraModule(str(tiny_flux_dir))
+    recipe = module.recipe
+    model = build_lora_model(recipe)
+    blocks = repeated_blocks(model)
+    whole_blocks = sorted((frozen_bytes([b]) for b in blocks), reverse=True)
+    root = frozen_bytes([model]) - sum(whole_blocks)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        assert shard_base(model, init_device_mesh("cpu", (4,))) == blocks
+        local_blocks = frozen_bytes(blocks)
+    finally:
+        dist.destroy_process_group()
+    assert local_blocks < sum(whole_blocks) / 3  # FSDP2 did shard them (a quarter, and a padded row or two)
+
+    skeleton = recipe.family.denoiser_skeleton(recipe.source)
+    per_gpu, in_flight = sharded_weight_bytes(skeleton, recipe.precision, 4)
+    assert in_flight == whole_blocks[0] + whole_blocks[1]
+    assert per_gpu - in_flight - root == pytest.approx(local_blocks, rel=0.02)  # padding: < 2%
+
+    whole, sharded = (plan_training(recipe, 64, 64, 1, 16, shards=n) for n in (1, 4))
+    assert sharded.weights == pytest.approx(per_gpu / 2**30) and sharded.weights < whole.weights
+    assert sharded.lora == pytest.approx(whole.lora / 4) and sharded.optimizer == pytest.approx(whole.optimizer / 4)
+    assert sharded.activations == whole.activations
+    assert any("sharded over 4 GPUs" in note for note in sharded.notes)
+
+
 def test_plan_of_the_tiny_flux(tiny_flux_dir: Path, photos_dir: Path) -> None:
     def plan(**options: object) -> MemoryPlan:
         precision = options.pop("precision", None)
@@ -68,7 +112,7 @@ def test_suggestions_try_partial_checkpointing_first(tiny_flux_dir: Path, monkey
     from lightning_lora.families.flux import Flux
     from lightning_lora.recipe import ModelRecipe
 
-    def fake_plan(recipe: ModelRecipe, datamodule: object, optimizer: str) -> SimpleNamespace:
+    def fake_plan(recipe: ModelRecipe, datamodule: object, optimizer: str, shards: int = 1) -> SimpleNamespace:
         if not recipe.gradient_checkpointing:
             peak = 30.0
         else:

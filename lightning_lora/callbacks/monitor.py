@@ -55,13 +55,15 @@ class VRAMMonitor(Callback):
         self.static_gib = torch.cuda.memory_allocated(pl_module.device) / GIB
         metrics = {"vram/static_GiB": self.static_gib}
         if self.plan and trainer.is_global_zero:
+            from lightning_lora.parallel import shards_of
             from lightning_lora.plan import plan_for
 
             module: Any = pl_module
             try:
                 if self.planned_gib is None:  # the CLI hands over the prediction of its start-up check
                     datamodule = trainer.datamodule  # type: ignore[attr-defined]
-                    self.planned_gib = plan_for(module.recipe, datamodule, module.optimizer_name).peak_gib
+                    plan = plan_for(module.recipe, datamodule, module.optimizer_name, shards=shards_of(trainer))
+                    self.planned_gib = plan.peak_gib
                 metrics["vram/planned_peak_GiB"] = self.planned_gib
             except (NotImplementedError, ValueError, OSError) as e:
                 rank_zero_info(f"VRAMMonitor: no planner prediction ({e})")

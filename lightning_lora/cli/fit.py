@@ -53,7 +53,7 @@ from lightning_lora.cli.console import Console
 from lightning_lora.data.datamodule import LatentDataModule
 from lightning_lora.errors import ConfigError
 from lightning_lora.module import LoraModule, primitive_hparams
-from lightning_lora.parallel import check_strategy, resolve_strategy
+from lightning_lora.parallel import check_strategy, resolve_strategy, shards_of
 from lightning_lora.precision import BasePrecision, check_trainer_precision, for_trainer_precision, precision_of
 
 __all__ = ["LoraCLI", "main", "run_summary", "write_error"]
@@ -166,7 +166,7 @@ class LoraCLI(LightningCLI):
         check_writable(self._checkpoint_dir(), "ModelCheckpoint dirpath")
         check_strategy(self.trainer.strategy, self.model.recipe)
         if torch.cuda.is_available() and self.trainer.strategy.root_device.type == "cuda":
-            planned = warn_if_too_big(self.model, self.datamodule, self.trainer.strategy.root_device)
+            planned = warn_if_too_big(self.model, self.datamodule, self.trainer)
             for cb in self.trainer.callbacks:  # type: ignore[attr-defined]
                 if isinstance(cb, VRAMMonitor) and planned is not None:
                     cb.planned_gib = planned  # logged beside the measured peak, without planning twice
@@ -218,7 +218,8 @@ class LoraCLI(LightningCLI):
                 rank_zero_info(f"model.memory: {model.memory}: {device} has no memory of its own; options as written.")
                 return
             where = f"{budget:.1f} GiB free on {device}" if model.memory == "auto" else f"{budget:g} GiB"
-            fit = choose_for_memory(model.recipe, datamodule, budget, model.optimizer_name)
+            shards = shards_of(self.trainer)
+            fit = choose_for_memory(model.recipe, datamodule, budget, model.optimizer_name, shards)
             if fit is None:
                 raise ConfigError(
                     f"model.memory: {model.memory}: no setting that keeps this training fits in {where}. Run "
@@ -391,13 +392,14 @@ def write_error(e: OSError) -> str | None:
     )
 
 
-def warn_if_too_big(model: LoraModule, datamodule: LatentDataModule, device: torch.device) -> float | None:
+def warn_if_too_big(model: LoraModule, datamodule: LatentDataModule, trainer: Trainer) -> float | None:
     """Run the memory planner at start and warn before an out-of-memory crash (never blocks the run). Returns the
-    predicted training peak in GiB (None when the planner cannot run)."""
+    predicted training peak in GiB on each GPU (None when the planner cannot run)."""
     from lightning_lora.plan import plan_for
 
+    device = trainer.strategy.root_device
     try:
-        plan = plan_for(model.recipe, datamodule, model.optimizer_name)
+        plan = plan_for(model.recipe, datamodule, model.optimizer_name, shards=shards_of(trainer))
     except (ConfigError, NotImplementedError, OSError) as e:
         rank_zero_info(f"memory planner skipped: {e}")
         return None

@@ -17,6 +17,7 @@ from typing import Any
 from lightning_lora.cli.fit import LoraCLI, resolve_precision
 from lightning_lora.data.datamodule import DataOptions
 from lightning_lora.errors import ConfigError
+from lightning_lora.parallel import shard_count
 from lightning_lora.precision import BasePrecision
 
 __all__ = ["PlanCLI", "main"]
@@ -37,6 +38,7 @@ class PlanCLI(LoraCLI):
         self.datamodule = self._get(self.config_init, "data")
         self.model = self._get(self.config_init, "model")
         trainer = self._get(self.config_init, "trainer", default={})
+        self.trainer_config = trainer  # the strategy and devices: how many GPUs a sharded base is split over
         plugins = trainer.get("plugins") or []
         plugins, _ = resolve_precision(trainer.get("precision"), plugins if isinstance(plugins, list) else [plugins])
         self.model.use_precision(next(p for p in plugins if isinstance(p, BasePrecision)))  # the base format to plan
@@ -57,11 +59,13 @@ def main(argv: list[str]) -> int:
         vram = card_memory(args.gpu) if args.gpu else args.vram
         cli: Any = PlanCLI(args=rest, run=False)
         recipe, optimizer = cli.model.recipe, cli.model.optimizer_name
-        plan = plan_for(recipe, cli.datamodule, optimizer)
+        trainer = cli.trainer_config
+        shards = shard_count(trainer.get("strategy"), trainer.get("devices", "auto"), trainer.get("num_nodes", 1))
+        plan = plan_for(recipe, cli.datamodule, optimizer, shards=shards)
         print("Predicted GPU memory (lightning-lora plan):")
         print(plan.report(vram))
         if vram is not None and plan.peak_gib > vram * 0.95:
-            options = fitting_changes(recipe, cli.datamodule, vram, optimizer)
+            options = fitting_changes(recipe, cli.datamodule, vram, optimizer, shards)
             if options:
                 print("  these changes would fit:")
                 print("\n".join(f"    {o}" for o in options))
@@ -69,7 +73,7 @@ def main(argv: list[str]) -> int:
                 print("  lower data.resolution or data.batch_size, or use a GPU with more memory")
         if args.cards:
             print("The fastest way to run on each card size (5% kept free):")
-            for gib, fit in cards_table(recipe, cli.datamodule, optimizer):
+            for gib, fit in cards_table(recipe, cli.datamodule, optimizer, shards=shards):
                 names = ", ".join(cards_of(gib)[:3])
                 what = fit.line() if fit else "nothing fits: lower data.resolution or data.batch_size"
                 print(f"  {gib:>4} GiB  {names:<30} {what}")

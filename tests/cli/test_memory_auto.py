@@ -41,7 +41,7 @@ def _fake_device(monkeypatch: pytest.MonkeyPatch, free_gib: float) -> None:
     monkeypatch.setattr(
         plan,
         "plan_for",
-        lambda recipe, data, optimizer="AdamW": SimpleNamespace(
+        lambda recipe, data, optimizer="AdamW", shards=1: SimpleNamespace(
             peak_gib=18.0 if recipe.gradient_checkpointing else 30.0
         ),
     )

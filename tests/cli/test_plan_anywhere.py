@@ -117,7 +117,7 @@ def test_the_cards_table_gives_the_fastest_fit_per_size(tiny_flux_dir: Path, mon
     nothing that keeps the training the same fits."""
     from lightning_lora import plan
 
-    def fake_plan(recipe: ModelRecipe, datamodule, optimizer: str = "AdamW") -> SimpleNamespace:
+    def fake_plan(recipe: ModelRecipe, datamodule, optimizer: str = "AdamW", shards: int = 1) -> SimpleNamespace:
         peak = 40.0 if datamodule.batch_size == 2 else 28.0
         if recipe.gradient_checkpointing:
             peak -= 10.0

@@ -26,3 +26,22 @@ def test_plan_verb(tmp_path: Path, photos_dir: Path, capsys, request: pytest.Fix
     out = capsys.readouterr().out
     assert "training peak" in out and "does NOT fit in 0.01 GiB" in out
     assert not (tmp_path / "run").exists()  # planning writes nothing
+
+
+def test_plan_verb_plans_each_gpu_of_a_sharded_base(
+    tmp_path: Path, photos_dir: Path, tiny_flux_dir: Path, capsys
+) -> None:
+    """``trainer.strategy: fsdp`` over ``trainer.devices: 2`` is planned per GPU, sharded (the numbers are
+    tests/test_plan.py's); DDP over 2 GPUs is not (each GPU holds the whole base)."""
+
+    def report(**options: object) -> str:
+        config = write_config(tmp_path, tiny_flux_dir, photos_dir, **{"data.resolution": 64, **options})
+        with pytest.raises(SystemExit) as exit_info:
+            main(["plan", "--config", str(config)])
+        assert exit_info.value.code == 0
+        return capsys.readouterr().out
+
+    assert "sharded over" not in report(**{"trainer.devices": 2})
+    assert "sharded over 2 GPUs (trainer.strategy: fsdp)" in report(
+        **{"trainer.strategy": "fsdp", "trainer.devices": 2}
+    )
