@@ -355,9 +355,10 @@ def plan_training(
             f"offload_activations: {moved / GIB:.2f} GiB of checkpointed blocks' inputs wait in pinned CPU memory"
         )
     sh, sw = sample_size or (height, width)
-    plan.sampling_peak = (
-        resident / GIB + plan.lora + family.sampling_bytes(model, sh, sw, text_len) / GIB + plan.overhead
-    )
+    # Samples drawn during training: the optimizer's state stays on the GPU beside the model (the LoRA's gradients are
+    # freed after each optimizer step).
+    sampling = family.sampling_bytes(model, sh, sw, text_len) / GIB
+    plan.sampling_peak = resident / GIB + plan.lora + plan.optimizer + sampling + plan.overhead
     return plan
 
 

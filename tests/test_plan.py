@@ -87,10 +87,11 @@ def test_the_planned_shard_is_what_fsdp2_keeps_on_each_rank(tiny_flux_dir: Path)
 def test_plan_of_the_tiny_flux(tiny_flux_dir: Path, photos_dir: Path) -> None:
     def plan(**options: object) -> MemoryPlan:
         precision = options.pop("precision", None)
+        optimizer = str(options.pop("optimizer", "AdamW"))
         module = LoraModule(str(tiny_flux_dir), **options)  # type: ignore[arg-type]
         if precision is not None:
             module.use_precision(precision)  # type: ignore[arg-type]
-        return plan_training(module.recipe, 256, 256, 2, 32)
+        return plan_training(module.recipe, 256, 256, 2, 32, optimizer=optimizer)
 
     full, checkpointed = plan(), plan(gradient_checkpointing=True)
     assert checkpointed.activations < full.activations
@@ -100,6 +101,10 @@ def test_plan_of_the_tiny_flux(tiny_flux_dir: Path, photos_dir: Path) -> None:
     assert plan(compile_blocks=True, gradient_checkpointing=True).activations == checkpointed.activations
     assert full.lora > 0 and full.optimizer == pytest.approx(2 * full.lora)  # AdamW: two fp32 moments per weight
     assert full.peak_gib == pytest.approx(full.static + full.activations + full.transient + full.overhead)
+    # Samples drawn mid-run: the optimizer state stays beside the model (8-bit AdamW: less of it).
+    eight_bit = plan(optimizer="AdamW8bit")
+    assert 0 < eight_bit.optimizer < full.optimizer
+    assert full.sampling_peak - eight_bit.sampling_peak == pytest.approx(full.optimizer - eight_bit.optimizer)
 
 
 def test_suggestions_try_partial_checkpointing_first(tiny_flux_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:

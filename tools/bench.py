@@ -34,6 +34,22 @@ size from the first training step (:class:`MemoryLimit`: the random-weight build
 does not fit its card ends as an out-of-memory error row:
 
     python tools/bench.py --config configs/flux_4090.yaml --memory-limit 24 --steps 6 --warm 3
+
+A ``--config`` run also writes what the config's callbacks write during a run (``--callbacks 1``, the default with
+``--config``; :class:`Outputs`), once, after the timed steps and under the same memory limit: the config's
+``SampleImages`` (its prompts, size and steps; ``--sample-steps`` / ``--sample-size`` replace them, and ``--tiny``
+draws 2 steps at the training size), one checkpoint save (``trainer.save_checkpoint``, as its ``ModelCheckpoint``
+calls it, through ``fit``'s atomic writer) and its ``LoraExport``, each built from the YAML with the callbacks' own
+code. The prompts' embeddings are random, of the text cache's shapes; the VAE has random weights of the family's real
+config (:data:`VAES`) and the pipeline the released scheduler (:func:`write_sampling_files`). Each reports its seconds
+and, on a GPU, its peak allocated memory (``sample_s`` / ``sample_peak_GiB`` beside ``planned["sampling_peak"]``,
+planned at the samples' size; ``checkpoint_s`` / ``checkpoint_peak_GiB``, with ``checkpoint_MB`` and
+``checkpoint_tensors`` read back as ``--ckpt_path`` reads it; ``export_s`` / ``export_peak_GiB``); ``wall_s`` includes
+them. An error there (out of memory) is the line's ``error``, naming the phase (``error_phase``), beside the training
+numbers. Everything goes to a temporary folder that is deleted afterwards, never to the config's paths; the config's
+other callbacks (``FixedEvalLoss``) stay in ``not_reproduced``:
+
+    python tools/bench.py --config configs/sdxl_24gb.yaml --memory-limit 24 --steps 6 --warm 3 --sample-steps 4
 """
 
 from __future__ import annotations
@@ -41,9 +57,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -52,15 +71,19 @@ from typing import Any
 import torch
 import yaml
 from lightning.pytorch import Callback, LightningDataModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import Logger
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_lora import objectives
+from lightning_lora.callbacks import LoraExport, RNGState, RunFolder, SampleImages
+from lightning_lora.checkpoint import AtomicCheckpointIO
 from lightning_lora.families import SD15, SDXL, DiffusionFamily, Flux, Flux2, QwenImage, ZImage
 from lightning_lora.families.base import ModelSource, build_from_config
 from lightning_lora.families.unet import NoiseSchedule, UNetFamily
 from lightning_lora.lora import LoraOptions, set_lora_input_casts
 from lightning_lora.module import LoraModule
-from lightning_lora.parallel import resolve_strategy
+from lightning_lora.parallel import resolve_strategy, shard_count
 from lightning_lora.precision import PRECISIONS, BasePrecision
 from lightning_lora.sharding import local_parameter_bytes
 
@@ -131,6 +154,62 @@ CONFIGS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 }
 """The denoiser configs by family: the real one (the family's ``known_denoisers``) and a tiny one for CPU runs."""
 
+FLUX_VAE = {  # black-forest-labs/FLUX.1-dev's vae/config.json (Z-Image uses the same VAE)
+    "_class_name": "AutoencoderKL",
+    "in_channels": 3,
+    "out_channels": 3,
+    "down_block_types": ["DownEncoderBlock2D"] * 4,
+    "up_block_types": ["UpDecoderBlock2D"] * 4,
+    "block_out_channels": [128, 256, 512, 512],
+    "layers_per_block": 2,
+    "act_fn": "silu",
+    "latent_channels": 16,
+    "norm_num_groups": 32,
+    "sample_size": 1024,
+    "scaling_factor": 0.3611,
+    "shift_factor": 0.1159,
+    "force_upcast": True,
+    "use_quant_conv": False,
+    "use_post_quant_conv": False,
+    "mid_block_add_attention": True,
+}
+SDXL_VAE = dict(FLUX_VAE, latent_channels=4, scaling_factor=0.13025, shift_factor=None)  # SDXL base 1.0's
+SDXL_VAE.update(use_quant_conv=True, use_post_quant_conv=True)
+SD15_VAE = dict(SDXL_VAE, sample_size=512, scaling_factor=0.18215)
+QWEN_IMAGE_VAE = {  # Qwen/Qwen-Image's vae/config.json (the class's defaults, its 16 latents_mean / latents_std too)
+    "_class_name": "AutoencoderKLQwenImage",
+    "base_dim": 96,
+    "z_dim": 16,
+    "dim_mult": [1, 2, 4, 4],
+    "num_res_blocks": 2,
+    "attn_scales": [],
+    "temperal_downsample": [False, True, True],
+}
+FLUX2_VAE = {  # FLUX.2's vae/config.json (klein and dev: the class's defaults): 32 channels, patchified 2x2
+    "_class_name": "AutoencoderKLFlux2",
+    "block_out_channels": [128, 256, 512, 512],
+    "layers_per_block": 2,
+    "latent_channels": 32,
+    "norm_num_groups": 32,
+    "sample_size": 1024,
+    "patch_size": [2, 2],
+}
+SMALL = {"block_out_channels": [8, 8, 8, 8], "layers_per_block": 1, "norm_num_groups": 4, "sample_size": 64}
+VAES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "flux": (FLUX_VAE, dict(FLUX_VAE, **SMALL)),
+    "sdxl": (SDXL_VAE, dict(SDXL_VAE, **SMALL)),
+    "sd15": (SD15_VAE, dict(SD15_VAE, **SMALL)),
+    "zimage": (FLUX_VAE, dict(FLUX_VAE, **SMALL)),
+    "qwenimage": (  # the tiny transformer's 4 latent channels (lightning_lora.tiny_qwenimage's VAE)
+        QWEN_IMAGE_VAE,
+        dict(QWEN_IMAGE_VAE, base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1)
+        | {"latents_mean": [-0.7571, -0.7089, -0.9113, 0.1075], "latents_std": [2.8184, 1.4541, 2.3275, 2.6558]},
+    ),
+    "flux2": (FLUX2_VAE, dict(FLUX2_VAE, **SMALL, latent_channels=16)),  # the tiny transformer's 64 = 16 x 2 x 2
+}
+"""The VAE configs by family (real, tiny), for sample generation: the tiny ones have the tiny denoisers' latent
+channels. Only the decoder runs while sampling."""
+
 
 class RandomWeights:
     """Mixed in before a family class: the family's denoiser is ``config`` built with random weights straight on
@@ -139,6 +218,9 @@ class RandomWeights:
 
     config: dict[str, Any]
     device: str
+    vae_config: dict[str, Any] | None = None
+    sampling_folder: str | None = None
+    """A local model folder: what the family's ``pipeline`` reads besides weights (:func:`write_sampling_files`)."""
 
     def check_source(self, source: ModelSource) -> None:  # nothing to check: no files
         pass
@@ -156,6 +238,24 @@ class RandomWeights:
             prediction = self.prediction_type or "epsilon"
             model.noise_schedule = NoiseSchedule(objectives.alphas_cumprod(betas), prediction)
         return model.requires_grad_(False).eval()
+
+    def load_vae(self, source: ModelSource) -> torch.nn.Module:
+        """:attr:`vae_config` with random weights, drawn on ``device`` and left on the CPU, where ``from_pretrained``
+        leaves a real one (:class:`~lightning_lora.callbacks.SampleImages` moves it to the GPU for each draw)."""
+        import diffusers
+
+        if self.vae_config is None:
+            raise ValueError(f"no VAE config for the random {type(self).__name__}")
+        cls = getattr(diffusers, self.vae_config["_class_name"])
+        vae: Any = build_from_config(cls, dict(self.vae_config), source.dtype, self.device)
+        return vae.to("cpu").requires_grad_(False).eval()
+
+    def pipeline(self, denoiser: Any, vae: Any, source: ModelSource) -> Any:
+        """The family's own pipeline, its scheduler (and ``model_index.json``) read from :attr:`sampling_folder`
+        instead of ``source`` (no hub)."""
+        if self.sampling_folder is None:
+            raise ValueError(f"no sampling files for the random {type(self).__name__}")
+        return super().pipeline(denoiser, vae, ModelSource(self.sampling_folder, dtype=source.dtype))  # type: ignore[misc]
 
 
 # Module-level classes, so that Lightning can pickle the family into the module's hyperparameters.
@@ -217,9 +317,31 @@ def cached_item(
     family: str, config: dict[str, Any], height: int, width: int, tlen: int, padded: int, g: torch.Generator
 ) -> dict[str, torch.Tensor]:
     """One training sample as the latent cache serves it: the latent file (``latents [C, H/8, W/8]`` float32 as the
-    family's ``encode_images`` returns them, and the size conditioning) and the text file (the family's
-    ``encode_prompts`` outputs, bf16; Z-Image and Qwen-Image: ``tlen`` caption tokens padded with zeros to ``padded``,
-    with their mask)."""
+    family's ``encode_images`` returns them, and the size conditioning) and the text file (:func:`cached_text`)."""
+    if family == "flux":  # 2x2 patches of 16 channels packed into in_channels
+        channels, scale = config["in_channels"] // 4, 8
+    elif family == "qwenimage":  # 2x2 patches of out_channels packed into in_channels
+        channels, scale = config["out_channels"], 8
+    elif family == "flux2":  # patchified, batch-normalised latents at H/16
+        channels, scale = config["in_channels"], 16
+    elif family in ("sdxl", "sd15", "zimage"):  # in_channels latent channels (Z-Image: patched inside)
+        channels, scale = config["in_channels"], 8
+    else:
+        raise ValueError(f"no cached batch layout for the {family!r} family")
+    latents = torch.randn(channels, height // scale, width // scale, generator=g)
+    size = torch.tensor([height, width])
+    return {
+        "latents": latents,
+        **cached_text(family, config, tlen, padded, g),
+        "original_size": size,
+        "crop_top_left": torch.zeros(2, dtype=torch.int64),
+        "target_size": size,
+    }
+
+
+def cached_text(family: str, config: dict[str, Any], tlen: int, padded: int, g: torch.Generator) -> dict[str, Any]:
+    """One prompt's text file as the text cache stores it: the family's ``encode_prompts`` outputs, bf16; Z-Image and
+    Qwen-Image: ``tlen`` caption tokens padded with zeros to ``padded``, with their mask."""
 
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=g)
@@ -228,37 +350,22 @@ def cached_item(
         return torch.cat([randn(tlen, dim), torch.zeros(padded - tlen, dim)]).bfloat16()
 
     mask = torch.arange(padded) < tlen
-    if family == "flux":  # 2x2 patches of 16 channels packed into in_channels; T5 padded to tlen, CLIP pooled
-        latents = randn(config["in_channels"] // 4, height // 8, width // 8)
+    if family == "flux":  # T5 padded to tlen, CLIP pooled
         embeds = randn(tlen, config["joint_attention_dim"]).bfloat16()
-        text = {"prompt_embeds": embeds, "pooled_prompt_embeds": randn(config["pooled_projection_dim"]).bfloat16()}
-    elif family == "sdxl":  # CLIP-L + OpenCLIP-G: 77 tokens; the pooled vector is what the time ids leave
-        latents = randn(config["in_channels"], height // 8, width // 8)
+        return {"prompt_embeds": embeds, "pooled_prompt_embeds": randn(config["pooled_projection_dim"]).bfloat16()}
+    if family == "sdxl":  # CLIP-L + OpenCLIP-G: 77 tokens; the pooled vector is what the time ids leave
         embeds = randn(77, config["cross_attention_dim"]).bfloat16()
         pooled = config["projection_class_embeddings_input_dim"] - 6 * config["addition_time_embed_dim"]
-        text = {"prompt_embeds": embeds, "pooled_prompt_embeds": randn(pooled).bfloat16()}
-    elif family == "sd15":  # CLIP-L: 77 tokens, no pooled vector, no size conditioning (the keys are ignored)
-        latents = randn(config["in_channels"], height // 8, width // 8)
-        text = {"prompt_embeds": randn(77, config["cross_attention_dim"]).bfloat16()}
-    elif family == "zimage":  # in_channels latent channels (patched inside); Qwen3 features with a bool mask
-        latents = randn(config["in_channels"], height // 8, width // 8)
-        text = {"prompt_embeds": caption(config["cap_feat_dim"]), "prompt_mask": mask}
-    elif family == "qwenimage":  # 2x2 patches of out_channels packed into in_channels; Qwen2.5-VL, an int64 mask
-        latents = randn(config["out_channels"], height // 8, width // 8)
-        text = {"prompt_embeds": caption(config["joint_attention_dim"]), "prompt_embeds_mask": mask.long()}
-    elif family == "flux2":  # patchified, batch-normalised latents at H/16; three LLM layers side by side, no mask
-        latents = randn(config["in_channels"], height // 16, width // 16)
-        text = {"prompt_embeds": randn(tlen, config["joint_attention_dim"]).bfloat16()}
-    else:
-        raise ValueError(f"no cached batch layout for the {family!r} family")
-    size = torch.tensor([height, width])
-    return {
-        "latents": latents,
-        **text,
-        "original_size": size,
-        "crop_top_left": torch.zeros(2, dtype=torch.int64),
-        "target_size": size,
-    }
+        return {"prompt_embeds": embeds, "pooled_prompt_embeds": randn(pooled).bfloat16()}
+    if family == "sd15":  # CLIP-L: 77 tokens, no pooled vector, no size conditioning (the keys are ignored)
+        return {"prompt_embeds": randn(77, config["cross_attention_dim"]).bfloat16()}
+    if family == "zimage":  # Qwen3 features with a bool mask
+        return {"prompt_embeds": caption(config["cap_feat_dim"]), "prompt_mask": mask}
+    if family == "qwenimage":  # Qwen2.5-VL, an int64 mask
+        return {"prompt_embeds": caption(config["joint_attention_dim"]), "prompt_embeds_mask": mask.long()}
+    if family == "flux2":  # three LLM layers side by side, no mask
+        return {"prompt_embeds": randn(tlen, config["joint_attention_dim"]).bfloat16()}
+    raise ValueError(f"no cached text layout for the {family!r} family")
 
 
 class Synthetic(Dataset):
@@ -279,6 +386,13 @@ class Synthetic(Dataset):
         self.family = family_obj
         self.items = [cached_item(family, config, height, width, tlen, padded, g) for _ in range(4)]
         self.n = n
+        self._text = (family, config, tlen, padded)
+
+    def text_embeddings(self, prompts: list[str], device: Any = None) -> list[dict[str, torch.Tensor]]:
+        """What the text cache's ``text_embeddings`` returns for ``prompts`` (random embeddings of the cached shapes,
+        a batch of 1 each, on the CPU): the sample prompts of :class:`~lightning_lora.callbacks.SampleImages`."""
+        g = torch.Generator().manual_seed(1)
+        return [{k: v.unsqueeze(0) for k, v in cached_text(*self._text, g).items()} for _ in prompts]
 
     def __len__(self) -> int:
         return self.n
@@ -294,12 +408,19 @@ class Synthetic(Dataset):
 
 
 class SyntheticData(LightningDataModule):
-    def __init__(self, dataset: Dataset, batch_size: int) -> None:
+    """The synthetic batches as the data module of ``fit`` serves them, with what the callbacks ask of it: the
+    ``resolution`` (samples without a size of their own are drawn at it) and ``cache()`` (the prompts' embeddings:
+    :meth:`Synthetic.text_embeddings`)."""
+
+    def __init__(self, dataset: Synthetic, batch_size: int, resolution: int = 512) -> None:
         super().__init__()
-        self.dataset, self.batch_size = dataset, batch_size
+        self.dataset, self.batch_size, self.resolution = dataset, batch_size, resolution
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(self.dataset, batch_size=self.batch_size, shuffle=False, pin_memory=torch.cuda.is_available())
+
+    def cache(self) -> Synthetic:
+        return self.dataset
 
 
 def process_age() -> float | None:
@@ -533,6 +654,232 @@ class MemoryLimit(Callback):
             self.out["memory_fraction"] = round(fraction, 4)
 
 
+SCHEDULERS = {  # family -> the scheduler class and its config, as lightning_lora's tiny pipelines copy the real one
+    "flux": ("FlowMatchEulerDiscreteScheduler", "lightning_lora.tiny", "FLUX_DEV_SCHEDULER_CONFIG"),
+    "sdxl": ("EulerDiscreteScheduler", "lightning_lora.tiny", "SDXL_SCHEDULER_CONFIG"),
+    "sd15": ("PNDMScheduler", "lightning_lora.tiny", "SD15_SCHEDULER_CONFIG"),
+    "zimage": ("FlowMatchEulerDiscreteScheduler", "lightning_lora.tiny_zimage", "ZIMAGE_TURBO_SCHEDULER_CONFIG"),
+    "qwenimage": ("FlowMatchEulerDiscreteScheduler", "lightning_lora.tiny_qwenimage", "QWEN_IMAGE_SCHEDULER_CONFIG"),
+    "flux2": ("FlowMatchEulerDiscreteScheduler", "lightning_lora.tiny_flux2", "FLUX2_SCHEDULER_CONFIG"),
+}
+
+
+def write_sampling_files(family: DiffusionFamily, denoiser: str | None, folder: Path) -> str:
+    """A local model folder of what the family's ``pipeline`` reads besides weights, written into ``folder``:
+    ``scheduler/`` (the released model's scheduler config, :data:`SCHEDULERS`) and ``model_index.json`` (SDXL base's
+    ``force_zeros_for_empty_prompt``; FLUX.2 klein's ``is_distilled``, of the ``denoiser`` hub id). Returns its path."""
+    import importlib
+
+    import diffusers
+
+    scheduler, module, name = SCHEDULERS[family.name]
+    config = getattr(importlib.import_module(module), name)
+    getattr(diffusers, scheduler)(**config).save_pretrained(folder / "scheduler")
+    index = {
+        "_class_name": family.pipeline_classes[0],
+        "force_zeros_for_empty_prompt": True,
+        # klein's step-distilled ids (a known hub id: answered without the hub); every other model: not distilled
+        "is_distilled": isinstance(family, Flux2) and bool(denoiser) and family.is_distilled(ModelSource(denoiser)),
+    }
+    (folder / "model_index.json").write_text(json.dumps(index))
+    return str(folder)
+
+
+REPRODUCED_CALLBACKS = {
+    "lightning.pytorch.callbacks.ModelCheckpoint": ModelCheckpoint,
+    "lightning.pytorch.callbacks.model_checkpoint.ModelCheckpoint": ModelCheckpoint,
+    "lightning_lora.callbacks.SampleImages": SampleImages,
+    "lightning_lora.callbacks.samples.SampleImages": SampleImages,
+    "lightning_lora.callbacks.LoraExport": LoraExport,
+    "lightning_lora.callbacks.lora_export.LoraExport": LoraExport,
+}
+"""``trainer.callbacks`` class paths that ``--callbacks 1`` builds (:func:`output_callbacks`); the others are listed
+in ``not_reproduced``."""
+
+
+def runs_callbacks(a: argparse.Namespace) -> bool:
+    """``--callbacks``: given, or on for a ``--config`` run in Lightning's loop."""
+    if a.callbacks is None:
+        return bool(a.config) and a.loop == "lightning"
+    return bool(a.callbacks)
+
+
+def output_callbacks(
+    a: argparse.Namespace, root: Path
+) -> tuple[SampleImages | None, ModelCheckpoint | None, LoraExport]:
+    """The config's callbacks that write a run's outputs, built from its class paths and ``init_args`` as ``fit``
+    builds them (the first of each kind), with ``fit``'s defaults where the config has none (a ``ModelCheckpoint``
+    unless ``trainer.enable_checkpointing: false``, a ``LoraExport``). Every file goes under ``root``, never the
+    config's paths; ``--sample-steps`` / ``--sample-size`` replace the samples' steps and size (with ``--tiny``, a CPU
+    smoke run, they default to 2 steps at the training size: a tiny model's 30 steps at 1024 px take minutes)."""
+    built: dict[type, Any] = {}
+    for path, init_args in getattr(a, "config_callbacks", []):
+        cls = REPRODUCED_CALLBACKS.get(path)
+        if cls is not None and cls not in built:
+            built[cls] = cls(**init_args)
+    sampler: SampleImages | None = built.get(SampleImages)
+    if sampler is not None:
+        sampler.dirname = "samples"
+        steps, size = a.sample_steps, a.sample_size
+        if a.tiny:
+            steps, size = steps or 2, size or (a.h, a.w)
+        if steps:
+            sampler.steps = steps
+        if size:
+            sampler.height, sampler.width = size
+    checkpoint: ModelCheckpoint | None = built.get(ModelCheckpoint)
+    if checkpoint is None and getattr(a, "config_checkpointing", True):
+        checkpoint = ModelCheckpoint()
+    if checkpoint is not None:
+        checkpoint.dirpath = str(root / "checkpoints")
+    exporter: LoraExport = built.get(LoraExport) or LoraExport()
+    exporter.dirname = "lora"
+    return sampler, checkpoint, exporter
+
+
+class MetricsKept(Logger):
+    """A logger that keeps the last value of each metric logged to it (for the length of one call)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.metrics: dict[str, float] = {}
+
+    @property
+    def name(self) -> str:
+        return "bench"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.metrics.update(metrics)
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+class WarningsKept(logging.Handler):
+    """The messages of the warnings a logger emits (for the length of one call)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+class Outputs(Callback):
+    """What the config's callbacks write during a run (:func:`output_callbacks`), once, after the timed steps
+    (``on_train_end``), with their own code: ``SampleImages.sample`` (every prompt of the config, its size and steps),
+    ``trainer.save_checkpoint`` (what ``ModelCheckpoint`` calls, through ``fit``'s :class:`AtomicCheckpointIO`, with
+    fit's :class:`RNGState` and :class:`RunFolder` state) and ``LoraExport.export``. ``fit`` writes them every N steps
+    and at the end; their set-up runs as in ``fit`` (``setup``: the prompts' embeddings and the VAE, before the model
+    is built; ``on_fit_start``: the export formats tried on the LoRA's shapes).
+
+    Each phase reports its seconds (``sample_s``, ``checkpoint_s``, ``export_s``) and, on a GPU, its peak allocated
+    memory from a reset at its start (``checkpoint_peak_GiB``, ``export_peak_GiB``; ``sample_peak_GiB`` is the
+    callback's own ``vram/sample_peak_GiB``). The checkpoint is read back as ``--ckpt_path`` reads it
+    (``checkpoint_MB``, ``checkpoint_tensors``: the trainable tensors it holds). An error in a phase (out of memory
+    under ``--memory-limit``; ``SampleImages`` catches its own and skips the images) is the line's ``error``, naming the
+    phase (``error_phase``); the other phases still run."""
+
+    def __init__(
+        self,
+        out: dict[str, Any],
+        sampler: SampleImages | None,
+        checkpoint: ModelCheckpoint | None,
+        exporter: LoraExport,
+    ) -> None:
+        self.out, self.sampler, self.checkpoint, self.exporter = out, sampler, checkpoint, exporter
+
+    def setup(self, trainer: Trainer, pl_module: Any, stage: str) -> None:
+        for callback in (self.sampler, self.exporter):
+            if callback is not None:
+                callback.setup(trainer, pl_module, stage)
+
+    def on_fit_start(self, trainer: Trainer, pl_module: Any) -> None:
+        self.exporter.on_fit_start(trainer, pl_module)
+
+    def on_train_end(self, trainer: Trainer, pl_module: Any) -> None:
+        if self.sampler is not None:
+            self._phase("sample", trainer, pl_module, self._sample)
+        if self.checkpoint is not None:
+            self._phase("checkpoint", trainer, pl_module, self._save, self._read_back)
+        self._phase("export", trainer, pl_module, self._export, self._exported)
+
+    def _phase(self, name: str, trainer: Trainer, pl_module: Any, action: Any, after: Any = None) -> None:
+        cuda = pl_module.device.type == "cuda"
+        try:
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            action(trainer, pl_module)
+            if cuda:
+                torch.cuda.synchronize()
+            self.out[f"{name}_s"] = round(time.perf_counter() - t0, 2)
+            if cuda and name != "sample":  # the samples' peak: the callback's own (it resets the peak after drawing)
+                self.out[f"{name}_peak_GiB"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+            if after is not None:
+                after(trainer)
+        except Exception as e:  # noqa: BLE001 - one JSON line per configuration: the error, naming the phase
+            traceback.print_exc()
+            self.out.setdefault("error", f"{name}: {type(e).__name__}: {str(e)[:300]}")
+            self.out.setdefault("error_phase", name)
+            if cuda:
+                torch.cuda.empty_cache()
+
+    def _sample(self, trainer: Trainer, pl_module: Any) -> None:
+        assert self.sampler is not None
+        kept, warnings = MetricsKept(), WarningsKept()
+        loggers, source = trainer.loggers, logging.getLogger(SampleImages.__module__)
+        trainer.loggers = [kept]
+        source.addHandler(warnings)
+        graphs = compiled_graphs()
+        try:
+            self.sampler.sample(trainer, pl_module)
+        finally:
+            trainer.loggers = loggers
+            source.removeHandler(warnings)
+        if "vram/sample_peak_GiB" in kept.metrics:
+            self.out["sample_peak_GiB"] = round(kept.metrics["vram/sample_peak_GiB"], 2)
+        self.out["samples"] = len(self.sampler.written)
+        self.out["sample_graphs_compiled"] = compiled_graphs() - graphs
+        if self.sampler.skipped:  # SampleImages went on without the images, as fit does: the line says why
+            raise torch.OutOfMemoryError(warnings.messages[-1] if warnings.messages else "the samples were skipped")
+
+    def _checkpoint_path(self) -> Path:
+        assert self.checkpoint is not None and self.checkpoint.dirpath is not None
+        last = self.checkpoint.CHECKPOINT_NAME_LAST + self.checkpoint.FILE_EXTENSION
+        return Path(self.checkpoint.dirpath) / last
+
+    def _save(self, trainer: Trainer, pl_module: Any) -> None:
+        assert self.checkpoint is not None
+        trainer.save_checkpoint(self._checkpoint_path(), weights_only=self.checkpoint.save_weights_only)
+
+    def _read_back(self, trainer: Trainer) -> None:
+        from lightning_lora.checkpoint import load_checkpoint, read_checkpoint
+
+        assert self.checkpoint is not None
+        if not trainer.is_global_zero:  # rank 0 writes
+            return
+        path = self._checkpoint_path()
+        checkpoint = load_checkpoint(path) if self.checkpoint.save_weights_only else read_checkpoint(path)
+        self.out["checkpoint_MB"] = round(path.stat().st_size / 2**20, 2)
+        self.out["checkpoint_tensors"] = len(checkpoint["state_dict"])
+
+    def _export(self, trainer: Trainer, pl_module: Any) -> None:
+        self.exporter.export(trainer, pl_module, self.exporter.name)
+
+    def _exported(self, trainer: Trainer) -> None:
+        if trainer.is_global_zero:
+            files = [path for _, path in self.exporter.last_files()]
+            self.out["export_formats"] = list(self.exporter.formats)
+            self.out["export_MB"] = round(sum(path.stat().st_size for path in files) / 2**20, 2)
+
+
 def bench_strategy(name: str, devices: int) -> Any:
     """``--strategy`` as ``fit`` resolves ``trainer.strategy`` (``auto`` / ``ddp``: LoraDDPStrategy; ``fsdp``:
     LoraFSDPStrategy, every device 1/N of the base), or Lightning's own DDP (``lightning-ddp``)."""
@@ -567,6 +914,24 @@ def config_precision(trainer: dict[str, Any]) -> tuple[str, dict[str, Any], list
 
 
 def run(a: argparse.Namespace) -> dict[str, Any]:
+    """One configuration's result line (:func:`measure`); with ``--callbacks 1``, its outputs (samples, checkpoint,
+    LoRA files) go to a temporary folder that is deleted afterwards, also when the run fails."""
+    if not runs_callbacks(a):
+        return measure(a, None)
+    if not a.config:
+        raise ValueError("--callbacks 1 runs the callbacks of a config: give --config")
+    if a.loop != "lightning":
+        raise ValueError("--callbacks 1 runs the config's callbacks in Lightning's loop: give --loop lightning")
+    outputs = Path(tempfile.mkdtemp(prefix="lightning-lora-bench-"))
+    try:
+        return measure(a, outputs)
+    finally:
+        shutil.rmtree(outputs, ignore_errors=True)
+
+
+def measure(a: argparse.Namespace, outputs: Path | None) -> dict[str, Any]:
+    """The timed steps of ``a``'s settings; with an ``outputs`` folder, then the config's outputs (:class:`Outputs`)
+    written there."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     config = CONFIGS[a.family][1 if a.tiny else 0]
     if a.denoiser and not a.tiny:  # another known denoiser of the family (a shipped config's model.pretrained)
@@ -619,6 +984,16 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     )
     module.use_precision(precision)
     dataset = Synthetic(a.family, config, a.h, a.w, a.tlen, family_obj=family)
+    data = SyntheticData(dataset, a.batch, resolution=max(a.h, a.w))
+    sample_size = None
+    if outputs is not None:  # the config's samples, checkpoint and LoRA files (Outputs), under outputs
+        sampler, checkpoint, exporter = output_callbacks(a, outputs)
+        family_any: Any = family
+        family_any.vae_config = VAES[a.family][1 if a.tiny else 0]
+        family_any.sampling_folder = write_sampling_files(family, a.denoiser, outputs / "model")
+        if sampler is not None:
+            sample_size = (sampler.height or data.resolution, sampler.width or data.resolution)
+            out.update(sample_size=list(sample_size), sample_steps=sampler.steps, sample_prompts=len(sampler.prompts))
     if getattr(a, "cpp_wrapper", 0):  # experiment: inductor's C++ wrapper launches kernels without Python
         from torch._inductor import config as inductor_config
 
@@ -642,11 +1017,16 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         callbacks: list[Callback] = [MemoryLimit(a.memory_limit, out), timer]
         if a.profile:
             callbacks.append(Profile(a.warm, a.steps, a.profile))
+        plugins: list[Any] = [precision]
+        if outputs is not None:  # as fit: atomic checkpoint writes, the random state and the save time in each
+            callbacks += [Outputs(out, sampler, checkpoint, exporter), RNGState(), RunFolder()]
+            plugins.append(AtomicCheckpointIO())
         trainer = Trainer(
             accelerator="gpu" if device == "cuda" else "cpu",
             devices=a.devices,
             strategy=bench_strategy(a.strategy, a.devices),
-            plugins=[precision],
+            plugins=plugins,
+            default_root_dir=None if outputs is None else str(outputs),
             max_steps=a.warm + a.steps,
             accumulate_grad_batches=a.accumulate,
             logger=False,
@@ -657,7 +1037,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         )
         out["devices"] = a.devices
         out["strategy"] = type(trainer.strategy).__name__
-        trainer.fit(module, datamodule=SyntheticData(dataset, a.batch))
+        trainer.fit(module, datamodule=data)
         if trainer.global_rank != 0:
             raise SystemExit(0)  # rank 0 prints the result
         out.update(timer.result)
@@ -678,7 +1058,11 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         from lightning_lora.plan import plan_training
 
         names = {"adamw8bit": "AdamW8bit", "adafactor": "Adafactor", "adafactor-hf": "Adafactor", "adamw": "AdamW"}
-        plan = plan_training(module.recipe, a.h, a.w, a.batch, text_length(a.family, a.tlen), optimizer=names[a.opt])
+        text_len, optimizer = text_length(a.family, a.tlen), names[a.opt]
+        shards = shard_count(a.strategy, a.devices)  # --strategy fsdp: each GPU's share of the sharded base
+        plan = plan_training(
+            module.recipe, a.h, a.w, a.batch, text_len, optimizer=optimizer, sample_size=sample_size, shards=shards
+        )
         out["planned_peak_GiB"] = round(plan.peak_gib, 2)
         out["planned"] = {k: round(v, 3) for k, v in vars(plan).items() if isinstance(v, float)}
     return out
@@ -796,11 +1180,30 @@ def config_defaults(path: str | Path) -> dict[str, Any]:
     out["accumulate"] = int(trainer.get("accumulate_grad_batches") or 1)
     if trainer.get("gradient_clip_val"):
         skipped.append(f"trainer.gradient_clip_val: {trainer['gradient_clip_val']}")
-    if trainer.get("callbacks"):
-        names = [_class_name(c, "trainer.callbacks").rsplit(".", 1)[-1] for c in trainer["callbacks"]]
-        skipped.append(f"trainer.callbacks: {', '.join(names)} (not run)")
+    sections = trainer.get("callbacks") or []
+    out["config_callbacks"] = [
+        (_class_name(c, "trainer.callbacks"), dict((c.get("init_args") if isinstance(c, dict) else None) or {}))
+        for c in (sections if isinstance(sections, list) else [sections])
+    ]
+    out["config_checkpointing"] = trainer.get("enable_checkpointing") is not False
     out["not_reproduced"] = skipped
     return out
+
+
+def not_reproduced(a: argparse.Namespace) -> list[str]:
+    """What the config sets that this run does not do (:func:`config_defaults`), and the config's callbacks that it
+    does not run: with ``--callbacks 1`` those :data:`REPRODUCED_CALLBACKS` does not build, else all of them."""
+    notes = list(getattr(a, "not_reproduced", []))
+    paths = [path for path, _ in getattr(a, "config_callbacks", [])]
+    if runs_callbacks(a):
+        names = [path.rsplit(".", 1)[-1] for path in paths if path not in REPRODUCED_CALLBACKS]
+        why = "not run"
+    else:
+        names = [path.rsplit(".", 1)[-1] for path in paths]
+        why = "not run: --callbacks 0" if a.loop == "lightning" else f"not run: --loop {a.loop}"
+    if names:
+        notes.append(f"trainer.callbacks: {', '.join(names)} ({why})")
+    return notes
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -823,12 +1226,23 @@ def header(a: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if a.config:
         out["config"] = Path(a.config).name
-        out["not_reproduced"] = list(getattr(a, "not_reproduced", []))
+        out["not_reproduced"] = not_reproduced(a)
     if a.memory_limit:
         out["memory_limit_GiB"] = a.memory_limit
     if a.denoiser:
         out["denoiser"] = a.denoiser
     return out
+
+
+def sample_size(text: str) -> tuple[int, int]:
+    """``--sample-size``: ``H`` (square) or ``HxW`` in pixels."""
+    try:
+        sides = [int(side) for side in text.lower().split("x")]
+    except ValueError:
+        sides = []
+    if len(sides) not in (1, 2) or min(sides) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give H or HxW in pixels, e.g. 512 or 512x768")
+    return sides[0], sides[-1]
 
 
 def parser() -> argparse.ArgumentParser:
@@ -885,6 +1299,28 @@ def parser() -> argparse.ArgumentParser:
         "over --devices GPUs (LoraFSDPStrategy, as trainer.strategy: fsdp)",
     )
     p.add_argument("--loop", default="lightning", choices=["lightning", "bare"], help="bare: no Trainer (diagnosis)")
+    p.add_argument(
+        "--callbacks",
+        type=int,
+        choices=[0, 1],
+        default=None,
+        help="after the timed steps, the config's sample images, checkpoint and LoRA export, each timed with its peak "
+        "(default: 1 with --config)",
+    )
+    p.add_argument(
+        "--sample-steps",
+        type=int,
+        default=None,
+        help="the samples' denoising steps (default: the config's; --tiny: 2). Qwen-Image needs 2: its scheduler's "
+        "terminal stretch divides by zero at 1, and the images are NaN",
+    )
+    p.add_argument(
+        "--sample-size",
+        type=sample_size,
+        default=None,
+        metavar="H[xW]",
+        help="the samples' size in pixels (default: the config's; --tiny: --h x --w)",
+    )
     p.add_argument("--profile", default="", help="write a torch.profiler summary of the timed steps to this file")
     return p
 

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from bench import FLUX_VAE  # tools/bench.py, beside this file: one home for the FLUX VAE config
 
 from lightning_lora.data.buckets import BucketSpec
 from lightning_lora.data.build import DataSpec, missing_jobs, plan
@@ -41,23 +42,7 @@ from lightning_lora.families.base import ModelSource
 from lightning_lora.families.flux import Flux
 from lightning_lora.precision import DTYPES
 
-FLUX_VAE_CONFIG = {
-    "in_channels": 3,
-    "out_channels": 3,
-    "down_block_types": ["DownEncoderBlock2D"] * 4,
-    "up_block_types": ["UpDecoderBlock2D"] * 4,
-    "block_out_channels": [128, 256, 512, 512],
-    "layers_per_block": 2,
-    "act_fn": "silu",
-    "latent_channels": 16,
-    "norm_num_groups": 32,
-    "sample_size": 1024,
-    "scaling_factor": 0.3611,
-    "shift_factor": 0.1159,
-    "use_quant_conv": False,
-    "use_post_quant_conv": False,
-    "mid_block_add_attention": True,
-}
+FLUX_VAE_CONFIG = {k: v for k, v in FLUX_VAE.items() if k != "_class_name"}
 TINY_VAE_CONFIG = {**FLUX_VAE_CONFIG, "block_out_channels": [32, 32, 64, 64], "layers_per_block": 1}
 
 

@@ -202,7 +202,8 @@ def test_bench_runs_a_shipped_config_on_a_tiny_model(capsys) -> None:
     """flux_4090 as shipped (FP8 compute, rank 16, checkpointing, 8-bit AdamW, accumulation 4) on the tiny FLUX, small
     shapes. ``--compile 0``: regional compile works on the CPU but takes about a minute on 2 cores; the CPU has no FP8
     units, so fp8_compute falls back to FP8 storage with its warning. ``--memory-limit`` is recorded (no effect on the
-    CPU)."""
+    CPU). The config's callbacks run after the timed steps: its two sample prompts (with ``--tiny``: 2 steps at the
+    training size), one checkpoint save, the LoRA files."""
     argv = ["--tiny", "--config", str(REPO / "configs" / "flux_4090.yaml"), "--steps", "1", "--warm", "1"]
     argv += ["--h", "64", "--w", "64", "--tlen", "16", "--compile", "0", "--memory-limit", "24"]
     with pytest.warns(UserWarning, match="FP8Compute needs FP8 matrix units"):
@@ -219,14 +220,108 @@ def test_bench_runs_a_shipped_config_on_a_tiny_model(capsys) -> None:
     )
     assert (out["h"], out["w"], out["tlen"], out["compile"]) == (64, 64, 16, 0)
     assert out["s_per_step"] > 0 and out["loss"] > 0 and out["images_per_s"] > 0
-    assert any(n.startswith("trainer.callbacks") for n in out["not_reproduced"])
+    assert (out["sample_size"], out["sample_steps"], out["samples"]) == ([64, 64], 2, 2)
+    assert out["sample_s"] > 0 and out["checkpoint_s"] > 0 and out["export_s"] > 0 and out["checkpoint_tensors"] > 0
+    assert out["planned"]["sampling_peak"] > 0 and "sample_peak_GiB" not in out  # a peak on the GPU only
+    assert out["not_reproduced"][-1] == "trainer.callbacks: FixedEvalLoss (not run)"
+
+
+def test_bench_runs_a_configs_samples_checkpoint_and_export(capsys, tmp_path, monkeypatch) -> None:
+    """sdxl_24gb's callbacks, on the tiny SDXL: its SampleImages (2 prompts, guidance 7 with the empty prompt as the
+    negative, the SDXL scheduler; 1 step at 64 px here), a checkpoint that reads back as ``--ckpt_path`` reads it,
+    holding exactly the LoRA's tensors and the random state, and both LoRA files. All of it in a temporary folder that
+    is gone afterwards; nothing in the config's own paths (runs/sdxl_24gb)."""
+    import shutil
+
+    from safetensors import safe_open
+
+    from lightning_lora.checkpoint import read_checkpoint
+
+    seen: dict[str, object] = {}
+    remove = shutil.rmtree
+
+    def look_then_remove(path, *args, **kwargs):  # what the run wrote, read before bench deletes it
+        root = bench.Path(path)
+        seen["root"] = root
+        seen["files"] = sorted(str(f.relative_to(root)) for f in root.rglob("*") if f.is_file())
+        seen["checkpoint"] = read_checkpoint(root / "checkpoints" / "last.ckpt")
+        with safe_open(str(root / "lora" / "sdxl-lora.safetensors"), "pt") as f:
+            seen["lora_keys"] = list(f.keys())
+        remove(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", look_then_remove)
+    monkeypatch.chdir(tmp_path)
+    argv = ["--tiny", "--config", str(REPO / "configs" / "sdxl_24gb.yaml"), "--steps", "1", "--warm", "1"]
+    argv += ["--h", "64", "--w", "64", "--compile", "0", "--sample-steps", "1", "--sample-size", "64"]
+    bench.main(argv)
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert "error" not in out, out
+    assert (out["sample_size"], out["sample_steps"], out["sample_prompts"], out["samples"]) == ([64, 64], 1, 2, 2)
+    assert out["export_formats"] == ["diffusers", "kohya"] and out["export_MB"] > 0
+    files = seen["files"]
+    assert [f for f in files if f.startswith("samples/")] == ["samples/step000002_00.png", "samples/step000002_01.png"]
+    assert {"checkpoints/last.ckpt", "lora/sdxl-lora.safetensors", "lora/sdxl-lora.kohya.safetensors"} <= set(files)
+    checkpoint = seen["checkpoint"]
+    state = checkpoint["state_dict"]
+    assert len(state) == out["checkpoint_tensors"] > 0 and all("lora_" in k for k in state)  # the LoRA, no base
+    assert sum(v.numel() for v in state.values()) / 1e6 == pytest.approx(out["lora_params_M"], abs=1e-3)
+    assert checkpoint["global_step"] == 2 and checkpoint["hyper_parameters"]["lora"]["rank"] == 32
+    assert checkpoint["rng_states"] and checkpoint["lightning_lora"]["saved_at_ns"] > 0  # fit's RNGState, RunFolder
+    assert len(seen["lora_keys"]) == len(state)  # down and up of every LoRA layer
+    assert not seen["root"].exists() and list(tmp_path.iterdir()) == []  # deleted; nothing in the config's paths
+    assert not any(n.startswith("trainer.callbacks: ModelCheckpoint") for n in out["not_reproduced"])
+    assert "trainer.callbacks: FixedEvalLoss (not run)" in out["not_reproduced"]
+
+
+@pytest.mark.parametrize("phase", ["sample", "checkpoint"])
+def test_bench_reports_an_out_of_memory_in_the_outputs_naming_the_phase(capsys, monkeypatch, phase: str) -> None:
+    """Out of memory while sampling (SampleImages skips the images and training would go on) or while saving: the
+    line keeps the training numbers and says which phase failed; the other phases still run."""
+    import torch
+    from lightning.pytorch import Trainer
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    if phase == "sample":
+        monkeypatch.setattr(bench.RandomFlux, "generate", out_of_memory)
+    else:
+        monkeypatch.setattr(Trainer, "save_checkpoint", out_of_memory)
+    argv = ["--tiny", "--config", str(REPO / "configs" / "flux_4090.yaml"), "--steps", "1", "--warm", "1"]
+    argv += ["--h", "64", "--w", "64", "--tlen", "16", "--compile", "0", "--quant", "none", "--opt", "adamw"]
+    bench.main([*argv, "--accumulate", "1", "--sample-steps", "1"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["error_phase"] == phase and out["error"].startswith(f"{phase}: OutOfMemoryError: ")
+    assert "Tried to allocate 2.00 GiB" in out["error"]
+    assert out["s_per_step"] > 0 and out["export_s"] > 0  # the training numbers, and the phases after it
+    if phase == "sample":  # no images, no time: the save after it ran
+        assert out["samples"] == 0 and "sample_s" not in out and out["checkpoint_s"] > 0
+    else:
+        assert out["samples"] == 2 and out["sample_s"] > 0 and "checkpoint_s" not in out
+
+
+def test_bench_lists_a_configs_callbacks_it_does_not_run() -> None:
+    path = str(REPO / "configs" / "sdxl_24gb.yaml")
+    every = "trainer.callbacks: ModelCheckpoint, SampleImages, FixedEvalLoss, LoraExport (not run: --callbacks 0)"
+    assert bench.header(bench.parse_args(["--config", path, "--callbacks", "0"]))["not_reproduced"][-1] == every
+    bare = bench.header(bench.parse_args(["--config", path, "--loop", "bare"]))["not_reproduced"][-1]
+    assert bare == every.replace("--callbacks 0", "--loop bare")
+    ran = bench.header(bench.parse_args(["--config", path]))["not_reproduced"][-1]
+    assert ran == "trainer.callbacks: FixedEvalLoss (not run)"
+    assert bench.parse_args(["--config", path, "--sample-size", "512x768"]).sample_size == (512, 768)
+    with pytest.raises(ValueError, match="give --config"):
+        bench.run(bench.parse_args(["--tiny", "--callbacks", "1"]))
 
 
 def test_bench_runs_sd15_on_a_tiny_model() -> None:
-    args = bench.parse_args(["--tiny", "--config", str(REPO / "configs" / "sd15_8gb.yaml"), "--opt", "adamw"])
+    """sd15_8gb, with its samples (the PNDM scheduler, classifier-free guidance) at 1 step of 64 px instead of its
+    30 steps of 512 px (minutes on the CPU)."""
+    path = str(REPO / "configs" / "sd15_8gb.yaml")
+    args = bench.parse_args(["--tiny", "--config", path, "--opt", "adamw", "--sample-steps", "1", "--sample-size=64"])
     args.steps, args.warm, args.h, args.w, args.batch = 1, 1, 64, 64, 1
     out = bench.run(args)
     assert out["family"] == "sd15" and out["tlen"] == 77 and out["alpha"] == 8 and out["s_per_step"] > 0
+    assert "error" not in out and out["samples"] == 2 and out["sample_s"] > 0
 
 
 def test_bench_shards_a_bf16_base_with_fsdp() -> None:
