@@ -344,6 +344,8 @@ class LatentCache:
 
     def text_key(self, text: str) -> str:
         identity = self._identity_of(*self.family.text_encoders)  # the encoders the family's embeddings depend on
+        if self.source.is_local:  # a folder's tokenizers can change under the same name (a hub id + revision pin them)
+            identity += self._identity_of(*self.family.tokenizers)
         if self.text_encoder_quantization != "none":  # other embeddings: other keys (plain ones keep theirs)
             identity += f"|{self.text_encoder_quantization}"
         return _hash(text, identity, self.family.text_cache_tag())

@@ -259,6 +259,13 @@ class DiffusionFamily(ABC):
     """The pipeline components (subfolders) whose weights the prompt embeddings depend on: every one the family's
     :meth:`encode_prompts` runs. The text cache key is made from their identities, so a changed encoder never serves
     stale embeddings; a family that forgets one would."""
+
+    @property
+    def tokenizers(self) -> tuple[str, ...]:
+        """The tokenizer components beside :attr:`text_encoders` (``text_encoder_2`` -> ``tokenizer_2``, diffusers'
+        layout): their files (vocabulary, chat template) shape the embeddings too, so the text cache key covers them."""
+        return tuple(c.replace("text_encoder", "tokenizer", 1) for c in self.text_encoders)
+
     lora_formats: ClassVar[tuple[str, ...]] = ("diffusers",)
     lora_tools: ClassVar[tuple[str, ...]] = ("diffusers", "ComfyUI", "kohya")
     """The tools (:data:`lightning_lora.formats.clients.TOOLS`) that load LoRAs of this family at all. A run warns about

@@ -182,6 +182,16 @@ def test_keys_follow_resolution_model_and_text_options(tmp_path: Path, tiny_flux
     assert (report.latents_encoded, report.texts_encoded) == (2, 3)
     report = _build(_cache(tmp_path / "cache", tiny_flux_dir), data, spec=_spec(background=(0, 0, 0)))
     assert report.latents_encoded == 2 and report.texts_encoded == 0
+    # A folder whose T5 tokenizer changed (another vocabulary or chat template, the same encoder weights): new text
+    # embeddings, the same latents.
+    retokenized = tmp_path / "retokenized"
+    shutil.copytree(tiny_flux_dir, retokenized)
+    report = _build(_cache(tmp_path / "cache", retokenized), data)
+    assert (report.latents_encoded, report.texts_encoded) == (2, 3)  # another folder is another model
+    config = retokenized / "tokenizer_2" / "tokenizer_config.json"
+    config.write_text(config.read_text().replace("{", '{"model_max_length": 77, ', 1))
+    report = _build(_cache(tmp_path / "cache", retokenized), data)
+    assert (report.latents_encoded, report.texts_encoded) == (0, 3)
 
 
 def test_truncated_cache_files_are_detected_and_rebuilt(
@@ -629,21 +639,29 @@ def _encoder_folders(root: Path, *names: str) -> Path:
 
 
 def test_text_keys_are_made_of_the_family_text_encoders(tmp_path: Path) -> None:
-    """FLUX and SDXL keys are what they were (both encoders, in order); SD1.5's come from its one encoder."""
+    """FLUX and SDXL keys are made of both encoders, in order, and (a local folder) their tokenizers; SD1.5's of its
+    one encoder and tokenizer. A hub id's keys are what they were: its id and revision pin the tokenizers too."""
     from lightning_lora.data.cache import _hash
     from lightning_lora.families.sd15 import SD15
     from lightning_lora.families.sdxl import SDXL
 
-    source = ModelSource(str(_encoder_folders(tmp_path / "model", "text_encoder", "text_encoder_2")))
+    folder = _encoder_folders(tmp_path / "model", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")
+    source = ModelSource(str(folder))
     te, te2 = source.identity("text_encoder"), source.identity("text_encoder_2")
+    tok, tok2 = source.identity("tokenizer"), source.identity("tokenizer_2")
     text = "a photo of sks cat"
     for family in (Flux(max_sequence_length=16), SDXL(clip_skip=1)):
         key = LatentCache(tmp_path / "cache", family, source).text_key(text)
-        assert key == _hash(text, te + te2, family.text_cache_tag()), family.name
+        assert key == _hash(text, te + te2 + tok + tok2, family.text_cache_tag()), family.name
         fp8 = LatentCache(tmp_path / "cache", family, source, text_encoder_quantization="fp8").text_key(text)
-        assert fp8 == _hash(text, f"{te + te2}|fp8", family.text_cache_tag())
+        assert fp8 == _hash(text, f"{te + te2 + tok + tok2}|fp8", family.text_cache_tag())
     sd15 = SD15()
-    assert LatentCache(tmp_path / "cache", sd15, source).text_key(text) == _hash(text, te, sd15.text_cache_tag())
+    key = LatentCache(tmp_path / "cache", sd15, source).text_key(text)
+    assert key == _hash(text, te + tok, sd15.text_cache_tag())
+    hub = ModelSource("black-forest-labs/FLUX.1-dev")
+    flux = Flux()
+    identity = hub.identity("text_encoder") + hub.identity("text_encoder_2")
+    assert LatentCache(tmp_path / "cache", flux, hub).text_key(text) == _hash(text, identity, flux.text_cache_tag())
 
 
 def test_a_third_text_encoder_is_part_of_the_text_key(tmp_path: Path) -> None:
