@@ -315,9 +315,10 @@ def test_bench_lists_a_configs_callbacks_it_does_not_run() -> None:
 
 def test_bench_runs_sd15_on_a_tiny_model() -> None:
     """sd15_8gb, with its samples (the PNDM scheduler, classifier-free guidance) at 1 step of 64 px instead of its
-    30 steps of 512 px (minutes on the CPU)."""
+    30 steps of 512 px, eager (compiling its blocks takes minutes on the CPU)."""
     path = str(REPO / "configs" / "sd15_8gb.yaml")
-    args = bench.parse_args(["--tiny", "--config", path, "--opt", "adamw", "--sample-steps", "1", "--sample-size=64"])
+    argv = ["--tiny", "--config", path, "--opt", "adamw", "--sample-steps", "1", "--sample-size=64", "--compile", "0"]
+    args = bench.parse_args(argv)
     args.steps, args.warm, args.h, args.w, args.batch = 1, 1, 64, 64, 1
     out = bench.run(args)
     assert out["family"] == "sd15" and out["tlen"] == 77 and out["alpha"] == 8 and out["s_per_step"] > 0
