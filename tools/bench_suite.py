@@ -20,7 +20,8 @@ A plan file has one JSON object per line (blank lines and lines starting with ``
   ``--kill-after`` seconds later (``timeout -k``); whatever is left of the group is killed when its main process ends.
 - ``gpu`` (optional): ``CUDA_VISIBLE_DEVICES`` for the row (an index or ``"0,1"``); without it the row sees every GPU.
 - ``phase`` (optional, default 1): phases run one after another, in increasing order. Inside a phase the rows of one
-  GPU run one after another in file order, and the rows of different GPUs run at the same time.
+  GPU run one after another in file order, and the rows of different GPUs run at the same time. ``--phase N`` runs
+  only phase N (repeatable): a plan longer than one device command's limit runs as one command per phase.
 - ``note`` (optional): copied to the row's JSON line.
 
 Every row writes its output to files (a killed run's compile workers cannot hold a pipe open) and appends one JSON
@@ -368,6 +369,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--timeout", type=float, default=300, help="seconds a row, where the plan gives none")
     p.add_argument("--kill-after", type=float, default=5.0, help="seconds from SIGTERM to SIGKILL past a timeout")
     p.add_argument("--only", choices=["ours", "ref"], default=None)
+    p.add_argument(
+        "--phase",
+        type=int,
+        action="append",
+        default=None,
+        help="run only this phase of the plan (repeatable): a "
+        "plan longer than one command's time limit runs as one command per phase",
+    )
     p.add_argument("--dry-run", action="store_true", help="print each row's command, run nothing")
     a = p.parse_args(argv)
     if bool(a.plan) == bool(a.cases):
@@ -379,6 +388,11 @@ def main(argv: list[str] | None = None) -> None:
         rows = case_rows(a.cases, ref, a.steps, a.warm, a.timeout)
     if a.only:
         rows = [row for row in rows if row.who == a.only]
+    if a.phase:
+        missing = sorted(set(a.phase) - {row.phase for row in rows})
+        if missing:
+            p.error(f"--phase {missing[0]}: the plan has phases {sorted({row.phase for row in rows})}")
+        rows = [row for row in rows if row.phase in a.phase]
     if a.dry_run:
         outdir = str(Path(a.out).resolve().parent)
         for row in rows:

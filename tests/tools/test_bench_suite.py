@@ -112,6 +112,21 @@ def test_the_dated_plans_parse(capsys: pytest.CaptureFixture[str]) -> None:
     assert {(r.phase, r.gpu) for r in rows} == {(1, 0), (1, 1), (2, 0), (2, 1)}
 
 
+def test_one_phase_of_a_plan_runs_alone(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--phase N``: a plan longer than one command's limit runs as one command per phase (call 28: three)."""
+    plan = str(REPO / "benchmarks/2026-12-01/call28.plan.jsonl")
+    argv = ["--plan", plan, "--ref", ".bench/ref_recipe.py", "--out", "/o/r.jsonl", "--dry-run"]
+    bs.main([*argv, "--phase", "2"])
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    expected = [row.index for row in bs.load_plan(plan) if row.phase == 2]
+    assert [p["row"] for p in printed] == expected and len(expected) == 5
+    bs.main([*argv, "--phase", "1", "--phase", "3"])
+    assert {json.loads(line)["phase"] for line in capsys.readouterr().out.splitlines()} == {1, 3}
+    with pytest.raises(SystemExit):
+        bs.main([*argv, "--phase", "4"])
+    assert "--phase 4: the plan has phases [1, 2, 3]" in capsys.readouterr().err
+
+
 @pytest.mark.subprocess
 def test_rows_of_a_phase_run_side_by_side_on_their_gpus_and_phases_in_order(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
