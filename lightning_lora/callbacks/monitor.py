@@ -113,6 +113,9 @@ class Throughput(Callback):
             self.first_step_s = time.perf_counter() - self._last[0]
             for logger in trainer.loggers:
                 logger.log_metrics({"perf/first_step_s": self.first_step_s}, step=trainer.global_step)
+            compiled = getattr(getattr(pl_module, "recipe", None), "compile_blocks", False)
+            cache = " (mostly compiling the blocks: a next run with these settings loads them from the cache)"
+            rank_zero_info(f"First optimizer step: {self.first_step_s:.1f} s{cache if compiled else ''}")
         if self._last is None or not trainer._logger_connector.should_update_logs:  # noqa: SLF001
             return
         now, step = time.perf_counter(), trainer.global_step

@@ -7,6 +7,7 @@ message that names the option, and never modify the user's files.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from pathlib import Path
@@ -21,14 +22,17 @@ from lightning_lora.cli import main
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 
 
-def test_fit_trains_and_writes_the_run_folder(tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path) -> None:
+def test_fit_trains_and_writes_the_run_folder(
+    tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     before = tree_digest(tiny_flux_dir), tree_digest(photos_dir)
     config = write_config(tmp_path, tiny_flux_dir, photos_dir, **{"trainer.max_steps": 30})
     data = yaml.safe_load(config.read_text())
     export = {"class_path": "lightning_lora.callbacks.LoraExport", "init_args": {"formats": ["diffusers", "kohya"]}}
     data["trainer"]["callbacks"].append(export)
     config.write_text(yaml.safe_dump(data))
-    cli = run_cli(["fit", "--config", str(config)])
+    with caplog.at_level(logging.INFO):
+        cli = run_cli(["fit", "--config", str(config)])
     assert cli.trainer.global_step == 30
     evals = eval_history(cli)
     assert evals[0][0] == 0 and evals[-1][0] == 30
@@ -59,6 +63,8 @@ def test_fit_trains_and_writes_the_run_folder(tmp_path: Path, tiny_flux_dir: Pat
         "perf/first_step_s",
     } <= set(events.Tags()["scalars"])
     assert [e.step for e in events.Scalars("perf/first_step_s")] == [1]  # once, at the first optimizer step
+    first = [r.getMessage() for r in caplog.records if r.getMessage().startswith("First optimizer step")]
+    assert len(first) == 1 and "compiling" not in first[0]  # and on the console; this run compiles nothing
     assert any(tag.startswith("config") for tag in events.Tags()["tensors"])  # the resolved config, as text
     assert any(tag.startswith("samples/") for tag in events.Tags()["images"])
     # The HParams tab: the run's options beside its final fixed evaluation loss, to compare runs in one table.
