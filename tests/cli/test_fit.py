@@ -257,6 +257,7 @@ OUR_LINES = re.compile(
             r"^Training: steps \d+ -> \d+",
             r"^Learning rate: ",
             r"^Compiling: ",
+            r"^First optimizer step: [\d.]+ s",
             r"^Resumed from ",
             r"^  model\.(scheduler|optimizer): ",
             r"^Fixed evaluation loss: ",
