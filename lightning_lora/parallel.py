@@ -169,7 +169,7 @@ def shard_count(strategy: Any, devices: Any = 1, num_nodes: Any = 1) -> int:
     ``devices`` per node times ``num_nodes`` as a trainer or its config gives them, under ``trainer.strategy: fsdp``
     (the name or a :class:`LoraFSDPStrategy`); 1 under any other strategy, where each GPU holds the whole base.
     ``devices`` ``auto`` / ``-1`` count this machine's GPUs (1 without any)."""
-    if not (isinstance(strategy, LoraFSDPStrategy) or (isinstance(strategy, str) and strategy == "fsdp")):
+    if not (isinstance(strategy, LoraFSDPStrategy) or strategy == "fsdp"):
         return 1
     return _device_count(devices) * max(int(num_nodes or 1), 1)
 

@@ -32,6 +32,7 @@ from torch import nn
 
 from lightning_lora.errors import ConfigError
 from lightning_lora.offload import offloaded_blocks, repeated_blocks
+from lightning_lora.parallel import LoraFSDPStrategy, check_strategy
 from lightning_lora.precision import BF16, FP8, NF4, BasePrecision, text_encoder_precision
 from lightning_lora.recipe import ModelRecipe
 
@@ -318,14 +319,15 @@ def plan_training(
     the LoRA, its gradients and optimizer state are sharded with it)."""
     family, source = recipe.family, recipe.source
     model = family.denoiser_skeleton(source)  # meta device: shapes only
-    offloaded = offloaded_blocks(model, recipe.offload_blocks)
     weights = weight_bytes(model, recipe.precision)
-    resident = weights - offloaded_weight_bytes(model, offloaded, recipe.precision)
+    if shards > 1:  # a sharded base is never offloaded (parallel.check_strategy)
+        resident, in_flight = sharded_weight_bytes(model, recipe.precision, shards)
+    else:
+        offloaded = offloaded_blocks(model, recipe.offload_blocks)
+        resident = weights - offloaded_weight_bytes(model, offloaded, recipe.precision)
     counted = _count(recipe, height, width, batch, text_len)
     saved, largest, moved = counted.saved, counted.largest, counted.moved
     lora_params = counted.lora_params / shards  # sharded with the base (each rank's optimizer steps its shard)
-    if shards > 1:
-        resident, in_flight = sharded_weight_bytes(model, recipe.precision, shards)
     if recipe.compile_blocks and not recipe.gradient_checkpointing:
         saved *= COMPILED_SAVED_FRACTION  # checkpointed blocks keep only their inputs, which compiling cannot shrink
     per_block = (saved + moved) / max(counted.blocks, 1)
@@ -517,6 +519,8 @@ class _Planner:
     def __init__(self, recipe: ModelRecipe, datamodule: Any, optimizer: str, shards: int = 1) -> None:
         self.recipe, self.datamodule, self.optimizer, self.shards = recipe, datamodule, optimizer, shards
         self._peaks: dict[str, float | None] = {}
+        # A sharded run takes only what its strategy takes (a bf16 base, not offloaded): the strategy's own check.
+        self._strategy = LoraFSDPStrategy() if shards > 1 else None
 
     def peak(self, flags: str, changes: dict[str, Any], data: dict[str, Any] | None = None) -> float | None:
         """The planned peak with ``changes`` (and data options ``data``), or None when the recipe refuses them."""
@@ -529,8 +533,8 @@ class _Planner:
                 )
             try:
                 changed = self.recipe.replace(**changes)
-                if self.shards > 1 and (not changed.precision.shardable or changed.offload_blocks):
-                    raise ConfigError("a sharded base is a bf16 base, not offloaded")  # as check_strategy refuses
+                if self._strategy is not None:
+                    check_strategy(self._strategy, changed)
                 plan = plan_for(changed, datamodule, self.optimizer, shards=self.shards)
                 self._peaks[flags] = plan.peak_gib
             except ConfigError:  # a change the other settings refuse (e.g. NF4 with model.offload_blocks): not a fix

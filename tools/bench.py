@@ -78,6 +78,7 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_lora import objectives
 from lightning_lora.callbacks import LoraExport, RNGState, RunFolder, SampleImages
 from lightning_lora.checkpoint import AtomicCheckpointIO
+from lightning_lora.cli.fit import default_checkpoint
 from lightning_lora.families import SD15, SDXL, DiffusionFamily, Flux, Flux2, QwenImage, ZImage
 from lightning_lora.families.base import ModelSource, build_from_config
 from lightning_lora.families.unet import NoiseSchedule, UNetFamily
@@ -729,7 +730,7 @@ def output_callbacks(
             sampler.height, sampler.width = size
     checkpoint: ModelCheckpoint | None = built.get(ModelCheckpoint)
     if checkpoint is None and getattr(a, "config_checkpointing", True):
-        checkpoint = ModelCheckpoint()
+        checkpoint = default_checkpoint()
     if checkpoint is not None:
         checkpoint.dirpath = str(root / "checkpoints")
     exporter: LoraExport = built.get(LoraExport) or LoraExport()

@@ -109,17 +109,7 @@ class LoraCLI(LightningCLI):
         callbacks = list(config.get("callbacks") or [])
         checkpoints = [c for c in callbacks if isinstance(c, ModelCheckpoint)]
         if not checkpoints and config.get("enable_checkpointing", True) is not False:
-            checkpoints.append(
-                ModelCheckpoint(
-                    filename="step{step:06d}",
-                    auto_insert_metric_name=False,
-                    every_n_train_steps=DEFAULT_CHECKPOINT_EVERY,
-                    save_last=True,
-                    save_top_k=3,  # the three newest: "best" by step number
-                    monitor="step",
-                    mode="max",
-                )
-            )
+            checkpoints.append(default_checkpoint())
             callbacks.append(checkpoints[-1])
         for cb in checkpoints:
             if cb.dirpath is None:
@@ -389,6 +379,20 @@ def write_error(e: OSError) -> str | None:
     return (
         f"cannot write {where} ({e.strerror or e}); {hints[e.errno]}. Files already written are intact (every write is "
         "atomic): run the same command again to continue (add --ckpt_path last if training had started)."
+    )
+
+
+def default_checkpoint() -> ModelCheckpoint:
+    """The checkpointing of a run whose config has no ``ModelCheckpoint``: every ``DEFAULT_CHECKPOINT_EVERY`` steps,
+    ``last.ckpt`` and the three newest."""
+    return ModelCheckpoint(
+        filename="step{step:06d}",
+        auto_insert_metric_name=False,
+        every_n_train_steps=DEFAULT_CHECKPOINT_EVERY,
+        save_last=True,
+        save_top_k=3,  # the three newest: "best" by step number
+        monitor="step",
+        mode="max",
     )
 
 
