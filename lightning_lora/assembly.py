@@ -166,8 +166,12 @@ def raise_recompile_limit(denoiser: nn.Module, classes: tuple[str, ...]) -> int:
 
     dynamo keeps at most ``recompile_limit`` (8) graphs per function and runs the rest eagerly, with a warning; it
     treats parameter shapes as static, so each distinct layout of a class needs its own graph: SDXL's and SD1.5's
-    ResNets come in 12 (channel counts, with or without a shortcut conv). Each layout may recompile once or twice more
-    for new input shapes (aspect-ratio buckets) before dynamo makes those dimensions dynamic: room for four each.
+    ResNets come in 12 (channel counts, with or without a shortcut conv). Each layout then compiles again for each
+    variant a run meets: new input shapes (aspect-ratio buckets, text lengths: once or twice, before dynamo makes those
+    dimensions dynamic), forwards without gradients (the eval loss, the samples), the first block's inputs that need
+    no gradient, a batch's text mask present or absent, Z-Image's refiners called without a timestep. A Z-Image run
+    with buckets, masked batches and samples meets 21 for its two layouts, Qwen-Image 14 for its one
+    (tests/test_compile_text_lengths.py): room for sixteen each.
     """
     layouts: dict[str, set[tuple[Any, ...]]] = {}
     for module in denoiser.modules():
@@ -175,6 +179,6 @@ def raise_recompile_limit(denoiser: nn.Module, classes: tuple[str, ...]) -> int:
             shapes = tuple((name, tuple(p.shape)) for name, p in module.named_parameters())
             layouts.setdefault(type(module).__name__, set()).add(shapes)
     most = max((len(v) for v in layouts.values()), default=0)
-    limit = max(torch._dynamo.config.recompile_limit, 4 * most)
+    limit = max(torch._dynamo.config.recompile_limit, 16 * most)
     torch._dynamo.config.recompile_limit = limit
     return limit
