@@ -181,13 +181,14 @@ RUN = [
 """A run's worth of variety: (grad mode, caption lengths, latent size) per forward."""
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
 def test_a_runs_variety_of_batches_stays_within_the_recompile_limit(
-    tiny_pipeline: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path, name: str
+    tiny_pipeline: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path
 ) -> None:
     """Buckets, batches with and without the text mask, and forwards without gradients (eval loss, samples) each add
-    block variants (Z-Image 21 graphs, Qwen-Image 14; torch's default limit is 8): every one must fit under the limit
-    compile_blocks sets, or dynamo runs the rest of the run's blocks eagerly."""
+    block variants (Z-Image 21 graphs; Qwen-Image 14, measured the same way, left out for the suite's time; torch's
+    default limit is 8): every one must fit under the limit compile_blocks sets, or dynamo runs the rest of the run's
+    blocks eagerly."""
+    name = "zimage"
     cls, block = FAMILIES[name]
     family = cls(max_sequence_length=MAX_LEN)  # type: ignore[call-arg]
     folder = tiny_pipeline(name)
