@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Generator, Mapping
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -237,6 +238,18 @@ class LoraFSDPStrategy(ModelParallelStrategy):
         from lightning_lora.sharding import shard_base
 
         shard_base(denoiser, self.device_mesh["data_parallel"])
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Lightning's loop enters this for every micro-batch of ``trainer.accumulate_grad_batches`` but the last, as
+        for DDP's ``no_sync``: their LoRA gradients stay unsharded on each rank and the last micro-batch's backward
+        reduce-scatters the sum once (without it, ``ModelParallelStrategy`` reduce-scatters after every micro-batch)."""
+        from lightning_lora.sharding import no_gradient_sync
+
+        assert self.model is not None
+        with no_gradient_sync(self.model):
+            yield
 
     @property
     @override

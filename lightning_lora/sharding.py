@@ -24,7 +24,8 @@ about ``weights / N`` plus one or two gathered blocks in flight.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -33,7 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_lora.offload import repeated_blocks
 
-__all__ = ["full_state", "full_tensor", "local_parameter_bytes", "shard_base", "shard_like"]
+__all__ = ["full_state", "full_tensor", "local_parameter_bytes", "no_gradient_sync", "shard_base", "shard_like"]
 
 
 def shard_base(denoiser: nn.Module, mesh: DeviceMesh) -> list[nn.Module]:
@@ -52,6 +53,23 @@ def shard_base(denoiser: nn.Module, mesh: DeviceMesh) -> list[nn.Module]:
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(denoiser, mesh=mesh, mp_policy=policy)
     return blocks
+
+
+@contextmanager
+def no_gradient_sync(module: nn.Module) -> Iterator[None]:
+    """Backward passes inside keep each unit's gradients unsharded on this rank, summed over the passes, and the first
+    backward after it reduce-scatters the sum once: gradient accumulation without a reduce-scatter per micro-batch (the
+    FSDP2 counterpart of DDP's ``no_sync``). Meanwhile each rank holds the whole LoRA's gradients, not 1/N of them."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    for unit in units:
+        unit.set_requires_gradient_sync(False, recurse=False)
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.set_requires_gradient_sync(True, recurse=False)
 
 
 def local_parameter_bytes(module: nn.Module) -> int:

@@ -31,6 +31,7 @@ def _worker(rank: int, world: int, port: int, model_dir: str, results: str) -> N
     from lightning_lora.families.base import ModelSource
     from lightning_lora.families.flux import Flux
     from lightning_lora.lora import LoraOptions, trainable_parameters
+    from lightning_lora.parallel import LoraFSDPStrategy
     from lightning_lora.recipe import ModelRecipe
     from lightning_lora.sharding import local_parameter_bytes, shard_base
 
@@ -59,6 +60,8 @@ def _worker(rank: int, world: int, port: int, model_dir: str, results: str) -> N
         for batch in inputs:
             (reference(**batch)[0].float().square().mean() / world).backward()
         ref_opt.step()
+        ref_weights = {n: p.detach().clone() for n, p in reference.named_parameters() if p.requires_grad}
+        ref_grads = {n: p.grad.clone() for n, p in reference.named_parameters() if p.grad is not None}
         # The sharded model: this rank's batch only; FSDP2 averages the gradients over the ranks.
         opt = torch.optim.AdamW(trainable_parameters(sharded), lr=1e-2)
         sharded(**inputs[rank])[0].float().square().mean().backward()
@@ -66,6 +69,24 @@ def _worker(rank: int, world: int, port: int, model_dir: str, results: str) -> N
         opt.step()
         weights = {n: p.full_tensor() for n, p in sharded.named_parameters() if p.requires_grad}
         assert all(isinstance(p, DTensor) for p in sharded.parameters())
+
+        # Gradient accumulation over two micro-batches through the strategy's block_backward_sync (Lightning enters
+        # it for every micro-batch but the last): nothing reduced after the first, the sum of both after the second.
+        strategy = LoraFSDPStrategy()
+        strategy.model = sharded
+        opt.zero_grad(set_to_none=True)
+        second = [random_inputs(family, reference, seed=world + r, dtype=torch.bfloat16) for r in range(world)]
+        with strategy.block_backward_sync():
+            sharded(**inputs[rank])[0].float().square().mean().backward()
+        reduced_early = sum(p.grad is not None for p in sharded.parameters())
+        sharded(**second[rank])[0].float().square().mean().backward()
+        accumulated = {n: p.grad.full_tensor() for n, p in sharded.named_parameters() if p.grad is not None}
+        with torch.no_grad():  # the reference at the sharded model's weights (after its step), both micro-batches
+            for (_, ref), (_, p) in zip(reference.named_parameters(), sharded.named_parameters(), strict=True):
+                ref.copy_(p.full_tensor())
+        reference.zero_grad(set_to_none=True)
+        for batch in [*inputs, *second]:
+            (reference(**batch)[0].float().square().mean() / world).backward()
         if rank == 0:
             torch.save(
                 {
@@ -74,9 +95,12 @@ def _worker(rank: int, world: int, port: int, model_dir: str, results: str) -> N
                     "blocks": len(blocks),
                     "dtypes": sorted({str(p.dtype) for p in sharded.parameters()}),
                     "grads": grads,
-                    "ref_grads": {n: p.grad for n, p in reference.named_parameters() if p.grad is not None},
+                    "ref_grads": ref_grads,
                     "weights": weights,
-                    "ref_weights": {n: p.detach() for n, p in reference.named_parameters() if p.requires_grad},
+                    "ref_weights": ref_weights,
+                    "reduced_early": reduced_early,
+                    "accumulated": accumulated,
+                    "ref_accumulated": {n: p.grad for n, p in reference.named_parameters() if p.grad is not None},
                 },
                 results,
             )
@@ -84,7 +108,9 @@ def _worker(rank: int, world: int, port: int, model_dir: str, results: str) -> N
         dist.destroy_process_group()
 
 
-def test_fsdp2_halves_a_bf16_base_and_trains_the_same_lora(tiny_flux_dir: Path, tmp_path: Path) -> None:
+def test_fsdp2_halves_a_bf16_base_and_trains_the_same_lora_accumulating_without_a_reduce_per_micro_batch(
+    tiny_flux_dir: Path, tmp_path: Path
+) -> None:
     results = tmp_path / "rank0.pt"
     mp.start_processes(
         _worker, args=(2, free_port(), str(tiny_flux_dir), str(results)), nprocs=2, start_method="spawn", join=True
@@ -100,3 +126,9 @@ def test_fsdp2_halves_a_bf16_base_and_trains_the_same_lora(tiny_flux_dir: Path, 
         torch.testing.assert_close(out["grads"][name], grad, rtol=1e-6, atol=1e-9)
     for name, weight in out["ref_weights"].items():
         torch.testing.assert_close(out["weights"][name], weight, rtol=1e-6, atol=1e-6)
+    # Accumulation: the first micro-batch's gradients were not reduce-scattered (no rank got its shard yet), and the
+    # second backward reduced the sum of both: the unsharded model's gradient over the 4 batches, averaged per rank.
+    assert out["reduced_early"] == 0
+    assert out["accumulated"].keys() == out["ref_accumulated"].keys() and out["accumulated"]
+    for name, grad in out["ref_accumulated"].items():
+        torch.testing.assert_close(out["accumulated"][name], grad, rtol=1e-5, atol=1e-8)
