@@ -5,6 +5,7 @@ Its accuracy against measured GPU peaks is in BENCHMARKS.md (tools/bench.py prin
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from torch import nn
 
 from lightning_lora.errors import ConfigError
 from lightning_lora.module import LoraModule
-from lightning_lora.plan import MemoryPlan, plan_training, saved_activation_bytes, weight_bytes
+from lightning_lora.plan import GIB, MemoryPlan, plan_training, saved_activation_bytes, weight_bytes
 from lightning_lora.precision import BF16, FP8, NF4
 
 
@@ -152,3 +153,58 @@ def test_suggestions_try_partial_checkpointing_first(tiny_flux_dir: Path, monkey
     assert plan.fitting_changes(partial, None, vram=22.0)[0].startswith("--model.checkpoint_every 1")
     checkpointed = recipe.replace(gradient_checkpointing=True)
     assert plan.fitting_changes(checkpointed, None, vram=20.5)[0].startswith("--model.offload_activations true   ")
+
+
+def test_sdxl_sampling_peak_holds_the_measured_decode_at_1024() -> None:
+    """SDXL at 1024x1024 with CFG: the planned sampling peak holds the VAE's weights and the larger of the two
+    transients measured on the meta device, the VAE decode (at its first full-resolution group norm: the 256-channel
+    bf16 activation, autocast's float32 copy and the float32 output, 2.5 GiB) and the UNet's no-grad forward at batch
+    2; and it is within 10% of the sample peak measured on an H200 (configs/sdxl_24gb.yaml: 8.85 GiB, 2026-12-01)."""
+    import diffusers
+
+    from lightning_lora.families import SDXL, ModelSource
+    from lightning_lora.families.base import build_from_config
+    from lightning_lora.families.sdxl import SDXL_VAE
+    from lightning_lora.live_bytes import peak_bytes
+    from lightning_lora.lora import LoraOptions
+    from lightning_lora.plan import _flash_like_attention
+    from lightning_lora.recipe import ModelRecipe
+
+    source = ModelSource("stabilityai/stable-diffusion-xl-base-1.0", dtype=torch.bfloat16)
+    recipe = ModelRecipe(SDXL(), source, lora=LoraOptions(rank=32, targets="attention"))
+    plan = plan_training(recipe, 256, 256, 1, 77, optimizer="Adafactor", sample_size=(1024, 1024))
+
+    vae: Any = build_from_config(diffusers.AutoencoderKL, SDXL_VAE, torch.bfloat16)
+    latents = torch.empty(1, 4, 128, 128, device="meta", dtype=torch.bfloat16)
+    with _flash_like_attention():
+        decode, op = peak_bytes(lambda: vae.decode(latents, return_dict=False)[0], torch.bfloat16)
+    assert op == "aten.native_group_norm.default"
+    assert decode == pytest.approx(256 * 1024 * 1024 * (2 + 4 + 4), rel=1e-3)
+    unet = recipe.family.denoiser_skeleton(source)
+    inputs = recipe.family.example_inputs(unet, 2, 1024, 1024, 77, device="meta", dtype=torch.bfloat16)
+    with _flash_like_attention():
+        forward, _ = peak_bytes(lambda: unet(**inputs), torch.bfloat16)
+    assert 0 < forward < decode
+
+    vae_weights = sum(p.numel() * 2 for p in vae.parameters())
+    static = plan.weights + plan.lora + plan.optimizer + plan.overhead
+    assert plan.sampling_peak - static >= (vae_weights + max(decode, forward)) / GIB
+    assert plan.sampling_peak == pytest.approx(8.85, rel=0.10)
+
+
+def test_sampling_without_a_vae_architecture_uses_the_family_estimate(tiny_flux_dir: Path) -> None:
+    """A family that declares no VAE architecture plans sampling with its own ``sampling_bytes``."""
+    from lightning_lora.families import Flux, ModelSource
+    from lightning_lora.plan import sampling_bytes, sampling_pieces
+    from lightning_lora.recipe import ModelRecipe
+
+    class NoVae(Flux):
+        vae_architecture = None
+
+    recipe = ModelRecipe(NoVae(), ModelSource(str(tiny_flux_dir)))
+    model = recipe.family.denoiser_skeleton(recipe.source)
+    assert sampling_pieces(recipe, model, 64, 64, 8) is None
+    assert sampling_bytes(recipe, model, 64, 64, 8) == recipe.family.sampling_bytes(model, 64, 64, 8)
+    tiny = ModelRecipe(Flux(), recipe.source)  # the tiny pipeline's own vae/config.json is measured
+    pieces = sampling_pieces(tiny, model, 64, 64, 8)
+    assert pieces is not None and pieces.decode > 0 and pieces.vae_weights < 1e6

@@ -81,6 +81,9 @@ from lightning_lora.checkpoint import AtomicCheckpointIO
 from lightning_lora.cli.fit import default_checkpoint
 from lightning_lora.families import SD15, SDXL, DiffusionFamily, Flux, Flux2, QwenImage, ZImage
 from lightning_lora.families.base import ModelSource, build_from_config
+from lightning_lora.families.flux import FLUX1_VAE
+from lightning_lora.families.sd15 import SD15_VAE
+from lightning_lora.families.sdxl import SDXL_VAE
 from lightning_lora.families.unet import NoiseSchedule, UNetFamily
 from lightning_lora.lora import LoraOptions, set_lora_input_casts
 from lightning_lora.module import LoraModule
@@ -155,28 +158,7 @@ CONFIGS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 }
 """The denoiser configs by family: the real one (the family's ``known_denoisers``) and a tiny one for CPU runs."""
 
-FLUX_VAE = {  # black-forest-labs/FLUX.1-dev's vae/config.json (Z-Image uses the same VAE)
-    "_class_name": "AutoencoderKL",
-    "in_channels": 3,
-    "out_channels": 3,
-    "down_block_types": ["DownEncoderBlock2D"] * 4,
-    "up_block_types": ["UpDecoderBlock2D"] * 4,
-    "block_out_channels": [128, 256, 512, 512],
-    "layers_per_block": 2,
-    "act_fn": "silu",
-    "latent_channels": 16,
-    "norm_num_groups": 32,
-    "sample_size": 1024,
-    "scaling_factor": 0.3611,
-    "shift_factor": 0.1159,
-    "force_upcast": True,
-    "use_quant_conv": False,
-    "use_post_quant_conv": False,
-    "mid_block_add_attention": True,
-}
-SDXL_VAE = dict(FLUX_VAE, latent_channels=4, scaling_factor=0.13025, shift_factor=None)  # SDXL base 1.0's
-SDXL_VAE.update(use_quant_conv=True, use_post_quant_conv=True)
-SD15_VAE = dict(SDXL_VAE, sample_size=512, scaling_factor=0.18215)
+FLUX_VAE = FLUX1_VAE  # FLUX.1's VAE (Z-Image uses the same); it, SDXL_VAE and SD15_VAE are the families' facts
 QWEN_IMAGE_VAE = {  # Qwen/Qwen-Image's vae/config.json (the class's defaults, its 16 latents_mean / latents_std too)
     "_class_name": "AutoencoderKLQwenImage",
     "base_dim": 96,

@@ -26,6 +26,7 @@ twelve-gigabyte load.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
@@ -253,6 +254,13 @@ class DiffusionFamily(ABC):
     memory planner needs no download for them (:meth:`denoiser_config`)."""
     known_text_encoders: ClassVar[dict[str, dict[str, dict[str, Any]]]] = {}
     """The text encoders' configs (:mod:`lightning_lora.families.encoders`) for the same hub ids, by component."""
+    vae_architecture: ClassVar[dict[str, Any] | None] = None
+    """The ``vae/config.json`` of the family's models (the fields that decide shapes: fine-tunes keep the VAE's
+    architecture): the planner measures the sample images' decode from it (:meth:`vae_config_for`); a family without it
+    plans sampling with :meth:`sampling_bytes` alone."""
+    sampling_batch: ClassVar[int] = 1
+    """The denoiser's batch per sample image: 2 where the pipeline runs classifier-free guidance as one batch (the
+    prompt and the negative, SDXL and SD1.5); 1 for guidance-distilled models (FLUX.1-dev)."""
     compiled_regions: ClassVar[tuple[str, ...]] = ()
     """Module classes ``model.compile_blocks`` compiles besides the model's repeated blocks (``_repeated_blocks``)."""
     text_encoders: ClassVar[tuple[str, ...]]
@@ -476,6 +484,21 @@ class DiffusionFamily(ABC):
             return configs
         return self.known_text_encoders.get(source.pretrained)
 
+    def vae_config_for(self, source: ModelSource) -> dict[str, Any] | None:
+        """The VAE's config, with no weights read and no download: a local folder's ``vae/config.json``, else the
+        family's :attr:`vae_architecture`; None for a family that declares no VAE architecture."""
+        if self.vae_architecture is None:
+            return None
+        if source.is_local:
+            with contextlib.suppress(OSError, json.JSONDecodeError):
+                return dict(json.loads((Path(source.local_path) / "vae" / "config.json").read_text()))
+        return dict(self.vae_architecture)
+
+    def sampling_vae_dtype(self, vae_config: dict[str, Any], dtype: torch.dtype) -> torch.dtype:
+        """The dtype the family's pipeline decodes in, for a VAE loaded in ``dtype`` (the load dtype; SDXL's pipeline
+        upcasts a float16 VAE whose config says ``force_upcast``)."""
+        return dtype
+
     def denoiser_skeleton(self, source: ModelSource) -> nn.Module:
         """The denoiser built from its config on the ``meta`` device: real shapes, no memory, no weights."""
         cls = self.denoiser_cls()
@@ -492,7 +515,9 @@ class DiffusionFamily(ABC):
         raise NotImplementedError(f"the memory planner does not support the {self.name} family yet")
 
     def sampling_bytes(self, model: DiffusersModel, height: int, width: int, text_len: int) -> float:
-        """Activation bytes of one inference forward pass (plus the VAE decode) at this size."""
+        """Activation bytes of one inference forward pass (plus the VAE decode) at this size: a hand estimate, used
+        by the planner only for a family without :attr:`vae_architecture` (else both are measured on the meta device:
+        :func:`lightning_lora.plan.sampling_pieces`)."""
         raise NotImplementedError(f"the memory planner does not support the {self.name} family yet")
 
     # -- shared helpers ----------------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ from lightning_lora.formats import kohya, kohya_read
 from lightning_lora.formats.clients import Coverage, flux_coverage
 from lightning_lora.objectives import TimestepSampling
 
-__all__ = ["Flux", "pack_latents", "unpack_latents", "latent_image_ids"]
+__all__ = ["FLUX1_VAE", "Flux", "pack_latents", "unpack_latents", "latent_image_ids"]
 
 _ATTENTION = r"attn\.(to_q|to_k|to_v|to_out\.0)"
 _TEXT_ATTENTION = r"attn\.(add_q_proj|add_k_proj|add_v_proj|to_add_out)"
@@ -62,6 +62,27 @@ FLUX1_TRANSFORMER: dict[str, Any] = {
     "axes_dims_rope": [16, 56, 56],
 }
 """FLUX.1-dev's ``transformer/config.json`` (12 B parameters); schnell differs only in ``guidance_embeds``."""
+
+FLUX1_VAE: dict[str, Any] = {
+    "_class_name": "AutoencoderKL",
+    "in_channels": 3,
+    "out_channels": 3,
+    "down_block_types": ["DownEncoderBlock2D"] * 4,
+    "up_block_types": ["UpDecoderBlock2D"] * 4,
+    "block_out_channels": [128, 256, 512, 512],
+    "layers_per_block": 2,
+    "act_fn": "silu",
+    "latent_channels": 16,
+    "norm_num_groups": 32,
+    "sample_size": 1024,
+    "scaling_factor": 0.3611,
+    "shift_factor": 0.1159,
+    "force_upcast": True,
+    "use_quant_conv": False,
+    "use_post_quant_conv": False,
+    "mid_block_add_attention": True,
+}
+"""FLUX.1-dev's (and schnell's) ``vae/config.json`` (84 M parameters; Z-Image uses the same VAE)."""
 
 
 def pack_latents(latents: torch.Tensor) -> torch.Tensor:
@@ -114,6 +135,7 @@ class Flux(DiffusionFamily):
         ("black-forest-labs/FLUX.1-dev", "black-forest-labs/FLUX.1-schnell"),
         {"text_encoder": CLIP_L, "text_encoder_2": T5_XXL},
     )
+    vae_architecture: ClassVar[dict[str, Any] | None] = FLUX1_VAE
     # cuDNN's SDPA backend crashed in FLUX's backward on an H200 (torch 2.11, illegal memory access; BENCHMARKS.md).
     cudnn_attention_in_auto: ClassVar[bool] = False
     text_encoders: ClassVar[tuple[str, ...]] = ("text_encoder", "text_encoder_2")  # CLIP-L (pooled), T5-XXL

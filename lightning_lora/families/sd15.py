@@ -20,10 +20,11 @@ from typing_extensions import override
 
 from lightning_lora.families.base import DiffusersModel, ModelSource, load_component, load_weights
 from lightning_lora.families.encoders import CLIP_L
+from lightning_lora.families.sdxl import SDXL_VAE
 from lightning_lora.families.unet import UNetFamily
 from lightning_lora.formats import kohya, kohya_read
 
-__all__ = ["SD15"]
+__all__ = ["SD15", "SD15_VAE"]
 
 
 SD15_UNET: dict[str, Any] = {
@@ -39,6 +40,9 @@ SD15_UNET: dict[str, Any] = {
     "cross_attention_dim": 768,
 }
 """Stable Diffusion 1.5's ``unet/config.json`` (the fields that decide shapes; 860 M parameters)."""
+
+SD15_VAE: dict[str, Any] = {**SDXL_VAE, "sample_size": 512, "scaling_factor": 0.18215}
+"""Stable Diffusion 1.5's ``vae/config.json``: SDXL's VAE architecture (SDXL's VAE is a retrained SD VAE)."""
 
 
 class SD15(UNetFamily):
@@ -65,6 +69,7 @@ class SD15(UNetFamily):
         ("stable-diffusion-v1-5/stable-diffusion-v1-5", "runwayml/stable-diffusion-v1-5"),
         {"text_encoder": CLIP_L},
     )
+    vae_architecture: ClassVar[dict[str, Any] | None] = SD15_VAE
 
     # -- loading -----------------------------------------------------------------------------------------------
     def load_text_encoders(self, source: ModelSource) -> Any:

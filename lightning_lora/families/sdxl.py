@@ -30,11 +30,12 @@ from typing_extensions import override
 
 from lightning_lora.families.base import DiffusersModel, ModelSource, load_component, load_weights
 from lightning_lora.families.encoders import CLIP_L, OPENCLIP_BIGG
+from lightning_lora.families.flux import FLUX1_VAE
 from lightning_lora.families.unet import UNetFamily
 from lightning_lora.formats import kohya, kohya_read
 from lightning_lora.formats.ldm import SDXL_LAYOUT
 
-__all__ = ["SDXL", "sdxl_time_ids"]
+__all__ = ["SDXL", "SDXL_VAE", "sdxl_time_ids"]
 
 SIZE_KEYS = ("original_size", "crop_top_left", "target_size")
 
@@ -79,6 +80,10 @@ SDXL_BASE_UNET: dict[str, Any] = {
 }
 """SDXL base 1.0's ``unet/config.json`` (the fields that decide shapes; 2.6 B parameters)."""
 
+SDXL_VAE: dict[str, Any] = {**FLUX1_VAE, "latent_channels": 4, "scaling_factor": 0.13025, "shift_factor": None}
+SDXL_VAE.update(use_quant_conv=True, use_post_quant_conv=True)
+"""SDXL base 1.0's ``vae/config.json``: FLUX.1's VAE architecture with 4 latent channels and the quant convolutions."""
+
 
 class SDXL(UNetFamily):
     """SDXL base 1.0 and fine-tunes of its architecture (Pony, Illustrious, ...): UNet-only LoRA.
@@ -104,6 +109,7 @@ class SDXL(UNetFamily):
             "text_encoder_2": OPENCLIP_BIGG,
         }
     }
+    vae_architecture: ClassVar[dict[str, Any] | None] = SDXL_VAE
 
     # -- loading -----------------------------------------------------------------------------------------------
     def load_text_encoders(self, source: ModelSource) -> Any:
@@ -177,6 +183,11 @@ class SDXL(UNetFamily):
         }
 
     # -- sampling ----------------------------------------------------------------------------------------------
+    @override
+    def sampling_vae_dtype(self, vae_config: dict[str, Any], dtype: torch.dtype) -> torch.dtype:
+        # StableDiffusionXLPipeline decodes a float16 VAE in float32 when its config says force_upcast (SDXL's does).
+        return torch.float32 if dtype == torch.float16 and vae_config.get("force_upcast", True) else dtype
+
     def pipeline(self, denoiser: DiffusersModel, vae: DiffusersModel, source: ModelSource) -> Any:
         from diffusers import StableDiffusionXLPipeline
 

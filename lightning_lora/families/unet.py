@@ -105,6 +105,7 @@ class UNetFamily(DiffusionFamily):
     compiled_regions: ClassVar[tuple[str, ...]] = ("ResnetBlock2D",)
     latent_divisor: ClassVar[int] = 8
     vae_scale_factor: ClassVar[int] = 8
+    sampling_batch: ClassVar[int] = 2  # classifier-free guidance: the prompt and the negative in one batch
     lora_presets: ClassVar[dict[str, str]] = {
         "attention": rf".*attentions\.\d+\.transformer_blocks\.\d+\.{_ATTENTION}",
         "attention_ff": rf".*{_TRANSFORMER}",
