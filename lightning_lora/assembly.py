@@ -61,7 +61,7 @@ def build_lora_model(recipe: ModelRecipe, device: torch.device | None = None) ->
     offload_blocks(denoiser, offloaded, device)
     configure_attention(denoiser, recipe.attention, device, family.cudnn_attention_in_auto)
     if recipe.compile_blocks:
-        compile_repeated_blocks(denoiser, extra=family.compiled_regions)
+        compile_repeated_blocks(denoiser, extra=family.compiled_regions, streams=family.stream_sources)
     return denoiser.train()
 
 
@@ -126,9 +126,12 @@ def configure_attention(
     cuda.enable_math_sdp(every or backend == "math")
 
 
-def compile_repeated_blocks(denoiser: DiffusersModel, mode: str | None = None, extra: tuple[str, ...] = ()) -> None:
+def compile_repeated_blocks(
+    denoiser: DiffusersModel, mode: str | None = None, extra: tuple[str, ...] = (), streams: tuple[str, ...] = ()
+) -> None:
     """Regional compilation: compile each repeated transformer block in place (diffusers' ``compile_repeated_blocks``),
-    and each module of the ``extra`` classes (the family's ``compiled_regions``).
+    and each module of the ``extra`` classes (the family's ``compiled_regions``); the outputs of the ``streams``
+    modules (the family's ``stream_sources``) require gradients while training (:func:`stream_needs_gradients`).
 
     Compiling the whole 12B model did not finish in 150 s on an H200; the blocks compile once and are reused by
     every layer, and parameter names stay unchanged (no ``_orig_mod.`` prefix in checkpoints).
@@ -138,10 +141,29 @@ def compile_repeated_blocks(denoiser: DiffusersModel, mode: str | None = None, e
         raise ConfigError(f"model.compile_blocks: {type(denoiser).__name__} declares no repeated blocks to compile.")
     compile_cache_dir()
     compile_fn(fullgraph=False, mode=mode)
+    for name in streams:
+        source = denoiser.get_submodule(name)
+        for module in source.children() if isinstance(source, nn.ModuleDict | nn.ModuleList) else (source,):
+            module.register_forward_hook(stream_needs_gradients)
     for module in denoiser.modules():
         if type(module).__name__ in extra:
             module.compile(fullgraph=False, mode=mode)
     raise_recompile_limit(denoiser, (*denoiser._repeated_blocks, *extra))
+
+
+def stream_needs_gradients(module: nn.Module, args: Any, output: Any) -> Any:
+    """A forward hook: while gradients are on, a floating-point output that does not require them (a frozen module fed
+    the batch) is replaced by a view of it that does, as every later block's inputs do (a view, not the leaf itself:
+    dynamo guards leaves differently). Dynamo, which guards on ``requires_grad``, then reuses one graph for the first
+    compiled block and the rest instead of compiling a second for the first."""
+    if (
+        torch.is_grad_enabled()
+        and isinstance(output, torch.Tensor)
+        and output.is_floating_point()
+        and not output.requires_grad
+    ):
+        return output.requires_grad_().view_as(output)
+    return None
 
 
 def compile_cache_dir() -> Path:
@@ -169,9 +191,9 @@ def raise_recompile_limit(denoiser: nn.Module, classes: tuple[str, ...]) -> int:
     ResNets come in 12 (channel counts, with or without a shortcut conv). Each layout then compiles again for each
     variant a run meets: new input shapes (aspect-ratio buckets, text lengths: once or twice, before dynamo makes those
     dimensions dynamic), forwards without gradients (the eval loss, the samples), the first block's inputs that need
-    no gradient, a batch's text mask present or absent, Z-Image's refiners called without a timestep. A Z-Image run
-    with buckets, masked batches and samples meets 21 for its two layouts, Qwen-Image 14 for its one
-    (tests/test_compile_text_lengths.py): room for sixteen each.
+    no gradient (unless the family's ``stream_sources`` give them one), a batch's text mask present or absent,
+    Z-Image's refiners called without a timestep. A Z-Image run with buckets, masked batches and samples meets 15 for
+    its two layouts (tests/test_compile_text_lengths.py; 21 without ``stream_sources``): room for sixteen each.
     """
     layouts: dict[str, set[tuple[Any, ...]]] = {}
     for module in denoiser.modules():

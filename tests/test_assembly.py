@@ -315,7 +315,7 @@ def test_a_new_bucket_shape_compiles_once_not_every_step(
     try:
         family = Flux(max_sequence_length=8)
         model = build_model(family, ModelSource(str(tiny_flux_dir), dtype=torch.float32), LoraOptions(rank=2))
-        compile_repeated_blocks(model, extra=family.compiled_regions)
+        compile_repeated_blocks(model, extra=family.compiled_regions, streams=family.stream_sources)
         caplog.set_level("WARNING", logger="torch._dynamo")
         counts = []
         for size in [(32, 32), (32, 32), (32, 48), (32, 48), (48, 32), (32, 32), (48, 48), (32, 48)]:
@@ -335,9 +335,10 @@ def test_identical_blocks_are_traced_once_per_class_not_once_per_block(
 ) -> None:
     """Each block is compiled in place, but dynamo keeps its graphs on the code of the class's ``forward``, and with
     torch's inlined nn modules its guards do not name the instance: 6 double and 10 single blocks trace as often as 1
-    and 1 would (per class, once more where the first block's inputs differ: no gradient into the first double block,
-    another stride into the first single one), so FLUX's 57 blocks are not 57 traces. Counted with a backend that
-    records each graph (no code generation)."""
+    and 1 would (per class, once more where the first block's inputs differ: another stride into the first single
+    one; and no gradient into the first double block, unless the family's ``stream_sources`` hooks give its inputs
+    one, which saves that graph), so FLUX's 57 blocks are not 57 traces. Counted with a backend that records each
+    graph (no code generation)."""
     graphs: list[int] = []
 
     def counting_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
@@ -353,18 +354,19 @@ def test_identical_blocks_are_traced_once_per_class_not_once_per_block(
     monkeypatch.setattr(torch.nn.Module, "compile", compile_with_counter)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tiny_flux_dir.parent / "compile-cache"))
     family = Flux(max_sequence_length=8)
-    traced: dict[int, int] = {}
-    for double, single in [(2, 2), (6, 10)]:
+    traced: dict[tuple[int, bool], int] = {}
+    for double, single, hooked in [(2, 2, True), (6, 10, True), (2, 2, False)]:
         torch._dynamo.reset()
         try:
             model = build_model(family, ModelSource(str(tiny_flux_dir), dtype=torch.float32), LoraOptions(rank=2))
             for name, count in [("transformer_blocks", double), ("single_transformer_blocks", single)]:
                 blocks: torch.nn.ModuleList = getattr(model, name)  # more: copies of the tiny model's two blocks
                 blocks.extend(copy.deepcopy(blocks[i % 2]) for i in range(len(blocks), count))
-            compile_repeated_blocks(model, extra=family.compiled_regions)
+            streams = family.stream_sources if hooked else ()
+            compile_repeated_blocks(model, extra=family.compiled_regions, streams=streams)
             graphs.clear()
             model.train()(**random_inputs(family, model, 1, size=(32, 32)))[0].square().mean().backward()
-            traced[double + single] = len(graphs)
+            traced[double + single, hooked] = len(graphs)
         finally:
             torch._dynamo.reset()
-    assert traced == {4: 4, 16: 4}
+    assert traced == {(4, True): 3, (16, True): 3, (4, False): 4}

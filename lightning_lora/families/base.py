@@ -263,6 +263,12 @@ class DiffusionFamily(ABC):
     prompt and the negative, SDXL and SD1.5); 1 for guidance-distilled models (FLUX.1-dev)."""
     compiled_regions: ClassVar[tuple[str, ...]] = ()
     """Module classes ``model.compile_blocks`` compiles besides the model's repeated blocks (``_repeated_blocks``)."""
+    stream_sources: ClassVar[tuple[str, ...]] = ()
+    """The modules whose outputs feed the first repeated block (a container: each module in it), e.g. FLUX's image and
+    text embedders. Under ``model.compile_blocks`` their outputs are made to require gradients while training, as
+    every later block's inputs do, so that dynamo compiles one graph for the first block and the rest, not two (it
+    guards on ``requires_grad``): a quarter less to compile and to trace again at each start (BENCHMARKS.md). The
+    price is the first block's input gradient, one block's worth of input-gradient matmuls."""
     text_encoders: ClassVar[tuple[str, ...]]
     """The pipeline components (subfolders) whose weights the prompt embeddings depend on: every one the family's
     :meth:`encode_prompts` runs. The text cache key is made from their identities, so a changed encoder never serves

@@ -139,6 +139,7 @@ class Flux(DiffusionFamily):
     # cuDNN's SDPA backend crashed in FLUX's backward on an H200 (torch 2.11, illegal memory access; BENCHMARKS.md).
     cudnn_attention_in_auto: ClassVar[bool] = False
     text_encoders: ClassVar[tuple[str, ...]] = ("text_encoder", "text_encoder_2")  # CLIP-L (pooled), T5-XXL
+    stream_sources: ClassVar[tuple[str, ...]] = ("x_embedder", "context_embedder")
     # diffusers: compact, loads in diffusers and (part by part) in ComfyUI; kohya: BFL module names, q/k/v (and the
     # single blocks' MLP input) fused, as sd-scripts needs them.
     lora_formats: ClassVar[tuple[str, ...]] = ("diffusers", "kohya")

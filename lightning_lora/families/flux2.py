@@ -246,6 +246,7 @@ class Flux2(DiffusionFamily):
     # Not measured on a GPU yet (head dim 128, as FLUX.1's, whose cuDNN SDPA backward crashed): left out of auto.
     cudnn_attention_in_auto: ClassVar[bool] = False
     text_encoders: ClassVar[tuple[str, ...]] = ("text_encoder",)  # Qwen3 (klein) / Mistral-Small-3.1 (dev)
+    stream_sources: ClassVar[tuple[str, ...]] = ("x_embedder", "context_embedder")
     lora_formats: ClassVar[tuple[str, ...]] = ("diffusers", "kohya")
     lora_tools: ClassVar[tuple[str, ...]] = ("diffusers", "ComfyUI")  # sd-scripts has no FLUX.2 network
     lora_modelspec: ClassVar[dict[str, str]] = {

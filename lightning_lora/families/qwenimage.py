@@ -171,6 +171,7 @@ class QwenImage(DiffusionFamily):
         "Qwen/Qwen-Image": {"text_encoder": QWEN25_VL_7B}
     }
     text_encoders: ClassVar[tuple[str, ...]] = ("text_encoder",)  # Qwen2.5-VL-7B
+    stream_sources: ClassVar[tuple[str, ...]] = ("img_in", "txt_in")
     lora_formats: ClassVar[tuple[str, ...]] = ("diffusers", "kohya")
     lora_tools: ClassVar[tuple[str, ...]] = ("diffusers", "ComfyUI")  # sd-scripts has no network for it
     lora_modelspec: ClassVar[dict[str, str]] = {  # as musubi-tuner writes them (utils/sai_model_spec.py)

@@ -136,6 +136,7 @@ class ZImage(DiffusionFamily):
     # model.attention: auto leaves it out until a GPU run shows it works for Z-Image.
     cudnn_attention_in_auto: ClassVar[bool] = False
     text_encoders: ClassVar[tuple[str, ...]] = ("text_encoder",)  # Qwen3-4B
+    stream_sources: ClassVar[tuple[str, ...]] = ("all_x_embedder", "cap_embedder")
     # Only diffusers: ComfyUI maps the diffusers names itself (see the module docstring).
     lora_formats: ClassVar[tuple[str, ...]] = ("diffusers",)
     lora_tools: ClassVar[tuple[str, ...]] = ("diffusers", "ComfyUI")  # sd-scripts has no network for it
