@@ -192,6 +192,25 @@ def test_sdxl_sampling_peak_holds_the_measured_decode_at_1024() -> None:
     assert plan.sampling_peak == pytest.approx(8.85, rel=0.10)
 
 
+def test_zimage_samples_are_planned_with_flux_vae_decode() -> None:
+    """Z-Image decodes with FLUX.1's VAE: its 1024x1024 sample is planned with that decode measured on the meta device
+    (the same 2.5 GiB at the first full-resolution group norm as SDXL's VAE, which has the same widths), not with the
+    family's hand estimate, which counted 1 GiB for it."""
+    from lightning_lora.families import ModelSource
+    from lightning_lora.families.zimage import ZImage
+    from lightning_lora.lora import LoraOptions
+    from lightning_lora.plan import sampling_pieces
+    from lightning_lora.recipe import ModelRecipe
+
+    source = ModelSource("Tongyi-MAI/Z-Image-Turbo", dtype=torch.bfloat16)
+    recipe = ModelRecipe(ZImage(), source, lora=LoraOptions(rank=16, targets="attention"))
+    skeleton = recipe.family.denoiser_skeleton(source)
+    pieces = sampling_pieces(recipe, skeleton, 1024, 1024, 512)
+    assert pieces is not None
+    assert pieces.decode == pytest.approx(256 * 1024 * 1024 * (2 + 4 + 4), rel=1e-3)
+    assert pieces.total > recipe.family.sampling_bytes(skeleton, 1024, 1024, 512)
+
+
 def test_sampling_without_a_vae_architecture_uses_the_family_estimate(tiny_flux_dir: Path) -> None:
     """A family that declares no VAE architecture plans sampling with its own ``sampling_bytes``."""
     from lightning_lora.families import Flux, ModelSource

@@ -64,6 +64,7 @@ from lightning_lora.families.base import (
     load_weights,
 )
 from lightning_lora.families.encoders import QWEN3_4B
+from lightning_lora.families.flux import FLUX1_VAE
 from lightning_lora.formats.clients import Coverage
 from lightning_lora.formats.zimage import zimage_coverage
 from lightning_lora.objectives import TimestepSampling
@@ -137,6 +138,7 @@ class ZImage(DiffusionFamily):
     cudnn_attention_in_auto: ClassVar[bool] = False
     text_encoders: ClassVar[tuple[str, ...]] = ("text_encoder",)  # Qwen3-4B
     stream_sources: ClassVar[tuple[str, ...]] = ("all_x_embedder", "cap_embedder")
+    vae_architecture: ClassVar[dict[str, Any] | None] = FLUX1_VAE  # Z-Image decodes with FLUX.1's VAE
     # Only diffusers: ComfyUI maps the diffusers names itself (see the module docstring).
     lora_formats: ClassVar[tuple[str, ...]] = ("diffusers",)
     lora_tools: ClassVar[tuple[str, ...]] = ("diffusers", "ComfyUI")  # sd-scripts has no network for it
