@@ -120,6 +120,11 @@ class MemoryPlan:
         return self.static + self.activations + self.transient + self.overhead
 
     @property
+    def run_peak(self) -> float:
+        """What the training run needs on the GPU: its steps' peak, or its sample images' where that is higher."""
+        return max(self.peak_gib, self.sampling_peak)
+
+    @property
     def caching_peak(self) -> float:
         return max(self.caching_text, self.caching_images)
 
@@ -622,7 +627,7 @@ class _Planner:
                 if self._strategy is not None:
                     check_strategy(self._strategy, changed)
                 plan = plan_for(changed, datamodule, self.optimizer, shards=self.shards)
-                self._peaks[flags] = plan.peak_gib
+                self._peaks[flags] = plan.run_peak  # the samples must fit too
             except ConfigError:  # a change the other settings refuse (e.g. NF4 with model.offload_blocks): not a fix
                 self._peaks[flags] = None
         return self._peaks[flags]

@@ -129,7 +129,8 @@ def test_suggestions_try_partial_checkpointing_first(tiny_flux_dir: Path, monkey
             peak -= 1.0
         if recipe.offload_blocks > 16:
             raise ConfigError("more than the model's 16 repeated blocks")
-        return SimpleNamespace(peak_gib=peak - 0.5 * recipe.offload_blocks)
+        peak -= 0.5 * recipe.offload_blocks
+        return SimpleNamespace(peak_gib=peak, run_peak=peak)
 
     monkeypatch.setattr(plan, "plan_for", fake_plan)
     recipe = ModelRecipe(Flux(), ModelSource(str(tiny_flux_dir)))
@@ -153,6 +154,29 @@ def test_suggestions_try_partial_checkpointing_first(tiny_flux_dir: Path, monkey
     assert plan.fitting_changes(partial, None, vram=22.0)[0].startswith("--model.checkpoint_every 1")
     checkpointed = recipe.replace(gradient_checkpointing=True)
     assert plan.fitting_changes(checkpointed, None, vram=20.5)[0].startswith("--model.offload_activations true   ")
+
+
+def test_the_sample_images_must_fit_too(tiny_flux_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run whose steps fit but whose sample images do not (the decode at full resolution beside the resident base)
+    does not fit: ``model.memory: auto`` and ``plan --vram`` pick a change under which both fit."""
+
+    from lightning_lora import plan
+    from lightning_lora.families.base import ModelSource
+    from lightning_lora.families.flux import Flux
+    from lightning_lora.recipe import ModelRecipe
+
+    def fake_plan(recipe: ModelRecipe, datamodule: object, optimizer: str, shards: int = 1) -> MemoryPlan:
+        weights = 12.0 if type(recipe.precision).__name__ == "BF16" else 6.0
+        # overhead 0: the steps need weights + 2 GiB, the samples weights + 3.5 (BF16: 14 and 15.5 GiB)
+        return MemoryPlan(weights, 0.0, 0.0, 0.0, 2.0, 0.0, overhead=0.0, sampling_peak=weights + 3.5)
+
+    monkeypatch.setattr(plan, "plan_for", fake_plan)
+    recipe = ModelRecipe(Flux(), ModelSource(str(tiny_flux_dir)))
+    chosen = plan.choose_for_memory(recipe, None, vram=16.0)  # 15.2 usable: the steps fit, the samples do not
+    assert chosen is not None and chosen.changes, chosen  # not "as configured"
+    assert chosen.peak_gib <= 15.2
+    assert plan.fitting_changes(recipe, None, vram=16.0)
+    assert plan.choose_for_memory(recipe, None, vram=17.0) == plan.Fit("", 15.5)  # 16.15 usable: both fit
 
 
 def test_sdxl_sampling_peak_holds_the_measured_decode_at_1024() -> None:

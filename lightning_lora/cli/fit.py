@@ -408,7 +408,7 @@ def warn_if_too_big(model: LoraModule, datamodule: LatentDataModule, trainer: Tr
         rank_zero_info(f"memory planner skipped: {e}")
         return None
     total = torch.cuda.get_device_properties(device).total_memory / 2**30
-    need = max(plan.peak_gib, plan.sampling_peak)
+    need = plan.run_peak
     message = f"predicted peak GPU memory {need:.1f} GiB of {total:.1f} GiB ({device})"
     if need > total * 0.95:
         rank_zero_warn(

@@ -64,7 +64,7 @@ def main(argv: list[str]) -> int:
         plan = plan_for(recipe, cli.datamodule, optimizer, shards=shards)
         print("Predicted GPU memory (lightning-lora plan):")
         print(plan.report(vram))
-        if vram is not None and plan.peak_gib > vram * 0.95:
+        if vram is not None and plan.run_peak > vram * 0.95:
             options = fitting_changes(recipe, cli.datamodule, vram, optimizer, shards)
             if options:
                 print("  these changes would fit:")

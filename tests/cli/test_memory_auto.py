@@ -26,7 +26,7 @@ def test_the_fastest_settings_that_fit_each_card(gib: int) -> None:
     fit = choose_for_memory(recipe, data, gib)
     assert fit is not None and fit.peak_gib <= 0.95 * gib
     chosen = recipe.replace(**fit.changes)
-    assert plan_for(chosen, data).peak_gib == pytest.approx(fit.peak_gib)
+    assert plan_for(chosen, data).run_peak == pytest.approx(fit.peak_gib)  # the steps and the samples
     # The bf16 base (22 GiB) needs a 32 GB card; 24 and 16 GB take FP8, smaller ones NF4.
     expected = {32: "BF16", 24: "FP8", 16: "FP8", 12: "NF4", 8: "NF4"}[gib]
     assert type(chosen.precision).__name__ == expected, fit.flags
@@ -42,7 +42,7 @@ def _fake_device(monkeypatch: pytest.MonkeyPatch, free_gib: float) -> None:
         plan,
         "plan_for",
         lambda recipe, data, optimizer="AdamW", shards=1: SimpleNamespace(
-            peak_gib=18.0 if recipe.gradient_checkpointing else 30.0
+            run_peak=18.0 if recipe.gradient_checkpointing else 30.0
         ),
     )
 

@@ -124,7 +124,7 @@ def test_the_cards_table_gives_the_fastest_fit_per_size(tiny_flux_dir: Path, mon
         peak -= {"BF16": 0.0, "FP8": 8.0, "NF4": 20.0}[type(recipe.precision).__name__]
         peak -= 2.0 if recipe.offload_activations else 0.0
         peak -= 0.5 * recipe.offload_blocks
-        return SimpleNamespace(peak_gib=peak)
+        return SimpleNamespace(run_peak=peak)
 
     monkeypatch.setattr(plan, "plan_for", fake_plan)
     recipe = ModelRecipe(Flux(), ModelSource(str(tiny_flux_dir)))

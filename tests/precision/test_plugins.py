@@ -134,7 +134,7 @@ def test_memory_auto_switches_the_trainers_plugin_and_the_written_config(
 
     monkeypatch.setattr(hardware, "free_memory_gib", lambda device: 24.0)
     fits = lambda recipe, data, optimizer="AdamW", shards=1: SimpleNamespace(  # noqa: E731
-        peak_gib=18.0 if isinstance(recipe.precision, FP8) else 30.0
+        run_peak=18.0 if isinstance(recipe.precision, FP8) else 30.0
     )
     monkeypatch.setattr(plan, "plan_for", fits)
     config = write_config(tmp_path, tiny_flux_dir, photos_dir, **{"trainer.max_steps": 2, "model.memory": "auto"})
