@@ -5,12 +5,11 @@ from __future__ import annotations
 import copy
 import os
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 from diffusers import FluxTransformer2DModel
-from helpers import build_model, build_tiny, lora_model, random_inputs
+from helpers import build_model, build_tiny, count_compiled_graphs, graph_count, lora_model, random_inputs
 
 from lightning_lora.assembly import compile_repeated_blocks
 from lightning_lora.errors import ConfigError
@@ -297,19 +296,7 @@ def test_a_new_bucket_shape_compiles_once_not_every_step(
     """Buckets alternate image sizes from batch to batch. The compiled blocks compile for the first size, once more
     for the second (dynamo then makes the changing dimensions dynamic), and never again, whatever comes after.
     Counted with a backend that records each graph it is given (no code generation)."""
-    graphs: list[int] = []
-
-    def counting_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-        graphs.append(len(gm.graph.nodes))
-        return gm.forward
-
-    original = torch.nn.Module.compile
-
-    def compile_with_counter(self: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
-        kwargs.pop("mode", None)
-        original(self, backend=counting_backend, **kwargs)
-
-    monkeypatch.setattr(torch.nn.Module, "compile", compile_with_counter)
+    graphs = count_compiled_graphs(monkeypatch)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tiny_flux_dir.parent / "compile-cache"))
     torch._dynamo.reset()
     try:
@@ -321,7 +308,7 @@ def test_a_new_bucket_shape_compiles_once_not_every_step(
         for size in [(32, 32), (32, 32), (32, 48), (32, 48), (48, 32), (32, 32), (48, 48), (32, 48)]:
             inputs = random_inputs(family, model, 1, size=size)
             model(**inputs)[0].square().mean().backward()
-            counts.append(len(graphs))
+            counts.append(graph_count(graphs))
         assert counts[0] > 0 and counts[1] == counts[0]  # the same size again: nothing new
         assert counts[2] > counts[1]  # the second size: once more (now with dynamic sizes)
         assert counts[-1] == counts[3], counts  # then never again, for any size
@@ -339,19 +326,7 @@ def test_identical_blocks_are_traced_once_per_class_not_once_per_block(
     one; and no gradient into the first double block, unless the family's ``stream_sources`` hooks give its inputs
     one, which saves that graph), so FLUX's 57 blocks are not 57 traces. Counted with a backend that records each
     graph (no code generation)."""
-    graphs: list[int] = []
-
-    def counting_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-        graphs.append(len(gm.graph.nodes))
-        return gm.forward
-
-    original = torch.nn.Module.compile
-
-    def compile_with_counter(self: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
-        kwargs.pop("mode", None)
-        original(self, backend=counting_backend, **kwargs)
-
-    monkeypatch.setattr(torch.nn.Module, "compile", compile_with_counter)
+    graphs = count_compiled_graphs(monkeypatch)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tiny_flux_dir.parent / "compile-cache"))
     family = Flux(max_sequence_length=8)
     traced: dict[tuple[int, bool], int] = {}
@@ -366,7 +341,7 @@ def test_identical_blocks_are_traced_once_per_class_not_once_per_block(
             compile_repeated_blocks(model, extra=family.compiled_regions, streams=streams)
             graphs.clear()
             model.train()(**random_inputs(family, model, 1, size=(32, 32)))[0].square().mean().backward()
-            traced[double + single, hooked] = len(graphs)
+            traced[double + single, hooked] = graph_count(graphs)
         finally:
             torch._dynamo.reset()
     assert traced == {(4, True): 3, (16, True): 3, (4, False): 4}

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers.models import lora_model
+from helpers import count_compiled_graphs, lora_model
 
 from lightning_lora.families.base import DiffusionFamily
 from lightning_lora.families.qwenimage import QwenImage
@@ -37,32 +37,6 @@ LENGTHS = [7, 7, 40, 20, 70, 9, 100, 45]
 """Prompt tokens of each step's one caption: 7 distinct lengths in 8 steps. Z-Image pads each caption to a multiple of
 32 inside (32, 32, 64, 32, 96, 32, 128, 64): 4 distinct lengths in its blocks. The second distinct length comes at
 step 2; from there on nothing may compile."""
-
-
-def _counting_compile(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[int]]:
-    """Make ``nn.Module.compile`` use a backend that records each graph (its node count) under the compiled module's
-    class and runs it uncompiled; returns ``{class name: [graph sizes]}``. One backend per class, so that dynamo's
-    cache entries are shared by every block of a class, as with inductor."""
-    graphs: dict[str, list[int]] = {}
-    backends: dict[str, Any] = {}
-    original = torch.nn.Module.compile
-
-    def backend_for(name: str) -> Any:
-        if name not in backends:
-
-            def counting_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-                graphs.setdefault(name, []).append(len(gm.graph.nodes))
-                return gm.forward
-
-            backends[name] = counting_backend
-        return backends[name]
-
-    def compile_with_counter(self: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
-        kwargs.pop("mode", None)
-        original(self, backend=backend_for(type(self).__name__), **kwargs)
-
-    monkeypatch.setattr(torch.nn.Module, "compile", compile_with_counter)
-    return graphs
 
 
 def _model(family: DiffusionFamily, folder: Path, compiled: bool) -> torch.nn.Module:
@@ -124,7 +98,7 @@ def test_changing_text_lengths_compile_each_block_variant_at_most_twice(
     folder = tiny_pipeline(name)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "compile-cache"))
     eager = _model(family, folder, compiled=False)
-    graphs = _counting_compile(monkeypatch)
+    graphs = count_compiled_graphs(monkeypatch)
     torch._dynamo.reset()
     # torch's default limit, restored afterwards; compile_blocks raises it for the model (raise_recompile_limit)
     with torch._dynamo.config.patch(recompile_limit=8):
@@ -195,7 +169,7 @@ def test_a_runs_variety_of_batches_stays_within_the_recompile_limit(
     family = cls(max_sequence_length=MAX_LEN)  # type: ignore[call-arg]
     folder = tiny_pipeline(name)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "compile-cache"))
-    graphs = _counting_compile(monkeypatch)
+    graphs = count_compiled_graphs(monkeypatch)
     torch._dynamo.reset()
     with torch._dynamo.config.patch(recompile_limit=8):  # torch's default, restored afterwards
         try:

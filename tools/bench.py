@@ -158,7 +158,6 @@ CONFIGS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 }
 """The denoiser configs by family: the real one (the family's ``known_denoisers``) and a tiny one for CPU runs."""
 
-FLUX_VAE = FLUX1_VAE  # FLUX.1's VAE (Z-Image uses the same); it, SDXL_VAE and SD15_VAE are the families' facts
 QWEN_IMAGE_VAE = {  # Qwen/Qwen-Image's vae/config.json (the class's defaults, its 16 latents_mean / latents_std too)
     "_class_name": "AutoencoderKLQwenImage",
     "base_dim": 96,
@@ -179,10 +178,10 @@ FLUX2_VAE = {  # FLUX.2's vae/config.json (klein and dev: the class's defaults):
 }
 SMALL = {"block_out_channels": [8, 8, 8, 8], "layers_per_block": 1, "norm_num_groups": 4, "sample_size": 64}
 VAES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
-    "flux": (FLUX_VAE, dict(FLUX_VAE, **SMALL)),
+    "flux": (FLUX1_VAE, dict(FLUX1_VAE, **SMALL)),
     "sdxl": (SDXL_VAE, dict(SDXL_VAE, **SMALL)),
     "sd15": (SD15_VAE, dict(SD15_VAE, **SMALL)),
-    "zimage": (FLUX_VAE, dict(FLUX_VAE, **SMALL)),
+    "zimage": (FLUX1_VAE, dict(FLUX1_VAE, **SMALL)),  # Z-Image decodes with FLUX.1's VAE
     "qwenimage": (  # the tiny transformer's 4 latent channels (lightning_lora.tiny_qwenimage's VAE)
         QWEN_IMAGE_VAE,
         dict(QWEN_IMAGE_VAE, base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1)

@@ -32,17 +32,16 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from bench import FLUX_VAE  # tools/bench.py, beside this file: one home for the FLUX VAE config
 
 from lightning_lora.data.buckets import BucketSpec
 from lightning_lora.data.build import DataSpec, missing_jobs, plan
 from lightning_lora.data.cache import ImageIndex, LatentCache, decode_loader
 from lightning_lora.data.sources import ImageFolder, scan
 from lightning_lora.families.base import ModelSource
-from lightning_lora.families.flux import Flux
+from lightning_lora.families.flux import FLUX1_VAE, Flux
 from lightning_lora.precision import DTYPES
 
-FLUX_VAE_CONFIG = {k: v for k, v in FLUX_VAE.items() if k != "_class_name"}
+FLUX_VAE_CONFIG = {k: v for k, v in FLUX1_VAE.items() if k != "_class_name"}
 TINY_VAE_CONFIG = {**FLUX_VAE_CONFIG, "block_out_channels": [32, 32, 64, 64], "layers_per_block": 1}
 
 

@@ -11,6 +11,8 @@ No test module imports another test module: what two of them need lives here, on
   gives it: :func:`fit_on_nodes`);
 * :mod:`helpers.crash`: callbacks that kill or interrupt a run, loaded by class path (``helpers.crash.KillAt``) in a
   config, in-process or in a subprocess (:func:`fit_in_subprocess` puts tests/ on its ``PYTHONPATH``);
+* :mod:`helpers.graphs`: what dynamo compiles, counted per module class with a recording backend (no code
+  generation);
 * :mod:`helpers.diffusers_quirks`: the two places where diffusers' converters hard-code FLUX.1's widths, made to read
   the tiny model's instead.
 
@@ -36,6 +38,7 @@ from helpers.cli import (
     write_config,
 )
 from helpers.diffusers_quirks import allow_any_flux_width, diffusers_kohya_reads_flux_widths
+from helpers.graphs import count_compiled_graphs, graph_count
 from helpers.models import (
     ALPHA,
     RANK,
@@ -60,6 +63,8 @@ from helpers.resume import (
 )
 
 __all__ = [
+    "count_compiled_graphs",
+    "graph_count",
     "ALPHA",
     "RANK",
     "DISTRIBUTED_ENV",
