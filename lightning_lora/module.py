@@ -72,9 +72,10 @@ class LoraModule(LightningModule):
             recomputation in pinned CPU memory instead of on the GPU (copied out while the forward goes on, back
             when the backward reaches the block): FLUX at 512x768 keeps 0.67 GiB less on the GPU. Any base, NF4 too.
         memory: ``auto``: when ``fit`` starts, measure the GPU's free memory and take the fastest settings the memory
-            planner says fit: gradient checkpointing, checkpointed inputs in CPU memory, an FP8 or NF4 base (the
-            precision plugin),
-            offloaded blocks (never a smaller batch or image: that would be another training). The choice is printed,
+            planner says fit: less checkpointing and fewer copies to CPU memory than configured where there is room;
+            where there is too little, gradient checkpointing, checkpointed inputs in CPU memory, an FP8 or NF4 base
+            (the precision plugin), offloaded blocks (never a smaller batch or image: that would be another
+            training). The choice is printed,
             written into the run's config.yaml and kept by a resume. A number: the same for that many GiB.
             ``as_configured``: the options as written.
         optimizer: built over the LoRA parameters only, e.g. ``torch.optim.AdamW`` or

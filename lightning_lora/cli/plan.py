@@ -53,7 +53,7 @@ def main(argv: list[str]) -> int:
     size.add_argument("--gpu", default=None, help="a card by name instead of --vram (e.g. 'RTX 4090', 'RTX 3060 12GB')")
     parser.add_argument("--cards", action="store_true", help="the fastest way to run on each common card size")
     args, rest = parser.parse_known_args(argv)
-    from lightning_lora.plan import card_memory, cards_of, cards_table, fitting_changes, plan_for
+    from lightning_lora.plan import card_memory, cards_of, cards_table, choose_for_memory, fitting_changes, plan_for
 
     try:
         vram = card_memory(args.gpu) if args.gpu else args.vram
@@ -71,6 +71,10 @@ def main(argv: list[str]) -> int:
                 print("\n".join(f"    {o}" for o in options))
             else:
                 print("  lower data.resolution or data.batch_size, or use a GPU with more memory")
+        elif vram is not None:
+            fastest = choose_for_memory(recipe, cli.datamodule, vram, optimizer, shards)
+            if fastest is not None and fastest.flags:
+                print(f"  faster, and it still fits: {fastest.line()}")
         if args.cards:
             print("The fastest way to run on each card size (5% kept free):")
             for gib, fit in cards_table(recipe, cli.datamodule, optimizer, shards=shards):

@@ -137,6 +137,52 @@ def test_the_cards_table_gives_the_fastest_fit_per_size(tiny_flux_dir: Path, mon
     assert rows[8] is not None and rows[8].flags.endswith("--data.batch_size 1") and rows[8].peak_gib == -4.0
 
 
+def test_a_larger_card_is_told_to_checkpoint_less(tiny_flux_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """A config that saves memory (every block checkpointed, its inputs in CPU memory) on a card with room to spare:
+    the cards table, ``model.memory: auto`` and ``plan --vram`` choose less recomputation and fewer copies, fastest
+    first (no checkpointing, then one block in 3, in 2), and the configured settings only where nothing faster fits."""
+    from lightning_lora import plan
+    from lightning_lora.plan import choose_for_memory
+
+    def fake_plan(recipe: ModelRecipe, datamodule, optimizer: str = "AdamW", shards: int = 1) -> SimpleNamespace:
+        if not recipe.gradient_checkpointing:
+            peak = 30.0
+        else:
+            peak = {1: 12.0, 2: 21.0, 3: 24.0}[recipe.checkpoint_every]
+        return SimpleNamespace(run_peak=peak - (1.0 if recipe.offload_activations else 0.0))
+
+    monkeypatch.setattr(plan, "plan_for", fake_plan)
+    saving = ModelRecipe(Flux(), ModelSource(str(tiny_flux_dir))).replace(
+        gradient_checkpointing=True, offload_activations=True
+    )
+    data = SimpleNamespace(resolution=512, batch_size=1)
+    rows = dict(cards_table(saving, data, sizes=(12, 16, 24, 48)))
+    copies = " --model.offload_activations false"
+    assert rows[48] is not None and rows[48].flags == "--model.gradient_checkpointing false" + copies
+    assert rows[24] is not None and rows[24].flags == "--model.checkpoint_every 2" + copies  # 24: every 3 does not fit
+    assert rows[16] is not None and rows[16].flags == copies.strip() and rows[16].peak_gib == 12.0
+    assert rows[12] is not None and rows[12].flags == "" and rows[12].peak_gib == 11.0  # 11.4 usable: as configured
+    chosen = choose_for_memory(saving, data, 48)
+    assert chosen is not None and saving.replace(**chosen.changes).gradient_checkpointing is False
+    assert saving.replace(**chosen.changes).offload_activations is False  # a valid recipe: no inputs to offload
+
+
+def test_plan_says_what_is_faster_when_the_run_fits(tmp_path: Path, monkeypatch, capsys) -> None:
+    """SD1.5 at 512x512 with every block checkpointed fits 8 GiB with room to spare: `plan --vram 8` says so and names
+    the faster settings that still fit (no checkpointing)."""
+    monkeypatch.chdir(tmp_path)
+    argv = ["plan", "--config", str(CONFIGS / "sd15_8gb.yaml"), "--vram", "8", "--model.gradient_checkpointing", "true"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0
+    assert "fits in 8 GiB" in out and "faster, and it still fits: --model.gradient_checkpointing false   (~" in out, out
+    with pytest.raises(SystemExit):  # 3.3 GiB usable: the run fits (2.9 GiB while sampling), without checkpointing not
+        main([*argv[:4], "3.5", *argv[5:]])
+    out = capsys.readouterr().out
+    assert "fits in 3.5 GiB" in out and "faster" not in out, out
+
+
 def test_plan_by_card_name(tmp_path: Path, monkeypatch, capsys) -> None:
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as exit_info:
