@@ -199,7 +199,7 @@ def test_bench_config_it_cannot_build_is_an_error_naming_the_option(
 
 
 def test_bench_runs_a_shipped_config_on_a_tiny_model(capsys) -> None:
-    """flux_4090 as shipped (FP8 compute, rank 16, checkpointing, 8-bit AdamW, accumulation 4) on the tiny FLUX, small
+    """flux_4090 as shipped (FP8 compute, rank 16, no checkpointing, 8-bit AdamW, accumulation 4) on the tiny FLUX, small
     shapes. ``--compile 0``: regional compile works on the CPU but takes about a minute on 2 cores; the CPU has no FP8
     units, so fp8_compute falls back to FP8 storage with its warning. ``--memory-limit`` is recorded (no effect on the
     CPU). The config's callbacks run after the timed steps: its two sample prompts (with ``--tiny``: 2 steps at the
@@ -214,7 +214,7 @@ def test_bench_runs_a_shipped_config_on_a_tiny_model(capsys) -> None:
     assert (out["quant"], out["rank"], out["gc"], out["opt"], out["accumulate"]) == (
         "fp8_compute",
         16,
-        1,
+        0,
         "adamw8bit",
         4,
     )
