@@ -67,10 +67,6 @@ GIB = 2**30
 # H200 against tools/bench.py; see BENCHMARKS.md), plus a fixed CUDA context / allocator allowance.
 TRANSIENT_BLOCKS = 3.0
 FIXED_OVERHEAD_GIB = 0.35
-# Regional compilation (model.compile_blocks) fuses elementwise chains, so the compiled blocks keep fewer tensors for
-# the backward than the eager forward the planner counts: 0.78 of them, calibrated on the two compiled FLUX rank-16
-# rows without checkpointing (bf16 and NF4, BENCHMARKS.md calls 9-10).
-COMPILED_SAVED_FRACTION = 0.78
 
 _OPTIMIZER_BYTES = {
     "AdamW": 8.0,
@@ -342,7 +338,9 @@ def plan_training(
     saved, largest, moved = counted.saved, counted.largest, counted.moved
     lora_params = counted.lora_params / shards  # sharded with the base (each rank's optimizer steps its shard)
     if recipe.compile_blocks and not recipe.gradient_checkpointing:
-        saved *= COMPILED_SAVED_FRACTION  # checkpointed blocks keep only their inputs, which compiling cannot shrink
+        # Compiled blocks keep fewer tensors than the eager count (the family's share); checkpointed blocks keep only
+        # their inputs, which compiling cannot shrink.
+        saved *= recipe.family.compiled_saved_fraction
     per_block = (saved + moved) / max(counted.blocks, 1)
     transient = TRANSIENT_BLOCKS * per_block
     if recipe.gradient_checkpointing or recipe.offload_blocks:

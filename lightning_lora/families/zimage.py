@@ -139,6 +139,10 @@ class ZImage(DiffusionFamily):
     text_encoders: ClassVar[tuple[str, ...]] = ("text_encoder",)  # Qwen3-4B
     stream_sources: ClassVar[tuple[str, ...]] = ("all_x_embedder", "cap_embedder")
     vae_architecture: ClassVar[dict[str, Any] | None] = FLUX1_VAE  # Z-Image decodes with FLUX.1's VAE
+    # Its six RMSNorms per block (four full-width "sandwich" norms, q and k) each keep a float32 copy of their input in
+    # the eager forward, 37% of what a block saves; compiled, those fuse away. A full-width block (3840, 4608 tokens)
+    # compiled by inductor on the CPU kept 15.5 of the 31.1 units of one activation the eager forward keeps.
+    compiled_saved_fraction: ClassVar[float] = 0.5
     # Only diffusers: ComfyUI maps the diffusers names itself (see the module docstring).
     lora_formats: ClassVar[tuple[str, ...]] = ("diffusers",)
     lora_tools: ClassVar[tuple[str, ...]] = ("diffusers", "ComfyUI")  # sd-scripts has no network for it
