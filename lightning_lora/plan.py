@@ -431,8 +431,7 @@ def sampling_pieces(
         denoiser, _ = peak_bytes(lambda: model(**inputs), autocast)
     dtype = family.sampling_vae_dtype(config, source.dtype)
     vae: Any = build_from_config(getattr(diffusers, config["_class_name"]), config, dtype)
-    scale = 2 ** (len(config["block_out_channels"]) - 1)
-    latents = torch.empty(1, config["latent_channels"], height // scale, width // scale, device="meta", dtype=dtype)
+    latents = torch.empty(family.sampling_latent_shape(config, height, width), device="meta", dtype=dtype)
     with _flash_like_attention():
         decode, _ = peak_bytes(lambda: vae.decode(latents, return_dict=False)[0], autocast)
     weights = sum(p.numel() * p.element_size() for p in vae.parameters())

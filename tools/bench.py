@@ -82,6 +82,8 @@ from lightning_lora.cli.fit import default_checkpoint
 from lightning_lora.families import SD15, SDXL, DiffusionFamily, Flux, Flux2, QwenImage, ZImage
 from lightning_lora.families.base import ModelSource, build_from_config
 from lightning_lora.families.flux import FLUX1_VAE
+from lightning_lora.families.flux2 import FLUX2_VAE
+from lightning_lora.families.qwenimage import QWEN_IMAGE_VAE
 from lightning_lora.families.sd15 import SD15_VAE
 from lightning_lora.families.sdxl import SDXL_VAE
 from lightning_lora.families.unet import NoiseSchedule, UNetFamily
@@ -158,24 +160,6 @@ CONFIGS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 }
 """The denoiser configs by family: the real one (the family's ``known_denoisers``) and a tiny one for CPU runs."""
 
-QWEN_IMAGE_VAE = {  # Qwen/Qwen-Image's vae/config.json (the class's defaults, its 16 latents_mean / latents_std too)
-    "_class_name": "AutoencoderKLQwenImage",
-    "base_dim": 96,
-    "z_dim": 16,
-    "dim_mult": [1, 2, 4, 4],
-    "num_res_blocks": 2,
-    "attn_scales": [],
-    "temperal_downsample": [False, True, True],
-}
-FLUX2_VAE = {  # FLUX.2's vae/config.json (klein and dev: the class's defaults): 32 channels, patchified 2x2
-    "_class_name": "AutoencoderKLFlux2",
-    "block_out_channels": [128, 256, 512, 512],
-    "layers_per_block": 2,
-    "latent_channels": 32,
-    "norm_num_groups": 32,
-    "sample_size": 1024,
-    "patch_size": [2, 2],
-}
 SMALL = {"block_out_channels": [8, 8, 8, 8], "layers_per_block": 1, "norm_num_groups": 4, "sample_size": 64}
 VAES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "flux": (FLUX1_VAE, dict(FLUX1_VAE, **SMALL)),

@@ -510,6 +510,13 @@ class DiffusionFamily(ABC):
         upcasts a float16 VAE whose config says ``force_upcast``)."""
         return dtype
 
+    def sampling_latent_shape(self, vae_config: dict[str, Any], height: int, width: int) -> tuple[int, ...]:
+        """The shape of the latents the family's pipeline decodes for one ``height x width`` sample image (the planner
+        measures that decode): ``[1, latent_channels, H/s, W/s]`` for an image VAE, ``s`` its downscale (2x per level
+        after the first of ``block_out_channels``). A video VAE's family adds the frame axis."""
+        scale = 2 ** (len(vae_config["block_out_channels"]) - 1)
+        return (1, vae_config["latent_channels"], height // scale, width // scale)
+
     def denoiser_skeleton(self, source: ModelSource) -> nn.Module:
         """The denoiser built from its config on the ``meta`` device: real shapes, no memory, no weights."""
         cls = self.denoiser_cls()

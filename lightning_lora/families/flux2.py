@@ -78,6 +78,7 @@ __all__ = [
     "FLUX2_DEV_TRANSFORMER",
     "FLUX2_KLEIN_4B_TRANSFORMER",
     "FLUX2_KLEIN_9B_TRANSFORMER",
+    "FLUX2_VAE",
     "Flux2",
     "Flux2TimestepSampling",
     "Flux2Variant",
@@ -130,6 +131,20 @@ FLUX2_DEV_TRANSFORMER: dict[str, Any] = {
     "guidance_embeds": True,
 }
 """FLUX.2 dev's transformer (32 B parameters; guidance-distilled; Mistral-Small-3.1 captions: ``3 x 5120`` wide)."""
+
+FLUX2_VAE: dict[str, Any] = {
+    "_class_name": "AutoencoderKLFlux2",
+    "block_out_channels": [128, 256, 512, 512],
+    "layers_per_block": 2,
+    "latent_channels": 32,
+    "norm_num_groups": 32,
+    "sample_size": 1024,
+    "patch_size": [2, 2],
+}
+"""FLUX.2's ``vae/config.json`` (klein and dev share it; the rest is the class's defaults): 8x down into 32 channels,
+patchified 2x2 to the transformer's 128. The pipelines undo the batch norm and the patches before decoding (on the
+small latents: a few MiB), so the decode sees ``[1, 32, H/8, W/8]``, as the planner measures it
+(:func:`lightning_lora.plan.sampling_pieces`)."""
 
 _KLEIN_4B = ("black-forest-labs/FLUX.2-klein-4B", "black-forest-labs/FLUX.2-klein-base-4B")
 _KLEIN_9B = ("black-forest-labs/FLUX.2-klein-9B", "black-forest-labs/FLUX.2-klein-base-9B")
@@ -243,6 +258,7 @@ class Flux2(DiffusionFamily):
         **dict.fromkeys(_KLEIN_9B, {"text_encoder": QWEN3_8B_LM}),
         _DEV: {"text_encoder": MISTRAL_SMALL_31},
     }
+    vae_architecture: ClassVar[dict[str, Any] | None] = FLUX2_VAE
     # Not measured on a GPU yet (head dim 128, as FLUX.1's, whose cuDNN SDPA backward crashed): left out of auto.
     cudnn_attention_in_auto: ClassVar[bool] = False
     text_encoders: ClassVar[tuple[str, ...]] = ("text_encoder",)  # Qwen3 (klein) / Mistral-Small-3.1 (dev)

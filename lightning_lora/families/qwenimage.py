@@ -83,6 +83,7 @@ from lightning_lora.formats.clients import Coverage, qwenimage_coverage
 __all__ = [
     "QWEN_IMAGE_NETWORK",
     "QWEN_IMAGE_TRANSFORMER",
+    "QWEN_IMAGE_VAE",
     "QwenImage",
     "QwenTimestepSampling",
     "image_shapes",
@@ -110,6 +111,19 @@ QWEN_IMAGE_TRANSFORMER: dict[str, Any] = {
     "axes_dims_rope": [16, 56, 56],
 }
 """Qwen/Qwen-Image's ``transformer/config.json`` (20.4 B parameters)."""
+
+QWEN_IMAGE_VAE: dict[str, Any] = {
+    "_class_name": "AutoencoderKLQwenImage",
+    "base_dim": 96,
+    "z_dim": 16,
+    "dim_mult": [1, 2, 4, 4],
+    "num_res_blocks": 2,
+    "attn_scales": [],
+    "temperal_downsample": [False, True, True],
+}
+"""Qwen/Qwen-Image's ``vae/config.json`` (the class's defaults, its 16 ``latents_mean`` / ``latents_std`` too): 8x
+down (2x per level after the first of ``dim_mult``) into ``z_dim`` channels, one frame per image; the decode's input
+is :meth:`QwenImage.sampling_latent_shape`."""
 
 QWEN_IMAGE_NETWORK = kohya.KohyaNetwork("networks.lora_qwen_image", "qwen_image")
 """kohya metadata of a Qwen-Image file: musubi-tuner's network module (sd-scripts has no Qwen-Image network)."""
@@ -170,6 +184,7 @@ class QwenImage(DiffusionFamily):
     known_text_encoders: ClassVar[dict[str, dict[str, dict[str, Any]]]] = {
         "Qwen/Qwen-Image": {"text_encoder": QWEN25_VL_7B}
     }
+    vae_architecture: ClassVar[dict[str, Any] | None] = QWEN_IMAGE_VAE
     text_encoders: ClassVar[tuple[str, ...]] = ("text_encoder",)  # Qwen2.5-VL-7B
     stream_sources: ClassVar[tuple[str, ...]] = ("img_in", "txt_in")
     lora_formats: ClassVar[tuple[str, ...]] = ("diffusers", "kohya")
@@ -475,6 +490,13 @@ class QwenImage(DiffusionFamily):
             "img_shapes": image_shapes(batch, h, w),
             "return_dict": False,
         }
+
+    @override
+    def sampling_latent_shape(self, vae_config: dict[str, Any], height: int, width: int) -> tuple[int, ...]:
+        """The latents ``QwenImagePipeline`` decodes for one ``height x width`` image: one frame of the video VAE,
+        ``[1, z_dim, 1, H/8, W/8]`` (the planner measures that decode: :func:`lightning_lora.plan.sampling_pieces`)."""
+        scale = 2 ** (len(vae_config["dim_mult"]) - 1)
+        return (1, vae_config["z_dim"], 1, height // scale, width // scale)
 
     def block_count(self, model: DiffusersModel) -> int:
         return model.config.num_layers
