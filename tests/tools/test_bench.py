@@ -199,11 +199,11 @@ def test_bench_config_it_cannot_build_is_an_error_naming_the_option(
 
 
 def test_bench_runs_a_shipped_config_on_a_tiny_model(capsys) -> None:
-    """flux_4090 as shipped (FP8 compute, rank 16, no checkpointing, 8-bit AdamW, accumulation 4) on the tiny FLUX, small
-    shapes. ``--compile 0``: regional compile works on the CPU but takes about a minute on 2 cores; the CPU has no FP8
-    units, so fp8_compute falls back to FP8 storage with its warning. ``--memory-limit`` is recorded (no effect on the
-    CPU). The config's callbacks run after the timed steps: its two sample prompts (with ``--tiny``: 2 steps at the
-    training size), one checkpoint save, the LoRA files."""
+    """flux_4090 as shipped (FP8 compute, rank 16, no checkpointing, 8-bit AdamW, accumulation 4) on the tiny FLUX,
+    small shapes. ``--compile 0``: regional compile works on the CPU but takes about a minute on 2 cores; the CPU has
+    no FP8 units, so fp8_compute falls back to FP8 storage with its warning. ``--memory-limit`` is recorded (no effect
+    on the CPU). The config's callbacks run after the timed steps: its two sample prompts (with ``--tiny``: 2 steps at
+    the training size), one checkpoint save, the LoRA files."""
     argv = ["--tiny", "--config", str(REPO / "configs" / "flux_4090.yaml"), "--steps", "1", "--warm", "1"]
     argv += ["--h", "64", "--w", "64", "--tlen", "16", "--compile", "0", "--memory-limit", "24"]
     with pytest.warns(UserWarning, match="FP8Compute needs FP8 matrix units"):
@@ -293,9 +293,11 @@ def test_bench_reports_an_out_of_memory_in_the_outputs_naming_the_phase(capsys, 
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["error_phase"] == phase and out["error"].startswith(f"{phase}: OutOfMemoryError: ")
     assert "Tried to allocate 2.00 GiB" in out["error"]
-    assert out["s_per_step"] > 0 and out["export_s"] > 0  # the training numbers, and the phases after it
+    # The training numbers, and the phases after it (the tiny model's save and export can take under 5 ms: their
+    # times, rounded to 10 ms, may be 0.0; what they wrote is not).
+    assert out["s_per_step"] > 0 and out["export_s"] >= 0 and out["export_MB"] > 0
     if phase == "sample":  # no images, no time: the save after it ran
-        assert out["samples"] == 0 and "sample_s" not in out and out["checkpoint_s"] > 0
+        assert out["samples"] == 0 and "sample_s" not in out and out["checkpoint_s"] >= 0 and out["checkpoint_tensors"]
     else:
         assert out["samples"] == 2 and out["sample_s"] > 0 and "checkpoint_s" not in out
 
