@@ -35,6 +35,9 @@ def main(argv: list[str] | None = None) -> None:
     # The verbs hand LightningCLI their own arguments on purpose (sys.argv still starts with the verb).
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
     if args[:1] and args[0] in VERBS:
+        from lightning_lora.cli.console import quiet_library_loggers
+
+        quiet_library_loggers()  # no run folder to log to: their notes would only bury the verb's output
         verb = importlib.import_module(VERBS[args[0]])
         raise SystemExit(verb.main(args[1:]))
     from lightning_lora.cli.fit import main as fit

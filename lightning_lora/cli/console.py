@@ -7,7 +7,10 @@ installed, bitsandbytes' "Failed to load CPU gemm_4bit_forward" (even without NF
 hint that the data loader has few workers (ours serves cached tensors), and a "checkpoint directory is not empty" note
 on every resume. None of it asks the user to do anything, and it buries what does. :class:`Console` routes it:
 
-* transformers' and diffusers' loggers lose their console handler and write to the run log;
+* transformers' and diffusers' loggers lose their console handler and write to the run log, and so does
+  bitsandbytes' logger (:data:`LIBRARY_LOGGERS`: it has no handler of its own, so Python's last-resort handler would
+  print its warnings, e.g. the CPU kernel note on a CPU with AVX-512 BF16 when the optional ``kernels`` package is
+  missing);
 * Lightning's console handler drops its chatter lines (:data:`CHATTER`), which go to the run log;
 * a Python warning is shown when it comes from lightning-lora or from Lightning (minus :data:`WARNING_CHATTER`);
   any other library's warning goes to the run log, and the run summary says how many there were.
@@ -26,7 +29,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, TextIO
 
-__all__ = ["CHATTER", "LOG_NAME", "WARNING_CHATTER", "Console"]
+__all__ = ["CHATTER", "LIBRARY_LOGGERS", "LOG_NAME", "WARNING_CHATTER", "Console", "quiet_library_loggers"]
 
 LOG_NAME = "lightning-lora.log"
 
@@ -58,6 +61,10 @@ WARNING_CHATTER = re.compile(
 )
 """Warnings from Lightning or lightning-lora's dependencies that the run log keeps instead of the console."""
 
+LIBRARY_LOGGERS = ("bitsandbytes",)
+"""Libraries that log with the standard ``logging`` module and no handler of their own: their records go to the run
+log (:class:`Console`), or nowhere below ERROR for the commands without a run folder (:func:`quiet_library_loggers`)."""
+
 _OURS = ("lightning_lora",)
 _SHOWN_PACKAGES = ("lightning_lora", "lightning", "lightning_fabric", "pytorch_lightning")
 
@@ -68,6 +75,13 @@ def _package_of(filename: str) -> str:
         if name in parts:
             return name
     return ""
+
+
+def quiet_library_loggers() -> None:
+    """For the commands that keep no run log (``plan``, ``cache``, ``export``): :data:`LIBRARY_LOGGERS` print errors
+    only."""
+    for name in LIBRARY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 class Console:
@@ -82,6 +96,7 @@ class Console:
         self.library_warnings = 0
         self._showwarning: Any = None
         self._filtered: list[logging.Handler] = []
+        self._routed: list[tuple[logging.Logger, bool]] = []  # library loggers and their ``propagate`` before
 
     # -- setting up ---------------------------------------------------------------------------------------------
     def install(self) -> None:
@@ -98,6 +113,11 @@ class Console:
                 continue
             module.disable_default_handler()
             module.add_handler(self.memory)
+        for name in LIBRARY_LOGGERS:
+            logger = logging.getLogger(name)
+            self._routed.append((logger, logger.propagate))
+            logger.addHandler(self.memory)
+            logger.propagate = False  # not to the root logger, whose last-resort handler prints to the console
 
     def attach(self, folder: str | Path) -> None:
         """Write what waited in memory, and everything from now on, to ``<folder>/lightning-lora.log``."""
@@ -121,6 +141,10 @@ class Console:
         for handler in self._filtered:
             handler.removeFilter(self._lightning_line)
         self._filtered.clear()
+        for logger, propagate in self._routed:
+            logger.removeHandler(self.memory)
+            logger.propagate = propagate
+        self._routed.clear()
         self.memory.flush()
         if self.file is not None:
             self.file.close()

@@ -438,3 +438,31 @@ def test_the_progress_bar_counts_optimizer_steps(tmp_path: Path, tiny_flux_dir: 
     assert isinstance(bar, StepProgressBar) and bar.shown == (3, 3)
     err = capsys.readouterr().err
     assert "3/3" in err and "Epoch" not in err
+
+
+BNB_NOTE = "Failed to load CPU gemm_4bit_forward from kernels-community: No module named 'kernels'"
+"""What bitsandbytes 0.50 logs when it is imported on a CPU with AVX-512 BF16 without the optional ``kernels``."""
+
+
+def test_a_library_logging_without_a_handler_goes_to_the_run_log(tmp_path: Path, caplog) -> None:
+    """bitsandbytes logs with ``logging`` and no handler of its own: Python's last-resort handler would print its note
+    on the console. During ``fit`` it goes to the run log only; ``plan`` / ``cache`` / ``export`` keep no run log and
+    drop it."""
+    from lightning_lora.cli.console import Console
+
+    logger = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    with caplog.at_level(logging.INFO), Console() as console:
+        logger.warning(BNB_NOTE)
+        console.attach(tmp_path)
+    assert not [r for r in caplog.records if r.name.startswith("bitsandbytes")]  # it never reached the root logger
+    assert BNB_NOTE in (tmp_path / "lightning-lora.log").read_text()
+    assert logging.getLogger("bitsandbytes").propagate  # as it was, after the command
+    library = logging.getLogger("bitsandbytes")
+    try:
+        with pytest.raises(SystemExit):
+            main(["plan", "--config", str(REPO / "configs" / "tiny_cpu.yaml")])
+        with caplog.at_level(logging.INFO, logger="lightning_lora"):
+            logger.warning(BNB_NOTE)
+        assert not [r for r in caplog.records if r.name.startswith("bitsandbytes")]
+    finally:
+        library.setLevel(logging.NOTSET)
