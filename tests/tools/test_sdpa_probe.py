@@ -1,0 +1,47 @@
+"""tools/sdpa_probe.py: one SDPA backend at one shape, timed, checked against a reference kernel, or its error named
+(on the CPU: the math kernel is the reference; cuDNN has no CPU kernel)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+from helpers import REPO
+
+sys.path.insert(0, str(REPO / "tools"))
+
+import sdpa_probe  # noqa: E402
+
+SMALL = ["--device", "cpu", "--batch", "1", "--heads", "2", "--tokens", "64", "--head-dim", "16", "--reps", "1"]
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "bshd"])
+def test_a_backend_is_timed_and_checked(layout: str, tmp_path, capsys) -> None:
+    out_file = tmp_path / "probe.jsonl"
+    status = sdpa_probe.main(
+        [*SMALL, "--backend", "flash", "--layout", layout, "--dtype", "fp32", "--out", str(out_file)]
+    )
+    line = json.loads(capsys.readouterr().out)
+    assert status == 0 and "error" not in line, line
+    assert json.loads(out_file.read_text()) == line
+    assert line["forward_ms"] > 0 and line["backward_ms"] > 0 and line["forward_tflops"] >= 0
+    assert line["max_abs_diff_vs_math"] < 1e-4  # the same attention as the reference kernel
+
+
+def test_the_layouts_are_what_sdpa_receives() -> None:
+    args = sdpa_probe.parse_args(SMALL)
+    q, _, _ = sdpa_probe.attention_inputs(args, torch.device("cpu"), torch.float32)
+    assert q.shape == (1, 2, 64, 16) and not q.is_contiguous()  # [B, S, H, D] storage seen as [B, H, S, D]
+    args = sdpa_probe.parse_args([*SMALL, "--layout", "contiguous"])
+    q, _, _ = sdpa_probe.attention_inputs(args, torch.device("cpu"), torch.float32)
+    assert q.shape == (1, 2, 64, 16) and q.is_contiguous()
+    forward, backward = sdpa_probe.attention_flops(sdpa_probe.parse_args([]))  # flux_h100's: 29.7 TFLOP forward
+    assert forward == pytest.approx(4 * 2 * 24 * 4608**2 * 128) and backward == 2.5 * forward
+
+
+def test_a_backend_that_cannot_run_is_an_error_line(capsys) -> None:
+    status = sdpa_probe.main([*SMALL, "--backend", "cudnn"])  # no cuDNN kernel on the CPU
+    line = json.loads(capsys.readouterr().out)
+    assert status == 1 and line["error"].startswith("RuntimeError") and "forward_ms" not in line
