@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_lora.attention import hand_sdpa_matching_gradients
 from lightning_lora.errors import ConfigError
 from lightning_lora.families.base import DiffusersModel
 from lightning_lora.hardware import check_attention
@@ -99,11 +100,11 @@ def configure_attention(
     """Choose the attention kernel.
 
     ``auto`` lets PyTorch's SDPA pick among its backends, with cuDNN's switched off unless ``cudnn_in_auto`` (the
-    family's ``cudnn_attention_in_auto``): it crashed in the backward pass of full-size FLUX in bf16 on an H200 with
-    torch 2.11 (illegal memory access in ``mha_graph.execute``), while the SDXL reference ran with it, faster
-    (BENCHMARKS.md). ``sdpa`` is PyTorch's own choice among all its backends. ``flash`` / ``efficient`` / ``cudnn`` /
-    ``math`` allow only that SDPA backend (the process-wide ``torch.backends.cuda`` switches); ``xformers`` uses
-    diffusers' xformers processors (CUDA only).
+    family's ``cudnn_attention_in_auto``). ``sdpa`` is PyTorch's own choice among all its backends. ``flash`` /
+    ``efficient`` / ``cudnn`` / ``math`` allow only that SDPA backend (the process-wide ``torch.backends.cuda``
+    switches); ``xformers`` uses diffusers' xformers processors (CUDA only). Wherever cuDNN's SDPA is allowed, its
+    backward is handed the output's gradient in the output's strides (:mod:`lightning_lora.attention`: without it,
+    cuDNN's backward read out of bounds in full-size FLUX on an H200, BENCHMARKS.md call 31).
     """
     check_attention(backend, device)  # xformers / cudnn on a build that has none (CPU, ROCm)
     if backend == "xformers":
@@ -122,8 +123,10 @@ def configure_attention(
     cuda.enable_flash_sdp(every or backend == "flash")
     cuda.enable_mem_efficient_sdp(every or backend == "efficient")
     nvidia = torch.version.hip is None  # ROCm builds have no cuDNN
-    cuda.enable_cudnn_sdp(backend in ("sdpa", "cudnn") or (backend == "auto" and cudnn_in_auto and nvidia))
+    cudnn = backend in ("sdpa", "cudnn") or (backend == "auto" and cudnn_in_auto and nvidia)
+    cuda.enable_cudnn_sdp(cudnn)
     cuda.enable_math_sdp(every or backend == "math")
+    hand_sdpa_matching_gradients(cudnn)
 
 
 def compile_repeated_blocks(

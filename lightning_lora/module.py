@@ -59,9 +59,9 @@ class LoraModule(LightningModule):
         checkpoint_every: with ``gradient_checkpointing``, recompute one in N repeated blocks (FLUX's transformer
             blocks, the UNet's attention blocks) and keep the others' activations: 1 (every block) saves the most;
             2 or 3 trade memory back for speed (``lightning-lora plan`` shows the peak for each).
-        attention: attention kernel: ``auto`` (PyTorch SDPA; without its cuDNN backend for FLUX, where it crashed
-            in the backward), ``sdpa`` (PyTorch's own choice, cuDNN included), ``flash``, ``efficient``, ``cudnn``,
-            ``math``, or ``xformers`` (CUDA, optional extra).
+        attention: attention kernel: ``auto`` (PyTorch SDPA's own choice: cuDNN's kernel on NVIDIA GPUs that have
+            it, twice FlashAttention-2's speed on an H100 / H200), ``sdpa`` (the same, on every family), ``flash``,
+            ``efficient``, ``cudnn``, ``math``, or ``xformers`` (CUDA, optional extra).
         compile_blocks: ``torch.compile`` each repeated transformer block (regional compilation): faster steps after
             a compile of a minute or two at the start.
         offload_blocks: keep the frozen weights of this many repeated blocks (spread over the model) in CPU memory

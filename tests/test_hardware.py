@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from lightning_lora.assembly import configure_attention
+from lightning_lora.attention import hand_sdpa_matching_gradients, sdpa_hands_matching_gradients
 from lightning_lora.errors import ConfigError
 from lightning_lora.hardware import Backend, check_attention, detect, fp8_compute_supported, fp8_dtype
 from lightning_lora.precision import FP8Compute
@@ -159,8 +160,8 @@ def test_nf4_without_bitsandbytes_names_the_extra_and_rocm(monkeypatch) -> None:
 @pytest.mark.parametrize(
     ("backend", "cudnn_in_auto", "expected"),
     [
-        ("auto", False, (True, True, False, True)),  # FLUX: cuDNN's SDPA crashed in its backward
-        ("auto", True, (True, True, True, True)),  # SDXL / SD1.5: PyTorch's full choice
+        ("auto", False, (True, True, False, True)),  # a family that leaves cuDNN out of auto
+        ("auto", True, (True, True, True, True)),  # every family now: PyTorch's full choice
         ("sdpa", False, (True, True, True, True)),
         ("flash", False, (True, False, False, False)),
         ("math", True, (False, False, False, True)),
@@ -174,14 +175,18 @@ def test_attention_switches(monkeypatch, backend: str, cudnn_in_auto: bool, expe
     try:
         configure_attention(nn.Linear(2, 2), backend, torch.device("cpu"), cudnn_in_auto)  # type: ignore[arg-type]
         assert tuple(f() for f in switches) == expected
+        # cuDNN's backward is handed dO in O's strides wherever cuDNN may run (lightning_lora.attention)
+        assert sdpa_hands_matching_gradients() == expected[2]
     finally:
+        hand_sdpa_matching_gradients(False)
         enables = (cuda.enable_flash_sdp, cuda.enable_mem_efficient_sdp, cuda.enable_cudnn_sdp, cuda.enable_math_sdp)
         for enable, value in zip(enables, before, strict=True):
             enable(value)
 
 
-def test_families_say_whether_auto_may_use_cudnn_attention() -> None:
-    from lightning_lora.families.flux import Flux
-    from lightning_lora.families.sdxl import SDXL
+def test_every_family_lets_auto_use_cudnn_attention() -> None:
+    """cuDNN's SDPA crashed in FLUX's backward until its output gradient was handed over in the output's strides
+    (lightning_lora.attention, BENCHMARKS.md call 31); since then no family leaves it out of ``auto``."""
+    from lightning_lora.families import FAMILIES
 
-    assert Flux.cudnn_attention_in_auto is False and SDXL.cudnn_attention_in_auto is True
+    assert FAMILIES and all(family.cudnn_attention_in_auto for family in FAMILIES.values())

@@ -463,6 +463,7 @@ class StepTimer(Callback):
             self.result["step_s_each"] = [round(t, 4) for t in each]
             self.result["s_per_step_median"] = round(statistics.median(each), 4)  # robust to one slow step
             self.result["graphs_compiled_timed"] = compiled_graphs() - self._graphs
+            self.result["cudnn_sdpa"] = torch.backends.cuda.cudnn_sdp_enabled()  # what model.attention chose
             images = len(batch["latents"]) * trainer.world_size * trainer.accumulate_grad_batches
             self.result["images_per_s"] = round(images / seconds, 3)
             self.result["loss"] = round(float(outputs["loss"]), 4)

@@ -136,8 +136,6 @@ class Flux(DiffusionFamily):
         {"text_encoder": CLIP_L, "text_encoder_2": T5_XXL},
     )
     vae_architecture: ClassVar[dict[str, Any] | None] = FLUX1_VAE
-    # cuDNN's SDPA backend crashed in FLUX's backward on an H200 (torch 2.11, illegal memory access; BENCHMARKS.md).
-    cudnn_attention_in_auto: ClassVar[bool] = False
     text_encoders: ClassVar[tuple[str, ...]] = ("text_encoder", "text_encoder_2")  # CLIP-L (pooled), T5-XXL
     stream_sources: ClassVar[tuple[str, ...]] = ("x_embedder", "context_embedder")
     # diffusers: compact, loads in diffusers and (part by part) in ComfyUI; kohya: BFL module names, q/k/v (and the

@@ -259,8 +259,6 @@ class Flux2(DiffusionFamily):
         _DEV: {"text_encoder": MISTRAL_SMALL_31},
     }
     vae_architecture: ClassVar[dict[str, Any] | None] = FLUX2_VAE
-    # Not measured on a GPU yet (head dim 128, as FLUX.1's, whose cuDNN SDPA backward crashed): left out of auto.
-    cudnn_attention_in_auto: ClassVar[bool] = False
     text_encoders: ClassVar[tuple[str, ...]] = ("text_encoder",)  # Qwen3 (klein) / Mistral-Small-3.1 (dev)
     stream_sources: ClassVar[tuple[str, ...]] = ("x_embedder", "context_embedder")
     lora_formats: ClassVar[tuple[str, ...]] = ("diffusers", "kohya")

@@ -133,9 +133,6 @@ class ZImage(DiffusionFamily):
     known_text_encoders: ClassVar[dict[str, dict[str, dict[str, Any]]]] = dict.fromkeys(
         ("Tongyi-MAI/Z-Image-Turbo", "Tongyi-MAI/Z-Image"), {"text_encoder": QWEN3_4B}
     )
-    # Not measured on a GPU yet: cuDNN's SDPA backend crashed in FLUX's bf16 backward (head dim 128, as here), so
-    # model.attention: auto leaves it out until a GPU run shows it works for Z-Image.
-    cudnn_attention_in_auto: ClassVar[bool] = False
     text_encoders: ClassVar[tuple[str, ...]] = ("text_encoder",)  # Qwen3-4B
     stream_sources: ClassVar[tuple[str, ...]] = ("all_x_embedder", "cap_embedder")
     vae_architecture: ClassVar[dict[str, Any] | None] = FLUX1_VAE  # Z-Image decodes with FLUX.1's VAE

@@ -45,3 +45,22 @@ def test_a_backend_that_cannot_run_is_an_error_line(capsys) -> None:
     status = sdpa_probe.main([*SMALL, "--backend", "cudnn"])  # no cuDNN kernel on the CPU
     line = json.loads(capsys.readouterr().out)
     assert status == 1 and line["error"].startswith("RuntimeError") and "forward_ms" not in line
+
+
+def test_the_output_gradient_arrives_in_the_processors_layout() -> None:
+    args = sdpa_probe.parse_args(SMALL)
+    grad = sdpa_probe.output_gradient(args, torch.device("cpu"), torch.float32)
+    assert grad.shape == (1, 2, 64, 16) and grad.transpose(1, 2).is_contiguous()  # [B, S, H, D] storage
+    args = sdpa_probe.parse_args([*SMALL, "--grad", "contiguous"])
+    assert sdpa_probe.output_gradient(args, torch.device("cpu"), torch.float32).is_contiguous()
+
+
+def test_the_model_probe_runs_a_real_flux_transformer(capsys) -> None:
+    """(``--dispatch cudnn`` is left to the GPU: diffusers' ``set_attention_backend`` also sets its process-wide
+    default, which would reach every later test in this process.)"""
+    narrow = ["--device", "cpu", "--batch", "1", "--heads", "2", "--head-dim", "32", "--reps", "1", "--dtype", "fp32"]
+    args = ["--model", "flux", "--tokens", "16", "--text", "8", "--backend", "math", "--double", "2", "--single", "1"]
+    status = sdpa_probe.main([*narrow, *args])
+    line = json.loads(capsys.readouterr().out)
+    assert status == 0 and line["step_ms"] > 0 and (line["double"], line["single"]) == (2, 1), line
+    assert line["dispatch"] == "native" and line["grad_fix"] is False
