@@ -221,7 +221,9 @@ def test_bench_runs_a_shipped_config_on_a_tiny_model(capsys) -> None:
     assert (out["h"], out["w"], out["tlen"], out["compile"]) == (64, 64, 16, 0)
     assert out["s_per_step"] > 0 and out["loss"] > 0 and out["images_per_s"] > 0
     assert (out["sample_size"], out["sample_steps"], out["samples"]) == ([64, 64], 2, 2)
-    assert out["sample_s"] > 0 and out["checkpoint_s"] > 0 and out["export_s"] > 0 and out["checkpoint_tensors"] > 0
+    # the tiny model's save and export can take under 5 ms (rounded to 0.0): what they wrote is the check
+    assert out["sample_s"] > 0 and out["checkpoint_s"] >= 0 and out["export_s"] >= 0
+    assert out["checkpoint_tensors"] > 0 and out["checkpoint_MB"] > 0 and out["export_MB"] > 0
     assert out["planned"]["sampling_peak"] > 0 and "sample_peak_GiB" not in out  # a peak on the GPU only
     assert out["not_reproduced"][-1] == "trainer.callbacks: FixedEvalLoss (not run)"
 
