@@ -64,11 +64,10 @@ def attention_inputs(args: argparse.Namespace, device: torch.device, dtype: torc
 def output_gradient(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """The gradient SDPA's backward receives: in ``[B, S, H, D]`` storage for ``bshd`` (what the processor's
     ``flatten`` hands back), contiguous ``[B, H, S, D]`` for ``contiguous`` or ``--grad contiguous``."""
+    b, h, s, d = args.batch, args.heads, args.tokens, args.head_dim
     if args.layout == "bshd" and args.grad == "layout":
-        return torch.randn(args.batch, args.tokens, args.heads, args.head_dim, device=device, dtype=dtype).transpose(
-            1, 2
-        )
-    return torch.randn(args.batch, args.heads, args.tokens, args.head_dim, device=device, dtype=dtype)
+        return torch.randn(b, s, h, d, device=device, dtype=dtype).transpose(1, 2)
+    return torch.randn(b, h, s, d, device=device, dtype=dtype)
 
 
 def attention_flops(args: argparse.Namespace) -> tuple[float, float]:
