@@ -30,7 +30,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -217,9 +217,15 @@ def _flash_like_attention() -> Iterator[None]:
         torch.nn.functional.scaled_dot_product_attention = original
 
 
-def saved_activation_bytes(model: nn.Module, inputs: dict[str, Any]) -> tuple[float, float, float]:
+def saved_activation_bytes(
+    model: nn.Module, inputs: dict[str, Any], attention: Literal["flash_like", "as_run"] = "flash_like"
+) -> tuple[float, float, float]:
     """Bytes autograd keeps from one forward pass of ``model`` (on the meta device), the largest single tensor, and
     the bytes the model's :class:`~lightning_lora.recompute.InputOffloader` (if any) moves off the device.
+
+    ``attention``: ``flash_like`` counts SDPA as the GPU's fused kernels keep it (on the meta device PyTorch would run
+    its math backend, which keeps the attention matrix); ``as_run`` leaves SDPA alone (real tensors on a device whose
+    kernel is the fused one, as ``tools/saved_share.py`` measures compiled blocks on the CPU).
 
     Parameters and buffers are not counted (they are static memory); tensors sharing storage are counted once, and
     a moved input whose storage something else keeps on the device counts as kept (moving it frees nothing).
@@ -243,7 +249,8 @@ def saved_activation_bytes(model: nn.Module, inputs: dict[str, Any]) -> tuple[fl
 
     offloader = getattr(model, "_lora_input_offloader", None)  # its hooks hide the checkpoints' inputs from ours
     observed = offloader.observed(pack, pack_moved) if offloader is not None else contextlib.nullcontext()
-    with observed, _flash_like_attention(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    counted_attention = _flash_like_attention() if attention == "flash_like" else contextlib.nullcontext()
+    with observed, counted_attention, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(**inputs)
     offloaded = sum(n for key, n in moved.items() if key not in seen)
     return float(sum(sizes)), float(max(sizes, default=0)), float(offloaded)
