@@ -253,22 +253,30 @@ def test_sampling_without_a_vae_architecture_uses_the_family_estimate(tiny_flux_
     assert pieces is not None and pieces.decode > 0 and pieces.vae_weights < 1e6
 
 
-def test_compiled_z_image_keeps_half_of_what_its_eager_forward_saves() -> None:
-    """Z-Image's blocks keep a float32 copy per RMSNorm in the eager forward, which compiling fuses away: the planner
-    scales the eager count by the family's share (0.5, measured on a compiled full-width block on the CPU), not FLUX's
-    0.78. Checked against the H200: bf16, no checkpointing, compiled, 1024x1024, text 512, rank 16 `attention`, AdamW
-    peaked at 28.52 GiB (BENCHMARKS.md call 30), where FLUX's share planned 40.8."""
-    from lightning_lora.families import Flux, ModelSource, ZImage
+@pytest.mark.parametrize(
+    ("family_name", "pretrained", "measured_gib"),
+    [("zimage", "Tongyi-MAI/Z-Image-Turbo", 28.52), ("flux2", "black-forest-labs/FLUX.2-klein-base-4B", 19.49)],
+)
+def test_compiled_blocks_keep_their_familys_measured_share_of_the_eager_saved_tensors(
+    family_name: str, pretrained: str, measured_gib: float
+) -> None:
+    """The planner scales the eager count of compiled blocks by the family's own share, measured on compiled full-width
+    blocks on the CPU (tools/saved_share.py), not FLUX.1's 0.78. Z-Image 0.5: its blocks keep a float32 copy per
+    RMSNorm in the eager forward, which compiling fuses away; FLUX.2 0.73. Checked against the H200: bf16, no
+    checkpointing, compiled, 1024x1024, text 512, rank 16 `attention`, AdamW peaked at 28.52 GiB (Z-Image, BENCHMARKS.md
+    call 30) and 19.49 (FLUX.2 klein base 4B, calls 30 and 31), where FLUX.1's share planned 40.8 and 22.01."""
+    from lightning_lora.families import FAMILIES, Flux, ModelSource
     from lightning_lora.lora import LoraOptions
     from lightning_lora.recipe import ModelRecipe
 
-    source = ModelSource("Tongyi-MAI/Z-Image-Turbo", dtype=torch.bfloat16)
-    recipe = ModelRecipe(ZImage(), source, lora=LoraOptions(rank=16, targets="attention"), compile_blocks=True)
+    family = FAMILIES[family_name]()
+    source = ModelSource(pretrained, dtype=torch.bfloat16)
+    recipe = ModelRecipe(family, source, lora=LoraOptions(rank=16, targets="attention"), compile_blocks=True)
     compiled = plan_training(recipe, 1024, 1024, 1, 512, optimizer="AdamW")
     eager = plan_training(recipe.replace(compile_blocks=False), 1024, 1024, 1, 512, optimizer="AdamW")
-    assert ZImage.compiled_saved_fraction < Flux.compiled_saved_fraction
-    assert compiled.activations == pytest.approx(ZImage.compiled_saved_fraction * eager.activations)
-    assert abs(compiled.peak_gib - 28.52) / 28.52 < 0.10, compiled.peak_gib
+    assert family.compiled_saved_fraction < Flux.compiled_saved_fraction
+    assert compiled.activations == pytest.approx(family.compiled_saved_fraction * eager.activations)
+    assert abs(compiled.peak_gib - measured_gib) / measured_gib < 0.10, compiled.peak_gib
 
 
 class _Attention(nn.Module):
@@ -287,21 +295,3 @@ def test_saved_bytes_count_attention_as_the_fused_kernels_keep_it_unless_asked_t
     tensor = heads * tokens * dim * 4
     assert fused == 4 * tensor + heads * tokens * 4  # q, k, v, out and a float32 log-sum-exp per row
     assert ran >= heads * tokens * tokens * 4  # the math backend's attention weights
-
-
-def test_compiled_flux2_keeps_the_share_measured_on_its_compiled_blocks() -> None:
-    """FLUX.2's compiled blocks keep 0.73 of their eager saved tensors (tools/saved_share.py: inductor on the CPU, full
-    width), not FLUX.1's 0.78. Checked against the H200: klein base 4B, bf16, no checkpointing, compiled, 1024x1024,
-    text 512, rank 16 `attention`, AdamW peaked at 19.49 GiB (BENCHMARKS.md calls 30 and 31), where FLUX.1's share
-    planned 22.01 (+12.9%)."""
-    from lightning_lora.families import Flux, Flux2, ModelSource
-    from lightning_lora.lora import LoraOptions
-    from lightning_lora.recipe import ModelRecipe
-
-    source = ModelSource("black-forest-labs/FLUX.2-klein-base-4B", dtype=torch.bfloat16)
-    recipe = ModelRecipe(Flux2(), source, lora=LoraOptions(rank=16, targets="attention"), compile_blocks=True)
-    compiled = plan_training(recipe, 1024, 1024, 1, 512, optimizer="AdamW")
-    eager = plan_training(recipe.replace(compile_blocks=False), 1024, 1024, 1, 512, optimizer="AdamW")
-    assert Flux2.compiled_saved_fraction < Flux.compiled_saved_fraction
-    assert compiled.activations == pytest.approx(Flux2.compiled_saved_fraction * eager.activations)
-    assert abs(compiled.peak_gib - 19.49) / 19.49 < 0.10, compiled.peak_gib
