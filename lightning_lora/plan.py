@@ -36,7 +36,9 @@ import torch
 from torch import nn
 
 from lightning_lora.errors import ConfigError
+from lightning_lora.families.base import DiffusionFamily
 from lightning_lora.live_bytes import peak_bytes
+from lightning_lora.lora import LoraOptions, inject_lora
 from lightning_lora.offload import offloaded_blocks, repeated_blocks
 from lightning_lora.parallel import LoraFSDPStrategy, check_strategy
 from lightning_lora.precision import BF16, FP8, NF4, BasePrecision, text_encoder_precision
@@ -272,9 +274,18 @@ _COUNTED: dict[str, _Counted] = {}
 changes the weights but not what the forward pass keeps (the skeleton is never quantized)."""
 
 
+def add_counted_lora(model: nn.Module, family: DiffusionFamily, lora: LoraOptions, dtype: torch.dtype) -> int:
+    """Inject the LoRA into the frozen ``model`` as the planner counts it: its parameters in ``dtype`` (autocast
+    computes the LoRA path in the base dtype). Returns the number of LoRA parameters."""
+    inject_lora(model, family, lora)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    for p in trainable:
+        p.data = p.data.to(dtype)
+    return sum(p.numel() for p in trainable)
+
+
 def _count(recipe: ModelRecipe, height: int, width: int, batch: int, text_len: int) -> _Counted:
     from lightning_lora.assembly import apply_gradient_checkpointing
-    from lightning_lora.lora import inject_lora
     from lightning_lora.recompute import ensure_recomputed
 
     family, source = recipe.family, recipe.source
@@ -299,11 +310,7 @@ def _count(recipe: ModelRecipe, height: int, width: int, batch: int, text_len: i
     model = family.denoiser_skeleton(source)  # meta device: shapes only
     model.requires_grad_(False)
     offloaded = offloaded_blocks(model, recipe.offload_blocks)
-    inject_lora(model, family, recipe.lora)
-    lora_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    for p in model.parameters():  # autocast computes the LoRA path in the base dtype
-        if p.requires_grad:
-            p.data = p.data.to(source.dtype)
+    lora_params = add_counted_lora(model, family, recipe.lora, source.dtype)
     if recipe.gradient_checkpointing:
         # Only checkpointed blocks' inputs stay saved; in the backward one block's activations are recomputed at a
         # time (the calibration of TRANSIENT_BLOCKS was made with this measurement order).

@@ -37,15 +37,13 @@ import torch
 
 def _build(family: Any, source: Any, config: dict[str, Any], rank: int, targets: str) -> torch.nn.Module:
     from lightning_lora.families.base import build_from_config
-    from lightning_lora.lora import LoraOptions, inject_lora
+    from lightning_lora.lora import LoraOptions
+    from lightning_lora.plan import add_counted_lora
 
     torch.manual_seed(0)
     model = build_from_config(family.denoiser_cls(), config, source.dtype, device="cpu")
     model.requires_grad_(False)
-    inject_lora(model, family, LoraOptions(rank=rank, targets=targets))
-    for p in model.parameters():
-        if p.requires_grad:
-            p.data = p.data.to(source.dtype)
+    add_counted_lora(model, family, LoraOptions(rank=rank, targets=targets), source.dtype)
     return model.train()
 
 
