@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Literal
@@ -219,15 +219,93 @@ def _flash_like_attention() -> Iterator[None]:
         torch.nn.functional.scaled_dot_product_attention = original
 
 
+class _NormAsRun(torch.autograd.Function):
+    """A norm that keeps what the GPU's kernel keeps for its backward: ``kept`` (the input, or the float32 copy autocast
+    makes of it), the float32 statistics of each row (``rows``), the weight; its output has the input's dtype."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, rows: tuple[int, ...], upcast: bool
+    ) -> torch.Tensor:
+        kept = torch.empty(x.shape, dtype=torch.float32, device=x.device) if upcast else x
+        stats = [torch.empty(*rows, dtype=torch.float32, device=x.device) for _ in range(2 if upcast else 1)]
+        ctx.save_for_backward(kept, *stats, weight)
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        weight = ctx.saved_tensors[-1]
+        return torch.empty_like(grad), None if weight is None else torch.empty_like(weight), None, None
+
+
+def _norm_rows(x: torch.Tensor, normalized_shape: Sequence[int] | int) -> tuple[int, ...]:
+    n = 1 if isinstance(normalized_shape, int) else len(normalized_shape)
+    return (*x.shape[: x.dim() - n], *[1] * n)
+
+
+@contextlib.contextmanager
+def _norms_as_on_the_gpu(fused_rms_norm: bool = True) -> Iterator[None]:
+    """Make ``F.rms_norm`` and ``F.layer_norm`` keep what they keep on a CUDA / ROCm GPU under the bf16 / fp16 autocast
+    training runs in (measured on an H200, torch 2.11: BENCHMARKS.md call 33, ``benchmarks/2026-12-01/norms33e.txt``):
+
+    - ``rms_norm`` (``torch.nn.RMSNorm``: FLUX.1's and FLUX.2's q/k norms) runs the fused kernel, which keeps the input
+      and a float32 ``rstd`` per row. On the CPU and the meta device torch decomposes it, and autograd keeps float32
+      copies of the input instead. A weight whose dtype differs from the input's (NF4's float32 norms) takes the
+      decomposed path on the GPU too, and is left alone here, as is every ``rms_norm`` when ``fused_rms_norm`` is false
+      (:func:`_fused_rms_norm`).
+    - ``layer_norm`` is on autocast's float32 list: it keeps a float32 copy of its input and float32 mean and rstd
+      (and returns float32; the linear layers after it cast back to bf16, so what they keep is as counted). Without
+      autocast it would keep the bf16 input, often the residual stream that is kept anyway.
+    """
+    rms, ln = torch.nn.functional.rms_norm, torch.nn.functional.layer_norm
+
+    def rms_norm(
+        input: torch.Tensor,
+        normalized_shape: Sequence[int],
+        weight: torch.Tensor | None = None,
+        eps: float | None = None,
+    ) -> torch.Tensor:
+        if weight is not None and weight.dtype != input.dtype:
+            return rms(input, normalized_shape, weight, eps)
+        out: torch.Tensor = _NormAsRun.apply(input, weight, _norm_rows(input, normalized_shape), False)
+        return out
+
+    def layer_norm(
+        input: torch.Tensor,
+        normalized_shape: Sequence[int],
+        weight: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
+        eps: float = 1e-5,
+    ) -> torch.Tensor:
+        if input.dtype not in (torch.bfloat16, torch.float16):
+            return ln(input, normalized_shape, weight, bias, eps)
+        out: torch.Tensor = _NormAsRun.apply(input, weight, _norm_rows(input, normalized_shape), True)
+        return out if bias is None else out + bias.to(out.dtype)
+
+    if fused_rms_norm:
+        torch.nn.functional.rms_norm = rms_norm
+    torch.nn.functional.layer_norm = layer_norm
+    try:
+        yield
+    finally:
+        torch.nn.functional.rms_norm = rms
+        torch.nn.functional.layer_norm = ln
+
+
 def saved_activation_bytes(
-    model: nn.Module, inputs: dict[str, Any], attention: Literal["flash_like", "as_run"] = "flash_like"
+    model: nn.Module,
+    inputs: dict[str, Any],
+    attention: Literal["flash_like", "as_run"] = "flash_like",
+    fused_rms_norm: bool = True,
 ) -> tuple[float, float, float]:
     """Bytes autograd keeps from one forward pass of ``model`` (on the meta device), the largest single tensor, and
     the bytes the model's :class:`~lightning_lora.recompute.InputOffloader` (if any) moves off the device.
 
     ``attention``: ``flash_like`` counts SDPA as the GPU's fused kernels keep it (on the meta device PyTorch would run
-    its math backend, which keeps the attention matrix); ``as_run`` leaves SDPA alone (real tensors on a device whose
-    kernel is the fused one, as ``tools/saved_share.py`` measures compiled blocks on the CPU).
+    its math backend, which keeps the attention matrix), and the norms as the GPU keeps them under autocast
+    (:func:`_norms_as_on_the_gpu`; ``fused_rms_norm`` false: ``F.rms_norm`` decomposed, as NF4's float32 norm weights
+    run it); ``as_run`` leaves SDPA and the norms alone (real tensors on a device whose kernel is the fused one, as
+    ``tools/saved_share.py`` measures compiled blocks on the CPU).
 
     Parameters and buffers are not counted (they are static memory); tensors sharing storage are counted once, and
     a moved input whose storage something else keeps on the device counts as kept (moving it frees nothing).
@@ -252,7 +330,9 @@ def saved_activation_bytes(
     offloader = getattr(model, "_lora_input_offloader", None)  # its hooks hide the checkpoints' inputs from ours
     observed = offloader.observed(pack, pack_moved) if offloader is not None else contextlib.nullcontext()
     counted_attention = _flash_like_attention() if attention == "flash_like" else contextlib.nullcontext()
-    with observed, counted_attention, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    as_on_gpu = attention == "flash_like"
+    counted_norms = _norms_as_on_the_gpu(fused_rms_norm) if as_on_gpu else contextlib.nullcontext()
+    with observed, counted_attention, counted_norms, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(**inputs)
     offloaded = sum(n for key, n in moved.items() if key not in seen)
     return float(sum(sizes)), float(max(sizes, default=0)), float(offloaded)
@@ -284,6 +364,12 @@ def add_counted_lora(model: nn.Module, family: DiffusionFamily, lora: LoraOption
     return sum(p.numel() for p in trainable)
 
 
+def _fused_rms_norm(recipe: ModelRecipe) -> bool:
+    """Whether the GPU runs ``F.rms_norm`` fused: not where the precision keeps the norms' weights in float32 under a
+    bf16 input (NF4's ``upcast_small_params``: torch warns of the dtype mismatch and decomposes it)."""
+    return not getattr(recipe.precision, "upcast_small_params", False)
+
+
 def _count(recipe: ModelRecipe, height: int, width: int, batch: int, text_len: int) -> _Counted:
     from lightning_lora.assembly import apply_gradient_checkpointing
     from lightning_lora.recompute import ensure_recomputed
@@ -299,6 +385,7 @@ def _count(recipe: ModelRecipe, height: int, width: int, batch: int, text_len: i
             recipe.checkpoint_every,
             recipe.offload_activations,
             recipe.offload_blocks,
+            _fused_rms_norm(recipe),
             height,
             width,
             batch,
@@ -319,7 +406,8 @@ def _count(recipe: ModelRecipe, height: int, width: int, batch: int, text_len: i
         ensure_recomputed(model, block)
     model.train()
     inputs = family.example_inputs(model, batch, height, width, text_len, device="meta", dtype=source.dtype)
-    saved, largest, moved = saved_activation_bytes(model, inputs)  # moved: block inputs kept in CPU memory
+    fused = _fused_rms_norm(recipe)
+    saved, largest, moved = saved_activation_bytes(model, inputs, fused_rms_norm=fused)  # moved: inputs in CPU memory
     counted = _Counted(lora_params, saved, largest, moved, family.block_count(model))
     if len(_COUNTED) > 64:
         _COUNTED.clear()

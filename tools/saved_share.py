@@ -17,7 +17,10 @@ tensors at the real width:
    graphs are compiled).
 
 The difference between the models with one and with two blocks of a kind is one block of that kind; the share is
-reported per block kind and for the whole real model (its block counts, plus what is outside the blocks).
+reported per block kind and for the whole real model (its block counts, plus what is outside the blocks). ``share`` is
+compiled over eager, both as they ran on the CPU; ``fraction`` is the compiled bytes over the planner's own eager count
+(the same eager model counted with the norms and attention kept as on the GPU: :func:`saved_activation_bytes`'s
+default), the value :attr:`DiffusionFamily.compiled_saved_fraction` takes.
 
     python tools/saved_share.py --family flux2 --pretrained black-forest-labs/FLUX.2-klein-base-4B \\
         --blocks num_layers num_single_layers --h 1024 --w 1024 --tlen 512
@@ -55,7 +58,7 @@ def _inputs(family: Any, model: torch.nn.Module, a: argparse.Namespace, dtype: t
     return inputs
 
 
-def _saved(family: Any, model: torch.nn.Module, inputs: dict[str, Any], compiled: bool) -> float:
+def _saved(family: Any, model: torch.nn.Module, inputs: dict[str, Any], compiled: bool) -> dict[str, float]:
     from lightning_lora.assembly import compile_repeated_blocks
     from lightning_lora.plan import saved_activation_bytes
 
@@ -64,7 +67,10 @@ def _saved(family: Any, model: torch.nn.Module, inputs: dict[str, Any], compiled
         out = model(**inputs)
         (out[0] if isinstance(out, tuple) else out).float().square().mean().backward()
     saved, _, _ = saved_activation_bytes(model, inputs, attention="as_run")
-    return saved
+    if compiled:
+        return {"compiled": saved}
+    planned, _, _ = saved_activation_bytes(model, inputs)  # the planner's count: norms and attention as on the GPU
+    return {"eager": saved, "planner": planned}
 
 
 def main() -> None:
@@ -93,26 +99,29 @@ def main() -> None:
         for compiled in (False, True):
             torch._dynamo.reset()
             model = _build(family, source, config, a.rank, a.targets)
-            counts[name]["compiled" if compiled else "eager"] = _saved(
-                family, model, _inputs(family, model, a, source.dtype), compiled
-            )
+            counts[name].update(_saved(family, model, _inputs(family, model, a, source.dtype), compiled))
             del model
     result: dict[str, Any] = {"family": a.family, "pretrained": a.pretrained, "h": a.h, "w": a.w, "tlen": a.tlen}
-    whole = {mode: counts["one_each"][mode] for mode in ("eager", "compiled")}
+    modes = ("eager", "planner", "compiled")
+    whole = {mode: counts["one_each"][mode] for mode in modes}
     for key in a.blocks:
-        block = {mode: counts[f"plus_{key}"][mode] - counts["one_each"][mode] for mode in ("eager", "compiled")}
+        block = {mode: counts[f"plus_{key}"][mode] - counts["one_each"][mode] for mode in modes}
         result[key] = {
             "blocks": real[key],
             "eager_MiB": round(block["eager"] / 2**20, 1),
+            "planner_MiB": round(block["planner"] / 2**20, 1),
             "compiled_MiB": round(block["compiled"] / 2**20, 1),
             "share": round(block["compiled"] / block["eager"], 3),
+            "fraction": round(block["compiled"] / block["planner"], 3),
         }
         for mode in whole:
             whole[mode] += (real[key] - 1) * block[mode]
     result["whole_model"] = {
         "eager_GiB": round(whole["eager"] / 2**30, 3),
+        "planner_GiB": round(whole["planner"] / 2**30, 3),
         "compiled_GiB": round(whole["compiled"] / 2**30, 3),
         "share": round(whole["compiled"] / whole["eager"], 3),
+        "fraction": round(whole["compiled"] / whole["planner"], 3),
     }
     result["seconds"] = round(time.perf_counter() - start, 1)
     print(json.dumps(result))
