@@ -864,6 +864,21 @@ def bench_precision(quant: str, options: dict[str, Any]) -> BasePrecision:
     return PRECISIONS[QUANT_PLUGINS[quant]](**{**options, "dtype": "bf16"})
 
 
+def quant_options(items: list[str]) -> dict[str, Any]:
+    """``--quant-option KEY=VALUE`` (repeatable): the precision plugin's init_args, each value read as JSON when it
+    parses (``true``, ``2``) and as a string otherwise."""
+    options: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--quant-option {item!r}: expected KEY=VALUE, e.g. compiled_dequantize=true")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return options
+
+
 def config_precision(trainer: dict[str, Any]) -> tuple[str, dict[str, Any], list[str]]:
     """``--quant``, the plugin's other init_args and what is not reproduced, from a config's trainer section (its
     ``lightning_lora.precision`` plugin, or a plain ``trainer.precision``: the bf16 base)."""
@@ -932,7 +947,10 @@ def measure(a: argparse.Namespace, outputs: Path | None) -> dict[str, Any]:
             "accumulate": a.accumulate,
         }
     )
-    precision = bench_precision(a.quant, dict(getattr(a, "config_quantization", {})))
+    plugin_options = {**getattr(a, "config_quantization", {}), **quant_options(a.quant_option or [])}
+    if a.quant_option:
+        out["quant_options"] = quant_options(a.quant_option)
+    precision = bench_precision(a.quant, plugin_options)
     if a.strategy == "fsdp" and (a.quant != "none" or a.offload or a.loop == "bare"):
         raise ValueError("--strategy fsdp shards a bf16 base: give --quant none, --offload 0 and --loop lightning")
     module = LoraModule(
@@ -1220,6 +1238,12 @@ def parser() -> argparse.ArgumentParser:
         "--denoiser", default=None, help="a hub id the family knows the config of (default: the family's first row)"
     )
     p.add_argument("--quant", default="none", choices=["none", "nf4", "fp8", "fp8_compute"])
+    p.add_argument(
+        "--quant-option",
+        action="append",
+        metavar="KEY=VALUE",
+        help="an init_arg of the --quant plugin, over the config's (repeatable): compiled_dequantize=true",
+    )
     p.add_argument(
         "--config", default=None, help="a shipped YAML (configs/*.yaml): its settings are the defaults of every flag"
     )

@@ -9,6 +9,13 @@ to fit there.
 bitsandbytes quantizes in blocks of 64 along the input dimension; a layer whose ``in_features`` is not a multiple of 64
 is left in the base dtype (real FLUX has none; tiny test models might). On the CPU (tests) bitsandbytes works in
 train mode; its CPU inference fast path is switched off (see below).
+
+With ``NF4(compiled_dequantize=True)``, inside blocks compiled by ``model.compile_blocks`` the layers dequantize with
+torch operations instead of bitsandbytes' kernels (:func:`nf4_linear`): the same weights, but inductor fuses the
+dequantization into one kernel per layer and launches it from its generated code. Through bitsandbytes each 4-bit
+matmul cost 172 µs of host time for 102 µs of GPU time, and ``flux_8gb``'s step was host-bound (BENCHMARKS.md call 33:
+GPU busy 23%). Eager layers keep bitsandbytes' kernels (one launch where the torch operations would be several). Not
+measured on a GPU yet, so off by default.
 """
 
 from __future__ import annotations
@@ -22,7 +29,66 @@ from torch import nn
 from lightning_lora.errors import ConfigError
 from lightning_lora.precision.layers import linear_layers
 
-__all__ = ["quantize_nf4", "require_bitsandbytes"]
+__all__ = ["nf4_weight", "quantize_nf4", "require_bitsandbytes"]
+
+
+def nf4_weight(weight: Any, dtype: torch.dtype) -> torch.Tensor:
+    """The dense ``[out, in]`` weight a bitsandbytes 4-bit ``Params4bit`` holds, in ``dtype``, from torch operations:
+    two 4-bit code indices per byte (the first element in the high nibble), each the index of one of the 16 values of
+    ``quant_state.code``, scaled by its block's absmax; with double quantization the absmaxes are themselves 8-bit
+    indices into ``state2.code``, scaled per block of ``state2.blocksize`` and shifted by ``offset``."""
+    state = weight.quant_state
+    return _dequantize(weight, *_state_tensors(state), tuple(state.shape), state.blocksize, _blocksize2(state), dtype)
+
+
+def _blocksize2(state: Any) -> int:
+    return int(state.state2.blocksize) if state.nested else 0
+
+
+def _state_tensors(state: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The quant state's tensors, as :func:`_dequantize` takes them (the nested ones empty without double quant)."""
+    if state.nested:
+        offset = torch.as_tensor(state.offset, dtype=torch.float32, device=state.absmax.device)
+        return state.absmax, state.code, state.state2.absmax, state.state2.code, offset
+    none = state.absmax.new_empty(0)
+    return state.absmax, state.code, none, none, none
+
+
+def _dequantize(
+    packed: torch.Tensor,
+    absmax: torch.Tensor,
+    code: torch.Tensor,
+    absmax2: torch.Tensor,
+    code2: torch.Tensor,
+    offset: torch.Tensor,
+    shape: tuple[int, ...],
+    blocksize: int,
+    blocksize2: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    n = shape[0] * shape[1]
+    if blocksize2:  # double quantization: the per-block absmax is an 8-bit code itself
+        blocks = absmax.numel()
+        scale = absmax2.repeat_interleave(blocksize2)[:blocks]
+        absmax = code2[absmax.long()] * scale + offset
+    nibbles = packed.reshape(-1)
+    indices = torch.stack((nibbles >> 4, nibbles & 0xF), dim=-1).reshape(-1)[:n]
+    values = code[indices.long()].view(-1, blocksize) * absmax.float().view(-1, 1)
+    return values.view(shape).to(dtype)
+
+
+def nf4_linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None) -> torch.Tensor:
+    """What ``bnb.nn.Linear4bit`` computes for ``x`` already in the compute dtype, with the weight dequantized by
+    :func:`nf4_weight`'s torch operations, for compiled regions. The dequantization is wrapped in a (non-reentrant)
+    checkpoint: the frozen weight needs no gradient, but ``x``'s gradient needs the weight, and without the checkpoint's
+    tag the compiler keeps every layer's dense weight from the forward to the backward (a bf16 copy of the base);
+    with it the backward dequantizes again."""
+    from torch.utils.checkpoint import checkpoint
+
+    state = weight.quant_state
+    layout = (tuple(state.shape), int(state.blocksize), _blocksize2(state))
+    dense = checkpoint(_dequantize, weight, *_state_tensors(state), *layout, x.dtype, use_reentrant=False)
+    return nn.functional.linear(x, dense, None if bias is None else bias.to(x.dtype))
 
 
 @functools.lru_cache(maxsize=1)
@@ -39,9 +105,15 @@ def _autocast_linear4bit() -> type:
     base: Any = bnb.nn.Linear4bit
 
     class AutocastLinear4bit(base):
+        compiled_dequantize = False  # NF4(compiled_dequantize=...): nf4_linear inside compiled regions
+
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             if torch.is_autocast_enabled(x.device.type) and self.compute_dtype is not None:
                 x = x.to(self.compute_dtype)
+            if self.compiled_dequantize and torch.compiler.is_compiling() and self.weight.quant_state is not None:
+                wanted = x.dtype
+                compute = self.compute_dtype or x.dtype
+                return nf4_linear(x.to(compute), self.weight, self.bias).to(wanted)
             return super().forward(x)
 
     return AutocastLinear4bit
@@ -75,10 +147,11 @@ def quantize_nf4(
     compute_dtype: torch.dtype,
     double_quant: bool = True,
     upcast_small_params: bool = True,
+    compiled_dequantize: bool = False,
 ) -> int:
     """Swap every linear layer of ``model`` (but those ``skip`` matches, and those whose ``in_features`` is not a
     multiple of 64) for an NF4 layer on ``device`` that computes in ``compute_dtype``; returns how many were swapped.
-    ``double_quant`` and ``upcast_small_params``: see :class:`lightning_lora.precision.NF4`."""
+    ``double_quant``, ``upcast_small_params`` and ``compiled_dequantize``: see :class:`lightning_lora.precision.NF4`."""
     bnb = require_bitsandbytes()
     count = 0
     for parent, name, _, linear in linear_layers(model, skip):
@@ -109,6 +182,7 @@ def quantize_nf4(
         # bitsandbytes 0.50 repacks weights for an AVX512-BF16 CPU fast path in eval mode; that path breaks on the
         # bias add and never goes back. It is an inference optimisation for CPUs: a trainer does not need it.
         layer.support_avx512bf16_for_cpu = False
+        layer.compiled_dequantize = compiled_dequantize
         setattr(parent, name, layer)
         count += 1
         del linear

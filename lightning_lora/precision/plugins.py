@@ -278,6 +278,10 @@ class NF4(BasePrecision):
         double_quant: quantize the quantization constants too (saves ~0.4 bit per weight).
         upcast_small_params: keep the tensors that stay unquantized (norms, embeddings, the biases of unquantized
             layers) in float32, as peft's ``prepare_model_for_kbit_training`` does.
+        compiled_dequantize: inside blocks compiled by ``model.compile_blocks``, dequantize with torch operations the
+            compiler fuses (the same weights, bit for bit) instead of calling bitsandbytes' kernels, whose host time
+            made ``flux_8gb``'s compiled step host-bound (BENCHMARKS.md call 33). Not measured on a GPU yet: off by
+            default until it is.
         dtype, skip: see :class:`BasePrecision`. Layers whose ``in_features`` is not a multiple of 64 stay in
             ``dtype``.
     """
@@ -286,18 +290,21 @@ class NF4(BasePrecision):
         self,
         double_quant: bool = True,
         upcast_small_params: bool = True,
+        compiled_dequantize: bool = False,
         dtype: BaseDtype = "bf16",
         skip: list[str] | None = None,
     ) -> None:
         super().__init__(dtype=dtype, skip=skip)
         self.double_quant = double_quant
         self.upcast_small_params = upcast_small_params
+        self.compiled_dequantize = compiled_dequantize
 
     @override
     def options(self) -> dict[str, Any]:
         return {
             "double_quant": self.double_quant,
             "upcast_small_params": self.upcast_small_params,
+            "compiled_dequantize": self.compiled_dequantize,
             **super().options(),
         }
 
@@ -305,7 +312,15 @@ class NF4(BasePrecision):
     def quantize(self, model: nn.Module, device: torch.device, on_cpu: frozenset[int] = frozenset()) -> int:
         from lightning_lora.precision.nf4 import quantize_nf4
 
-        return quantize_nf4(model, self.skip, device, self.base_dtype, self.double_quant, self.upcast_small_params)
+        return quantize_nf4(
+            model,
+            self.skip,
+            device,
+            self.base_dtype,
+            self.double_quant,
+            self.upcast_small_params,
+            self.compiled_dequantize,
+        )
 
     @override
     def check_recipe(self, recipe: ModelOptions) -> None:
