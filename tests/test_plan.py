@@ -362,9 +362,9 @@ def test_flux2_blocks_keep_what_they_kept_on_an_h200() -> None:
 
 
 def test_flux2_klein_24gb_plans_its_measured_peak() -> None:
-    """configs/flux2_klein_24gb.yaml's settings (bf16, eager, one block in 2 checkpointed, rank 16 `attention`, AdamW,
-    1024x1024, text 512) peaked at 15.82 GiB on an H200 (calls 30 and 33); planned 17.44 (+10.2%) with the norms
-    counted as the meta device runs them."""
+    """configs/flux2_klein_24gb.yaml's settings as measured (bf16, eager, one block in 2 checkpointed: it ships with one
+    in 3 since, on this plan; rank 16 `attention`, AdamW, 1024x1024, text 512) peaked at 15.82 GiB on an H200 (calls 30
+    and 33); planned 17.44 (+10.2%) with the norms counted as the meta device runs them."""
     from lightning_lora.families import FAMILIES, ModelSource
     from lightning_lora.lora import LoraOptions
     from lightning_lora.recipe import ModelRecipe
