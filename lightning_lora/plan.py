@@ -37,7 +37,7 @@ from torch import nn
 
 from lightning_lora.errors import ConfigError
 from lightning_lora.families.base import DiffusionFamily
-from lightning_lora.live_bytes import peak_bytes
+from lightning_lora.live_bytes import MetaAutocast, peak_bytes
 from lightning_lora.lora import LoraOptions, inject_lora
 from lightning_lora.offload import offloaded_blocks, repeated_blocks
 from lightning_lora.parallel import LoraFSDPStrategy, check_strategy
@@ -219,45 +219,29 @@ def _flash_like_attention() -> Iterator[None]:
         torch.nn.functional.scaled_dot_product_attention = original
 
 
-class _NormAsRun(torch.autograd.Function):
-    """A norm that keeps what the GPU's kernel keeps for its backward: ``kept`` (the input, or the float32 copy autocast
-    makes of it), the float32 statistics of each row (``rows``), the weight; its output has the input's dtype."""
+class _FusedRMSNorm(torch.autograd.Function):
+    """``rms_norm`` keeping what the GPU's fused kernel keeps for its backward: the input, a float32 rstd per row
+    (``rows``) and the weight."""
 
     @staticmethod
-    def forward(
-        ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, rows: tuple[int, ...], upcast: bool
-    ) -> torch.Tensor:
-        kept = torch.empty(x.shape, dtype=torch.float32, device=x.device) if upcast else x
-        stats = [torch.empty(*rows, dtype=torch.float32, device=x.device) for _ in range(2 if upcast else 1)]
-        ctx.save_for_backward(kept, *stats, weight)
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, rows: tuple[int, ...]) -> torch.Tensor:
+        ctx.save_for_backward(x, torch.empty(*rows, dtype=torch.float32, device=x.device), weight)
         return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         weight = ctx.saved_tensors[-1]
-        return torch.empty_like(grad), None if weight is None else torch.empty_like(weight), None, None
-
-
-def _norm_rows(x: torch.Tensor, normalized_shape: Sequence[int] | int) -> tuple[int, ...]:
-    n = 1 if isinstance(normalized_shape, int) else len(normalized_shape)
-    return (*x.shape[: x.dim() - n], *[1] * n)
+        return torch.empty_like(grad), None if weight is None else torch.empty_like(weight), None
 
 
 @contextlib.contextmanager
-def _norms_as_on_the_gpu(fused_rms_norm: bool = True) -> Iterator[None]:
-    """Make ``F.rms_norm`` and ``F.layer_norm`` keep what they keep on a CUDA / ROCm GPU under the bf16 / fp16 autocast
-    training runs in (measured on an H200, torch 2.11: BENCHMARKS.md call 33, ``benchmarks/2026-12-01/norms33e.txt``):
-
-    - ``rms_norm`` (``torch.nn.RMSNorm``: FLUX.1's and FLUX.2's q/k norms) runs the fused kernel, which keeps the input
-      and a float32 ``rstd`` per row. On the CPU and the meta device torch decomposes it, and autograd keeps float32
-      copies of the input instead. A weight whose dtype differs from the input's (NF4's float32 norms) takes the
-      decomposed path on the GPU too, and is left alone here, as is every ``rms_norm`` when ``fused_rms_norm`` is false
-      (:func:`_fused_rms_norm`).
-    - ``layer_norm`` is on autocast's float32 list: it keeps a float32 copy of its input and float32 mean and rstd
-      (and returns float32; the linear layers after it cast back to bf16, so what they keep is as counted). Without
-      autocast it would keep the bf16 input, often the residual stream that is kept anyway.
-    """
-    rms, ln = torch.nn.functional.rms_norm, torch.nn.functional.layer_norm
+def _fused_like_rms_norm() -> Iterator[None]:
+    """Make ``F.rms_norm`` (``torch.nn.RMSNorm``: FLUX.1's and FLUX.2's q/k norms) keep what it keeps on a CUDA / ROCm
+    GPU: the fused kernel's input and float32 rstd (measured on an H200, torch 2.11, with and without autocast:
+    BENCHMARKS.md call 33, ``benchmarks/2026-12-01/norms33e.txt``). On the CPU and the meta device torch decomposes it,
+    and autograd keeps float32 copies of the input instead. A weight whose dtype differs from the input's (NF4's float32
+    norms) takes the decomposed path on the GPU too, and is left alone here."""
+    rms = torch.nn.functional.rms_norm
 
     def rms_norm(
         input: torch.Tensor,
@@ -267,45 +251,36 @@ def _norms_as_on_the_gpu(fused_rms_norm: bool = True) -> Iterator[None]:
     ) -> torch.Tensor:
         if weight is not None and weight.dtype != input.dtype:
             return rms(input, normalized_shape, weight, eps)
-        out: torch.Tensor = _NormAsRun.apply(input, weight, _norm_rows(input, normalized_shape), False)
+        n = 1 if isinstance(normalized_shape, int) else len(normalized_shape)
+        rows = (*input.shape[: input.dim() - n], *[1] * n)
+        out: torch.Tensor = _FusedRMSNorm.apply(input, weight, rows)
         return out
 
-    def layer_norm(
-        input: torch.Tensor,
-        normalized_shape: Sequence[int],
-        weight: torch.Tensor | None = None,
-        bias: torch.Tensor | None = None,
-        eps: float = 1e-5,
-    ) -> torch.Tensor:
-        if input.dtype not in (torch.bfloat16, torch.float16):
-            return ln(input, normalized_shape, weight, bias, eps)
-        out: torch.Tensor = _NormAsRun.apply(input, weight, _norm_rows(input, normalized_shape), True)
-        return out if bias is None else out + bias.to(out.dtype)
-
-    if fused_rms_norm:
-        torch.nn.functional.rms_norm = rms_norm
-    torch.nn.functional.layer_norm = layer_norm
+    torch.nn.functional.rms_norm = rms_norm
     try:
         yield
     finally:
         torch.nn.functional.rms_norm = rms
-        torch.nn.functional.layer_norm = ln
 
 
 def saved_activation_bytes(
     model: nn.Module,
     inputs: dict[str, Any],
     attention: Literal["flash_like", "as_run"] = "flash_like",
+    autocast: torch.dtype | None = None,
     fused_rms_norm: bool = True,
 ) -> tuple[float, float, float]:
     """Bytes autograd keeps from one forward pass of ``model`` (on the meta device), the largest single tensor, and
     the bytes the model's :class:`~lightning_lora.recompute.InputOffloader` (if any) moves off the device.
 
     ``attention``: ``flash_like`` counts SDPA as the GPU's fused kernels keep it (on the meta device PyTorch would run
-    its math backend, which keeps the attention matrix), and the norms as the GPU keeps them under autocast
-    (:func:`_norms_as_on_the_gpu`; ``fused_rms_norm`` false: ``F.rms_norm`` decomposed, as NF4's float32 norm weights
-    run it); ``as_run`` leaves SDPA and the norms alone (real tensors on a device whose kernel is the fused one, as
-    ``tools/saved_share.py`` measures compiled blocks on the CPU).
+    its math backend, which keeps the attention matrix), and ``F.rms_norm`` as the GPU's fused kernel keeps it
+    (:func:`_fused_like_rms_norm`; ``fused_rms_norm`` false: decomposed, as NF4's float32 norm weights run it);
+    ``as_run`` leaves SDPA and ``rms_norm`` alone (real tensors on a device whose kernel is the fused one, as
+    ``tools/saved_share.py`` measures compiled blocks on the CPU). ``autocast``: the forward runs under
+    :class:`~lightning_lora.live_bytes.MetaAutocast` to this dtype, as training runs under CUDA autocast: the norms keep
+    float32 copies of their inputs and return float32, and each linear layer keeps its own low-precision copy of a
+    float32 input (a FLUX.2 klein block at 1024² within 0.4% of what it kept on an H200, call 33).
 
     Parameters and buffers are not counted (they are static memory); tensors sharing storage are counted once, and
     a moved input whose storage something else keeps on the device counts as kept (moving it frees nothing).
@@ -330,9 +305,16 @@ def saved_activation_bytes(
     offloader = getattr(model, "_lora_input_offloader", None)  # its hooks hide the checkpoints' inputs from ours
     observed = offloader.observed(pack, pack_moved) if offloader is not None else contextlib.nullcontext()
     counted_attention = _flash_like_attention() if attention == "flash_like" else contextlib.nullcontext()
-    as_on_gpu = attention == "flash_like"
-    counted_norms = _norms_as_on_the_gpu(fused_rms_norm) if as_on_gpu else contextlib.nullcontext()
-    with observed, counted_attention, counted_norms, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    fused = attention == "flash_like" and fused_rms_norm
+    counted_norm = _fused_like_rms_norm() if fused else contextlib.nullcontext()
+    casting = MetaAutocast(autocast) if autocast is not None else contextlib.nullcontext()
+    with (
+        observed,
+        counted_attention,
+        counted_norm,
+        casting,
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+    ):
         model(**inputs)
     offloaded = sum(n for key, n in moved.items() if key not in seen)
     return float(sum(sizes)), float(max(sizes, default=0)), float(offloaded)
@@ -406,8 +388,10 @@ def _count(recipe: ModelRecipe, height: int, width: int, batch: int, text_len: i
         ensure_recomputed(model, block)
     model.train()
     inputs = family.example_inputs(model, batch, height, width, text_len, device="meta", dtype=source.dtype)
-    fused = _fused_rms_norm(recipe)
-    saved, largest, moved = saved_activation_bytes(model, inputs, fused_rms_norm=fused)  # moved: inputs in CPU memory
+    autocast = source.dtype if source.dtype in (torch.bfloat16, torch.float16) else None  # fp32: training does not cast
+    saved, largest, moved = saved_activation_bytes(  # moved: block inputs kept in CPU memory
+        model, inputs, autocast=autocast, fused_rms_norm=_fused_rms_norm(recipe)
+    )
     counted = _Counted(lora_params, saved, largest, moved, family.block_count(model))
     if len(_COUNTED) > 64:
         _COUNTED.clear()

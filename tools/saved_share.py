@@ -19,8 +19,8 @@ tensors at the real width:
 The difference between the models with one and with two blocks of a kind is one block of that kind; the share is
 reported per block kind and for the whole real model (its block counts, plus what is outside the blocks). ``share`` is
 compiled over eager, both as they ran on the CPU; ``fraction`` is the compiled bytes over the planner's own eager count
-(the same eager model counted with the norms and attention kept as on the GPU: :func:`saved_activation_bytes`'s
-default), the value :attr:`DiffusionFamily.compiled_saved_fraction` takes.
+(the same eager model counted as the planner counts it, as the GPU runs it: bf16 autocast, the fused ``rms_norm``,
+attention's fused kernels), the value :attr:`DiffusionFamily.compiled_saved_fraction` takes.
 
     python tools/saved_share.py --family flux2 --pretrained black-forest-labs/FLUX.2-klein-base-4B \\
         --blocks num_layers num_single_layers --h 1024 --w 1024 --tlen 512
@@ -69,7 +69,8 @@ def _saved(family: Any, model: torch.nn.Module, inputs: dict[str, Any], compiled
     saved, _, _ = saved_activation_bytes(model, inputs, attention="as_run")
     if compiled:
         return {"compiled": saved}
-    planned, _, _ = saved_activation_bytes(model, inputs)  # the planner's count: norms and attention as on the GPU
+    # The planner's count: as the GPU runs it (bf16 autocast, the fused rms_norm, attention's fused kernels).
+    planned, _, _ = saved_activation_bytes(model, inputs, autocast=torch.bfloat16)
     return {"eager": saved, "planner": planned}
 
 

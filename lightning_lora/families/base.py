@@ -261,12 +261,12 @@ class DiffusionFamily(ABC):
     sampling_batch: ClassVar[int] = 1
     """The denoiser's batch per sample image: 2 where the pipeline runs classifier-free guidance as one batch (the
     prompt and the negative, SDXL and SD1.5); 1 for guidance-distilled models (FLUX.1-dev)."""
-    compiled_saved_fraction: ClassVar[float] = 0.82
+    compiled_saved_fraction: ClassVar[float] = 0.72
     """The share of the eager forward's saved tensors that blocks compiled by ``model.compile_blocks`` keep for the
     backward (inductor fuses elementwise chains and recomputes them): the planner scales the eager count it makes on
-    the meta device by it, for blocks that are not checkpointed. 0.82: calibrated on the two compiled FLUX rank-16 rows
-    without checkpointing (bf16 and NF4, BENCHMARKS.md calls 9-10: 0.78 of the eager count as it was then made, with
-    the norms kept as on the CPU; 0.82 of the count with the norms kept as on the GPU, since call 33)."""
+    the meta device by it, for blocks that are not checkpointed. 0.72: calibrated on the two compiled FLUX rank-16 rows
+    without checkpointing (bf16 and NF4, BENCHMARKS.md calls 9-10: 0.78 of the eager count as it was then made, without
+    autocast and with rms_norm decomposed; 0.72 of the count made as the GPU runs, since call 33)."""
     compiled_regions: ClassVar[tuple[str, ...]] = ()
     """Module classes ``model.compile_blocks`` compiles besides the model's repeated blocks (``_repeated_blocks``)."""
     stream_sources: ClassVar[tuple[str, ...]] = ()
