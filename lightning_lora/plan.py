@@ -25,19 +25,17 @@ output, 2.5 GiB for a 1024x1024 image.
 
 from __future__ import annotations
 
-import contextlib
 import re
-from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 
 from lightning_lora.errors import ConfigError
 from lightning_lora.families.base import DiffusionFamily
-from lightning_lora.live_bytes import MetaAutocast, peak_bytes
+from lightning_lora.live_bytes import flash_like_attention, peak_bytes, saved_activation_bytes
 from lightning_lora.lora import LoraOptions, inject_lora
 from lightning_lora.offload import offloaded_blocks, repeated_blocks
 from lightning_lora.parallel import LoraFSDPStrategy, check_strategy
@@ -59,7 +57,6 @@ __all__ = [
     "plan_training",
     "sampling_bytes",
     "sampling_pieces",
-    "saved_activation_bytes",
     "weight_bytes",
 ]
 
@@ -187,137 +184,6 @@ def sharded_weight_bytes(model: nn.Module, precision: BasePrecision, shards: int
     in_flight = sum(sorted(blocks, reverse=True)[:2])
     root = sum(sizes.values()) - sum(blocks)
     return sum(blocks) / shards + root + in_flight, in_flight
-
-
-@contextlib.contextmanager
-def _flash_like_attention() -> Iterator[None]:
-    """Make SDPA keep what flash / memory-efficient attention keeps for its backward: q, k, v, out, log-sum-exp."""
-
-    class _SDPA(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
-            lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-            ctx.save_for_backward(q, k, v, out, lse)
-            return out
-
-        @staticmethod
-        def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            q, k, v, _, _ = ctx.saved_tensors
-            return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-    original = torch.nn.functional.scaled_dot_product_attention
-
-    def sdpa(*args: Any, **kwargs: Any) -> torch.Tensor:
-        q, k, v = (list(args) + [kwargs.get(n) for n in ("query", "key", "value")[len(args) :]])[:3]
-        return _SDPA.apply(q, k, v)
-
-    torch.nn.functional.scaled_dot_product_attention = sdpa
-    try:
-        yield
-    finally:
-        torch.nn.functional.scaled_dot_product_attention = original
-
-
-class _FusedRMSNorm(torch.autograd.Function):
-    """``rms_norm`` keeping what the GPU's fused kernel keeps for its backward: the input, a float32 rstd per row
-    (``rows``) and the weight."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, rows: tuple[int, ...]) -> torch.Tensor:
-        ctx.save_for_backward(x, torch.empty(*rows, dtype=torch.float32, device=x.device), weight)
-        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        weight = ctx.saved_tensors[-1]
-        return torch.empty_like(grad), None if weight is None else torch.empty_like(weight), None
-
-
-@contextlib.contextmanager
-def _fused_like_rms_norm() -> Iterator[None]:
-    """Make ``F.rms_norm`` (``torch.nn.RMSNorm``: FLUX.1's and FLUX.2's q/k norms) keep what it keeps on a CUDA / ROCm
-    GPU: the fused kernel's input and float32 rstd (measured on an H200, torch 2.11, with and without autocast:
-    BENCHMARKS.md call 33, ``benchmarks/2026-12-01/norms33e.txt``). On the CPU and the meta device torch decomposes it,
-    and autograd keeps float32 copies of the input instead. A weight whose dtype differs from the input's (NF4's float32
-    norms) takes the decomposed path on the GPU too, and is left alone here."""
-    rms = torch.nn.functional.rms_norm
-
-    def rms_norm(
-        input: torch.Tensor,
-        normalized_shape: Sequence[int],
-        weight: torch.Tensor | None = None,
-        eps: float | None = None,
-    ) -> torch.Tensor:
-        if weight is not None and weight.dtype != input.dtype:
-            return rms(input, normalized_shape, weight, eps)
-        n = 1 if isinstance(normalized_shape, int) else len(normalized_shape)
-        rows = (*input.shape[: input.dim() - n], *[1] * n)
-        out: torch.Tensor = _FusedRMSNorm.apply(input, weight, rows)
-        return out
-
-    torch.nn.functional.rms_norm = rms_norm
-    try:
-        yield
-    finally:
-        torch.nn.functional.rms_norm = rms
-
-
-def saved_activation_bytes(
-    model: nn.Module,
-    inputs: dict[str, Any],
-    attention: Literal["flash_like", "as_run"] = "flash_like",
-    autocast: torch.dtype | None = None,
-    fused_rms_norm: bool = True,
-) -> tuple[float, float, float]:
-    """Bytes autograd keeps from one forward pass of ``model`` (on the meta device), the largest single tensor, and
-    the bytes the model's :class:`~lightning_lora.recompute.InputOffloader` (if any) moves off the device.
-
-    ``attention``: ``flash_like`` counts SDPA as the GPU's fused kernels keep it (on the meta device PyTorch would run
-    its math backend, which keeps the attention matrix), and ``F.rms_norm`` as the GPU's fused kernel keeps it
-    (:func:`_fused_like_rms_norm`; ``fused_rms_norm`` false: decomposed, as NF4's float32 norm weights run it);
-    ``as_run`` leaves SDPA and ``rms_norm`` alone (real tensors on a device whose kernel is the fused one, as
-    ``tools/saved_share.py`` measures compiled blocks on the CPU). ``autocast``: the forward runs under
-    :class:`~lightning_lora.live_bytes.MetaAutocast` to this dtype, as training runs under CUDA autocast: the norms keep
-    float32 copies of their inputs and return float32, and each linear layer keeps its own low-precision copy of a
-    float32 input (a FLUX.2 klein block at 1024² within 0.4% of what it kept on an H200, call 33).
-
-    Parameters and buffers are not counted (they are static memory); tensors sharing storage are counted once, and
-    a moved input whose storage something else keeps on the device counts as kept (moving it frees nothing).
-    """
-    static = {p.untyped_storage()._cdata for p in model.parameters()}
-    static |= {b.untyped_storage()._cdata for b in model.buffers()}
-    seen: set[int] = set()
-    sizes: list[int] = []
-    moved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        key = t.untyped_storage()._cdata
-        if key not in static and key not in seen:
-            seen.add(key)
-            sizes.append(t.untyped_storage().nbytes())
-        return t
-
-    def pack_moved(t: torch.Tensor) -> torch.Tensor:
-        moved[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
-        return t
-
-    offloader = getattr(model, "_lora_input_offloader", None)  # its hooks hide the checkpoints' inputs from ours
-    observed = offloader.observed(pack, pack_moved) if offloader is not None else contextlib.nullcontext()
-    counted_attention = _flash_like_attention() if attention == "flash_like" else contextlib.nullcontext()
-    fused = attention == "flash_like" and fused_rms_norm
-    counted_norm = _fused_like_rms_norm() if fused else contextlib.nullcontext()
-    casting = MetaAutocast(autocast) if autocast is not None else contextlib.nullcontext()
-    with (
-        observed,
-        counted_attention,
-        counted_norm,
-        casting,
-        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
-    ):
-        model(**inputs)
-    offloaded = sum(n for key, n in moved.items() if key not in seen)
-    return float(sum(sizes)), float(max(sizes, default=0)), float(offloaded)
 
 
 @dataclass(frozen=True)
@@ -513,12 +379,12 @@ def sampling_pieces(
     inputs = family.example_inputs(
         model, family.sampling_batch, height, width, text_len, device="meta", dtype=source.dtype
     )
-    with _flash_like_attention():
+    with flash_like_attention():
         denoiser, _ = peak_bytes(lambda: model(**inputs), autocast)
     dtype = family.sampling_vae_dtype(config, source.dtype)
     vae: Any = build_from_config(getattr(diffusers, config["_class_name"]), config, dtype)
     latents = torch.empty(family.sampling_latent_shape(config, height, width), device="meta", dtype=dtype)
-    with _flash_like_attention():
+    with flash_like_attention():
         decode, _ = peak_bytes(lambda: vae.decode(latents, return_dict=False)[0], autocast)
     weights = sum(p.numel() * p.element_size() for p in vae.parameters())
     pieces = SamplingPieces(float(denoiser), float(decode), float(weights))

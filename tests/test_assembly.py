@@ -158,7 +158,7 @@ def test_lora_options_defaults() -> None:
 
 
 def _grads_and_saved(folder: Path, checkpointing: bool, every: int) -> tuple[dict[str, torch.Tensor], float, set[str]]:
-    from lightning_lora.plan import saved_activation_bytes
+    from lightning_lora.live_bytes import saved_activation_bytes
 
     model = build_tiny(folder, 0, checkpointing, every)
     inputs = random_inputs(Flux(), model, seed=1)

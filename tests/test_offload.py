@@ -102,7 +102,7 @@ def test_weights_are_on_the_device_only_while_their_block_runs(tiny_flux_dir: Pa
 def test_offloaded_blocks_are_recomputed(tiny_flux_dir: Path) -> None:
     """Without gradient checkpointing, the offloaded blocks are still recomputed: a block that kept its activations
     would keep its weights for the backward too."""
-    from lightning_lora.plan import saved_activation_bytes
+    from lightning_lora.live_bytes import saved_activation_bytes
 
     model = build_tiny(tiny_flux_dir, 0)
     plain, _, _ = saved_activation_bytes(model, random_inputs(Flux(), model, seed=1))

@@ -12,8 +12,9 @@ import torch
 from torch import nn
 
 from lightning_lora.errors import ConfigError
+from lightning_lora.live_bytes import saved_activation_bytes
 from lightning_lora.module import LoraModule
-from lightning_lora.plan import GIB, MemoryPlan, plan_training, saved_activation_bytes, weight_bytes
+from lightning_lora.plan import GIB, MemoryPlan, plan_training, weight_bytes
 from lightning_lora.precision import BF16, FP8, NF4
 
 
@@ -191,9 +192,8 @@ def test_sdxl_sampling_peak_holds_the_measured_decode_at_1024() -> None:
     from lightning_lora.families import SDXL, ModelSource
     from lightning_lora.families.base import build_from_config
     from lightning_lora.families.sdxl import SDXL_VAE
-    from lightning_lora.live_bytes import peak_bytes
+    from lightning_lora.live_bytes import flash_like_attention, peak_bytes
     from lightning_lora.lora import LoraOptions
-    from lightning_lora.plan import _flash_like_attention
     from lightning_lora.recipe import ModelRecipe
 
     source = ModelSource("stabilityai/stable-diffusion-xl-base-1.0", dtype=torch.bfloat16)
@@ -202,13 +202,13 @@ def test_sdxl_sampling_peak_holds_the_measured_decode_at_1024() -> None:
 
     vae: Any = build_from_config(diffusers.AutoencoderKL, SDXL_VAE, torch.bfloat16)
     latents = torch.empty(1, 4, 128, 128, device="meta", dtype=torch.bfloat16)
-    with _flash_like_attention():
+    with flash_like_attention():
         decode, op = peak_bytes(lambda: vae.decode(latents, return_dict=False)[0], torch.bfloat16)
     assert op == "aten.native_group_norm.default"
     assert decode == pytest.approx(256 * 1024 * 1024 * (2 + 4 + 4), rel=1e-3)
     unet = recipe.family.denoiser_skeleton(source)
     inputs = recipe.family.example_inputs(unet, 2, 1024, 1024, 77, device="meta", dtype=torch.bfloat16)
-    with _flash_like_attention():
+    with flash_like_attention():
         forward, _ = peak_bytes(lambda: unet(**inputs), torch.bfloat16)
     assert 0 < forward < decode
 

@@ -38,8 +38,7 @@ def test_sample_decode_is_measured_at_1024(
     import diffusers
 
     from lightning_lora.families.base import build_from_config
-    from lightning_lora.live_bytes import peak_bytes
-    from lightning_lora.plan import _flash_like_attention
+    from lightning_lora.live_bytes import flash_like_attention, peak_bytes
 
     assert family.vae_architecture is vae_config
     source = ModelSource(hub_id, dtype=torch.bfloat16)
@@ -50,7 +49,7 @@ def test_sample_decode_is_measured_at_1024(
 
     vae: Any = build_from_config(getattr(diffusers, vae_config["_class_name"]), vae_config, torch.bfloat16)
     latents = torch.empty(latent_shape, device="meta", dtype=torch.bfloat16)
-    with _flash_like_attention():
+    with flash_like_attention():
         decode, _ = peak_bytes(lambda: vae.decode(latents, return_dict=False)[0], torch.bfloat16)
     assert pieces.decode == decode
     assert pieces.vae_weights == sum(p.numel() * 2 for p in vae.parameters())

@@ -60,7 +60,7 @@ def _inputs(family: Any, model: torch.nn.Module, a: argparse.Namespace, dtype: t
 
 def _saved(family: Any, model: torch.nn.Module, inputs: dict[str, Any], compiled: bool) -> dict[str, float]:
     from lightning_lora.assembly import compile_repeated_blocks
-    from lightning_lora.plan import saved_activation_bytes
+    from lightning_lora.live_bytes import saved_activation_bytes
 
     if compiled:
         compile_repeated_blocks(model, extra=family.compiled_regions, streams=family.stream_sources)

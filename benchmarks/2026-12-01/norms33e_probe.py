@@ -18,8 +18,9 @@ import torch
 sys.path.insert(0, ".")
 from lightning_lora.families import FAMILIES, ModelSource  # noqa: E402
 from lightning_lora.families.base import build_from_config  # noqa: E402
+from lightning_lora.live_bytes import saved_activation_bytes  # noqa: E402
 from lightning_lora.lora import LoraOptions  # noqa: E402
-from lightning_lora.plan import add_counted_lora, saved_activation_bytes  # noqa: E402
+from lightning_lora.plan import add_counted_lora  # noqa: E402
 
 H, W, TEXT = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 DEV = sys.argv[4] if len(sys.argv) > 4 else "cuda"
