@@ -9,8 +9,10 @@ The peak of a LoRA step is the sum of
 * **saved activations**: what the forward pass keeps for the backward. They are *counted*, not estimated: the real
   model is built on PyTorch's ``meta`` device (shapes, no memory, no weights) with the real LoRA injected and the
   real checkpointing setting, and one forward pass at the configured resolution, batch and text length runs under a
-  ``saved_tensors_hooks`` that adds up every tensor autograd keeps. Attention is counted as the flash / memory-
-  efficient kernels store it (output and log-sum-exp, not the full attention matrix);
+  ``saved_tensors_hooks`` that adds up every tensor autograd keeps, as the GPU runs it
+  (:func:`lightning_lora.live_bytes.saved_activation_bytes`): under the base dtype's autocast, with attention counted
+  as the flash / memory-efficient kernels store it (output and log-sum-exp, not the full attention matrix) and
+  ``rms_norm`` as its fused kernel does;
 * **transient** memory during the backward: gradients flowing through a block, recomputed activations of one block
   under checkpointing, kernel workspaces, allocator rounding. This part is calibrated against GPU measurements
   (BENCHMARKS.md) as a multiple of the largest per-block activation.
