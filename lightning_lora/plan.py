@@ -214,6 +214,11 @@ def add_counted_lora(model: nn.Module, family: DiffusionFamily, lora: LoraOption
     return sum(p.numel() for p in trainable)
 
 
+def _autocast_dtype(recipe: ModelRecipe) -> torch.dtype | None:
+    """The dtype training and sampling run the forward under autocast to (none for an fp32 base)."""
+    return recipe.precision.base_dtype if recipe.precision.autocasts else None
+
+
 def _fused_rms_norm(recipe: ModelRecipe) -> bool:
     """Whether the GPU runs ``F.rms_norm`` fused: not where the precision keeps the norms' weights in float32 under a
     bf16 input (NF4's ``upcast_small_params``: torch warns of the dtype mismatch and decomposes it)."""
@@ -256,9 +261,8 @@ def _count(recipe: ModelRecipe, height: int, width: int, batch: int, text_len: i
         ensure_recomputed(model, block)
     model.train()
     inputs = family.example_inputs(model, batch, height, width, text_len, device="meta", dtype=source.dtype)
-    autocast = source.dtype if source.dtype in (torch.bfloat16, torch.float16) else None  # fp32: training does not cast
     saved, largest, moved = saved_activation_bytes(  # moved: block inputs kept in CPU memory
-        model, inputs, autocast=autocast, fused_rms_norm=_fused_rms_norm(recipe)
+        model, inputs, autocast=_autocast_dtype(recipe), fused_rms_norm=_fused_rms_norm(recipe)
     )
     counted = _Counted(lora_params, saved, largest, moved, family.block_count(model))
     if len(_COUNTED) > 64:
@@ -374,7 +378,7 @@ def sampling_pieces(
     config = family.vae_config_for(source)
     if config is None:
         return None
-    autocast = recipe.precision.base_dtype if recipe.precision.autocasts else None
+    autocast = _autocast_dtype(recipe)
     key = repr((type(family), sorted(vars(family).items()), source, config, autocast, height, width, text_len))
     if key in _SAMPLING:
         return _SAMPLING[key]

@@ -947,10 +947,10 @@ def measure(a: argparse.Namespace, outputs: Path | None) -> dict[str, Any]:
             "accumulate": a.accumulate,
         }
     )
-    plugin_options = {**getattr(a, "config_quantization", {}), **quant_options(a.quant_option or [])}
-    if a.quant_option:
-        out["quant_options"] = quant_options(a.quant_option)
-    precision = bench_precision(a.quant, plugin_options)
+    given = quant_options(a.quant_option or [])
+    if given:
+        out["quant_options"] = given
+    precision = bench_precision(a.quant, {**getattr(a, "config_quantization", {}), **given})
     if a.strategy == "fsdp" and (a.quant != "none" or a.offload or a.loop == "bare"):
         raise ValueError("--strategy fsdp shards a bf16 base: give --quant none, --offload 0 and --loop lightning")
     module = LoraModule(
