@@ -10,12 +10,14 @@ bitsandbytes quantizes in blocks of 64 along the input dimension; a layer whose 
 is left in the base dtype (real FLUX has none; tiny test models might). On the CPU (tests) bitsandbytes works in
 train mode; its CPU inference fast path is switched off (see below).
 
-With ``NF4(compiled_dequantize=True)``, inside blocks compiled by ``model.compile_blocks`` the layers dequantize with
-torch operations instead of bitsandbytes' kernels (:func:`nf4_linear`): the same weights, but inductor fuses the
-dequantization into one kernel per layer and launches it from its generated code. Through bitsandbytes each 4-bit
-matmul cost 172 µs of host time for 102 µs of GPU time, and ``flux_8gb``'s step was host-bound (BENCHMARKS.md call 33:
-GPU busy 23%). Eager layers keep bitsandbytes' kernels (one launch where the torch operations would be several). Not
-measured on a GPU yet, so off by default.
+Inside blocks compiled by ``model.compile_blocks`` the layers dequantize with torch operations instead of
+bitsandbytes' kernels (:func:`nf4_linear`; ``NF4(compiled_dequantize=False)`` turns it off): the same weights, but
+inductor fuses the dequantization into one kernel per layer and launches it from its generated code. Through
+bitsandbytes each 4-bit matmul cost 172 µs of host time for 102 µs of GPU time, and ``flux_8gb``'s step was host-bound
+(BENCHMARKS.md call 33: GPU busy 23%, 39,992 launches per step). With the torch operations (call 34, H200) the same
+step made 30,264 launches, the GPU was busy 36-39%, and it took 1.81-1.91 s against 2.21-2.81 with bitsandbytes'
+kernels at the same peak (6.65 GiB); Qwen-Image's NF4 config compiled this way took 2.95 s per step against 5.60
+eager. Eager layers keep bitsandbytes' kernels (one launch where the torch operations would be several).
 """
 
 from __future__ import annotations
@@ -147,7 +149,7 @@ def quantize_nf4(
     compute_dtype: torch.dtype,
     double_quant: bool = True,
     upcast_small_params: bool = True,
-    compiled_dequantize: bool = False,
+    compiled_dequantize: bool = True,
 ) -> int:
     """Swap every linear layer of ``model`` (but those ``skip`` matches, and those whose ``in_features`` is not a
     multiple of 64) for an NF4 layer on ``device`` that computes in ``compute_dtype``; returns how many were swapped.

@@ -61,6 +61,17 @@ def test_compiled_nf4_layers_call_no_bitsandbytes_kernel_only_when_asked() -> No
     assert any("bitsandbytes" in call for call in theirs)
 
 
+def test_the_plugin_dequantizes_with_torch_in_compiled_blocks_by_default() -> None:
+    """On since call 34 (BENCHMARKS.md: flux_8gb 1.81-1.91 s per step against 2.21-2.81 with bitsandbytes' kernels, at
+    the same peak): ``NF4()``, as the shipped configs name it (``init_args: double_quant: true``), gets it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64))
+    NF4(double_quant=True).quantize(model, torch.device("cpu"))
+    calls = _calls(model.requires_grad_(False), torch.randn(2, 5, 64, dtype=torch.bfloat16))
+    assert calls and not any("bitsandbytes" in call for call in calls)
+    assert NF4().options()["compiled_dequantize"] is True
+
+
 def test_compiled_nf4_layers_compute_bitsandbytes_result_and_keep_no_dense_weight() -> None:
     """Inductor on the CPU: the output and the input's gradient are the eager bitsandbytes layers', and what the
     compiled region keeps for its backward is about what the eager one keeps; without the checkpoint around the
