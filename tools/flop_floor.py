@@ -303,11 +303,15 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def chosen(family: str, variant: str | None) -> list[Model]:
-    """The models ``--family`` / ``--variant`` name (every one for ``all``)."""
+def chosen(family: str, variant: str | None, pretrained: str | None = None) -> list[Model]:
+    """The models ``--family`` / ``--variant`` name (every one for ``all``); without ``--variant``, the one whose hub id
+    ``--pretrained`` names, where it names one (``--pretrained black-forest-labs/FLUX.2-dev`` is FLUX.2 dev, not the
+    family's first variant built over dev's architecture)."""
     if family == "all":
         return list(MODELS)
     models = [m for m in MODELS if m.family == family and variant in (None, m.variant)]
+    if variant is None:
+        models = [m for m in models if m.pretrained == pretrained] or models
     if not models:
         variants = [m.variant for m in MODELS if m.family == family]
         raise SystemExit(f"--variant: {variant!r} is not a {family} variant here ({', '.join(map(str, variants))})")
@@ -319,7 +323,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     lora = LoraOptions(rank=a.rank, targets=a.targets) if a.rank > 0 else None
     if a.pretrained is not None and a.family == "all":
         raise SystemExit("--pretrained: one model at a time (a --family, not all)")
-    for model in chosen(a.family, a.variant):
+    for model in chosen(a.family, a.variant, a.pretrained):
         line = floor_line(model, a.h, a.w, a.tlen, a.batch, a.tflops, lora, a.pretrained)
         print(json.dumps(line), flush=True)
 

@@ -146,5 +146,7 @@ def test_the_command_prints_one_json_line_per_model(tiny_flux_dir: Path, capsys:
     ]
     assert [m.variant for m in flop_floor.chosen("flux2", None)] == ["klein"]
     assert [m.pretrained for m in flop_floor.chosen("flux2", "dev")] == ["black-forest-labs/FLUX.2-dev"]
+    assert [m.variant for m in flop_floor.chosen("flux2", None, "black-forest-labs/FLUX.2-dev")] == ["dev"]
+    assert [m.variant for m in flop_floor.chosen("flux2", None, "/a/local/folder")] == ["klein"]
     with pytest.raises(SystemExit, match="--variant: 'pro'"):
         flop_floor.chosen("flux2", "pro")
