@@ -147,13 +147,14 @@ def quantize_nf4(
     skip: list[str],
     device: torch.device,
     compute_dtype: torch.dtype,
-    double_quant: bool = True,
-    upcast_small_params: bool = True,
-    compiled_dequantize: bool = True,
+    double_quant: bool,
+    upcast_small_params: bool,
+    compiled_dequantize: bool,
 ) -> int:
     """Swap every linear layer of ``model`` (but those ``skip`` matches, and those whose ``in_features`` is not a
     multiple of 64) for an NF4 layer on ``device`` that computes in ``compute_dtype``; returns how many were swapped.
-    ``double_quant``, ``upcast_small_params`` and ``compiled_dequantize``: see :class:`lightning_lora.precision.NF4`."""
+    ``double_quant``, ``upcast_small_params`` and ``compiled_dequantize``: see :class:`lightning_lora.precision.NF4`,
+    whose defaults are the only ones."""
     bnb = require_bitsandbytes()
     count = 0
     for parent, name, _, linear in linear_layers(model, skip):
