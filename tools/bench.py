@@ -466,7 +466,9 @@ class StepTimer(Callback):
             self.result["cudnn_sdpa"] = torch.backends.cuda.cudnn_sdp_enabled()  # what model.attention chose
             images = len(batch["latents"]) * trainer.world_size * trainer.accumulate_grad_batches
             self.result["images_per_s"] = round(images / seconds, 3)
-            self.result["loss"] = round(float(outputs["loss"]), 4)
+            # Lightning hands on_train_batch_end the loss divided by accumulate_grad_batches (what backward sees):
+            # the batch's own mean, comparable with the recipe's, is that times the accumulation.
+            self.result["loss"] = round(float(outputs["loss"]) * trainer.accumulate_grad_batches, 4)
             if torch.cuda.is_available():
                 peaks = torch.tensor([torch.cuda.max_memory_allocated() / 2**30], device=pl_module.device)
                 self.result["peak_alloc_GiB"] = round(float(peaks[0]), 2)
