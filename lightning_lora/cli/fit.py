@@ -51,7 +51,7 @@ from lightning_lora.callbacks.samples import SampleImages
 from lightning_lora.checkpoint import STAMP, AtomicCheckpointIO, check_compatible, read_checkpoint, resolve_resume
 from lightning_lora.cli.console import Console
 from lightning_lora.data.datamodule import LatentDataModule
-from lightning_lora.errors import ConfigError
+from lightning_lora.errors import ConfigError, first_line
 from lightning_lora.module import LoraModule, primitive_hparams
 from lightning_lora.parallel import check_strategy, resolve_strategy, shards_of
 from lightning_lora.precision import BasePrecision, check_trainer_precision, for_trainer_precision, precision_of
@@ -184,7 +184,13 @@ class LoraCLI(LightningCLI):
         if model.memory != "as_configured":
             self._choose_memory_settings(model, datamodule, checkpoint)
         kwargs["weights_only"] = True  # a checkpoint is data, never code
-        self.trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, **kwargs)
+        try:
+            self.trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, **kwargs)
+        except torch.OutOfMemoryError as e:
+            batch = datamodule.batch_size if datamodule is not None else 1
+            raise ConfigError(
+                out_of_memory_message(e, self.trainer, batch, self._checkpoint_dir() / "last.ckpt")
+            ) from None
 
     def _choose_memory_settings(
         self, model: LoraModule, datamodule: LatentDataModule | None, checkpoint: dict[str, Any] | None
@@ -418,6 +424,45 @@ def warn_if_too_big(model: LoraModule, datamodule: LatentDataModule, trainer: Tr
     else:
         rank_zero_info(message)
     return plan.peak_gib
+
+
+def smaller_batches(batch_size: int, accumulate: int) -> tuple[int, int] | None:
+    """The same images per optimizer step in smaller batches: ``(batch_size, accumulate_grad_batches)`` with the batch
+    halved (an odd batch: one image at a time) and the accumulation raised to match; None for a batch of one."""
+    if batch_size <= 1:
+        return None
+    smaller = batch_size // 2 if batch_size % 2 == 0 else 1
+    return smaller, accumulate * batch_size // smaller
+
+
+def out_of_memory_message(error: BaseException, trainer: Trainer, batch_size: int, last: Path) -> str:
+    """What to do after the GPU ran out of memory while training: the same images per step in smaller batches where
+    the batch holds more than one, the planner's options otherwise, and where to continue from."""
+    step = trainer.global_step
+    device = trainer.strategy.root_device
+    accumulate = trainer.accumulate_grad_batches
+    what = f"out of GPU memory on {device} while training step {step + 1} ({first_line(error, 160)})"
+    split = smaller_batches(batch_size, accumulate)
+    if split is not None:
+        fix = (
+            f"Train the same {batch_size * accumulate} images per step in smaller batches: --data.batch_size "
+            f"{split[0]} --trainer.accumulate_grad_batches {split[1]}; or run `lightning-lora plan --config ... "
+            "--vram N` (N: the GiB free on the card) for other settings that fit."
+        )
+    else:
+        fix = (
+            "Run `lightning-lora plan --config ... --vram N` (N: the GiB free on the card) for settings that fit "
+            "(gradient checkpointing, the NF4 base, a lower data.resolution)."
+        )
+    if device.type == "cuda":
+        free, total = (b / 2**30 for b in torch.cuda.mem_get_info(device))
+        what += f"; {free:.1f} of {total:.1f} GiB free now, other programs included"
+    again = (
+        f"Checkpoints written so far are intact: continue from {last} with --ckpt_path last."
+        if last.is_file()
+        else "Nothing was written that a new run would need: run the same command again with the change."
+    )
+    return f"{what}. {fix} {again}"
 
 
 def run_summary(trainer: Trainer) -> str:

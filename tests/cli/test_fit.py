@@ -466,3 +466,42 @@ def test_a_library_logging_without_a_handler_goes_to_the_run_log(tmp_path: Path,
         assert not [r for r in caplog.records if r.name.startswith("bitsandbytes")]
     finally:
         library.setLevel(logging.NOTSET)
+
+
+def test_out_of_memory_while_training_names_the_smaller_batches_and_where_to_continue(
+    tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path, capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The GPU running out of memory in a training step (here at step 5, after the checkpoint of step 4) ends the run
+    with one line: the same images per step as smaller batches, and --ckpt_path last, which then continues."""
+    from lightning_lora.module import LoraModule
+
+    step = LoraModule.training_step
+
+    def fails_at_step_5(self: LoraModule, batch: dict, batch_idx: int) -> torch.Tensor:
+        if self.trainer.global_step == 4:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return step(self, batch, batch_idx)
+
+    overrides = {"data.batch_size": 2, "trainer.accumulate_grad_batches": 2}
+    config = write_config(tmp_path, tiny_flux_dir, photos_dir, **overrides)
+    monkeypatch.setattr(LoraModule, "training_step", fails_at_step_5)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(config)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "out of GPU memory" in err and "training step 5" in err and "Tried to allocate 2.00 GiB" in err, err
+    assert "same 4 images per step" in err and "--data.batch_size 1 --trainer.accumulate_grad_batches 4" in err, err
+    assert "--ckpt_path last" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    monkeypatch.undo()
+    smaller = ["--data.batch_size", "1", "--trainer.accumulate_grad_batches", "4"]
+    cli = run_cli(["fit", "--config", str(config), *smaller, "--ckpt_path", "last"])
+    assert cli.trainer.global_step == 8
+
+
+@pytest.mark.parametrize(
+    ("batch", "accumulate", "expected"), [(2, 2, (1, 4)), (4, 1, (2, 2)), (3, 2, (1, 6)), (1, 4, None)]
+)
+def test_smaller_batches_keep_the_images_per_step(batch: int, accumulate: int, expected: tuple | None) -> None:
+    from lightning_lora.cli.fit import smaller_batches
+
+    assert smaller_batches(batch, accumulate) == expected
