@@ -426,18 +426,11 @@ def warn_if_too_big(model: LoraModule, datamodule: LatentDataModule, trainer: Tr
     return plan.peak_gib
 
 
-def smaller_batches(batch_size: int, accumulate: int) -> tuple[int, int] | None:
-    """The same images per optimizer step in smaller batches: ``(batch_size, accumulate_grad_batches)`` with the batch
-    halved (an odd batch: one image at a time) and the accumulation raised to match; None for a batch of one."""
-    if batch_size <= 1:
-        return None
-    smaller = batch_size // 2 if batch_size % 2 == 0 else 1
-    return smaller, accumulate * batch_size // smaller
-
-
 def out_of_memory_message(error: BaseException, trainer: Trainer, batch_size: int, last: Path) -> str:
     """What to do after the GPU ran out of memory while training: the same images per step in smaller batches where
     the batch holds more than one, the planner's options otherwise, and where to continue from."""
+    from lightning_lora.plan import smaller_batches
+
     step = trainer.global_step
     device = trainer.strategy.root_device
     accumulate = trainer.accumulate_grad_batches

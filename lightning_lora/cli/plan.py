@@ -53,7 +53,15 @@ def main(argv: list[str]) -> int:
     size.add_argument("--gpu", default=None, help="a card by name instead of --vram (e.g. 'RTX 4090', 'RTX 3060 12GB')")
     parser.add_argument("--cards", action="store_true", help="the fastest way to run on each common card size")
     args, rest = parser.parse_known_args(argv)
-    from lightning_lora.plan import card_memory, cards_of, cards_table, choose_for_memory, fitting_changes, plan_for
+    from lightning_lora.plan import (
+        card_memory,
+        cards_of,
+        cards_table,
+        choose_for_memory,
+        fitting_changes,
+        larger_batches,
+        plan_for,
+    )
 
     try:
         vram = card_memory(args.gpu) if args.gpu else args.vram
@@ -75,6 +83,14 @@ def main(argv: list[str]) -> int:
             fastest = choose_for_memory(recipe, cli.datamodule, vram, optimizer, shards)
             if fastest is not None and fastest.flags:
                 print(f"  faster, and it still fits: {fastest.line()}")
+            accumulate = int(trainer.get("accumulate_grad_batches") or 1)
+            larger = larger_batches(recipe, cli.datamodule, vram, accumulate, optimizer, shards)
+            if larger is not None:
+                images = cli.datamodule.batch_size * accumulate
+                print(
+                    f"  or the same {images} images a step in larger batches (faster where launches bound the step: "
+                    f"NF4, checkpointing, small images): {larger.line()}"
+                )
         if args.cards:
             print("The fastest way to run on each card size (5% kept free):")
             for gib, fit in cards_table(recipe, cli.datamodule, optimizer, shards=shards):

@@ -502,6 +502,6 @@ def test_out_of_memory_while_training_names_the_smaller_batches_and_where_to_con
     ("batch", "accumulate", "expected"), [(2, 2, (1, 4)), (4, 1, (2, 2)), (3, 2, (1, 6)), (1, 4, None)]
 )
 def test_smaller_batches_keep_the_images_per_step(batch: int, accumulate: int, expected: tuple | None) -> None:
-    from lightning_lora.cli.fit import smaller_batches
+    from lightning_lora.plan import smaller_batches
 
     assert smaller_batches(batch, accumulate) == expected
