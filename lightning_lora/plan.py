@@ -706,8 +706,9 @@ def larger_batches(
     """The same images per optimizer step as fewer, larger batches (:func:`merged_batches`), when that fits ``vram``
     GiB with :data:`OUTSIDE_ALLOCATOR_GIB` kept for the process and 5% of the rest free; None otherwise. A step that
     launches many small kernels (NF4, checkpointed blocks, 512px) pays its launches per batch: FLUX at rank 4 with NF4
-    and every block checkpointed trained 4 images in 1.10 s as 2 x 2 against 2.02 as 4 x 1 on an H200 (call 35), and
-    needed 7.34 GiB for it, which an 8 GB card does not have (out of memory under a 7.5 GiB cap)."""
+    and every block checkpointed trained 4 images in 1.10 s as 2 x 2 against 2.01-2.14 as 4 x 1 (torch's AdamW at
+    both) on an H200 (call 35), and needed 7.34 GiB for it, which an 8 GB card does not have (out of memory under a
+    7.5 GiB cap)."""
     merged = merged_batches(datamodule.batch_size, accumulate)
     if merged is None:
         return None
