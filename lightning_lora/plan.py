@@ -46,6 +46,7 @@ from lightning_lora.recipe import ModelRecipe
 
 __all__ = [
     "CARDS",
+    "HEADROOM",
     "Fit",
     "MemoryPlan",
     "OUTSIDE_ALLOCATOR_GIB",
@@ -72,6 +73,10 @@ GIB = 2**30
 # H200 against tools/bench.py; see BENCHMARKS.md), plus a fixed CUDA context / allocator allowance.
 TRANSIENT_BLOCKS = 3.0
 FIXED_OVERHEAD_GIB = 0.35
+
+HEADROOM = 0.95
+"""The share of a card's memory a planned peak may take ("keeping 5% headroom"): the verdicts, the suggestions, the
+``model.memory`` choice and ``fit``'s warning at start."""
 
 _OPTIMIZER_BYTES = {
     "AdamW": 8.0,
@@ -155,7 +160,7 @@ class MemoryPlan:
         if self.host:
             lines.append(f"  {'host (CPU) memory':<28}{self.host:8.2f} GiB")
         if vram_gib is not None:
-            verdict = "fits" if self.need_gib <= vram_gib * 0.95 else "does NOT fit"
+            verdict = "fits" if self.need_gib <= vram_gib * HEADROOM else "does NOT fit"
             lines.append(f"  -> {verdict} in {vram_gib:g} GiB (keeping 5% headroom)")
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
@@ -627,7 +632,7 @@ class _Planner:
         """The fastest way to run the same training in ``vram`` GiB (5% kept free): a faster change than configured
         (:func:`_faster`) when one fits, else as configured when it fits, else the first memory-saving change that
         fits without changing the data; None when none does."""
-        limit = vram * 0.95
+        limit = vram * HEADROOM
         for flags, changes, _ in _faster(self.recipe):
             peak = self.peak(flags, changes)
             if peak is not None and peak <= limit:
@@ -642,7 +647,7 @@ class _Planner:
         """The alternatives that fit in ``vram`` GiB (5% kept free), fastest first (only the fastest with ``first``);
         offloading with the fewest blocks that fit (it costs PCIe copies per block and step), before changes of the
         data."""
-        limit = vram * 0.95
+        limit = vram * HEADROOM
         found: list[Fit] = []
         if limit <= FIXED_OVERHEAD_GIB:  # not even the CUDA context fits
             return found
@@ -715,7 +720,7 @@ def larger_batches(
     batch, steps = merged
     flags = f"--data.batch_size {batch} --trainer.accumulate_grad_batches {steps}"
     peak = _Planner(recipe, datamodule, optimizer, shards).peak(flags, {}, {"batch_size": batch})
-    if peak is None or peak > (vram - OUTSIDE_ALLOCATOR_GIB) * 0.95:
+    if peak is None or peak > (vram - OUTSIDE_ALLOCATOR_GIB) * HEADROOM:
         return None
     return Fit(flags, peak, data={"batch_size": batch})
 

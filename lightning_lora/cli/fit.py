@@ -405,7 +405,7 @@ def default_checkpoint() -> ModelCheckpoint:
 def warn_if_too_big(model: LoraModule, datamodule: LatentDataModule, trainer: Trainer) -> float | None:
     """Run the memory planner at start and warn before an out-of-memory crash (never blocks the run). Returns the
     predicted training peak in GiB on each GPU (None when the planner cannot run)."""
-    from lightning_lora.plan import plan_for
+    from lightning_lora.plan import HEADROOM, plan_for
 
     device = trainer.strategy.root_device
     try:
@@ -416,7 +416,7 @@ def warn_if_too_big(model: LoraModule, datamodule: LatentDataModule, trainer: Tr
     total = torch.cuda.get_device_properties(device).total_memory / 2**30
     need = plan.run_peak
     message = f"predicted peak GPU memory {need:.1f} GiB of {total:.1f} GiB ({device})"
-    if need > total * 0.95:
+    if need > total * HEADROOM:
         rank_zero_warn(
             f"{message}: this will probably run out of memory. Run `lightning-lora plan --config ... "
             f"--vram {total:.0f}` for options that fit."

@@ -54,6 +54,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--cards", action="store_true", help="the fastest way to run on each common card size")
     args, rest = parser.parse_known_args(argv)
     from lightning_lora.plan import (
+        HEADROOM,
         card_memory,
         cards_of,
         cards_table,
@@ -72,7 +73,7 @@ def main(argv: list[str]) -> int:
         plan = plan_for(recipe, cli.datamodule, optimizer, shards=shards)
         print("Predicted GPU memory (lightning-lora plan):")
         print(plan.report(vram))
-        if vram is not None and plan.run_peak > vram * 0.95:
+        if vram is not None and plan.run_peak > vram * HEADROOM:
             options = fitting_changes(recipe, cli.datamodule, vram, optimizer, shards)
             if options:
                 print("  these changes would fit:")
