@@ -58,7 +58,8 @@ def build_lora_model(recipe: ModelRecipe, device: torch.device | None = None) ->
     for p in trainable_parameters(denoiser):
         p.data = p.data.to(torch.float32)
     if recipe.gradient_checkpointing:
-        apply_gradient_checkpointing(denoiser, recipe.checkpoint_every, recipe.offload_activations)
+        in_blocks = recipe.compile_blocks and family.checkpoints_only_repeated_blocks
+        apply_gradient_checkpointing(denoiser, recipe.checkpoint_every, recipe.offload_activations, in_blocks)
     offload_blocks(denoiser, offloaded, device)
     configure_attention(denoiser, recipe.attention, device, family.cudnn_attention_in_auto)
     if recipe.compile_blocks:
@@ -66,7 +67,9 @@ def build_lora_model(recipe: ModelRecipe, device: torch.device | None = None) ->
     return denoiser.train()
 
 
-def apply_gradient_checkpointing(denoiser: DiffusersModel, every: int = 1, offload_inputs: bool = False) -> int:
+def apply_gradient_checkpointing(
+    denoiser: DiffusersModel, every: int = 1, offload_inputs: bool = False, in_blocks: bool = False
+) -> int:
     """Recompute block activations in the backward pass instead of keeping them.
 
     ``every=1`` is the model's own checkpointing (diffusers' ``enable_gradient_checkpointing``: every block, and the
@@ -74,16 +77,26 @@ def apply_gradient_checkpointing(denoiser: DiffusersModel, every: int = 1, offlo
     double and single blocks, the UNet's transformer blocks) and keeps the others' activations: memory and recompute
     time in between. Block forwards are wrapped in place, so parameter names (and LoRA keys) do not change.
     ``offload_inputs``: the inputs checkpointed blocks keep wait in CPU memory (:class:`InputOffloader`, kept as
-    ``denoiser._lora_input_offloader``). Returns how many blocks were wrapped (0 for ``every=1``).
+    ``denoiser._lora_input_offloader``).
+
+    ``in_blocks``: ``every=1`` done as ``every=N`` does it, each repeated block's ``forward`` under the checkpoint,
+    for a model whose own checkpointing recomputes exactly those blocks (the family's
+    ``checkpoints_only_repeated_blocks``): the same gradients, and what compiled blocks need. Diffusers checkpoints a
+    block by wrapping its call, so a compiled block runs twice in the forward direction (the forward, then the
+    recomputation in the backward) besides its backward; with the checkpoint inside the block, dynamo traces it and
+    the recomputation is part of the block's compiled backward: one call fewer per block and step, a third of the
+    compiled regions' host time on a host-bound step (``flux_8gb`` on an H200: 1.14 against 1.75-2.15 s per step at
+    the same peak; ``qwenimage_24gb`` 2.37 against 3.31, BENCHMARKS.md call 36). Not with ``offload_inputs``, whose
+    saved-tensor hooks stay around the compiled call. Returns how many blocks were wrapped (0: diffusers' own).
     """
     if every < 1:
         raise ConfigError(f"model.checkpoint_every: {every} must be at least 1 (1: every block).")
     offloader = InputOffloader() if offload_inputs else None
     denoiser._lora_input_offloader = offloader
-    if every == 1:
+    blocks = repeated_blocks(denoiser)
+    if every == 1 and (offload_inputs or not in_blocks or not blocks):
         denoiser.enable_gradient_checkpointing(checkpoint_function(offloader))
         return 0
-    blocks = repeated_blocks(denoiser)
     if not blocks:
         raise ConfigError(
             f"model.checkpoint_every: {type(denoiser).__name__} declares no repeated blocks; use checkpoint_every: 1."

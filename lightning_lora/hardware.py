@@ -29,6 +29,8 @@ The functions here only read torch's answers, so tests can fake a HIP build by p
 
 from __future__ import annotations
 
+import os
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -36,7 +38,16 @@ import torch
 
 from lightning_lora.errors import ConfigError
 
-__all__ = ["Backend", "check_attention", "detect", "fp8_compute_supported", "fp8_dtype", "free_memory_gib"]
+__all__ = [
+    "ALLOCATOR_SETTINGS",
+    "Backend",
+    "check_attention",
+    "detect",
+    "fp8_compute_supported",
+    "fp8_dtype",
+    "free_memory_gib",
+    "set_allocator_defaults",
+]
 
 Kind = Literal["cuda", "rocm", "cpu", "mps"]
 
@@ -137,3 +148,28 @@ def free_memory_gib(device: torch.device | str) -> float | None:
         return None
     free, _total = torch.cuda.mem_get_info(device)
     return free / 2**30
+
+
+ALLOCATOR_SETTINGS = "expandable_segments:True"
+"""The GPU memory allocator's settings a run takes unless its user set their own (:func:`set_allocator_defaults`)."""
+ALLOCATOR_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
+
+
+def set_allocator_defaults(environ: MutableMapping[str, str] | None = None) -> bool:
+    """Let PyTorch's caching allocator grow its memory segments in place (``expandable_segments:True``) unless the
+    user configured the allocator (any of :data:`ALLOCATOR_VARIABLES` set, to anything: ``PYTORCH_CUDA_ALLOC_CONF=
+    expandable_segments:False`` restores PyTorch's default). Returns whether it set them.
+
+    By default the allocator keeps the blocks it carved for one size of tensor, and a run whose phases allocate in
+    other sizes (training steps, then the sample images' decode) can run out of memory with enough free in total
+    but none in one piece. On an H200 capped at 7.0 GiB (an 8 GB card that drives a display), ``flux_8gb`` as shipped
+    ran out of memory drawing its samples that way (6.95 GiB reserved for 6.65 allocated), and with expandable
+    segments trained, sampled (6.84 GiB) and exported at the same speed, 6.64 reserved (BENCHMARKS.md call 36).
+
+    The allocator reads the setting when it starts, at the first GPU allocation: the command sets it first thing.
+    """
+    environ = os.environ if environ is None else environ
+    if any(name in environ for name in ALLOCATOR_VARIABLES):
+        return False
+    environ["PYTORCH_CUDA_ALLOC_CONF"] = ALLOCATOR_SETTINGS
+    return True

@@ -9,13 +9,23 @@ from pathlib import Path
 import pytest
 import torch
 from diffusers import FluxTransformer2DModel
-from helpers import build_model, build_tiny, count_compiled_graphs, graph_count, lora_model, random_inputs
+from helpers import (
+    build_model,
+    build_tiny,
+    count_compiled,
+    count_compiled_graphs,
+    graph_count,
+    lora_model,
+    nonzero_lora_b,
+    random_inputs,
+)
 
-from lightning_lora.assembly import compile_repeated_blocks
+from lightning_lora.assembly import apply_gradient_checkpointing, compile_repeated_blocks
 from lightning_lora.errors import ConfigError
 from lightning_lora.families.base import ModelSource
 from lightning_lora.families.flux import Flux
 from lightning_lora.lora import LoraOptions, resolve_targets, trainable_parameters
+from lightning_lora.offload import repeated_blocks
 
 ATTENTION_SUFFIXES = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0")
 
@@ -182,6 +192,77 @@ def test_checkpoint_every_n_blocks(tiny_flux_dir: Path) -> None:
         torch.testing.assert_close(half[name], grad)
     with pytest.raises(ConfigError, match="checkpoint_every"):
         _grads_and_saved(tiny_flux_dir, True, 0)
+
+
+def test_checkpointing_inside_each_block_is_diffusers_checkpointing(tiny_flux_dir: Path) -> None:
+    """``in_blocks``: each repeated block's forward under the checkpoint instead of diffusers' wrapping of its call:
+    the same loss and gradients bit for bit, the same tensors kept for the backward (the blocks' inputs), and the
+    block's own ``forward`` marked as recomputed (what offloading asks, ``ensure_recomputed``)."""
+    from lightning_lora.live_bytes import saved_activation_bytes
+
+    outside, inside = build_tiny(tiny_flux_dir, 0), build_tiny(tiny_flux_dir, 0)  # the same seed: the same model
+    assert apply_gradient_checkpointing(outside, 1) == 0 and outside.is_gradient_checkpointing
+    blocks = repeated_blocks(inside)
+    assert apply_gradient_checkpointing(inside, 1, in_blocks=True) == len(blocks) >= 2
+    assert not inside.is_gradient_checkpointing and all(getattr(b.forward, "recomputed", False) for b in blocks)
+    inputs = random_inputs(Flux(), inside, seed=1)
+    assert saved_activation_bytes(inside, inputs)[0] == saved_activation_bytes(outside, inputs)[0]
+    plain = build_tiny(tiny_flux_dir, 0)
+    assert saved_activation_bytes(inside, inputs)[0] < saved_activation_bytes(plain, inputs)[0] / 2
+    losses, grads = [], []
+    for model in (outside, inside):
+        loss = model(**inputs)[0].square().mean()
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.requires_grad})
+    assert torch.equal(*losses) and grads[0].keys() == grads[1].keys() and len(grads[0]) > 10
+    assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
+    # offloading keeps diffusers' checkpointing: its saved-tensor hooks go around the (compiled) block's call
+    offloaded = build_tiny(tiny_flux_dir, 0)
+    assert apply_gradient_checkpointing(offloaded, 1, offload_inputs=True, in_blocks=True) == 0
+    assert offloaded.is_gradient_checkpointing
+
+
+def test_compiled_blocks_are_checkpointed_inside_and_run_once_a_step_not_twice(
+    tiny_flux_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``compile_blocks`` and every block checkpointed, a family whose checkpointing is its repeated blocks
+    (``checkpoints_only_repeated_blocks``) has the checkpoint traced inside each compiled block: a training step calls
+    each compiled block once, where diffusers' wrapping calls it again to recompute it in the backward (each call
+    several milliseconds of host time on a GPU, BENCHMARKS.md call 36). The same gradients both ways. Counted with a
+    backend that runs the traced graphs (no code generation)."""
+    graphs, calls = count_compiled(monkeypatch)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tiny_flux_dir.parent / "compile-cache"))
+    family = Flux(max_sequence_length=8)
+    per_step, grads, blocks = {}, {}, 0
+    for inside in (True, False):
+        monkeypatch.setattr(Flux, "checkpoints_only_repeated_blocks", inside)
+        torch._dynamo.reset()
+        try:
+            torch.manual_seed(0)
+            model = build_model(
+                family,
+                ModelSource(str(tiny_flux_dir), dtype=torch.float32),
+                LoraOptions(rank=2),
+                gradient_checkpointing=True,
+                compile_blocks=True,
+            )
+            nonzero_lora_b(model)
+            assert model.is_gradient_checkpointing is not inside
+            inputs = random_inputs(family, model, 1, size=(32, 32))
+            model.train()(**inputs)[0].square().mean().backward()  # the first step compiles
+            model.zero_grad()
+            calls.clear()
+            model(**inputs)[0].square().mean().backward()
+            per_step[inside] = sum(calls.values())
+            grads[inside] = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+            blocks = len(repeated_blocks(model))
+        finally:
+            torch._dynamo.reset()
+    assert graphs and blocks >= 2
+    assert per_step == {True: blocks, False: 2 * blocks}
+    for name, grad in grads[False].items():
+        torch.testing.assert_close(grads[True][name], grad)
 
 
 def _bf16_step(folder: Path, skip_casts: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:

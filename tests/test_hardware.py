@@ -190,3 +190,28 @@ def test_every_family_lets_auto_use_cudnn_attention() -> None:
     from lightning_lora.families import FAMILIES
 
     assert FAMILIES and all(family.cudnn_attention_in_auto for family in FAMILIES.values())
+
+
+def test_allocator_grows_segments_unless_the_user_configured_it() -> None:
+    from lightning_lora.hardware import ALLOCATOR_SETTINGS, set_allocator_defaults
+
+    environ: dict[str, str] = {"HOME": "/home/me"}
+    assert set_allocator_defaults(environ) and environ["PYTORCH_CUDA_ALLOC_CONF"] == ALLOCATOR_SETTINGS
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF"):
+        mine = {name: "expandable_segments:False"}
+        assert not set_allocator_defaults(mine) and mine == {name: "expandable_segments:False"}
+
+
+def test_the_command_sets_the_allocator_before_a_verb_runs(monkeypatch) -> None:
+    """The allocator reads its settings once, at the first GPU allocation: the command sets them before any verb."""
+    import os
+
+    from lightning_lora.cli import main
+
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF"):
+        monkeypatch.setenv(name, "")  # then removed: monkeypatch restores the variable as it was before the test
+        monkeypatch.delenv(name)
+    with pytest.raises(SystemExit) as exit_:
+        main(["export", "--help"])
+    assert exit_.value.code == 0
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"

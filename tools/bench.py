@@ -87,6 +87,7 @@ from lightning_lora.families.qwenimage import QWEN_IMAGE_VAE
 from lightning_lora.families.sd15 import SD15_VAE
 from lightning_lora.families.sdxl import SDXL_VAE
 from lightning_lora.families.unet import NoiseSchedule, UNetFamily
+from lightning_lora.hardware import ALLOCATOR_VARIABLES, set_allocator_defaults
 from lightning_lora.lora import LoraOptions, set_lora_input_casts
 from lightning_lora.module import LoraModule
 from lightning_lora.parallel import resolve_strategy, shard_count
@@ -1218,6 +1219,7 @@ def header(a: argparse.Namespace) -> dict[str, Any]:
         out["memory_limit_GiB"] = a.memory_limit
     if a.denoiser:
         out["denoiser"] = a.denoiser
+    out["allocator"] = next((f"{v}={os.environ[v]}" for v in ALLOCATOR_VARIABLES if v in os.environ), "default")
     return out
 
 
@@ -1319,6 +1321,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    set_allocator_defaults()  # as the lightning-lora command does, before anything touches the GPU
     a = parse_args(argv)
     try:
         out = run(a)

@@ -275,6 +275,12 @@ class DiffusionFamily(ABC):
     every later block's inputs do, so that dynamo compiles one graph for the first block and the rest, not two (it
     guards on ``requires_grad``): a quarter less to compile and to trace again at each start (BENCHMARKS.md). The
     price is the first block's input gradient, one block's worth of input-gradient matmuls."""
+    checkpoints_only_repeated_blocks: ClassVar[bool] = True
+    """Whether diffusers' gradient checkpointing of the denoiser recomputes exactly its repeated blocks
+    (``_repeated_blocks``: FLUX's double and single blocks, Z-Image's refiners and layers), so that checkpointing
+    inside each of those blocks is the same checkpointing. Compiled blocks are checkpointed that way
+    (:func:`lightning_lora.assembly.apply_gradient_checkpointing`); the UNets' checkpointing also recomputes their
+    ResNets, which are no repeated blocks."""
     text_encoders: ClassVar[tuple[str, ...]]
     """The pipeline components (subfolders) whose weights the prompt embeddings depend on: every one the family's
     :meth:`encode_prompts` runs. The text cache key is made from their identities, so a changed encoder never serves

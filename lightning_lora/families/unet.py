@@ -103,6 +103,7 @@ class UNetFamily(DiffusionFamily):
     denoiser_class: ClassVar[str] = "UNet2DConditionModel"
     # The transformer blocks alone leave the ResNets' ~600 small kernels a step eager (group norms, SiLU, convs).
     compiled_regions: ClassVar[tuple[str, ...]] = ("ResnetBlock2D",)
+    checkpoints_only_repeated_blocks: ClassVar[bool] = False  # diffusers also checkpoints the ResNets
     latent_divisor: ClassVar[int] = 8
     # Not measured for the UNets: FLUX's 0.78 of the eager count as it was made before call 33, rebased to the count
     # made as the GPU runs, under autocast (the group and layer norms keep float32 copies: SDXL's and SD1.5's eager

@@ -151,6 +151,31 @@ def test_training_loss_is_finite_and_reaches_every_lora_tensor(family: Diffusion
     assert all(p.grad.abs().max() > 0 for n, p in trainable.items() if "lora_B" in n)
 
 
+def test_checkpointing_recomputes_the_repeated_blocks_as_the_family_says(
+    family: DiffusionFamily, model_dir: Path
+) -> None:
+    """``checkpoints_only_repeated_blocks``: compiled blocks are checkpointed inside each repeated block rather than by
+    diffusers (``assembly.apply_gradient_checkpointing``), the same checkpointing only where diffusers recomputes the
+    repeated blocks that run and nothing else. Recorded: the modules diffusers hands its checkpointing function, and
+    the repeated blocks that ran (a family's optional blocks, Z-Image's SigLIP refiner, may not run)."""
+    from lightning_lora.offload import repeated_blocks
+
+    model = family.load_denoiser(ModelSource(str(model_dir), dtype=torch.float32)).train()
+    handed: list[int] = []
+    ran: list[int] = []
+
+    def record(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        handed.append(id(module))
+        return module(*args, **kwargs)
+
+    model.enable_gradient_checkpointing(record)
+    for block in repeated_blocks(model):
+        block.register_forward_pre_hook(lambda module, args: ran.append(id(module)))
+    model(**random_inputs(family, model, 1))
+    assert handed and ran
+    assert (sorted(handed) == sorted(ran)) is family.checkpoints_only_repeated_blocks
+
+
 def test_fit_lowers_the_fixed_eval_loss(runs: Runs) -> None:
     assert runs.cli_a.trainer.global_step == STEPS
     check_fit_lowers_eval_loss(runs.cli_a)

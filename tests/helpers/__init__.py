@@ -38,7 +38,7 @@ from helpers.cli import (
     write_config,
 )
 from helpers.diffusers_quirks import allow_any_flux_width, diffusers_kohya_reads_flux_widths
-from helpers.graphs import count_compiled_graphs, graph_count
+from helpers.graphs import count_compiled, count_compiled_graphs, graph_count
 from helpers.models import (
     ALPHA,
     RANK,
@@ -63,6 +63,7 @@ from helpers.resume import (
 )
 
 __all__ = [
+    "count_compiled",
     "count_compiled_graphs",
     "graph_count",
     "ALPHA",

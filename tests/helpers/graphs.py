@@ -16,7 +16,14 @@ import torch
 def count_compiled_graphs(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[int]]:
     """Patch ``nn.Module.compile`` (for the test) to record each graph under the compiled module's class name; returns
     that record, ``{class name: [node count of each graph]}``, which fills as the compiled modules run."""
+    return count_compiled(monkeypatch)[0]
+
+
+def count_compiled(monkeypatch: pytest.MonkeyPatch) -> tuple[dict[str, list[int]], dict[str, int]]:
+    """:func:`count_compiled_graphs`' record, and ``{class name: calls}``: how often the compiled graphs of each class
+    were run (each call into a compiled region; the backward of a graph is not a call)."""
     graphs: dict[str, list[int]] = {}
+    calls: dict[str, int] = {}
     backends: dict[str, Any] = {}
     original = torch.nn.Module.compile
 
@@ -25,7 +32,12 @@ def count_compiled_graphs(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[int
 
             def counting_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
                 graphs.setdefault(name, []).append(len(gm.graph.nodes))
-                return gm.forward
+
+                def run(*args: Any) -> Any:
+                    calls[name] = calls.get(name, 0) + 1
+                    return gm.forward(*args)
+
+                return run
 
             backends[name] = counting_backend
         return backends[name]
@@ -35,7 +47,7 @@ def count_compiled_graphs(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[int
         original(self, backend=backend_for(type(self).__name__), **kwargs)
 
     monkeypatch.setattr(torch.nn.Module, "compile", compile_with_counter)
-    return graphs
+    return graphs, calls
 
 
 def graph_count(graphs: dict[str, list[int]]) -> int:
