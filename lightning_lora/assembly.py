@@ -84,9 +84,9 @@ def apply_gradient_checkpointing(
     ``checkpoints_only_repeated_blocks``): the same gradients, and what compiled blocks need. Diffusers checkpoints a
     block by wrapping its call, so a compiled block runs twice in the forward direction (the forward, then the
     recomputation in the backward) besides its backward; with the checkpoint inside the block, dynamo traces it and
-    the recomputation is part of the block's compiled backward: one call fewer per block and step, a third of the
-    compiled regions' host time on a host-bound step (``flux_8gb`` on an H200: 1.14 against 1.75-2.15 s per step at
-    the same peak; ``qwenimage_24gb`` 2.37 against 3.31, BENCHMARKS.md call 36). Not with ``offload_inputs``, whose
+    the recomputation is part of the block's compiled backward: one call fewer per block and step, which counts on a
+    host-bound step (``flux_8gb`` on an H200: 1.14 against 1.75-2.15 s per step at the same peak; ``qwenimage_24gb``
+    2.37 against 3.31, BENCHMARKS.md call 36). Not with ``offload_inputs``, whose
     saved-tensor hooks stay around the compiled call. Returns how many blocks were wrapped (0: diffusers' own).
     """
     if every < 1:

@@ -40,6 +40,7 @@ from lightning_lora.errors import ConfigError
 
 __all__ = [
     "ALLOCATOR_SETTINGS",
+    "ALLOCATOR_VARIABLES",
     "Backend",
     "check_attention",
     "detect",
@@ -153,6 +154,7 @@ def free_memory_gib(device: torch.device | str) -> float | None:
 ALLOCATOR_SETTINGS = "expandable_segments:True"
 """The GPU memory allocator's settings a run takes unless its user set their own (:func:`set_allocator_defaults`)."""
 ALLOCATOR_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
+"""The environment variables PyTorch reads its allocator's settings from: a user who set any of them chose their own."""
 
 
 def set_allocator_defaults(environ: MutableMapping[str, str] | None = None) -> bool:
