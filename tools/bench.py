@@ -65,6 +65,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -1317,11 +1318,33 @@ def parser() -> argparse.ArgumentParser:
         help="the samples' size in pixels (default: the config's; --tiny: --h x --w)",
     )
     p.add_argument("--profile", default="", help="write a torch.profiler summary of the timed steps to this file")
+    p.add_argument(
+        "--allocator",
+        default="command",
+        choices=list(ALLOCATORS),
+        help="command: the allocator settings the lightning-lora command starts with (expandable segments unless "
+        "PYTORCH_CUDA_ALLOC_CONF is set); default: PyTorch's own (expandable_segments:False)",
+    )
     return p
 
 
+ALLOCATORS: dict[str, str | None] = {"command": None, "default": "expandable_segments:False"}
+"""``--allocator`` -> the ``PYTORCH_CUDA_ALLOC_CONF`` it sets before anything touches the GPU (None: the command's)."""
+
+
+def set_allocator(choice: str, environ: MutableMapping[str, str] | None = None) -> None:
+    """``--allocator``: PyTorch's default settings (``default``) or the command's (``command``,
+    :func:`set_allocator_defaults`); either way a variable the user set wins. Before anything touches the GPU."""
+    environ = os.environ if environ is None else environ
+    settings = ALLOCATORS[choice]
+    if settings is not None and not any(name in environ for name in ALLOCATOR_VARIABLES):
+        environ["PYTORCH_CUDA_ALLOC_CONF"] = settings
+    set_allocator_defaults(environ)
+
+
 def main(argv: list[str] | None = None) -> None:
-    set_allocator_defaults()  # as the lightning-lora command does, before anything touches the GPU
+    # Before anything touches the GPU, so before --config is read: its class paths import GPU libraries.
+    set_allocator(parser().parse_known_args(argv)[0].allocator)
     a = parse_args(argv)
     try:
         out = run(a)
