@@ -46,12 +46,13 @@ demo: $(VENV)/.installed
 		--trainer.default_root_dir runs/demo/$$(date +%Y%m%d-%H%M%S)
 
 # Test processes (pytest-xdist): one per core of a 2-core CI machine, tests handed out one by one (a fresh clone here:
-# 7m32 for 758 tests; whole files per process left one core idle, 15m19). PYTEST_WORKERS=0 runs them in this process.
+# 7m32 for 758 tests; whole files per process left one core idle, 15m19), but the tests of one xdist_group go to one
+# process together (the 2-process DDP run that tests/test_fsdp.py and tests/test_multinode.py compare with is made once). PYTEST_WORKERS=0 runs them in this process.
 # The 20 slowest tests are listed at the end: CI has to stay well under 15 minutes on 2 cores.
 PYTEST_WORKERS ?= 2
 
 test: check
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist load --durations=20
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup --durations=20
 
 check: $(VENV)/.installed
 	$(BIN)/ruff check lightning_lora tests tools

@@ -117,3 +117,20 @@ def photos_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         Image.fromarray(_photo(name)).save(folder / f"{name}.png")
         (folder / f"{name}.txt").write_text(PHOTOS[name])
     return folder
+
+
+@pytest.fixture(scope="session")
+def ddp_run(tmp_path_factory: pytest.TempPathFactory, tiny_flux_dir: Path, photos_dir: Path) -> Path:
+    """The config of a finished 1 node x 2 processes DDP run (Lightning starts the second process) of
+    :data:`helpers.resume.DDP_RUN_STEPS` steps in :data:`helpers.resume.DDP_RUN_LAYOUT`, made with
+    :func:`helpers.resume_config` (a checkpoint every step); the folder above it holds the built ``cache``, for the
+    runs that compare with it. tests/test_fsdp.py and tests/test_multinode.py compare their layouts with it: their
+    tests share ``xdist_group("ddp_run")``, so one process of ``make test`` runs it once for both."""
+    from helpers import fit_in_subprocess, resume_config
+    from helpers.resume import DDP_RUN_LAYOUT, DDP_RUN_STEPS
+
+    root = tmp_path_factory.mktemp("ddp_run")
+    config = resume_config(root, tiny_flux_dir, photos_dir, "ddp", steps=DDP_RUN_STEPS, **DDP_RUN_LAYOUT)
+    run = fit_in_subprocess(config)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return config

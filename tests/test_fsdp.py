@@ -22,21 +22,18 @@ from typing import Any
 import pytest
 import torch
 from helpers import fit_in_subprocess, resume_config
+from helpers.resume import DDP_RUN_LAYOUT, DDP_RUN_STEPS
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.subprocess
 
-STEPS, STOP = 5, 3
+STEPS, STOP = DDP_RUN_STEPS, 3
 SAMPLES = {
     "class_path": "lightning_lora.callbacks.SampleImages",
     "init_args": {"prompts": ["a photo of sks cat"], "every_n_steps": 0, "steps": 2, "height": 32, "width": 32},
 }
 FSDP: dict[str, Any] = {"trainer.strategy": "fsdp", "callbacks": [SAMPLES]}  # samples: every rank draws, in step
-LAYOUT: dict[str, Any] = {
-    "trainer.devices": 2,
-    "data.batch_size": 1,  # per process: a global batch of 2
-    "data.max_aspect_ratio": 1.0,  # square buckets only: every global batch is full
-}
+LAYOUT: dict[str, Any] = {k: v for k, v in DDP_RUN_LAYOUT.items() if k != "trainer.strategy"}  # 2 processes, batch 1
 
 
 def run(config: Path, *extra: str) -> str:
@@ -66,18 +63,11 @@ def assert_equal_state(a: dict[str, Any], b: dict[str, Any]) -> None:
         assert torch.equal(rng_a["torch"], rng_b["torch"])
 
 
-@pytest.fixture(scope="module")
-def ddp(tmp_path_factory: pytest.TempPathFactory, tiny_flux_dir: Path, photos_dir: Path) -> Path:
-    """A finished 2-process DDP run of :data:`STEPS` steps, checkpointed every step (its folder's cache is built)."""
-    root = tmp_path_factory.mktemp("fsdp")
-    config = resume_config(root, tiny_flux_dir, photos_dir, "ddp", steps=STEPS, **LAYOUT, **{"trainer.strategy": "ddp"})
-    run(config)
-    return config
-
-
+@pytest.mark.xdist_group("ddp_run")  # the shared run (tests/conftest.py), made once per process
 def test_fsdp_trains_what_ddp_trains_resumes_and_exports_its_checkpoint(
-    ddp: Path, tiny_flux_dir: Path, photos_dir: Path
+    ddp_run: Path, tiny_flux_dir: Path, photos_dir: Path
 ) -> None:
+    ddp = ddp_run
     root = ddp.parent.parent
     config = resume_config(root, tiny_flux_dir, photos_dir, "fsdp", steps=STEPS, **LAYOUT, **FSDP)
     run(config, "--trainer.max_steps", str(STOP))

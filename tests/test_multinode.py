@@ -19,17 +19,15 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import NodeRun, assert_same_run, fit_in_subprocess, fit_on_nodes, resume_config
+from helpers import NodeRun, assert_same_run, fit_on_nodes, resume_config
+from helpers.resume import DDP_RUN_LAYOUT, DDP_RUN_STEPS
 
 pytestmark = pytest.mark.subprocess
 
-STEPS, STOP = 5, 3
-"""5 steps of a global batch of 2 out of 4 images: the stop at step 3 is inside the second epoch."""
-LAYOUT: dict[str, Any] = {
-    "trainer.strategy": "ddp",
-    "data.batch_size": 1,  # per process: a global batch of 2
-    "data.max_aspect_ratio": 1.0,  # square buckets only: every global batch is full (a partial one cannot be split)
-}
+STEPS, STOP = DDP_RUN_STEPS, 3
+"""The shared 1-node run's 5 steps of a global batch of 2 out of 4 images: the stop at step 3 is inside the second
+epoch."""
+LAYOUT: dict[str, Any] = {k: v for k, v in DDP_RUN_LAYOUT.items() if k != "trainer.devices"}  # 1 process a node
 
 
 def check(runs: list[NodeRun]) -> None:
@@ -55,24 +53,15 @@ def assert_equal_state(a: dict[str, Any], b: dict[str, Any]) -> None:
         assert torch.equal(state_a["torch"], state_b["torch"])
 
 
-@pytest.fixture(scope="module")
-def one_node(tmp_path_factory: pytest.TempPathFactory, tiny_flux_dir: Path, photos_dir: Path) -> Path:
-    """The config of a finished 1 node x 2 processes run (Lightning starts the second process), checkpointed every
-    step; its folder's ``cache`` is built, for the runs that compare with it."""
-    root = tmp_path_factory.mktemp("layouts")
-    config = resume_config(root, tiny_flux_dir, photos_dir, "one_node", steps=STEPS, **LAYOUT, **{"trainer.devices": 2})
-    run = fit_in_subprocess(config)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return config
-
-
+@pytest.mark.xdist_group("ddp_run")  # the 1-node run is the shared one (tests/conftest.py), made once per process
 def test_two_nodes_train_what_one_node_trains_and_resume_exactly(
-    one_node: Path, tiny_flux_dir: Path, photos_dir: Path
+    ddp_run: Path, tiny_flux_dir: Path, photos_dir: Path
 ) -> None:
     """2 nodes x 1 process, started with SLURM's environment (``srun --nodes 2 --ntasks-per-node 1``: Lightning's
     SLURMEnvironment takes the ranks), stopped at step 3, and resumed with ``--ckpt_path last`` under torchrun's (a
     requeued job may well come back under another launcher): both launchers in one run, each checked against the
     1-node run."""
+    one_node = ddp_run
     config = resume_config(one_node.parent.parent, tiny_flux_dir, photos_dir, "two_nodes", steps=STEPS, **LAYOUT)
     check(fit_on_nodes(config, "--trainer.max_steps", str(STOP), launcher="slurm"))
     assert_equal_state(trained_state(one_node, STOP), trained_state(config, STOP))

@@ -14,6 +14,17 @@ from helpers.cli import run_cli, write_config
 
 STEPS = 10
 
+DDP_RUN_STEPS = 5
+"""The steps of the shared ``ddp_run`` fixture (tests/conftest.py): a global batch of 2 out of 4 images, so a stop at
+step 3 is inside the second epoch."""
+DDP_RUN_LAYOUT: dict[str, Any] = {
+    "trainer.devices": 2,
+    "trainer.strategy": "ddp",
+    "data.batch_size": 1,  # per process: a global batch of 2
+    "data.max_aspect_ratio": 1.0,  # square buckets only: every global batch is full (a partial one cannot be split)
+}
+"""The ``ddp_run`` fixture's layout: 1 node x 2 processes of DDP."""
+
 
 def resume_config(
     tmp_path: Path, model_dir: Path, photos: Path, name: str, accumulate: int = 1, steps: int = STEPS, **extra: Any
