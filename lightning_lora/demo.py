@@ -86,10 +86,11 @@ def prepare(out: Path) -> tuple[Path, Path]:
 def _quiet() -> None:
     """The demo prints its two lines: the libraries' notes (no torchvision here) and their save progress bars are not
     for the user (set before transformers / diffusers are imported, so their import-time notes are quiet too)."""
-    import logging
     import os
 
-    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # its CPU kernel note (AVX-512 BF16 CPUs)
+    from lightning_lora.cli.console import quiet_library_loggers
+
+    quiet_library_loggers()  # bitsandbytes' CPU kernel note (AVX-512 BF16 CPUs), the ``kernels`` package's notes
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")

@@ -7,10 +7,12 @@ installed, bitsandbytes' "Failed to load CPU gemm_4bit_forward" (even without NF
 hint that the data loader has few workers (ours serves cached tensors), and a "checkpoint directory is not empty" note
 on every resume. None of it asks the user to do anything, and it buries what does. :class:`Console` routes it:
 
-* transformers' and diffusers' loggers lose their console handler and write to the run log, and so does
-  bitsandbytes' logger (:data:`LIBRARY_LOGGERS`: it has no handler of its own, so Python's last-resort handler would
-  print its warnings, e.g. the CPU kernel note on a CPU with AVX-512 BF16 when the optional ``kernels`` package is
-  missing);
+* transformers' and diffusers' loggers lose their console handler and write to the run log;
+* a record from any other library that logs with no handler of its own would reach Python's handler of last resort,
+  which prints it: :class:`LastResort` takes that place (``logging.lastResort``) and writes it to the run log instead
+  (bitsandbytes' CPU kernel note on a CPU with AVX-512 BF16, and the note of the ``kernels`` package that
+  transformers >= 5.25 installs, that it skips its publisher check offline). Our own warnings, and any library's
+  error, still print;
 * Lightning's console handler drops its chatter lines (:data:`CHATTER`), which go to the run log;
 * a Python warning is shown when it comes from lightning-lora or from Lightning (minus :data:`WARNING_CHATTER`);
   any other library's warning goes to the run log, and the run summary says how many there were.
@@ -29,7 +31,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, TextIO
 
-__all__ = ["CHATTER", "LIBRARY_LOGGERS", "LOG_NAME", "WARNING_CHATTER", "Console", "quiet_library_loggers"]
+__all__ = ["CHATTER", "LOG_NAME", "WARNING_CHATTER", "Console", "LastResort", "quiet_library_loggers"]
 
 LOG_NAME = "lightning-lora.log"
 
@@ -61,10 +63,6 @@ WARNING_CHATTER = re.compile(
 )
 """Warnings from Lightning or lightning-lora's dependencies that the run log keeps instead of the console."""
 
-LIBRARY_LOGGERS = ("bitsandbytes",)
-"""Libraries that log with the standard ``logging`` module and no handler of their own: their records go to the run
-log (:class:`Console`), or nowhere below ERROR for the commands without a run folder (:func:`quiet_library_loggers`)."""
-
 _OURS = ("lightning_lora",)
 _SHOWN_PACKAGES = ("lightning_lora", "lightning", "lightning_fabric", "pytorch_lightning")
 
@@ -77,11 +75,41 @@ def _package_of(filename: str) -> str:
     return ""
 
 
+def _is_ours(name: str) -> bool:
+    return any(name == package or name.startswith(f"{package}.") for package in _OURS)
+
+
+class LastResort(logging.Handler):
+    """Python's handler of last resort while a command runs (``logging.lastResort``: it receives the records of every
+    logger that has no handler up its chain). lightning-lora's records, and any library's error, go to the handler it
+    replaced (which prints them on stderr); a library's other records go to ``target`` (the run log), or nowhere when
+    ``target`` is None. ``restore()`` puts the previous handler back."""
+
+    def __init__(self, target: logging.Handler | None) -> None:
+        self.previous = logging.lastResort
+        super().__init__(self.previous.level if self.previous is not None else logging.WARNING)
+        self.target = target
+
+    def install(self) -> LastResort:
+        logging.lastResort = self
+        return self
+
+    def restore(self) -> None:
+        if logging.lastResort is self:
+            logging.lastResort = self.previous
+
+    def emit(self, record: logging.LogRecord) -> None:
+        ours = _is_ours(record.name)
+        if (ours or record.levelno >= logging.ERROR) and self.previous is not None:
+            self.previous.handle(record)
+        if not ours and self.target is not None:
+            self.target.handle(record)
+
+
 def quiet_library_loggers() -> None:
-    """For the commands that keep no run log (``plan``, ``cache``, ``export``): :data:`LIBRARY_LOGGERS` print errors
-    only."""
-    for name in LIBRARY_LOGGERS:
-        logging.getLogger(name).setLevel(logging.ERROR)
+    """For the commands that keep no run log (``plan``, ``cache``, ``export``): a library that logs with no handler of
+    its own prints its errors only (:class:`LastResort`, for the rest of the process)."""
+    LastResort(target=None).install()
 
 
 class Console:
@@ -96,7 +124,7 @@ class Console:
         self.library_warnings = 0
         self._showwarning: Any = None
         self._filtered: list[logging.Handler] = []
-        self._routed: list[tuple[logging.Logger, bool]] = []  # library loggers and their ``propagate`` before
+        self._last_resort: LastResort | None = None
 
     # -- setting up ---------------------------------------------------------------------------------------------
     def install(self) -> None:
@@ -113,11 +141,7 @@ class Console:
                 continue
             module.disable_default_handler()
             module.add_handler(self.memory)
-        for name in LIBRARY_LOGGERS:
-            logger = logging.getLogger(name)
-            self._routed.append((logger, logger.propagate))
-            logger.addHandler(self.memory)
-            logger.propagate = False  # not to the root logger, whose last-resort handler prints to the console
+        self._last_resort = LastResort(target=self.memory).install()
 
     def attach(self, folder: str | Path) -> None:
         """Write what waited in memory, and everything from now on, to ``<folder>/lightning-lora.log``."""
@@ -141,10 +165,9 @@ class Console:
         for handler in self._filtered:
             handler.removeFilter(self._lightning_line)
         self._filtered.clear()
-        for logger, propagate in self._routed:
-            logger.removeHandler(self.memory)
-            logger.propagate = propagate
-        self._routed.clear()
+        if self._last_resort is not None:
+            self._last_resort.restore()
+            self._last_resort = None
         self.memory.flush()
         if self.file is not None:
             self.file.close()

@@ -443,29 +443,47 @@ def test_the_progress_bar_counts_optimizer_steps(tmp_path: Path, tiny_flux_dir: 
 BNB_NOTE = "Failed to load CPU gemm_4bit_forward from kernels-community: No module named 'kernels'"
 """What bitsandbytes 0.50 logs when it is imported on a CPU with AVX-512 BF16 without the optional ``kernels``."""
 
+KERNELS_NOTE = "Skipping publisher trust check for 'kernels-community/quantization-bitsandbytes' because Hugging Face"
+"""What ``kernels`` 0.19 (transformers 5.25 installs it) logs when bitsandbytes asks it for that CPU kernel offline."""
 
-def test_a_library_logging_without_a_handler_goes_to_the_run_log(tmp_path: Path, caplog) -> None:
-    """bitsandbytes logs with ``logging`` and no handler of its own: Python's last-resort handler would print its note
-    on the console. During ``fit`` it goes to the run log only; ``plan`` / ``cache`` / ``export`` keep no run log and
-    drop it."""
+
+def test_a_library_logging_without_a_handler_goes_to_the_run_log(
+    tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bitsandbytes and ``kernels`` log with ``logging`` and no handler of their own: Python's last-resort handler
+    would print their notes on the console. During ``fit`` they go to the run log only, while our own warnings and a
+    library's error still print; ``plan`` / ``cache`` / ``export`` keep no run log and drop the notes."""
     from lightning_lora.cli.console import Console
 
-    logger = logging.getLogger("bitsandbytes.backends.cpu.ops")
-    with caplog.at_level(logging.INFO), Console() as console:
-        logger.warning(BNB_NOTE)
+    # The logging set-up of the ``lightning-lora`` process: no handler on the root logger (pytest's are set aside), so
+    # a record that no handler takes reaches Python's handler of last resort, which prints it on stderr.
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])
+    monkeypatch.setattr(logging, "lastResort", logging.lastResort)  # put back whatever ``plan`` leaves
+    before = logging.lastResort
+    libraries = logging.getLogger("bitsandbytes.backends.cpu.ops"), logging.getLogger("kernels._internals.hf_hub")
+    with Console() as console:
+        libraries[0].warning(BNB_NOTE)
+        libraries[1].warning(KERNELS_NOTE)
+        logging.getLogger("lightning_lora.data.build").warning("note: ours")
+        libraries[1].error("a library's error")
         console.attach(tmp_path)
-    assert not [r for r in caplog.records if r.name.startswith("bitsandbytes")]  # it never reached the root logger
-    assert BNB_NOTE in (tmp_path / "lightning-lora.log").read_text()
-    assert logging.getLogger("bitsandbytes").propagate  # as it was, after the command
-    library = logging.getLogger("bitsandbytes")
-    try:
-        with pytest.raises(SystemExit):
-            main(["plan", "--config", str(REPO / "configs" / "tiny_cpu.yaml")])
-        with caplog.at_level(logging.INFO, logger="lightning_lora"):
-            logger.warning(BNB_NOTE)
-        assert not [r for r in caplog.records if r.name.startswith("bitsandbytes")]
-    finally:
-        library.setLevel(logging.NOTSET)
+    err = capsys.readouterr().err
+    assert BNB_NOTE not in err and KERNELS_NOTE not in err
+    assert "note: ours" in err and "a library's error" in err
+    run_log = (tmp_path / "lightning-lora.log").read_text()
+    assert BNB_NOTE in run_log and KERNELS_NOTE in run_log and "note: ours" not in run_log
+    assert logging.lastResort is before  # as it was, after the command
+    libraries[1].warning(KERNELS_NOTE)
+    assert KERNELS_NOTE in capsys.readouterr().err  # printed again: the routing ended with the command
+
+    with pytest.raises(SystemExit):
+        main(["plan", "--config", str(REPO / "configs" / "tiny_cpu.yaml")])
+    capsys.readouterr()
+    for library in libraries:
+        library.warning(BNB_NOTE)
+    logging.getLogger("lightning_lora.cli.plan").warning("note: ours")
+    err = capsys.readouterr().err
+    assert BNB_NOTE not in err and "note: ours" in err
 
 
 def test_out_of_memory_while_training_names_the_smaller_batches_and_where_to_continue(
