@@ -405,6 +405,18 @@ def process_age() -> float | None:
     return uptime - started / os.sysconf("SC_CLK_TCK")
 
 
+def cpu_stolen_s() -> float | None:
+    """Seconds of CPU time the hypervisor gave other guests, summed over this machine's CPUs since boot (Linux: the
+    ``steal`` column of /proc/stat; None elsewhere). Its growth over the timed steps says whether a virtual machine's
+    neighbours took the host's cores while a launch-bound step waited for them."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK")  # cpu user nice system idle iowait irq softirq steal
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def compiled_graphs() -> int:
     """How many graphs torch.compile has compiled in this process so far (Dynamo's counter)."""
     from torch._dynamo.utils import counters
@@ -415,7 +427,13 @@ def compiled_graphs() -> int:
 class StepTimer(Callback):
     """Times the optimizer steps after the warm-up; peak memory over the same window. Also the start: the first
     optimizer step's time from the start of training (``first_step_s``: compiling, or loading compiled code from the
-    cache) and from the start of the process (``to_first_step_s``: what a user waits for the first step)."""
+    cache) and from the start of the process (``to_first_step_s``: what a user waits for the first step).
+
+    Where each timed step's time went, to tell a host-bound step from a GPU-bound one: ``host_cpu_s_each`` is the CPU
+    time of the training thread during the step (``time.thread_time``) up to the synchronization at its end, and
+    ``sync_wait_s_each`` the wait in that synchronization (the GPU still working after the host launched the step).
+    A step whose wall time is mostly host CPU is launch-bound; mostly the wait, GPU-bound; neither, the thread was off
+    its core (``cpu_stolen_s``: steal time over the timed steps, all CPUs; ``load_1m``: the load average after)."""
 
     def __init__(self, warm: int, steps: int) -> None:
         self.warm, self.steps = warm, steps
@@ -423,6 +441,10 @@ class StepTimer(Callback):
         self._t0 = 0.0
         self._train_start = 0.0
         self._ends: list[float] = []
+        self._cpu: list[float] = []  # thread CPU time: at the start, then after each timed step's synchronization
+        self._busy: list[float] = []  # thread CPU time of each timed step before its synchronization
+        self._waits: list[float] = []
+        self._stolen: float | None = None
         self._graphs = 0
 
     def _sync(self) -> None:
@@ -441,6 +463,8 @@ class StepTimer(Callback):
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
             self._t0 = time.perf_counter()
+            self._cpu = [time.thread_time()]
+            self._stolen = cpu_stolen_s()
             self._graphs = compiled_graphs()
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -455,8 +479,12 @@ class StepTimer(Callback):
             and self.warm < trainer.global_step <= self.warm + self.steps
             and len(self._ends) < (trainer.global_step - self.warm)
         ):
+            launched, cpu = time.perf_counter(), time.thread_time()
             self._sync()  # each timed step's own time: a one-off cost (a recompile) shows as one slow step
             self._ends.append(time.perf_counter())
+            self._busy.append(cpu - self._cpu[-1])
+            self._waits.append(self._ends[-1] - launched)
+            self._cpu.append(time.thread_time())
         if trainer.global_step == self.warm + self.steps:
             seconds = (self._ends[-1] - self._t0) / self.steps
             self.result["s_per_step"] = round(seconds, 4)
@@ -464,6 +492,12 @@ class StepTimer(Callback):
             each = [b - a for a, b in zip(starts, self._ends, strict=True)]
             self.result["step_s_each"] = [round(t, 4) for t in each]
             self.result["s_per_step_median"] = round(statistics.median(each), 4)  # robust to one slow step
+            self.result["host_cpu_s_each"] = [round(t, 4) for t in self._busy]
+            self.result["sync_wait_s_each"] = [round(t, 4) for t in self._waits]
+            stolen = cpu_stolen_s()
+            if stolen is not None and self._stolen is not None:
+                self.result["cpu_stolen_s"] = round(stolen - self._stolen, 2)
+            self.result["load_1m"] = round(os.getloadavg()[0], 2)
             self.result["graphs_compiled_timed"] = compiled_graphs() - self._graphs
             self.result["cudnn_sdpa"] = torch.backends.cuda.cudnn_sdp_enabled()  # what model.attention chose
             images = len(batch["latents"]) * trainer.world_size * trainer.accumulate_grad_batches

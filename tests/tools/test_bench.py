@@ -42,6 +42,11 @@ def test_bench_runs_our_module_on_a_tiny_model(
     if loop == "lightning":  # each timed step's time, and no compile (nothing is compiled here)
         assert len(out["step_s_each"]) == 1 and out["step_s_each"][0] > 0 and out["graphs_compiled_timed"] == 0
         assert out["s_per_step_median"] == out["step_s_each"][0]
+        # where the step went: the training thread's CPU time and the wait at its end fit inside its wall time (on
+        # the CPU the step is all host: the wait is nothing)
+        (busy,), (wait,) = out["host_cpu_s_each"], out["sync_wait_s_each"]
+        assert 0 < busy and 0 <= wait < 0.01 and busy + wait <= out["step_s_each"][0] + 0.002
+        assert out["load_1m"] >= 0 and out.get("cpu_stolen_s", 0) >= 0
     assert out["planned_peak_GiB"] >= out["planned"]["overhead"] > 0  # tiny model: little beyond the CUDA context
     assert {"weights", "lora", "activations", "transient"} <= out["planned"].keys()
     assert ("offloaded_inputs_GiB_per_step" in out) == bool(offload_act)  # on the CPU nothing moves
