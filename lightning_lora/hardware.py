@@ -39,11 +39,15 @@ import torch
 from lightning_lora.errors import ConfigError
 
 __all__ = [
+    "ALLOCATORS",
     "ALLOCATOR_SETTINGS",
     "ALLOCATOR_VARIABLES",
+    "Allocator",
+    "allocator_conflict",
     "Backend",
     "check_attention",
     "detect",
+    "expandable_segments",
     "fp8_compute_supported",
     "fp8_dtype",
     "free_memory_gib",
@@ -151,27 +155,66 @@ def free_memory_gib(device: torch.device | str) -> float | None:
     return free / 2**30
 
 
-ALLOCATOR_SETTINGS = "expandable_segments:True"
-"""The GPU memory allocator's settings a run takes unless its user set their own (:func:`set_allocator_defaults`)."""
+Allocator = Literal["expandable_segments", "pytorch_default"]
+"""A config's ``allocator``: the GPU memory allocator's settings for the run (:data:`ALLOCATORS`)."""
+ALLOCATORS: dict[str, str] = {
+    "expandable_segments": "expandable_segments:True",
+    "pytorch_default": "expandable_segments:False",
+}
+"""``allocator`` -> the ``PYTORCH_CUDA_ALLOC_CONF`` the command sets for it."""
+ALLOCATOR_SETTINGS = ALLOCATORS["expandable_segments"]
+"""The GPU memory allocator's settings a run takes unless its config or its user chose others
+(:func:`set_allocator_defaults`)."""
 ALLOCATOR_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
 """The environment variables PyTorch reads its allocator's settings from: a user who set any of them chose their own."""
 
 
-def set_allocator_defaults(environ: MutableMapping[str, str] | None = None) -> bool:
-    """Let PyTorch's caching allocator grow its memory segments in place (``expandable_segments:True``) unless the
-    user configured the allocator (any of :data:`ALLOCATOR_VARIABLES` set, to anything: ``PYTORCH_CUDA_ALLOC_CONF=
-    expandable_segments:False`` restores PyTorch's default). Returns whether it set them.
+def set_allocator_defaults(environ: MutableMapping[str, str] | None = None, choice: Allocator | None = None) -> bool:
+    """Set the allocator's settings for the run: the config's ``allocator`` (``choice``), or by default let PyTorch's
+    caching allocator grow its memory segments in place (``expandable_segments:True``), unless the user configured
+    the allocator (any of :data:`ALLOCATOR_VARIABLES` set, to anything: ``PYTORCH_CUDA_ALLOC_CONF=
+    expandable_segments:False`` is PyTorch's default), which wins. Returns whether it set them.
 
     By default the allocator keeps the blocks it carved for one size of tensor, and a run whose phases allocate in
     other sizes (training steps, then the sample images' decode) can run out of memory with enough free in total
     but none in one piece. On an H200 capped at 7.0 GiB (an 8 GB card that drives a display), ``flux_8gb`` as shipped
     ran out of memory drawing its samples that way (6.95 GiB reserved for 6.65 allocated), and with expandable
-    segments trained, sampled (6.84 GiB) and exported at the same speed, 6.64 reserved (BENCHMARKS.md call 36).
+    segments trained, sampled (6.84 GiB) and exported at the same speed, 6.64 reserved (BENCHMARKS.md call 36). With
+    room to spare, PyTorch's default was the faster one for the SDXL UNet (calls 37-38): ``allocator:
+    pytorch_default``.
 
-    The allocator reads the setting when it starts, at the first GPU allocation: the command sets it first thing.
+    The allocator reads the setting when it starts, at the first GPU allocation, and importing a GPU library
+    (bitsandbytes asks for the GPU's compute capability) starts it: the command sets it first thing, before it parses
+    the config (:func:`lightning_lora.cli.config_allocator` reads the choice from the command line and its files).
     """
     environ = os.environ if environ is None else environ
     if any(name in environ for name in ALLOCATOR_VARIABLES):
         return False
-    environ["PYTORCH_CUDA_ALLOC_CONF"] = ALLOCATOR_SETTINGS
+    environ["PYTORCH_CUDA_ALLOC_CONF"] = ALLOCATORS[choice or "expandable_segments"]
     return True
+
+
+def expandable_segments(settings: str) -> bool:
+    """Whether allocator settings (``PYTORCH_CUDA_ALLOC_CONF``'s ``key:value,...``) grow segments in place (PyTorch's
+    default: no)."""
+    for item in settings.split(","):
+        key, _, value = item.partition(":")
+        if key.strip() == "expandable_segments":
+            return value.strip().lower() == "true"
+    return False
+
+
+def allocator_conflict(choice: Allocator | None, environ: MutableMapping[str, str] | None = None) -> str | None:
+    """A warning when the config chose an ``allocator`` (``choice``) that an environment variable overrides (the
+    variable wins: :func:`set_allocator_defaults`), else None."""
+    environ = os.environ if environ is None else environ
+    if choice is None:
+        return None
+    wanted = expandable_segments(ALLOCATORS[choice])
+    for name in ALLOCATOR_VARIABLES:
+        if name in environ and expandable_segments(environ[name]) != wanted:
+            return (
+                f"allocator: {choice} is not used: {name}={environ[name]} is set and wins; unset {name} to run "
+                "with the config's allocator"
+            )
+    return None

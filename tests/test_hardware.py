@@ -215,3 +215,50 @@ def test_the_command_sets_the_allocator_before_a_verb_runs(monkeypatch) -> None:
         main(["export", "--help"])
     assert exit_.value.code == 0
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+
+
+def test_a_configs_allocator_is_read_before_the_parser_in_the_order_the_parser_applies(tmp_path) -> None:
+    """``allocator`` must act before the config's classes import a GPU library (bitsandbytes starts CUDA): the command
+    reads it from the files and flags first, the last one winning as in the parser; what it cannot read it leaves to
+    the parser."""
+    from lightning_lora.cli.peek import config_allocator
+
+    slow, fast, bad = (tmp_path / f"{n}.yaml" for n in ("slow", "fast", "bad"))
+    slow.write_text("allocator: pytorch_default\nmodel: {}\n")
+    fast.write_text("allocator: expandable_segments\n")
+    bad.write_text("allocator: [\n")
+    assert config_allocator(["fit", "--config", str(slow)]) == "pytorch_default"
+    assert config_allocator(["fit", f"--config={slow}", "--allocator", "expandable_segments"]) == "expandable_segments"
+    assert config_allocator(["fit", "--allocator=expandable_segments", "-c", str(slow)]) == "pytorch_default"
+    assert config_allocator(["fit", "-c", str(slow), "--config", str(fast)]) == "expandable_segments"
+    assert config_allocator(["fit", "-c", str(slow), "--config", str(bad), "--trainer.max_steps", "3"]) == (
+        "pytorch_default"
+    )
+    assert config_allocator(["fit", "--config", str(tmp_path / "missing.yaml")]) is None
+    assert config_allocator(["fit", "--allocator", "pytorch_defualt"]) is None  # the parser names the typo
+    assert config_allocator(["fit", "-c", str(slow), "--allocator", "null"]) is None
+
+
+def test_the_command_applies_the_configs_allocator_and_a_users_variable_wins(tmp_path, monkeypatch) -> None:
+    import os
+
+    from lightning_lora.cli import main
+    from lightning_lora.hardware import allocator_conflict, expandable_segments, set_allocator_defaults
+
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    config = tmp_path / "sdxl.yaml"
+    config.write_text("allocator: pytorch_default\n")
+    with pytest.raises(SystemExit):
+        main(["export", "--config", str(config), "--help"])
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:False"
+    assert allocator_conflict("pytorch_default") is None  # what the command set is what the config asked for
+
+    mine = {"PYTORCH_ALLOC_CONF": "garbage_collection_threshold:0.8,expandable_segments:True"}
+    assert not set_allocator_defaults(mine, choice="pytorch_default") and len(mine) == 1
+    assert expandable_segments(mine["PYTORCH_ALLOC_CONF"]) and not expandable_segments("max_split_size_mb:128")
+    message = allocator_conflict("pytorch_default", mine)
+    assert message and "PYTORCH_ALLOC_CONF=garbage_collection_threshold:0.8,expandable_segments:True" in message
+    assert "allocator: pytorch_default" in message and "unset PYTORCH_ALLOC_CONF" in message
+    assert allocator_conflict("expandable_segments", mine) is None and allocator_conflict(None, mine) is None

@@ -80,6 +80,7 @@ from lightning_lora import objectives
 from lightning_lora.callbacks import LoraExport, RNGState, RunFolder, SampleImages
 from lightning_lora.checkpoint import AtomicCheckpointIO
 from lightning_lora.cli.fit import default_checkpoint
+from lightning_lora.cli.peek import config_allocator
 from lightning_lora.families import SD15, SDXL, DiffusionFamily, Flux, Flux2, QwenImage, ZImage
 from lightning_lora.families.base import ModelSource, build_from_config
 from lightning_lora.families.flux import FLUX1_VAE
@@ -1356,8 +1357,9 @@ def parser() -> argparse.ArgumentParser:
         "--allocator",
         default="command",
         choices=list(ALLOCATORS),
-        help="command: the allocator settings the lightning-lora command starts with (expandable segments unless "
-        "PYTORCH_CUDA_ALLOC_CONF is set); default: PyTorch's own (expandable_segments:False)",
+        help="command: the allocator settings the lightning-lora command starts with (the --config's allocator, "
+        "else expandable segments, unless PYTORCH_CUDA_ALLOC_CONF is set); default: PyTorch's own "
+        "(expandable_segments:False)",
     )
     return p
 
@@ -1366,19 +1368,22 @@ ALLOCATORS: dict[str, str | None] = {"command": None, "default": "expandable_seg
 """``--allocator`` -> the ``PYTORCH_CUDA_ALLOC_CONF`` it sets before anything touches the GPU (None: the command's)."""
 
 
-def set_allocator(choice: str, environ: MutableMapping[str, str] | None = None) -> None:
+def set_allocator(choice: str, environ: MutableMapping[str, str] | None = None, config: str | None = None) -> None:
     """``--allocator``: PyTorch's default settings (``default``) or the command's (``command``,
-    :func:`set_allocator_defaults`); either way a variable the user set wins. Before anything touches the GPU."""
+    :func:`set_allocator_defaults`: ``config``'s ``allocator``, as ``fit`` takes it); either way a variable the user
+    set wins. Before anything touches the GPU."""
     environ = os.environ if environ is None else environ
     settings = ALLOCATORS[choice]
     if settings is not None and not any(name in environ for name in ALLOCATOR_VARIABLES):
         environ["PYTORCH_CUDA_ALLOC_CONF"] = settings
-    set_allocator_defaults(environ)
+    chosen = config_allocator(["--config", config]) if config else None
+    set_allocator_defaults(environ, choice=chosen)
 
 
 def main(argv: list[str] | None = None) -> None:
     # Before anything touches the GPU, so before --config is read: its class paths import GPU libraries.
-    set_allocator(parser().parse_known_args(argv)[0].allocator)
+    early = parser().parse_known_args(argv)[0]
+    set_allocator(early.allocator, config=early.config)
     a = parse_args(argv)
     try:
         out = run(a)

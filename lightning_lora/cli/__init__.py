@@ -30,9 +30,10 @@ VERBS: dict[str, str] = {
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``lightning-lora`` command; exits with the verb's status."""
     args = sys.argv[1:] if argv is None else list(argv)
+    from lightning_lora.cli.peek import config_allocator
     from lightning_lora.hardware import set_allocator_defaults
 
-    set_allocator_defaults()  # before anything touches the GPU
+    set_allocator_defaults(choice=config_allocator(args))  # before anything touches the GPU
     # A file name with a byte that is not UTF-8 must not crash a print under a strict UTF-8 locale.
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(errors="backslashreplace")

@@ -33,7 +33,7 @@ import sys
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Optional
 
 import torch
 from lightning.fabric.plugins import CheckpointIO
@@ -50,8 +50,10 @@ from lightning_lora.callbacks.resume import GracefulStop, RNGState, RunFolder
 from lightning_lora.callbacks.samples import SampleImages
 from lightning_lora.checkpoint import STAMP, AtomicCheckpointIO, check_compatible, read_checkpoint, resolve_resume
 from lightning_lora.cli.console import Console
+from lightning_lora.cli.peek import config_files, read_config_file
 from lightning_lora.data.datamodule import LatentDataModule
 from lightning_lora.errors import ConfigError, first_line
+from lightning_lora.hardware import Allocator, allocator_conflict
 from lightning_lora.module import LoraModule, primitive_hparams
 from lightning_lora.parallel import check_strategy, resolve_strategy, shards_of
 from lightning_lora.precision import BasePrecision, check_trainer_precision, for_trainer_precision, precision_of
@@ -90,6 +92,22 @@ class LoraCLI(LightningCLI):
             args=args,
             run=run,
         )
+
+    def add_arguments_to_parser(self, parser: Any) -> None:
+        parser.add_argument(
+            "--allocator",
+            type=Optional[Allocator],  # noqa: UP045 - jsonargparse reads the annotation at run time (Python 3.10)
+            default=None,
+            help="the GPU memory allocator's settings: expandable_segments (null: the command's default) or "
+            "pytorch_default; a PYTORCH_CUDA_ALLOC_CONF set in the environment wins",
+        )
+
+    def before_instantiate_classes(self) -> None:
+        """The config's ``allocator`` was applied before parsing (:func:`lightning_lora.cli.main`); say so when an
+        environment variable overrides it."""
+        conflict = allocator_conflict(self._get(self.config, "allocator"))
+        if conflict:
+            rank_zero_warn(conflict)
 
     def parse_arguments(self, parser: Any, args: Any) -> None:
         """LightningCLI's parsing, after :func:`check_moved_options` (a one-line error for an option that moved)."""
@@ -275,26 +293,18 @@ def check_moved_options(args: Any) -> None:
     if not isinstance(args, list | tuple):
         return
     found: list[str] = []
-    for i, arg in enumerate(args):
+    for arg in args:
         arg = str(arg)
         found += [option for option in MOVED_OPTIONS if arg == f"--{option}" or arg.startswith(f"--{option}.")]
-        if arg == "--config" and i + 1 < len(args):
-            found += _moved_in_file(Path(str(args[i + 1])))
-        elif arg.startswith("--config="):
-            found += _moved_in_file(Path(arg.split("=", 1)[1]))
+    for path in config_files(args):
+        found += _moved_in_file(path)
     if found:
         option = found[0]
         raise ConfigError(f"{option} is no longer an option: {MOVED_OPTIONS[option]}.")
 
 
 def _moved_in_file(path: Path) -> list[str]:
-    import yaml
-
-    try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
-        return []  # the parser names the file and its problem
-    model = data.get("model") if isinstance(data, dict) else None
+    model = read_config_file(path).get("model")  # a file it cannot read: the parser names the file and its problem
     if not isinstance(model, dict):
         return []
     return [option for option in MOVED_OPTIONS if option.split(".", 1)[1] in model]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -523,3 +524,23 @@ def test_smaller_batches_keep_the_images_per_step(batch: int, accumulate: int, e
     from lightning_lora.plan import smaller_batches
 
     assert smaller_batches(batch, accumulate) == expected
+
+
+def test_the_configs_allocator_is_kept_in_the_run_and_a_variable_that_overrides_it_is_named(
+    tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``allocator`` is an option of the config (applied by the command before it parses: tests/test_hardware.py):
+    the run's config.yaml keeps it, and when PYTORCH_CUDA_ALLOC_CONF says otherwise the run says which one it uses."""
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    config = write_config(
+        tmp_path, tiny_flux_dir, photos_dir, **{"trainer.max_steps": 1, "allocator": "pytorch_default"}
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run_cli(["fit", "--config", str(config)])
+    named = [str(w.message) for w in caught if "allocator: pytorch_default is not used" in str(w.message)]
+    assert named == [
+        "allocator: pytorch_default is not used: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True is set and wins; "
+        "unset PYTORCH_CUDA_ALLOC_CONF to run with the config's allocator"
+    ]
+    assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["allocator"] == "pytorch_default"

@@ -194,6 +194,15 @@ def test_bench_allocator_is_the_commands_or_pytorchs_and_a_users_setting_wins(
     assert environ == {"PYTORCH_CUDA_ALLOC_CONF": expected}
 
 
+def test_bench_takes_the_configs_allocator_as_fit_does(tmp_path) -> None:
+    """A shipped config's ``allocator`` is what ``--allocator command`` (the default) measures with."""
+    config = tmp_path / "sdxl.yaml"
+    config.write_text("allocator: pytorch_default\n")
+    environ: dict[str, str] = {}
+    bench.set_allocator("command", environ, config=str(config))
+    assert environ == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}
+
+
 @pytest.mark.parametrize(
     ("section", "class_path", "option"),
     [

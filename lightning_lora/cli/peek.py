@@ -1,0 +1,69 @@
+"""What the command reads from its arguments before the config parser runs: the ``--config`` files, and the options
+that must act before anything the parser imports does (the GPU allocator's settings, :func:`config_allocator`).
+
+Only ``yaml.safe_load`` reads the files here, and a file or value this cannot read is left to the parser, which names
+the file or the option; nothing here raises.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:
+    from lightning_lora.hardware import Allocator
+
+__all__ = ["config_allocator", "config_files", "read_config_file"]
+
+_CONFIG_FLAGS = ("--config", "-c")
+
+
+def _config_and_flags(args: Sequence[Any]) -> list[tuple[str, str]]:
+    """``("config", path)`` and ``("--option", value)`` pairs of ``args``, in the order the parser applies them."""
+    pairs: list[tuple[str, str]] = []
+    items = [str(a) for a in args]
+    for i, arg in enumerate(items):
+        name, eq, value = arg.partition("=")
+        if not eq:
+            if i + 1 >= len(items):
+                continue
+            value = items[i + 1]
+        if name in _CONFIG_FLAGS:
+            pairs.append(("config", value))
+        elif name.startswith("--"):
+            pairs.append((name, value))
+    return pairs
+
+
+def config_files(args: Sequence[Any]) -> list[Path]:
+    """The files given with ``--config`` / ``--config=`` / ``-c`` in ``args``, in order."""
+    return [Path(value) for kind, value in _config_and_flags(args) if kind == "config"]
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """A config file's top-level mapping (``yaml.safe_load``), or ``{}`` when it cannot be read as one."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def config_allocator(args: Sequence[Any]) -> Allocator | None:
+    """The ``allocator`` the command line chooses (:data:`lightning_lora.hardware.ALLOCATORS`): the last of the
+    ``--allocator`` flags and the ``--config`` files that set it, as the parser applies them; None when none does or
+    the value is not one of the choices (the parser then names the option)."""
+    from lightning_lora.hardware import ALLOCATORS
+
+    choice: Any = None
+    for kind, value in _config_and_flags(args):
+        if kind == "config":
+            choice = read_config_file(Path(value)).get("allocator", choice)
+        elif kind == "--allocator":
+            choice = value
+    if choice in ("null", "None"):
+        return None
+    return cast("Allocator", choice) if isinstance(choice, str) and choice in ALLOCATORS else None
