@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -39,6 +39,19 @@ def pytest_configure(config: pytest.Config) -> None:
         "subprocess: starts another process (the lightning-lora command, DDP ranks, a Python that is killed, "
         'hadolint); deselect with -m "not subprocess" to run the in-process suite',
     )
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers() -> Iterator[None]:
+    """Each test starts with the process's SIGINT / SIGTERM handlers as they were: Lightning leaves SIGINT ignored
+    after a run it stopped on a KeyboardInterrupt, and a test process runs many tests."""
+    import signal
+
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for sig, handler in before.items():
+        if handler is not None:  # None: not installed from Python, nothing to put back
+            signal.signal(sig, handler)
 
 
 @pytest.fixture(scope="session")

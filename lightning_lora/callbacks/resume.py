@@ -167,9 +167,11 @@ class GracefulStop(Callback):
 
     def _handler(self, signum: int, frame: Any) -> None:
         self.requested = signum
-        # A second signal gets the original behaviour (KeyboardInterrupt / termination).
+        # A second signal gets the original behaviour (KeyboardInterrupt / termination), or Python's default where the
+        # signal was ignored before: Lightning leaves SIGINT ignored after a run it stopped on a KeyboardInterrupt, so
+        # a second run in the same process (a notebook) would otherwise never exit on the second Ctrl-C.
         for sig, previous in self._previous.items():
-            signal.signal(sig, previous)
+            signal.signal(sig, _exits_at_once(sig, previous))
         name = signal.Signals(signum).name
         print(
             f"\n{name} received: saving a checkpoint after this step. Press Ctrl-C again to exit at once.", flush=True
@@ -207,6 +209,14 @@ class GracefulStop(Callback):
             except ValueError:
                 pass
         self._previous.clear()
+
+
+def _exits_at_once(sig: int, previous: Any) -> Any:
+    """The handler a second ``sig`` gets: ``previous``, unless that ignores it (``SIG_IGN``, or None: not installed
+    from Python), then Python's own (KeyboardInterrupt for SIGINT, termination for SIGTERM)."""
+    if previous is None or previous == signal.SIG_IGN:
+        return signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
+    return previous
 
 
 def _last_path(trainer: Trainer) -> str | None:

@@ -185,14 +185,17 @@ def test_checkpoint_holds_only_the_adapter(uninterrupted) -> None:
     assert path.stat().st_size < 4 * lora_bytes + 64_000
 
 
-def test_second_ctrl_c_exits_at_once(tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path) -> None:
+@pytest.mark.parametrize("before", ["default", "ignored"])
+def test_second_ctrl_c_exits_at_once(tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path, before: str) -> None:
+    """Also when SIGINT was ignored before the run: Lightning leaves it so after a run it stopped on a
+    KeyboardInterrupt, and a second run in the same process (a notebook) must still exit on the second Ctrl-C."""
     import signal
 
     from lightning_lora.cli import main
 
     interrupt = {"class_path": "helpers.crash.InterruptAt", "init_args": {"batch": 3, "times": 2}}
     config = resume_config(tmp_path, tiny_flux_dir, photos_dir, "b", callbacks=[interrupt])
-    previous = signal.getsignal(signal.SIGINT)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler if before == "default" else signal.SIG_IGN)
     try:
         with pytest.raises(SystemExit) as exit_info:  # Lightning exits with 1 on a KeyboardInterrupt; we say 130
             main(["fit", "--config", str(config)])
