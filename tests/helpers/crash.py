@@ -34,7 +34,7 @@ class InterruptAt(Callback):
 
     To this thread (the training loop's), so that each signal's handler runs before the next is sent: sent to the
     process, a signal may land on another of its threads after ``os.kill`` returns, and two signals still pending
-    together are delivered as one (the second Ctrl-C then never comes: a test under load saw that)."""
+    together are delivered as one."""
 
     def __init__(self, batch: int, times: int = 1, signal_name: str = "SIGINT") -> None:
         self.batch = batch
