@@ -41,6 +41,16 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """A test module's ``GROUP_BY = "<fixture>"``: its tests that share that parametrized fixture's value go to one
+    process of ``make test`` (one ``xdist_group`` per value), so a module-scoped fixture built from it is built once.
+    Marked as each test is collected: pytest-xdist reads the groups when the collection is modified."""
+    name = getattr(getattr(item, "module", None), "GROUP_BY", None)
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if name and name in params:
+        item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}-{params[name]}"))  # type: ignore[attr-defined]
+
+
 @pytest.fixture(autouse=True)
 def _signal_handlers() -> Iterator[None]:
     """Each test starts with the process's SIGINT / SIGTERM handlers as they were: Lightning leaves SIGINT ignored

@@ -89,6 +89,11 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], str]] = {
 CASES.update({case: (name, init_args) for case, (name, init_args, _) in VARIANTS.items()})
 
 
+GROUP_BY = "case"
+"""``make test`` hands a case's tests to one process (tests/conftest.py), which trains its ``runs`` once: handed out one
+by one, the tests that read them trained them in both processes (~70 s of the suite)."""
+
+
 @pytest.fixture(scope="module", params=list(CASES))
 def case(request: pytest.FixtureRequest) -> str:
     return str(request.param)
@@ -125,6 +130,18 @@ def runs(
     run_cli(["fit", "--config", str(b), "--trainer.max_steps", str(STOP)])
     cli_b = run_cli(["fit", "--config", str(b), "--ckpt_path", "last"])
     return Runs(family, model_dir, a, b, cli_a, cli_b)
+
+
+def test_a_cases_tests_go_to_one_process_together(request: pytest.FixtureRequest) -> None:
+    """``GROUP_BY``: every test of a case carries that case's ``xdist_group`` (tests/conftest.py), so the process that
+    runs them trains its ``runs`` once (tests/test_suite.py checks that the groups reach one process)."""
+    here = [item for item in request.session.items if item.path == request.node.path]
+    grouped = {
+        item.callspec.params["case"]: {m.args[0] for m in item.iter_markers("xdist_group")}  # type: ignore[attr-defined]
+        for item in here
+        if hasattr(item, "callspec")
+    }
+    assert grouped and all(groups == {f"test_contract-{case}"} for case, groups in grouped.items()), grouped
 
 
 def test_the_registry_holds_the_families() -> None:
