@@ -52,14 +52,20 @@ def pytest_itemcollected(item: pytest.Item) -> None:
 
 
 @pytest.fixture(autouse=True)
-def _signal_handlers() -> Iterator[None]:
-    """Each test starts with the process's SIGINT / SIGTERM handlers as they were: Lightning leaves SIGINT ignored
-    after a run it stopped on a KeyboardInterrupt, and a test process runs many tests."""
+def _process_globals() -> Iterator[None]:
+    """What one test changes in the process, the next does not inherit (a test process runs many tests, in an order
+    that changes with the suite): the SIGINT / SIGTERM handlers (Lightning leaves SIGINT ignored after a run it stopped
+    on a KeyboardInterrupt) and ``F.scaled_dot_product_attention`` (lightning_lora.attention replaces it; a recording
+    SDPA left by tests/test_attention.py once failed 11 later tests of one process)."""
     import signal
 
-    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    import torch.nn.functional as F
+
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    sdpa = F.scaled_dot_product_attention
     yield
-    for sig, handler in before.items():
+    F.scaled_dot_product_attention = sdpa  # type: ignore[assignment]
+    for sig, handler in handlers.items():
         if handler is not None:  # None: not installed from Python, nothing to put back
             signal.signal(sig, handler)
 

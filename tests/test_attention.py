@@ -23,11 +23,14 @@ from lightning_lora.lora import LoraOptions
 
 @pytest.fixture
 def matching() -> Iterator[None]:
+    before = F.scaled_dot_product_attention
     attention.hand_sdpa_matching_gradients(True)
     try:
         yield
     finally:
-        attention.hand_sdpa_matching_gradients(False)
+        # What was there before, not hand_sdpa_matching_gradients(False): a test that replaced PLAIN_SDPA (undone
+        # after this teardown) would leave its recording SDPA installed for every later test of the process.
+        F.scaled_dot_product_attention = before
 
 
 def recording_sdpa() -> tuple[Any, list[tuple[tuple[int, ...], tuple[int, ...]]]]:
