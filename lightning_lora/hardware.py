@@ -185,7 +185,7 @@ def set_allocator_defaults(environ: MutableMapping[str, str] | None = None, choi
 
     The allocator reads the setting when it starts, at the first GPU allocation, and importing a GPU library
     (bitsandbytes asks for the GPU's compute capability) starts it: the command sets it first thing, before it parses
-    the config (:func:`lightning_lora.cli.config_allocator` reads the choice from the command line and its files).
+    the config (:func:`lightning_lora.cli.peek.config_allocator` reads the choice from the command line and its files).
     """
     environ = os.environ if environ is None else environ
     if any(name in environ for name in ALLOCATOR_VARIABLES):

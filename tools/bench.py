@@ -90,6 +90,7 @@ from lightning_lora.families.sd15 import SD15_VAE
 from lightning_lora.families.sdxl import SDXL_VAE
 from lightning_lora.families.unet import NoiseSchedule, UNetFamily
 from lightning_lora.hardware import ALLOCATOR_VARIABLES, set_allocator_defaults
+from lightning_lora.hardware import ALLOCATORS as ALLOCATOR_CHOICES
 from lightning_lora.lora import LoraOptions, set_lora_input_casts
 from lightning_lora.module import LoraModule
 from lightning_lora.parallel import resolve_strategy, shard_count
@@ -442,7 +443,7 @@ class StepTimer(Callback):
         self._t0 = 0.0
         self._train_start = 0.0
         self._ends: list[float] = []
-        self._cpu: list[float] = []  # thread CPU time: at the start, then after each timed step's synchronization
+        self._cpu = 0.0  # thread CPU time at the start of the timed steps, then after each one's synchronization
         self._busy: list[float] = []  # thread CPU time of each timed step before its synchronization
         self._waits: list[float] = []
         self._stolen: float | None = None
@@ -464,7 +465,7 @@ class StepTimer(Callback):
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
             self._t0 = time.perf_counter()
-            self._cpu = [time.thread_time()]
+            self._cpu = time.thread_time()
             self._stolen = cpu_stolen_s()
             self._graphs = compiled_graphs()
 
@@ -483,9 +484,9 @@ class StepTimer(Callback):
             launched, cpu = time.perf_counter(), time.thread_time()
             self._sync()  # each timed step's own time: a one-off cost (a recompile) shows as one slow step
             self._ends.append(time.perf_counter())
-            self._busy.append(cpu - self._cpu[-1])
+            self._busy.append(cpu - self._cpu)
             self._waits.append(self._ends[-1] - launched)
-            self._cpu.append(time.thread_time())
+            self._cpu = time.thread_time()
         if trainer.global_step == self.warm + self.steps:
             seconds = (self._ends[-1] - self._t0) / self.steps
             self.result["s_per_step"] = round(seconds, 4)
@@ -1364,7 +1365,7 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-ALLOCATORS: dict[str, str | None] = {"command": None, "default": "expandable_segments:False"}
+ALLOCATORS: dict[str, str | None] = {"command": None, "default": ALLOCATOR_CHOICES["pytorch_default"]}
 """``--allocator`` -> the ``PYTORCH_CUDA_ALLOC_CONF`` it sets before anything touches the GPU (None: the command's)."""
 
 

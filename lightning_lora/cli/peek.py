@@ -64,6 +64,4 @@ def config_allocator(args: Sequence[Any]) -> Allocator | None:
             choice = read_config_file(Path(value)).get("allocator", choice)
         elif kind == "--allocator":
             choice = value
-    if choice in ("null", "None"):
-        return None
     return cast("Allocator", choice) if isinstance(choice, str) and choice in ALLOCATORS else None
