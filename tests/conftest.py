@@ -55,16 +55,19 @@ def pytest_itemcollected(item: pytest.Item) -> None:
 def _process_globals() -> Iterator[None]:
     """What one test changes in the process, the next does not inherit (a test process runs many tests, in an order
     that changes with the suite): the SIGINT / SIGTERM handlers (Lightning leaves SIGINT ignored after a run it stopped
-    on a KeyboardInterrupt) and ``F.scaled_dot_product_attention`` (lightning_lora.attention replaces it; a recording
-    SDPA left by tests/test_attention.py once failed 11 later tests of one process)."""
+    on a KeyboardInterrupt), ``F.scaled_dot_product_attention`` (lightning_lora.attention replaces it; a recording
+    SDPA left by tests/test_attention.py once failed 11 later tests of one process) and ``logging.lastResort`` (the
+    verbs without a run log replace it for the rest of their process: ``quiet_library_loggers``)."""
+    import logging
     import signal
 
     import torch.nn.functional as F
 
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    sdpa = F.scaled_dot_product_attention
+    sdpa, last_resort = F.scaled_dot_product_attention, logging.lastResort
     yield
     F.scaled_dot_product_attention = sdpa  # type: ignore[assignment]
+    logging.lastResort = last_resort
     for sig, handler in handlers.items():
         if handler is not None:  # None: not installed from Python, nothing to put back
             signal.signal(sig, handler)
