@@ -432,10 +432,12 @@ class StepTimer(Callback):
     cache) and from the start of the process (``to_first_step_s``: what a user waits for the first step).
 
     Where each timed step's time went, to tell a host-bound step from a GPU-bound one: ``host_cpu_s_each`` is the CPU
-    time of the training thread during the step (``time.thread_time``) up to the synchronization at its end, and
-    ``sync_wait_s_each`` the wait in that synchronization (the GPU still working after the host launched the step).
-    A step whose wall time is mostly host CPU is launch-bound; mostly the wait, GPU-bound; neither, the thread was off
-    its core (``cpu_stolen_s``: steal time over the timed steps, all CPUs; ``load_1m``: the load average after)."""
+    time of this process during the step (``time.process_time``: the training thread and autograd's device thread,
+    which runs the backward pass of CUDA tensors while the training thread waits) up to the synchronization at its
+    end, and ``sync_wait_s_each`` the wait in that synchronization (the GPU still working after the host launched the
+    step). A step whose wall time is mostly host CPU is launch-bound; mostly the wait, GPU-bound; neither, the threads
+    were off their cores (``cpu_stolen_s``: steal time over the timed steps, all CPUs; ``load_1m``: the load average
+    after). ``--stacks`` says which thread and which line."""
 
     def __init__(self, warm: int, steps: int) -> None:
         self.warm, self.steps = warm, steps
@@ -443,8 +445,8 @@ class StepTimer(Callback):
         self._t0 = 0.0
         self._train_start = 0.0
         self._ends: list[float] = []
-        self._cpu = 0.0  # thread CPU time at the start of the timed steps, then after each one's synchronization
-        self._busy: list[float] = []  # thread CPU time of each timed step before its synchronization
+        self._cpu = 0.0  # process CPU time at the start of the timed steps, then after each one's synchronization
+        self._busy: list[float] = []  # process CPU time of each timed step before its synchronization
         self._waits: list[float] = []
         self._stolen: float | None = None
         self._graphs = 0
@@ -465,7 +467,7 @@ class StepTimer(Callback):
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
             self._t0 = time.perf_counter()
-            self._cpu = time.thread_time()
+            self._cpu = time.process_time()
             self._stolen = cpu_stolen_s()
             self._graphs = compiled_graphs()
 
@@ -481,12 +483,12 @@ class StepTimer(Callback):
             and self.warm < trainer.global_step <= self.warm + self.steps
             and len(self._ends) < (trainer.global_step - self.warm)
         ):
-            launched, cpu = time.perf_counter(), time.thread_time()
+            launched, cpu = time.perf_counter(), time.process_time()
             self._sync()  # each timed step's own time: a one-off cost (a recompile) shows as one slow step
             self._ends.append(time.perf_counter())
             self._busy.append(cpu - self._cpu)
             self._waits.append(self._ends[-1] - launched)
-            self._cpu = time.thread_time()
+            self._cpu = time.process_time()
         if trainer.global_step == self.warm + self.steps:
             seconds = (self._ends[-1] - self._t0) / self.steps
             self.result["s_per_step"] = round(seconds, 4)
@@ -541,6 +543,39 @@ class Profile(Callback):
             self.prof.__exit__(None, None, None)
             write_profile(self.prof, wall, self.steps, self.path)
             self.prof = None
+
+
+class Stacks(Callback):
+    """:class:`tools.offcpu.OffCpuSampler` over the training thread during ``steps`` optimizer steps after ``warm``:
+    where the step's wall time went, on the thread's core and off it, by Python stack, written to ``path``."""
+
+    def __init__(self, warm: int, steps: int, path: str) -> None:
+        self.warm, self.steps, self.path = warm, steps, path
+        self.sampler: Any = None
+
+    def begin(self) -> None:
+        sys.path.insert(0, str(Path(__file__).parent))
+        from offcpu import OffCpuSampler
+
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.sampler = OffCpuSampler()
+        self.sampler.start()
+
+    def end(self) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.sampler.stop()
+        self.sampler.report(self.path, per=self.steps)
+        self.sampler = None
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == self.warm and self.sampler is None:
+            self.begin()
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.sampler is not None and trainer.global_step == self.warm + self.steps:
+            self.end()
 
 
 def write_profile(prof: Any, wall: float, steps: int, path: str) -> None:
@@ -603,6 +638,7 @@ def bare_loop(module: LoraModule, dataset: Dataset, a: argparse.Namespace, devic
     set_lora_input_casts(denoiser, enabled=False)  # as LoraModule under bf16-mixed: this loop runs under autocast
     optimizer = make_optimizer(a.opt, optimizer_options(a))([p for p in denoiser.parameters() if p.requires_grad])
     loader = DataLoader(dataset, batch_size=a.batch, pin_memory=device == "cuda")
+    stacks = Stacks(a.warm, a.steps, a.stacks) if a.stacks else None
     for step, batch in enumerate(loader):
         if step == a.warm + a.steps:
             break
@@ -611,6 +647,8 @@ def bare_loop(module: LoraModule, dataset: Dataset, a: argparse.Namespace, devic
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
+            if stacks is not None:
+                stacks.begin()
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
         with torch.autocast(device, dtype=torch.bfloat16):
             loss = module.family.loss(denoiser, batch, batch["noise"], batch["timesteps"]).mean()
@@ -620,6 +658,8 @@ def bare_loop(module: LoraModule, dataset: Dataset, a: argparse.Namespace, devic
     if device == "cuda":
         torch.cuda.synchronize()
     seconds = (time.perf_counter() - t0) / a.steps
+    if stacks is not None:
+        stacks.end()
     result: dict[str, Any] = {"s_per_step": round(seconds, 4), "loss": round(float(loss.detach()), 4)}
     if device == "cuda":
         result["peak_alloc_GiB"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
@@ -1042,6 +1082,8 @@ def measure(a: argparse.Namespace, outputs: Path | None) -> dict[str, Any]:
         callbacks: list[Callback] = [MemoryLimit(a.memory_limit, out), timer]
         if a.profile:
             callbacks.append(Profile(a.warm, a.steps, a.profile))
+        if a.stacks:
+            callbacks.append(Stacks(a.warm, a.steps, a.stacks))
         plugins: list[Any] = [precision]
         if outputs is not None:  # as fit: atomic checkpoint writes, the random state and the save time in each
             callbacks += [Outputs(out, sampler, checkpoint, exporter), RNGState(), RunFolder()]
@@ -1354,6 +1396,9 @@ def parser() -> argparse.ArgumentParser:
         help="the samples' size in pixels (default: the config's; --tiny: --h x --w)",
     )
     p.add_argument("--profile", default="", help="write a torch.profiler summary of the timed steps to this file")
+    p.add_argument(
+        "--stacks", default="", help="write where the training thread's time went, on its core and off it (tools/offcpu.py)"
+    )
     p.add_argument(
         "--allocator",
         default="command",
