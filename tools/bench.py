@@ -1397,7 +1397,9 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--profile", default="", help="write a torch.profiler summary of the timed steps to this file")
     p.add_argument(
-        "--stacks", default="", help="write where the training thread's time went, on its core and off it (tools/offcpu.py)"
+        "--stacks",
+        default="",
+        help="write where the training thread's time went, on and off its core (tools/offcpu.py)",
     )
     p.add_argument(
         "--allocator",

@@ -123,7 +123,7 @@ class OffCpuSampler:
             f"ms per unit of work (of {per}): wall {self.wall * ms:.1f}, the watched thread on its core {on * ms:.1f}, "
             f"off it {off * ms:.1f}",
             "watched thread per unit: "
-            + ", ".join(f"{key} {value * (ms if key.endswith('_s') else 1 / max(1, per)):.1f}" for key, value in self.sched.items())
+            + ", ".join(f"{k} {v * (ms if k.endswith('_s') else 1 / max(1, per)):.1f}" for k, v in self.sched.items())
             + " (the wait in ms)",
             "",
             "threads by CPU time in the window (ms per unit):",
