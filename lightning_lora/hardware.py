@@ -30,7 +30,7 @@ The functions here only read torch's answers, so tests can fake a HIP build by p
 from __future__ import annotations
 
 import os
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -51,6 +51,8 @@ __all__ = [
     "fp8_compute_supported",
     "fp8_dtype",
     "free_memory_gib",
+    "HOST_THREADS_ON_GPU",
+    "limit_host_threads",
     "set_allocator_defaults",
 ]
 
@@ -218,3 +220,26 @@ def allocator_conflict(choice: Allocator | None, environ: MutableMapping[str, st
                 "with the config's allocator"
             )
     return None
+
+
+HOST_THREADS_ON_GPU = 1
+"""The CPU threads torch's own CPU operators get in a process that trains on a GPU (:func:`limit_host_threads`)."""
+
+
+def limit_host_threads(device_type: str, environ: Mapping[str, str] | None = None) -> int | None:
+    """Give torch's CPU operators :data:`HOST_THREADS_ON_GPU` thread in a process that trains on a GPU (``device_type``
+    ``"cuda"``, which a ROCm build reports too), unless the user chose a number (``OMP_NUM_THREADS`` set, to anything:
+    theirs wins). Returns the number set, or None when it left torch's own (one thread per core).
+
+    On a GPU the training process does little CPU work of its own, in small pieces: a sample's noise (65,536 values for
+    a 1024-pixel SDXL latent), collating and pinning a batch. Torch splits any operator over 32,768 values across its
+    thread pool, and after each the pool's OpenMP threads spin, waiting for more, while the two threads that drive the
+    GPU (the training thread, and autograd's, which runs the backward pass) need a core each. On an H200's 16-core
+    host ``sdxl_12gb``'s step took 0.70 s with one thread and 0.75 / 1.13 s with one per core, which spent 1.5-2.3 s of
+    the process's CPU a step (BENCHMARKS.md call 44); ``flux_4090``'s 0.576 against 0.705 / 0.838 s (call 45).
+    """
+    environ = os.environ if environ is None else environ
+    if device_type != "cuda" or "OMP_NUM_THREADS" in environ:
+        return None
+    torch.set_num_threads(HOST_THREADS_ON_GPU)
+    return HOST_THREADS_ON_GPU

@@ -262,3 +262,39 @@ def test_the_command_applies_the_configs_allocator_and_a_users_variable_wins(tmp
     assert message and "PYTORCH_ALLOC_CONF=garbage_collection_threshold:0.8,expandable_segments:True" in message
     assert "allocator: pytorch_default" in message and "unset PYTORCH_ALLOC_CONF" in message
     assert allocator_conflict("expandable_segments", mine) is None and allocator_conflict(None, mine) is None
+
+
+@pytest.mark.parametrize(
+    ("device_type", "environ", "threads"),
+    [("cuda", {}, 1), ("cpu", {}, None), ("cuda", {"OMP_NUM_THREADS": "6"}, None)],
+)
+def test_a_gpu_run_gives_torchs_cpu_operators_one_thread_unless_the_user_chose(
+    device_type: str, environ: dict[str, str], threads: int | None
+) -> None:
+    from lightning_lora.hardware import limit_host_threads
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert limit_host_threads(device_type, environ) == threads
+        assert torch.get_num_threads() == (threads or 2)  # a CPU run and the user's choice keep what they had
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_fit_limits_the_host_threads_for_the_device_it_trains_on(monkeypatch) -> None:
+    from lightning_lora.cli import fit
+
+    seen: list[str] = []
+    monkeypatch.setattr(fit, "limit_host_threads", seen.append)
+    cli = object.__new__(fit.LoraCLI)
+    cli.trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")))
+    monkeypatch.setattr(fit, "check_strategy", lambda *a: None)
+    monkeypatch.setattr(fit, "check_writable", lambda *a: None)
+    monkeypatch.setattr(fit.LoraCLI, "_checkpoint_dir", lambda self: None)
+    cli.datamodule = SimpleNamespace(spec=lambda family: None)
+    cli.model = SimpleNamespace(family=None, recipe=None)
+    cli.trainer.default_root_dir = "runs"
+    monkeypatch.setattr(fit.torch.cuda, "is_available", lambda: False)
+    fit.LoraCLI.before_fit(cli)
+    assert seen == ["cpu"]

@@ -89,7 +89,7 @@ from lightning_lora.families.qwenimage import QWEN_IMAGE_VAE
 from lightning_lora.families.sd15 import SD15_VAE
 from lightning_lora.families.sdxl import SDXL_VAE
 from lightning_lora.families.unet import NoiseSchedule, UNetFamily
-from lightning_lora.hardware import ALLOCATOR_VARIABLES, set_allocator_defaults
+from lightning_lora.hardware import ALLOCATOR_VARIABLES, limit_host_threads, set_allocator_defaults
 from lightning_lora.hardware import ALLOCATORS as ALLOCATOR_CHOICES
 from lightning_lora.lora import LoraOptions, set_lora_input_casts
 from lightning_lora.module import LoraModule
@@ -1071,6 +1071,9 @@ def measure(a: argparse.Namespace, outputs: Path | None) -> dict[str, Any]:
 
         out["compile_mode"] = a.compile_mode
         assembly.compile_repeated_blocks = functools.partial(assembly.compile_repeated_blocks, mode=a.compile_mode)
+    if a.host_threads == "command":  # as fit: one thread for torch's CPU operators on a GPU
+        limit_host_threads(device)
+    out["host_threads"] = torch.get_num_threads()
     t0 = time.perf_counter()
     if a.loop == "bare":
         if a.accumulate != 1:
@@ -1400,6 +1403,13 @@ def parser() -> argparse.ArgumentParser:
         "--stacks",
         default="",
         help="write where the training thread's time went, on and off its core (tools/offcpu.py)",
+    )
+    p.add_argument(
+        "--host-threads",
+        default="command",
+        choices=["command", "all"],
+        help="command: the CPU threads the lightning-lora command gives torch's operators (one on a GPU, unless "
+        "OMP_NUM_THREADS is set); all: torch's own (one per core)",
     )
     p.add_argument(
         "--allocator",
