@@ -227,9 +227,11 @@ HOST_THREADS_ON_GPU = 1
 
 
 def limit_host_threads(device_type: str, environ: Mapping[str, str] | None = None) -> int | None:
-    """Give torch's CPU operators :data:`HOST_THREADS_ON_GPU` thread in a process that trains on a GPU (``device_type``
+    """Give torch's CPU operators :data:`HOST_THREADS_ON_GPU` thread while a process trains on a GPU (``device_type``
     ``"cuda"``, which a ROCm build reports too), unless the user chose a number (``OMP_NUM_THREADS`` set, to anything:
-    theirs wins). Returns the number set, or None when it left torch's own (one thread per core).
+    theirs wins). Returns the number of threads torch had, to restore after training, or None when it changed nothing.
+    :class:`~lightning_lora.module.LoraModule` calls it when training starts (after the weights loaded) and restores
+    the number when training ends.
 
     On a GPU the training process does little CPU work of its own, in small pieces: a sample's noise (65,536 values for
     a 1024-pixel SDXL latent), collating and pinning a batch. Torch splits any operator over 32,768 values across its
@@ -241,5 +243,6 @@ def limit_host_threads(device_type: str, environ: Mapping[str, str] | None = Non
     environ = os.environ if environ is None else environ
     if device_type != "cuda" or "OMP_NUM_THREADS" in environ:
         return None
+    before = torch.get_num_threads()
     torch.set_num_threads(HOST_THREADS_ON_GPU)
-    return HOST_THREADS_ON_GPU
+    return before

@@ -33,6 +33,7 @@ from lightning_lora.checkpoint import STAMP, configured_record, reconcile_traini
 from lightning_lora.errors import ConfigError
 from lightning_lora.families.base import DiffusionFamily, ModelSource
 from lightning_lora.families.flux import Flux
+from lightning_lora.hardware import limit_host_threads
 from lightning_lora.lora import LoraOptions, set_lora_input_casts, trainable_parameters
 from lightning_lora.parallel import prepare_model
 from lightning_lora.precision import BasePrecision, precision_of
@@ -292,6 +293,20 @@ class LoraModule(LightningModule):
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         names = {f"denoiser.{n}" for n, p in self._require_model().named_parameters() if p.requires_grad}
         return {k: v for k, v in self.state_dict().items() if k in names}
+
+    # -- the host -----------------------------------------------------------------------------------------------
+    @override
+    def on_train_start(self) -> None:
+        """On a GPU, one thread for torch's CPU operators while training (:func:`lightning_lora.hardware.
+        limit_host_threads`: the pool's idle threads spin on the cores the two threads driving the GPU need)."""
+        self._host_threads = limit_host_threads(self.device.type)
+
+    @override
+    def on_train_end(self) -> None:
+        threads: int | None = getattr(self, "_host_threads", None)
+        if threads is not None:
+            torch.set_num_threads(threads)
+            self._host_threads = None
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -265,36 +265,35 @@ def test_the_command_applies_the_configs_allocator_and_a_users_variable_wins(tmp
 
 
 @pytest.mark.parametrize(
-    ("device_type", "environ", "threads"),
-    [("cuda", {}, 1), ("cpu", {}, None), ("cuda", {"OMP_NUM_THREADS": "6"}, None)],
+    ("device_type", "environ", "limited"),
+    [("cuda", {}, True), ("cpu", {}, False), ("cuda", {"OMP_NUM_THREADS": "6"}, False)],
 )
 def test_a_gpu_run_gives_torchs_cpu_operators_one_thread_unless_the_user_chose(
-    device_type: str, environ: dict[str, str], threads: int | None
+    device_type: str, environ: dict[str, str], limited: bool
 ) -> None:
     from lightning_lora.hardware import limit_host_threads
 
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        assert limit_host_threads(device_type, environ) == threads
-        assert torch.get_num_threads() == (threads or 2)  # a CPU run and the user's choice keep what they had
+        assert limit_host_threads(device_type, environ) == (2 if limited else None)  # what to restore
+        assert torch.get_num_threads() == (1 if limited else 2)  # a CPU run and the user's choice keep what they had
     finally:
         torch.set_num_threads(before)
 
 
-def test_fit_limits_the_host_threads_for_the_device_it_trains_on(monkeypatch) -> None:
-    from lightning_lora.cli import fit
+def test_training_on_a_gpu_runs_with_one_host_thread_and_restores_the_count_after(monkeypatch) -> None:
+    from lightning_lora.module import LoraModule
 
-    seen: list[str] = []
-    monkeypatch.setattr(fit, "limit_host_threads", seen.append)
-    cli = object.__new__(fit.LoraCLI)
-    cli.trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")))
-    monkeypatch.setattr(fit, "check_strategy", lambda *a: None)
-    monkeypatch.setattr(fit, "check_writable", lambda *a: None)
-    monkeypatch.setattr(fit.LoraCLI, "_checkpoint_dir", lambda self: None)
-    cli.datamodule = SimpleNamespace(spec=lambda family: None)
-    cli.model = SimpleNamespace(family=None, recipe=None)
-    cli.trainer.default_root_dir = "runs"
-    monkeypatch.setattr(fit.torch.cuda, "is_available", lambda: False)
-    fit.LoraCLI.before_fit(cli)
-    assert seen == ["cpu"]
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # make test sets it; a user who set it keeps theirs
+    lora = object.__new__(LoraModule)
+    monkeypatch.setattr(LoraModule, "device", property(lambda self: torch.device("cuda", 0)))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        LoraModule.on_train_start(lora)
+        assert torch.get_num_threads() == 1
+        LoraModule.on_train_end(lora)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

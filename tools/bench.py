@@ -470,6 +470,7 @@ class StepTimer(Callback):
             self._cpu = time.process_time()
             self._stolen = cpu_stolen_s()
             self._graphs = compiled_graphs()
+            self.result["host_threads"] = torch.get_num_threads()  # torch's CPU threads while training
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if trainer.global_step == 1 and "first_step_s" not in self.result:
@@ -1071,15 +1072,16 @@ def measure(a: argparse.Namespace, outputs: Path | None) -> dict[str, Any]:
 
         out["compile_mode"] = a.compile_mode
         assembly.compile_repeated_blocks = functools.partial(assembly.compile_repeated_blocks, mode=a.compile_mode)
-    if a.host_threads == "command":  # as fit: one thread for torch's CPU operators on a GPU
+    if a.host_threads == "all":  # torch's own: a user's OMP_NUM_THREADS, which LoraModule.on_train_start leaves alone
+        os.environ["OMP_NUM_THREADS"] = str(torch.get_num_threads())
+    elif a.loop == "bare":  # as LoraModule.on_train_start does in fit
         limit_host_threads(device)
-    out["host_threads"] = torch.get_num_threads()
     t0 = time.perf_counter()
     if a.loop == "bare":
         if a.accumulate != 1:
             raise ValueError("--loop bare steps the optimizer every batch: give --accumulate 1")
         out["loop"] = "bare"
-        out.update(bare_loop(module, dataset, a, device))
+        out.update(bare_loop(module, dataset, a, device), host_threads=torch.get_num_threads())
     else:
         timer = StepTimer(a.warm, a.steps)
         callbacks: list[Callback] = [MemoryLimit(a.memory_limit, out), timer]

@@ -53,7 +53,7 @@ from lightning_lora.cli.console import Console
 from lightning_lora.cli.peek import config_files, read_config_file
 from lightning_lora.data.datamodule import LatentDataModule
 from lightning_lora.errors import ConfigError, first_line
-from lightning_lora.hardware import Allocator, allocator_conflict, limit_host_threads
+from lightning_lora.hardware import Allocator, allocator_conflict
 from lightning_lora.module import LoraModule, primitive_hparams
 from lightning_lora.parallel import check_strategy, resolve_strategy, shards_of
 from lightning_lora.precision import BasePrecision, check_trainer_precision, for_trainer_precision, precision_of
@@ -173,7 +173,6 @@ class LoraCLI(LightningCLI):
         check_writable(Path(self.trainer.default_root_dir), "trainer.default_root_dir")
         check_writable(self._checkpoint_dir(), "ModelCheckpoint dirpath")
         check_strategy(self.trainer.strategy, self.model.recipe)
-        limit_host_threads(self.trainer.strategy.root_device.type)
         if torch.cuda.is_available() and self.trainer.strategy.root_device.type == "cuda":
             planned = warn_if_too_big(self.model, self.datamodule, self.trainer)
             for cb in self.trainer.callbacks:  # type: ignore[attr-defined]
