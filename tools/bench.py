@@ -382,12 +382,20 @@ class SyntheticData(LightningDataModule):
     ``resolution`` (samples without a size of their own are drawn at it) and ``cache()`` (the prompts' embeddings:
     :meth:`Synthetic.text_embeddings`)."""
 
-    def __init__(self, dataset: Synthetic, batch_size: int, resolution: int = 512) -> None:
+    def __init__(self, dataset: Synthetic, batch_size: int, resolution: int = 512, workers: int = 0) -> None:
         super().__init__()
-        self.dataset, self.batch_size, self.resolution = dataset, batch_size, resolution
+        self.dataset, self.batch_size, self.resolution, self.workers = dataset, batch_size, resolution, workers
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.dataset, batch_size=self.batch_size, shuffle=False, pin_memory=torch.cuda.is_available())
+        # As fit's loader: the config's worker processes (each draws its samples' noise), kept between epochs.
+        return DataLoader(
+            self.dataset,
+            batch_size=self.batch_size,
+            shuffle=False,
+            pin_memory=torch.cuda.is_available(),
+            num_workers=self.workers,
+            persistent_workers=self.workers > 0,
+        )
 
     def cache(self) -> Synthetic:
         return self.dataset
@@ -638,7 +646,7 @@ def bare_loop(module: LoraModule, dataset: Dataset, a: argparse.Namespace, devic
     MemoryLimit(a.memory_limit, {}).on_fit_start(None, module)  # type: ignore[arg-type]  # after the build, as there
     set_lora_input_casts(denoiser, enabled=False)  # as LoraModule under bf16-mixed: this loop runs under autocast
     optimizer = make_optimizer(a.opt, optimizer_options(a))([p for p in denoiser.parameters() if p.requires_grad])
-    loader = DataLoader(dataset, batch_size=a.batch, pin_memory=device == "cuda")
+    loader = DataLoader(dataset, batch_size=a.batch, pin_memory=device == "cuda", num_workers=a.workers)
     stacks = Stacks(a.warm, a.steps, a.stacks) if a.stacks else None
     for step, batch in enumerate(loader):
         if step == a.warm + a.steps:
@@ -1050,7 +1058,8 @@ def measure(a: argparse.Namespace, outputs: Path | None) -> dict[str, Any]:
     )
     module.use_precision(precision)
     dataset = Synthetic(a.family, config, a.h, a.w, a.tlen, family_obj=family)
-    data = SyntheticData(dataset, a.batch, resolution=max(a.h, a.w))
+    data = SyntheticData(dataset, a.batch, resolution=max(a.h, a.w), workers=a.workers)
+    out["workers"] = a.workers
     sample_size = None
     if outputs is not None:  # the config's samples, checkpoint and LoRA files (Outputs), under outputs
         sampler, checkpoint, exporter = output_callbacks(a, outputs)
@@ -1249,6 +1258,8 @@ def config_defaults(path: str | Path) -> dict[str, Any]:
         out["h"] = out["w"] = int(data["resolution"])
     if "batch_size" in data:
         out["batch"] = int(data["batch_size"])
+    if "num_workers" in data:
+        out["workers"] = int(data["num_workers"])
     out["accumulate"] = int(trainer.get("accumulate_grad_batches") or 1)
     if trainer.get("gradient_clip_val"):
         skipped.append(f"trainer.gradient_clip_val: {trainer['gradient_clip_val']}")
@@ -1405,6 +1416,13 @@ def parser() -> argparse.ArgumentParser:
         "--stacks",
         default="",
         help="write where the training thread's time went, on and off its core (tools/offcpu.py)",
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=0,
+        help="data loader worker processes serving the synthetic batches (a --config's data.num_workers); 0: the "
+        "training process serves them, as every row before stop 38 did",
     )
     p.add_argument(
         "--host-threads",

@@ -160,6 +160,7 @@ def test_bench_config_takes_the_shipped_settings(path) -> None:
     assert bench.OPTIMIZERS[model["optimizer"]["class_path"]] == a.opt
     assert a.h == a.w == data["resolution"] and a.batch == data["batch_size"]
     assert a.accumulate == trainer.get("accumulate_grad_batches", 1)
+    assert a.workers == data.get("num_workers", 0)  # the batches come from worker processes, as in fit
     text = model["family"].get("init_args", {}).get("max_sequence_length")
     assert a.tlen == (77 if family in ("sdxl", "sd15") else text)
     assert any(n.startswith("model.scheduler") for n in a.not_reproduced)  # listed, not silently dropped
@@ -253,6 +254,7 @@ def test_bench_runs_a_shipped_config_on_a_tiny_model(capsys) -> None:
         4,
     )
     assert (out["h"], out["w"], out["tlen"], out["compile"]) == (64, 64, 16, 0)
+    assert out["workers"] == 2  # the config's data.num_workers serve the batches
     assert out["s_per_step"] > 0 and out["loss"] > 0 and out["images_per_s"] > 0
     assert (out["sample_size"], out["sample_steps"], out["samples"]) == ([64, 64], 2, 2)
     # the tiny model's save and export can take under 5 ms (rounded to 0.0): what they wrote is the check
