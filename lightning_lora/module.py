@@ -129,6 +129,7 @@ class LoraModule(LightningModule):
         self.denoiser: torch.nn.Module | None = None
         self._configured: tuple[dict[str, Any], list[Any], list[Any]] | None = None
         self._resume_checkpoint: dict[str, Any] | None = None
+        self._host_threads: int | None = None  # torch's CPU threads before training limited them (on_train_start)
         self.resume_notes: list[str] = []
         """What a resume took from the config instead of the checkpoint, one line each (the start summary prints)."""
         # A partial checkpoint (LoRA only) must load into the full model; on_load_checkpoint does the strict check.
@@ -303,9 +304,8 @@ class LoraModule(LightningModule):
 
     @override
     def on_train_end(self) -> None:
-        threads: int | None = getattr(self, "_host_threads", None)
-        if threads is not None:
-            torch.set_num_threads(threads)
+        if self._host_threads is not None:
+            torch.set_num_threads(self._host_threads)
             self._host_threads = None
 
     @override
