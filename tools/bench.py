@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import json
 import logging
 import os
@@ -382,9 +383,19 @@ class SyntheticData(LightningDataModule):
     ``resolution`` (samples without a size of their own are drawn at it) and ``cache()`` (the prompts' embeddings:
     :meth:`Synthetic.text_embeddings`)."""
 
-    def __init__(self, dataset: Synthetic, batch_size: int, resolution: int = 512, workers: int = 0) -> None:
+    def __init__(
+        self,
+        dataset: Synthetic,
+        batch_size: int,
+        resolution: int = 512,
+        workers: int = 0,
+        pin_memory: bool | None = None,
+        worker_start: str | None = None,
+    ) -> None:
         super().__init__()
         self.dataset, self.batch_size, self.resolution, self.workers = dataset, batch_size, resolution, workers
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self.worker_start = worker_start  # the workers' multiprocessing start method (None: torch's, fork on Linux)
 
     def train_dataloader(self) -> DataLoader:
         # As fit's loader: the config's worker processes (each draws its samples' noise), kept between epochs.
@@ -392,9 +403,10 @@ class SyntheticData(LightningDataModule):
             self.dataset,
             batch_size=self.batch_size,
             shuffle=False,
-            pin_memory=torch.cuda.is_available(),
+            pin_memory=self.pin_memory,
             num_workers=self.workers,
             persistent_workers=self.workers > 0,
+            multiprocessing_context=self.worker_start if self.workers > 0 else None,
         )
 
     def cache(self) -> Synthetic:
@@ -552,6 +564,18 @@ class Profile(Callback):
             self.prof.__exit__(None, None, None)
             write_profile(self.prof, wall, self.steps, self.path)
             self.prof = None
+
+
+class TeardownWatch(Callback):
+    """Every thread's Python stack on stderr when ``Trainer.fit`` has not returned ``seconds`` after the training
+    ended (its teardown: the callbacks' ``on_train_end``, the data loader's workers shutting down); 0: off."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_train_end(self, trainer: Trainer, pl_module: Any) -> None:
+        if self.seconds > 0:
+            faulthandler.dump_traceback_later(self.seconds, repeat=True)
 
 
 class Stacks(Callback):
@@ -1058,8 +1082,11 @@ def measure(a: argparse.Namespace, outputs: Path | None) -> dict[str, Any]:
     )
     module.use_precision(precision)
     dataset = Synthetic(a.family, config, a.h, a.w, a.tlen, family_obj=family)
-    data = SyntheticData(dataset, a.batch, resolution=max(a.h, a.w), workers=a.workers)
-    out["workers"] = a.workers
+    pin = None if a.loader_pin is None else bool(a.loader_pin)
+    data = SyntheticData(dataset, a.batch, max(a.h, a.w), a.workers, pin_memory=pin, worker_start=a.worker_start)
+    out.update(workers=a.workers, loader_pin=data.pin_memory)
+    if a.worker_start:
+        out["worker_start"] = a.worker_start
     sample_size = None
     if outputs is not None:  # the config's samples, checkpoint and LoRA files (Outputs), under outputs
         sampler, checkpoint, exporter = output_callbacks(a, outputs)
@@ -1093,7 +1120,7 @@ def measure(a: argparse.Namespace, outputs: Path | None) -> dict[str, Any]:
         out.update(bare_loop(module, dataset, a, device), host_threads=torch.get_num_threads())
     else:
         timer = StepTimer(a.warm, a.steps)
-        callbacks: list[Callback] = [MemoryLimit(a.memory_limit, out), timer]
+        callbacks: list[Callback] = [MemoryLimit(a.memory_limit, out), timer, TeardownWatch(a.teardown_watch)]
         if a.profile:
             callbacks.append(Profile(a.warm, a.steps, a.profile))
         if a.stacks:
@@ -1119,6 +1146,7 @@ def measure(a: argparse.Namespace, outputs: Path | None) -> dict[str, Any]:
         out["devices"] = a.devices
         out["strategy"] = type(trainer.strategy).__name__
         trainer.fit(module, datamodule=data)
+        faulthandler.cancel_dump_traceback_later()
         if trainer.global_rank != 0:
             raise SystemExit(0)  # rank 0 prints the result
         out.update(timer.result)
@@ -1423,6 +1451,27 @@ def parser() -> argparse.ArgumentParser:
         default=0,
         help="data loader worker processes serving the synthetic batches (a --config's data.num_workers); 0: the "
         "training process serves them, as every row before stop 38 did",
+    )
+    p.add_argument(
+        "--loader-pin",
+        type=int,
+        choices=[0, 1],
+        default=None,
+        help="1: the data loader pins its batches (with workers: in a thread of the training process), as fit's does "
+        "on a GPU (the default there); 0: not",
+    )
+    p.add_argument(
+        "--worker-start",
+        choices=["fork", "spawn", "forkserver"],
+        default=None,
+        help="how the data loader's worker processes start (default: torch's, fork on Linux, as fit's)",
+    )
+    p.add_argument(
+        "--teardown-watch",
+        type=float,
+        default=20.0,
+        help="seconds after the training ended before every thread's stack is written to stderr (and again each "
+        "such interval) while Trainer.fit has not returned; 0: off",
     )
     p.add_argument(
         "--host-threads",
