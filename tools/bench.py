@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import faulthandler
 import json
 import logging
 import os
@@ -64,6 +63,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import MutableMapping
@@ -568,14 +568,32 @@ class Profile(Callback):
 
 class TeardownWatch(Callback):
     """Every thread's Python stack on stderr when ``Trainer.fit`` has not returned ``seconds`` after the training
-    ended (its teardown: the callbacks' ``on_train_end``, the data loader's workers shutting down); 0: off."""
+    ended (its teardown: the callbacks' ``on_train_end``, the data loader's workers shutting down), and again each
+    ``seconds`` until :meth:`cancel`; 0: off. A Python thread that takes the GIL and reads ``sys._current_frames``:
+    faulthandler's watchdog reads the other threads' frames without it, and call 48 (row 4, sdxl_12gb still sampling
+    20 s after its last step) died of a segmentation fault in the middle of its dump."""
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
+        self._stop = threading.Event()
 
     def on_train_end(self, trainer: Trainer, pl_module: Any) -> None:
         if self.seconds > 0:
-            faulthandler.dump_traceback_later(self.seconds, repeat=True)
+            threading.Thread(target=self._watch, name="teardown-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        waited = 0.0
+        while not self._stop.wait(self.seconds):
+            waited += self.seconds
+            names = {t.ident: t.name for t in threading.enumerate()}
+            lines = [f"-- Trainer.fit has not returned {waited:g} s after the training ended; every thread's stack:"]
+            for ident, frame in sys._current_frames().items():
+                if ident != threading.get_ident():
+                    lines += [f"Thread {names.get(ident, ident)}:", *traceback.format_stack(frame)]
+            print("\n".join(lines), file=sys.stderr, flush=True)
+
+    def cancel(self) -> None:
+        self._stop.set()
 
 
 class Stacks(Callback):
@@ -1120,7 +1138,8 @@ def measure(a: argparse.Namespace, outputs: Path | None) -> dict[str, Any]:
         out.update(bare_loop(module, dataset, a, device), host_threads=torch.get_num_threads())
     else:
         timer = StepTimer(a.warm, a.steps)
-        callbacks: list[Callback] = [MemoryLimit(a.memory_limit, out), timer, TeardownWatch(a.teardown_watch)]
+        watch = TeardownWatch(a.teardown_watch)
+        callbacks: list[Callback] = [MemoryLimit(a.memory_limit, out), timer, watch]
         if a.profile:
             callbacks.append(Profile(a.warm, a.steps, a.profile))
         if a.stacks:
@@ -1145,8 +1164,10 @@ def measure(a: argparse.Namespace, outputs: Path | None) -> dict[str, Any]:
         )
         out["devices"] = a.devices
         out["strategy"] = type(trainer.strategy).__name__
-        trainer.fit(module, datamodule=data)
-        faulthandler.cancel_dump_traceback_later()
+        try:
+            trainer.fit(module, datamodule=data)
+        finally:
+            watch.cancel()
         if trainer.global_rank != 0:
             raise SystemExit(0)  # rank 0 prints the result
         out.update(timer.result)
@@ -1469,7 +1490,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--teardown-watch",
         type=float,
-        default=20.0,
+        default=60.0,
         help="seconds after the training ended before every thread's stack is written to stderr (and again each "
         "such interval) while Trainer.fit has not returned; 0: off",
     )

@@ -417,3 +417,24 @@ def test_bench_reports_the_batch_loss_not_the_share_accumulation_backpropagates(
     bench.main([*argv, "--steps", "1", "--warm", "1", "--accumulate", "2", "--callbacks", "0"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["accumulate"] == 2 and out["loss"] == 3.0
+
+
+def test_bench_teardown_watch_prints_every_threads_stack_until_cancelled(capsys) -> None:
+    """Armed at the training's end, the watch writes each thread's stack (the training thread's too, where it waits)
+    every interval until bench cancels it once ``Trainer.fit`` returns; 0 arms nothing."""
+    import time
+
+    watch = bench.TeardownWatch(0.05)
+    watch.on_train_end(None, None)  # type: ignore[arg-type]
+    time.sleep(0.3)
+    watch.cancel()
+    time.sleep(0.1)
+    err = capsys.readouterr().err
+    assert "has not returned 0.05 s after" in err and "Thread MainThread:" in err
+    assert "test_bench_teardown_watch_prints_every_threads_stack_until_cancelled" in err and "time.sleep" in err
+    time.sleep(0.2)
+    assert capsys.readouterr().err == ""  # cancelled: nothing more
+    off = bench.TeardownWatch(0)
+    off.on_train_end(None, None)  # type: ignore[arg-type]
+    time.sleep(0.2)
+    assert capsys.readouterr().err == ""
