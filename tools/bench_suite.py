@@ -23,6 +23,11 @@ A plan file has one JSON object per line (blank lines and lines starting with ``
   GPU run one after another in file order, and the rows of different GPUs run at the same time. ``--phase N`` runs
   only phase N (repeatable): a plan longer than one device command's limit runs as one command per phase.
 - ``note`` (optional): copied to the row's JSON line.
+- ``cache`` (optional): a name for the row's torch.compile cache. Rows with the same name share one folder, made
+  empty for the suite (``TORCHINDUCTOR_CACHE_DIR``, and ``TRITON_CACHE_DIR`` inside it), so the first row of a name
+  compiles from nothing on a machine that has compiled before and the next ones start warm from that row alone: a
+  cold start and a second start in one call. Without it a row uses whatever cache its command finds (ours:
+  ``~/.cache/lightning-lora``; the recipe: torch's under ``/tmp``). The folders are deleted when the suite ends.
 
 Every row writes its output to files (a killed run's compile workers cannot hold a pipe open) and appends one JSON
 line to ``--out`` (and stdout), failures included: the row's position, phase, GPU, who, args, the exact command, the
@@ -50,7 +55,8 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 CASE = re.compile(r"^(flux|sdxl)-(bf16|nf4|fp8|fp8c)-r(\d+)((?:-gc)?)((?:-\d+x\d+)?)((?:-compile)?)((?:-adafactor)?)$")
-ROW_KEYS = {"who", "args", "timeout", "gpu", "phase", "script", "note"}
+ROW_KEYS = {"who", "args", "timeout", "gpu", "phase", "script", "note", "cache"}
+CACHE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 GPU = re.compile(r"^\d+(,\d+)*$")
 
 
@@ -91,6 +97,7 @@ class Row:
     script: str = "bench.py"  # for "ours": a tool beside this file
     note: str | None = None
     case: str | None = None
+    cache: str | None = None  # the compile cache's name: rows of one name share a folder the suite made empty
 
 
 def case_rows(cases: list[str], ref: str | None, steps: int, warm: int, timeout: float) -> list[Row]:
@@ -140,7 +147,10 @@ def parse_row(obj: Any, index: int, default_timeout: float, where: str = "") -> 
     note = obj.get("note")
     if note is not None and not isinstance(note, str):
         raise bad("'note' must be a string")
-    return Row(index, who, args, _number(timeout), gpu, phase, script, note)
+    cache = obj.get("cache")
+    if cache is not None and not (isinstance(cache, str) and CACHE_NAME.match(cache)):
+        raise bad(f"'cache' must be a name of letters, digits, '.', '_' and '-', not {cache!r}")
+    return Row(index, who, args, _number(timeout), gpu, phase, script, note, cache=cache)
 
 
 def _number(x: float) -> float:
@@ -214,12 +224,17 @@ def _wait_exit(proc: subprocess.Popen, deadline: float) -> bool:
 
 
 def run_process(
-    argv: list[str], gpu: int | str | None, timeout: float, kill_after: float
+    argv: list[str],
+    gpu: int | str | None,
+    timeout: float,
+    kill_after: float,
+    extra_env: dict[str, str] | None = None,
 ) -> tuple[int | None, str, str, float, bool]:
     """Run ``argv`` in its own process group, output to files. Returns (rc, stdout, stderr, seconds, timed out)."""
     env = dict(os.environ)
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    env.update(extra_env or {})
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         t0 = time.monotonic()
         try:
@@ -265,15 +280,33 @@ def json_lines(text: str) -> list[Any]:
     return found
 
 
-def run_row(row: Row, argv: list[str], outdir: str, kill_after: float, tail: int) -> tuple[dict[str, Any], str]:
-    """Run one row; its JSON record and the text for the log."""
+def cache_env(folder: Path) -> dict[str, str]:
+    """The environment that points torch.compile's caches (inductor's, and Triton's kernels) at ``folder``."""
+    return {"TORCHINDUCTOR_CACHE_DIR": str(folder), "TRITON_CACHE_DIR": str(folder / "triton")}
+
+
+def run_row(
+    row: Row, argv: list[str], outdir: str, kill_after: float, tail: int, caches: Path | None = None
+) -> tuple[dict[str, Any], str]:
+    """Run one row (with its named compile cache under ``caches``); its JSON record and the text for the log."""
     start = time.strftime("%H:%M:%S")
-    rc, stdout, stderr, elapsed, timed_out = run_process(argv, row.gpu, row.timeout, kill_after)
+    cache: Path | None = None
+    if row.cache is not None:
+        if caches is None:
+            raise ValueError(f"row {row.index} names a compile cache ({row.cache!r}): give run_row the caches' folder")
+        cache = caches / row.cache
+        warm = cache.exists()
+        cache.mkdir(parents=True, exist_ok=True)
+    rc, stdout, stderr, elapsed, timed_out = run_process(
+        argv, row.gpu, row.timeout, kill_after, None if cache is None else cache_env(cache)
+    )
     rec: dict[str, Any] = {"row": row.index, "phase": row.phase, "gpu": row.gpu, "who": row.who}
     if row.case:
         rec["case"] = row.case
     if row.note:
         rec["note"] = row.note
+    if row.cache is not None:
+        rec["compile_cache"] = {"name": row.cache, "start": "warm" if warm else "empty"}
     rec.update(
         args=shlex.join(row_args(row, outdir)),
         command=shlex.join(argv),
@@ -318,7 +351,12 @@ def run_rows(
     records: list[dict[str, Any]] = []
     lock = threading.Lock()
     out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "a") as out_f, open(log, "a") as log_f:
+    with (
+        tempfile.TemporaryDirectory(prefix="bench-suite-caches-") as caches_dir,
+        open(out, "a") as out_f,
+        open(log, "a") as log_f,
+    ):
+        caches = Path(caches_dir)
 
         def emit(rec: dict[str, Any], text: str) -> None:
             line = json.dumps(rec)
@@ -335,7 +373,7 @@ def run_rows(
             for row in lane_rows:
                 if _stop.is_set():
                     return
-                emit(*run_row(row, argvs[row.index], outdir, kill_after, tail))
+                emit(*run_row(row, argvs[row.index], outdir, kill_after, tail, caches))
 
         for phase in sorted({row.phase for row in rows}):
             lanes: dict[str, list[Row]] = {}

@@ -92,6 +92,7 @@ def test_a_plan_file_parses_into_rows(tmp_path: Path) -> None:
         ('{"who": "ours", "args": "", "phase": "2"}', "'phase'"),
         ('{"who": "ref", "args": "", "script": "bench_text.py"}', "'script'"),
         ('{"who": "ours", "args": 5}', "'args'"),
+        ('{"who": "ours", "args": "", "cache": "../home"}', "'cache'"),
         ("--quant nf4", "not a JSON object"),
     ],
 )
@@ -264,3 +265,47 @@ def test_the_json_line_has_the_command_gpu_time_and_result_or_the_failure(
     assert bad["error"] == "exit status 3" and bad["stderr_tail"].strip() == "Traceback: out of memory"
     log = out.with_suffix(".log").read_text()
     assert "Traceback: out of memory" in log and "Lightning says hello" in log and "== row 2 phase 1" in log
+
+
+@pytest.mark.subprocess
+def test_rows_naming_a_compile_cache_share_a_folder_made_empty_for_the_suite(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cold start and a second start in one call on a machine that has compiled before: the first row of a cache's
+    name sees an empty folder, the next one what the first left there; another name starts empty; a row without a
+    name keeps the environment's cache; the folders go when the suite ends."""
+    fake_commands(
+        monkeypatch,
+        """
+        import json, os, sys
+        inductor, triton = os.environ.get("TORCHINDUCTOR_CACHE_DIR"), os.environ.get("TRITON_CACHE_DIR")
+        found = sorted(os.listdir(inductor)) if inductor and os.path.isdir(inductor) else None
+        if inductor and sys.argv[1] != "none":
+            open(os.path.join(inductor, "graph-" + sys.argv[1]), "w").close()
+        print(json.dumps({"inductor": inductor, "triton": triton, "found": found}))
+        """,
+    )
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "users"))
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    plan = write_plan(
+        tmp_path / "p.plan.jsonl",
+        """
+        {"who": "ours", "args": "a1", "cache": "a"}
+        {"who": "ref", "args": "a2", "cache": "a"}
+        {"who": "ours", "args": "b1", "cache": "b"}
+        {"who": "ours", "args": "none"}
+        """,
+    )
+    records = bs.run_rows(bs.load_plan(plan), None, tmp_path / "r.jsonl", echo=False)
+    a1, a2, b1, plain = (rec["result"] for rec in sorted(records, key=lambda rec: rec["row"]))
+    assert a1["found"] == [] and a2["found"] == ["graph-a1"] and b1["found"] == []
+    assert a1["inductor"] == a2["inductor"] != b1["inductor"] and a1["triton"] == a1["inductor"] + "/triton"
+    assert plain == {"inductor": str(tmp_path / "users"), "triton": None, "found": None}
+    starts = [rec.get("compile_cache") for rec in sorted(records, key=lambda rec: rec["row"])]
+    assert starts == [
+        {"name": "a", "start": "empty"},
+        {"name": "a", "start": "warm"},
+        {"name": "b", "start": "empty"},
+        None,
+    ]
+    assert not Path(a1["inductor"]).exists() and not Path(b1["inductor"]).exists()
