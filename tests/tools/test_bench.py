@@ -438,3 +438,18 @@ def test_bench_teardown_watch_prints_every_threads_stack_until_cancelled(capsys)
     off.on_train_end(None, None)  # type: ignore[arg-type]
     time.sleep(0.2)
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize(("workers", "start", "pin"), [(2, "forkserver", False), (2, None, True), (0, "spawn", None)])
+def test_bench_loader_takes_the_workers_start_method_and_pinning(workers: int, start: str | None, pin) -> None:
+    """``--worker-start`` and ``--loader-pin`` reach the DataLoader as fit's settings would: the start method only
+    where there are workers (torch refuses a context without them), pinning as given or, unset, where CUDA is."""
+    import torch
+
+    dataset = bench.Synthetic("flux", bench.CONFIGS["flux"][1], 64, 64, 16, n=4)
+    data = bench.SyntheticData(dataset, 1, workers=workers, pin_memory=pin, worker_start=start)
+    loader = data.train_dataloader()
+    assert loader.num_workers == workers and loader.persistent_workers == (workers > 0)
+    assert loader.pin_memory == (torch.cuda.is_available() if pin is None else pin)
+    context = loader.multiprocessing_context
+    assert (context.get_start_method() if context is not None else None) == (start if workers else None)
