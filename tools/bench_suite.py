@@ -286,27 +286,24 @@ def cache_env(folder: Path) -> dict[str, str]:
 
 
 def run_row(
-    row: Row, argv: list[str], outdir: str, kill_after: float, tail: int, caches: Path | None = None
+    row: Row, argv: list[str], outdir: str, kill_after: float, tail: int, caches: Path
 ) -> tuple[dict[str, Any], str]:
-    """Run one row (with its named compile cache under ``caches``); its JSON record and the text for the log."""
+    """Run one row (its named compile cache a folder under ``caches``); its JSON record and the text for the log."""
     start = time.strftime("%H:%M:%S")
-    cache: Path | None = None
+    env: dict[str, str] | None = None
     if row.cache is not None:
-        if caches is None:
-            raise ValueError(f"row {row.index} names a compile cache ({row.cache!r}): give run_row the caches' folder")
-        cache = caches / row.cache
-        warm = cache.exists()
-        cache.mkdir(parents=True, exist_ok=True)
-    rc, stdout, stderr, elapsed, timed_out = run_process(
-        argv, row.gpu, row.timeout, kill_after, None if cache is None else cache_env(cache)
-    )
+        folder = caches / row.cache
+        cache_start = "warm" if folder.exists() else "empty"
+        folder.mkdir(parents=True, exist_ok=True)
+        env = cache_env(folder)
+    rc, stdout, stderr, elapsed, timed_out = run_process(argv, row.gpu, row.timeout, kill_after, env)
     rec: dict[str, Any] = {"row": row.index, "phase": row.phase, "gpu": row.gpu, "who": row.who}
     if row.case:
         rec["case"] = row.case
     if row.note:
         rec["note"] = row.note
     if row.cache is not None:
-        rec["compile_cache"] = {"name": row.cache, "start": "warm" if warm else "empty"}
+        rec["compile_cache"] = {"name": row.cache, "start": cache_start}
     rec.update(
         args=shlex.join(row_args(row, outdir)),
         command=shlex.join(argv),
