@@ -20,7 +20,9 @@ The adapter itself (its options, targets, peft config, which parameters are its 
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +38,13 @@ from lightning_lora.offload import offload_blocks, offloaded_blocks, repeated_bl
 from lightning_lora.recipe import AttentionBackend, ModelRecipe
 from lightning_lora.recompute import InputOffloader, checkpoint_function, recomputed
 
-__all__ = ["apply_gradient_checkpointing", "build_lora_model", "compile_repeated_blocks", "configure_attention"]
+__all__ = [
+    "apply_gradient_checkpointing",
+    "build_lora_model",
+    "compile_repeated_blocks",
+    "configure_attention",
+    "uncompiled",
+]
 
 
 def build_lora_model(recipe: ModelRecipe, device: torch.device | None = None) -> nn.Module:
@@ -167,6 +175,23 @@ def compile_repeated_blocks(
     raise_recompile_limit(denoiser, (*denoiser._repeated_blocks, *extra))
 
 
+@contextlib.contextmanager
+def uncompiled(enabled: bool = True) -> Iterator[None]:
+    """Inside, the compiled regions run as the plain modules they wrap (``torch.compiler.set_stance("force_eager")``):
+    for the forwards without gradients that a run makes besides its training steps, the eval loss and the sample
+    images. Compiled, each would compile a second graph of every block layout (no gradients, and the samples' own
+    batch and size): SDXL's samples compiled 15 graphs in 54 s (BENCHMARKS.md call 49b), and SD1.5's were still
+    compiling when call 50 stopped its row at 220 s, the training steps done. In ``fit`` that comes before the
+    first training step, since the samples and the eval loss also run at the start. ``enabled=False``: compiled as
+    usual. On torch before 2.6 (no ``set_stance``) this changes nothing."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    if not enabled or set_stance is None:
+        yield
+        return
+    with set_stance("force_eager"):
+        yield
+
+
 def stream_needs_gradients(module: nn.Module, args: Any, output: Any) -> Any:
     """A forward hook: while gradients are on, a floating-point output that does not require them (a frozen module fed
     the batch) is replaced by a view of it that does, as every later block's inputs do (a view, not the leaf itself:
@@ -206,7 +231,8 @@ def raise_recompile_limit(denoiser: nn.Module, classes: tuple[str, ...]) -> int:
     treats parameter shapes as static, so each distinct layout of a class needs its own graph: SDXL's and SD1.5's
     ResNets come in 12 (channel counts, with or without a shortcut conv). Each layout then compiles again for each
     variant a run meets: new input shapes (aspect-ratio buckets, text lengths: once or twice, before dynamo makes those
-    dimensions dynamic), forwards without gradients (the eval loss, the samples), the first block's inputs that need
+    dimensions dynamic), forwards without gradients (``SampleImages(compiled=True)``; the eval loss and the samples
+    otherwise run :func:`uncompiled`), the first block's inputs that need
     no gradient (unless the family's ``stream_sources`` give them one), a batch's text mask present or absent,
     Z-Image's refiners called without a timestep. A Z-Image run with buckets, masked batches and samples meets 15 for
     its two layouts (tests/test_compile_text_lengths.py; 21 without ``stream_sources``): room for sixteen each.

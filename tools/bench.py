@@ -825,6 +825,8 @@ def output_callbacks(
             sampler.steps = steps
         if size:
             sampler.height, sampler.width = size
+        if getattr(a, "sample_compiled", None) is not None:
+            sampler.compiled = bool(a.sample_compiled)
     checkpoint: ModelCheckpoint | None = built.get(ModelCheckpoint)
     if checkpoint is None and getattr(a, "config_checkpointing", True):
         checkpoint = default_checkpoint()
@@ -881,7 +883,11 @@ class Outputs(Callback):
     callback's own ``vram/sample_peak_GiB``). The checkpoint is read back as ``--ckpt_path`` reads it
     (``checkpoint_MB``, ``checkpoint_tensors``: the trainable tensors it holds). An error in a phase (out of memory
     under ``--memory-limit``; ``SampleImages`` catches its own and skips the images) is the line's ``error``, naming the
-    phase (``error_phase``); the other phases still run."""
+    phase (``error_phase``); the other phases still run.
+
+    Before the phases, rank 0 prints the line so far, marked ``"partial"`` (the training figures, :class:`StepTimer`'s
+    ``training``): a row stopped while its samples compile or draw still leaves them (``tools/bench_suite.py`` keeps
+    the last line, which is the whole one when the run ends)."""
 
     def __init__(
         self,
@@ -889,8 +895,10 @@ class Outputs(Callback):
         sampler: SampleImages | None,
         checkpoint: ModelCheckpoint | None,
         exporter: LoraExport,
+        training: dict[str, Any] | None = None,
     ) -> None:
         self.out, self.sampler, self.checkpoint, self.exporter = out, sampler, checkpoint, exporter
+        self.training = {} if training is None else training
 
     def setup(self, trainer: Trainer, pl_module: Any, stage: str) -> None:
         for callback in (self.sampler, self.exporter):
@@ -901,6 +909,8 @@ class Outputs(Callback):
         self.exporter.on_fit_start(trainer, pl_module)
 
     def on_train_end(self, trainer: Trainer, pl_module: Any) -> None:
+        if trainer.is_global_zero:
+            print(json.dumps({**self.out, **self.training, "partial": "training; outputs follow"}), flush=True)
         if self.sampler is not None:
             self._phase("sample", trainer, pl_module, self._sample)
         if self.checkpoint is not None:
@@ -1114,6 +1124,7 @@ def measure(a: argparse.Namespace, outputs: Path | None) -> dict[str, Any]:
         if sampler is not None:
             sample_size = (sampler.height or data.resolution, sampler.width or data.resolution)
             out.update(sample_size=list(sample_size), sample_steps=sampler.steps, sample_prompts=len(sampler.prompts))
+            out["sample_compiled"] = sampler.compiled
     if getattr(a, "cpp_wrapper", 0):  # experiment: inductor's C++ wrapper launches kernels without Python
         from torch._inductor import config as inductor_config
 
@@ -1146,7 +1157,7 @@ def measure(a: argparse.Namespace, outputs: Path | None) -> dict[str, Any]:
             callbacks.append(Stacks(a.warm, a.steps, a.stacks))
         plugins: list[Any] = [precision]
         if outputs is not None:  # as fit: atomic checkpoint writes, the random state and the save time in each
-            callbacks += [Outputs(out, sampler, checkpoint, exporter), RNGState(), RunFolder()]
+            callbacks += [Outputs(out, sampler, checkpoint, exporter, timer.result), RNGState(), RunFolder()]
             plugins.append(AtomicCheckpointIO())
         trainer = Trainer(
             accelerator="gpu" if device == "cuda" else "cpu",
@@ -1459,6 +1470,13 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         metavar="H[xW]",
         help="the samples' size in pixels (default: the config's; --tiny: --h x --w)",
+    )
+    p.add_argument(
+        "--sample-compiled",
+        type=int,
+        choices=[0, 1],
+        default=None,
+        help="SampleImages(compiled=...): 1 draws through the compiled blocks (default: the config's, else 0)",
     )
     p.add_argument("--profile", default="", help="write a torch.profiler summary of the timed steps to this file")
     p.add_argument(

@@ -32,8 +32,10 @@ A plan file has one JSON object per line (blank lines and lines starting with ``
 Every row writes its output to files (a killed run's compile workers cannot hold a pipe open) and appends one JSON
 line to ``--out`` (and stdout), failures included: the row's position, phase, GPU, who, args, the exact command, the
 elapsed time, the exit status and ``result`` (the last JSON line the process printed; ``results`` when it printed
-several), or ``error`` and ``stderr_tail``. Each row's stderr goes to ``--log`` (default: ``--out`` ending ``.log``).
-Installing wheels and setting PYTHONPATH is the environment's business, not this tool's (BENCHMARKS.md).
+several besides lines marked ``"partial"``: ``tools/bench.py``'s training figures before its outputs, which stay
+the ``result`` of a row stopped while sampling), or ``error`` and ``stderr_tail``. Each row's stderr goes to
+``--log`` (default: ``--out`` ending ``.log``). Installing wheels and setting PYTHONPATH is the environment's
+business, not this tool's (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -314,8 +316,9 @@ def run_row(
     )
     results = json_lines(stdout)
     rec["result"] = results[-1] if results else None
-    if len(results) > 1:
-        rec["results"] = results
+    whole = [r for r in results if not (isinstance(r, dict) and "partial" in r)]
+    if len(whole) > 1:
+        rec["results"] = whole
     if timed_out:
         rec["error"] = f"timeout after {row.timeout:g} s: process group killed"
     elif rc != 0:

@@ -20,6 +20,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from lightning_lora.assembly import uncompiled
+
 __all__ = ["FixedEvalLoss"]
 
 
@@ -45,7 +47,7 @@ class FixedEvalLoss(Callback):
         module.denoiser.eval()
         total, count = 0.0, 0
         try:
-            with trainer.precision_plugin.forward_context():
+            with trainer.precision_plugin.forward_context(), uncompiled():  # no graphs of their own for a few batches
                 for batch in loader:
                     batch = {k: v.to(pl_module.device) if torch.is_tensor(v) else v for k, v in batch.items()}
                     losses = module.fixed_loss(batch, generator)

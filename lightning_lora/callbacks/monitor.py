@@ -214,9 +214,9 @@ def start_summary(trainer: Trainer, pl_module: LightningModule) -> str:
 
         lines.append(
             "Compiling: the repeated blocks compile during the first steps (the first time 30-45 s for FLUX, 1.5-2 "
-            "minutes for SDXL and SD1.5 on a 16-core host, longer with fewer cores; a new image size and the first "
-            f"sample images once more); cached in {compile_cache_dir()}, so the next run with the same settings starts "
-            "faster"
+            "minutes for SDXL and SD1.5 on a 16-core host, longer with fewer cores; a new image size once more; the "
+            f"samples and the eval loss run uncompiled); cached in {compile_cache_dir()}, so the next run with the "
+            "same settings starts faster"
         )
     if trainer.ckpt_path:
         lines.append(f"Resumed from {trainer.ckpt_path} at step {step}")

@@ -14,12 +14,13 @@ many.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 import yaml
-from helpers import run_cli, write_config
+from helpers import count_compiled, graph_count, run_cli, write_config
 from PIL import Image
 
 PROMPT = "a photo of sks cat"
@@ -145,3 +146,49 @@ def test_prompts_that_do_not_fit_turn_samples_off_not_the_run(
     assert cli.trainer.global_step == 1
     assert next(cb for cb in cli.trainer.callbacks if isinstance(cb, SampleImages)).written == []
     assert "data.text_encoder_quantization" in caplog.text
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_samples_and_the_eval_loss_run_compiled_blocks_uncompiled_unless_asked(
+    compiled: bool, tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``model.compile_blocks`` a fit's samples and eval loss (forwards without gradients, at the start and the
+    end) do not call into the compiled blocks, so they compile no graphs of their own; ``SampleImages(compiled=True)``
+    draws through them. Counted with a backend that records every call into a compiled region."""
+    from lightning_lora.callbacks import FixedEvalLoss
+    from lightning_lora.families.flux import Flux
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "compile-cache"))
+    graphs, calls = count_compiled(monkeypatch)
+    into_compiled: dict[str, list[int]] = {"samples": [], "eval": []}
+
+    def counted(name: str, function: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            before = sum(calls.values())
+            result = function(*args, **kwargs)
+            into_compiled[name].append(sum(calls.values()) - before)
+            return result
+
+        return wrapper
+
+    monkeypatch.setattr(Flux, "generate", counted("samples", Flux.generate))
+    monkeypatch.setattr(FixedEvalLoss, "_mean_loss", counted("eval", FixedEvalLoss._mean_loss))
+    config = write_config(tmp_path, tiny_flux_dir, photos_dir, **{"trainer.max_steps": 2, "model.compile_blocks": True})
+    data = yaml.safe_load(config.read_text())
+    if compiled:  # otherwise the default
+        data["trainer"]["callbacks"][1]["init_args"]["compiled"] = True
+    data["trainer"]["callbacks"].append({"class_path": "lightning_lora.callbacks.FixedEvalLoss"})
+    config.write_text(yaml.safe_dump(data))
+    torch._dynamo.reset()
+    try:
+        cli = run_cli(["fit", "--config", str(config)])
+    finally:
+        torch._dynamo.reset()
+    assert cli.trainer.global_step == 2
+    assert graph_count(graphs) > 0 and sum(calls.values()) > 0  # the training steps ran the compiled blocks
+    assert len(into_compiled["eval"]) == 2 and into_compiled["eval"] == [0, 0]  # at the start and the end
+    assert len(into_compiled["samples"]) == 2  # at the start and the end
+    if compiled:
+        assert all(n > 0 for n in into_compiled["samples"]), into_compiled
+    else:
+        assert into_compiled["samples"] == [0, 0]

@@ -292,8 +292,11 @@ def test_bench_runs_a_configs_samples_checkpoint_and_export(capsys, tmp_path, mo
     argv = ["--tiny", "--config", str(REPO / "configs" / "sdxl_24gb.yaml"), "--steps", "1", "--warm", "1"]
     argv += ["--h", "64", "--w", "64", "--compile", "0", "--sample-steps", "1", "--sample-size", "64"]
     bench.main(argv)
-    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    partial, out = (json.loads(line) for line in capsys.readouterr().out.strip().splitlines() if line[0] == "{")
     assert "error" not in out, out
+    # Before the outputs, the training figures: what a row stopped while sampling still leaves
+    assert partial["partial"] and partial["s_per_step"] == out["s_per_step"] > 0 and "samples" not in partial
+    assert "partial" not in out and out["sample_compiled"] is False  # the samples' default: the blocks uncompiled
     assert (out["sample_size"], out["sample_steps"], out["sample_prompts"], out["samples"]) == ([64, 64], 1, 2, 2)
     assert out["export_formats"] == ["diffusers", "kohya"] and out["export_MB"] > 0
     files = seen["files"]

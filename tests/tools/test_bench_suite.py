@@ -223,6 +223,7 @@ def test_the_json_line_has_the_command_gpu_time_and_result_or_the_failure(
         if sys.argv[1] == "ok":
             child = subprocess.Popen([sys.executable, "-S", "-c", "import time; time.sleep(60)"])  # left behind
             print("Lightning says hello")
+            print(json.dumps({"s_per_step": 0.5, "partial": "training"}))  # bench's line before its outputs: not kept
             print(json.dumps({"s_per_step": 0.5, "child": child.pid}))
             print(json.dumps({"s_per_step": 0.25}))
         else:
