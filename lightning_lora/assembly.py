@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -175,8 +174,7 @@ def compile_repeated_blocks(
     raise_recompile_limit(denoiser, (*denoiser._repeated_blocks, *extra))
 
 
-@contextlib.contextmanager
-def uncompiled(enabled: bool = True) -> Iterator[None]:
+def uncompiled(enabled: bool = True) -> contextlib.AbstractContextManager[Any]:
     """Inside, the compiled regions run as the plain modules they wrap (``torch.compiler.set_stance("force_eager")``):
     for the forwards without gradients that a run makes besides its training steps, the eval loss and the sample
     images. Compiled, each would compile a second graph of every block layout (no gradients, and the samples' own
@@ -185,11 +183,7 @@ def uncompiled(enabled: bool = True) -> Iterator[None]:
     first training step, since the samples and the eval loss also run at the start. ``enabled=False``: compiled as
     usual. On torch before 2.6 (no ``set_stance``) this changes nothing."""
     set_stance = getattr(torch.compiler, "set_stance", None)
-    if not enabled or set_stance is None:
-        yield
-        return
-    with set_stance("force_eager"):
-        yield
+    return set_stance("force_eager") if enabled and set_stance is not None else contextlib.nullcontext()
 
 
 def stream_needs_gradients(module: nn.Module, args: Any, output: Any) -> Any:

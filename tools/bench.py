@@ -885,9 +885,9 @@ class Outputs(Callback):
     under ``--memory-limit``; ``SampleImages`` catches its own and skips the images) is the line's ``error``, naming the
     phase (``error_phase``); the other phases still run.
 
-    Before the phases, rank 0 prints the line so far, marked ``"partial"`` (the training figures, :class:`StepTimer`'s
-    ``training``): a row stopped while its samples compile or draw still leaves them (``tools/bench_suite.py`` keeps
-    the last line, which is the whole one when the run ends)."""
+    Before the phases, rank 0 prints the line so far, marked ``"partial"`` (with ``training``, the figures
+    :class:`StepTimer` keeps in its ``result``): a row stopped while its samples compile or draw still leaves them
+    (``tools/bench_suite.py`` keeps the last line, which is the whole one when the run ends)."""
 
     def __init__(
         self,
@@ -895,10 +895,10 @@ class Outputs(Callback):
         sampler: SampleImages | None,
         checkpoint: ModelCheckpoint | None,
         exporter: LoraExport,
-        training: dict[str, Any] | None = None,
+        training: dict[str, Any],
     ) -> None:
         self.out, self.sampler, self.checkpoint, self.exporter = out, sampler, checkpoint, exporter
-        self.training = {} if training is None else training
+        self.training = training
 
     def setup(self, trainer: Trainer, pl_module: Any, stage: str) -> None:
         for callback in (self.sampler, self.exporter):
