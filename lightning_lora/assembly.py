@@ -150,7 +150,11 @@ def configure_attention(
 
 
 def compile_repeated_blocks(
-    denoiser: DiffusersModel, mode: str | None = None, extra: tuple[str, ...] = (), streams: tuple[str, ...] = ()
+    denoiser: DiffusersModel,
+    mode: str | None = None,
+    extra: tuple[str, ...] = (),
+    streams: tuple[str, ...] = (),
+    dynamic: bool | None = None,
 ) -> None:
     """Regional compilation: compile each repeated transformer block in place (diffusers' ``compile_repeated_blocks``),
     and each module of the ``extra`` classes (the family's ``compiled_regions``); the outputs of the ``streams``
@@ -163,14 +167,14 @@ def compile_repeated_blocks(
     if compile_fn is None or not getattr(denoiser, "_repeated_blocks", None):
         raise ConfigError(f"model.compile_blocks: {type(denoiser).__name__} declares no repeated blocks to compile.")
     compile_cache_dir()
-    compile_fn(fullgraph=False, mode=mode)
+    compile_fn(fullgraph=False, mode=mode, dynamic=dynamic)
     for name in streams:
         source = denoiser.get_submodule(name)
         for module in source.children() if isinstance(source, nn.ModuleDict | nn.ModuleList) else (source,):
             module.register_forward_hook(stream_needs_gradients)
     for module in denoiser.modules():
         if type(module).__name__ in extra:
-            module.compile(fullgraph=False, mode=mode)
+            module.compile(fullgraph=False, mode=mode, dynamic=dynamic)
     raise_recompile_limit(denoiser, (*denoiser._repeated_blocks, *extra))
 
 

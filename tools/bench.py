@@ -66,7 +66,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import MutableMapping
+from collections.abc import MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -340,7 +340,10 @@ def cached_text(family: str, config: dict[str, Any], tlen: int, padded: int, g: 
 
 
 class Synthetic(Dataset):
-    """Cached-latent batches of the family's shapes (what the latent cache serves): four distinct samples, repeated."""
+    """Cached-latent batches of the family's shapes (what the latent cache serves): four distinct samples, repeated.
+
+    ``buckets``: more image sizes; then batch ``k`` (``batch`` samples in order) has size ``k`` of ``[(height, width),
+    *buckets]``, cycling, as aspect-ratio buckets change the shape from one batch to the next (``--buckets``)."""
 
     def __init__(
         self,
@@ -351,11 +354,15 @@ class Synthetic(Dataset):
         tlen: int,
         n: int = 256,
         family_obj: Any = None,
+        buckets: Sequence[tuple[int, int]] = (),
+        batch: int = 1,
     ) -> None:
         g = torch.Generator().manual_seed(0)
         padded = getattr(family_obj, "max_sequence_length", tlen)  # the length the text cache stores
         self.family = family_obj
-        self.items = [cached_item(family, config, height, width, tlen, padded, g) for _ in range(4)]
+        self.sizes = [(height, width), *buckets]
+        self.by_size = [[cached_item(family, config, h, w, tlen, padded, g) for _ in range(4)] for h, w in self.sizes]
+        self.batch = batch
         self.n = n
         self._text = (family, config, tlen, padded)
 
@@ -369,7 +376,8 @@ class Synthetic(Dataset):
         return self.n
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        item = dict(self.items[i % len(self.items)])
+        items = self.by_size[(i // self.batch) % len(self.by_size)]
+        item = dict(items[i % len(items)])
         if self.family is not None:  # per-sample noise and timestep, as the latent cache's dataset serves them
             g = torch.Generator().manual_seed(i)
             latents = item["latents"][None]
@@ -446,10 +454,25 @@ def compiled_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def compile_counts() -> dict[str, int]:
+    """torch.compile's work so far in this process: the graphs Dynamo traced, and inductor's and AOTAutograd's cache
+    hits and misses (a miss compiled; a second start with everything cached has misses 0)."""
+    from torch._dynamo.utils import counters
+
+    return {
+        "graphs": int(counters["stats"]["unique_graphs"]),
+        "fxgraph_hit": int(counters["inductor"]["fxgraph_cache_hit"]),
+        "fxgraph_miss": int(counters["inductor"]["fxgraph_cache_miss"]),
+        "autograd_hit": int(counters["aot_autograd"]["autograd_cache_hit"]),
+        "autograd_miss": int(counters["aot_autograd"]["autograd_cache_miss"]),
+    }
+
+
 class StepTimer(Callback):
     """Times the optimizer steps after the warm-up; peak memory over the same window. Also the start: the first
     optimizer step's time from the start of training (``first_step_s``: compiling, or loading compiled code from the
-    cache) and from the start of the process (``to_first_step_s``: what a user waits for the first step).
+    cache) and from the start of the process (``to_first_step_s``: what a user waits for the first step), and what
+    torch.compile did from the start of training to then (``first_step_compile``: :func:`compile_counts`).
 
     Where each timed step's time went, to tell a host-bound step from a GPU-bound one: ``host_cpu_s_each`` is the CPU
     time of this process during the step (``time.process_time``: the training thread and autograd's device thread,
@@ -470,6 +493,7 @@ class StepTimer(Callback):
         self._waits: list[float] = []
         self._stolen: float | None = None
         self._graphs = 0
+        self._compiled_before: dict[str, int] = {}
 
     def _sync(self) -> None:
         if torch.cuda.is_available():
@@ -480,6 +504,7 @@ class StepTimer(Callback):
             torch.cuda.empty_cache()
             self.result["static_GiB"] = round(torch.cuda.memory_allocated() / 2**30, 2)
         self._train_start = time.perf_counter()
+        self._compiled_before = compile_counts()
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if trainer.global_step == self.warm and not self._t0:
@@ -496,6 +521,8 @@ class StepTimer(Callback):
         if trainer.global_step == 1 and "first_step_s" not in self.result:
             self._sync()
             self.result["first_step_s"] = round(time.perf_counter() - self._train_start, 2)
+            counts = compile_counts()
+            self.result["first_step_compile"] = {k: n - self._compiled_before[k] for k, n in counts.items()}
             age = process_age()
             if age is not None:
                 self.result["to_first_step_s"] = round(age, 2)
@@ -1109,7 +1136,9 @@ def measure(a: argparse.Namespace, outputs: Path | None) -> dict[str, Any]:
         optimizer=make_optimizer(a.opt, optimizer_options(a)),
     )
     module.use_precision(precision)
-    dataset = Synthetic(a.family, config, a.h, a.w, a.tlen, family_obj=family)
+    dataset = Synthetic(a.family, config, a.h, a.w, a.tlen, family_obj=family, buckets=a.buckets, batch=a.batch)
+    if a.buckets:
+        out["buckets"] = [list(size) for size in dataset.sizes]
     pin = None if a.loader_pin is None else bool(a.loader_pin)
     data = SyntheticData(dataset, a.batch, max(a.h, a.w), a.workers, pin_memory=pin, worker_start=a.worker_start)
     out.update(workers=a.workers, loader_pin=data.pin_memory)
@@ -1137,6 +1166,14 @@ def measure(a: argparse.Namespace, outputs: Path | None) -> dict[str, Any]:
 
         out["compile_mode"] = a.compile_mode
         assembly.compile_repeated_blocks = functools.partial(assembly.compile_repeated_blocks, mode=a.compile_mode)
+    if getattr(a, "compile_dynamic", "auto") != "auto":  # experiment: every block layout's graph static (or dynamic)
+        import functools
+
+        from lightning_lora import assembly
+
+        out["compile_dynamic"] = a.compile_dynamic
+        dynamic = a.compile_dynamic == "dynamic"
+        assembly.compile_repeated_blocks = functools.partial(assembly.compile_repeated_blocks, dynamic=dynamic)
     if a.host_threads == "all":  # torch's own: a user's OMP_NUM_THREADS, which LoraModule.on_train_start leaves alone
         os.environ["OMP_NUM_THREADS"] = str(torch.get_num_threads())
     elif a.loop == "bare":  # as LoraModule.on_train_start does in fit
@@ -1378,6 +1415,11 @@ def header(a: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def bucket_sizes(text: str) -> list[tuple[int, int]]:
+    """``--buckets``: comma-separated ``HxW`` sizes in pixels, e.g. ``832x1216,1216x832``."""
+    return [sample_size(size) for size in text.split(",") if size]
+
+
 def sample_size(text: str) -> tuple[int, int]:
     """``--sample-size``: ``H`` (square) or ``HxW`` in pixels."""
     try:
@@ -1429,12 +1471,26 @@ def parser() -> argparse.ArgumentParser:
         "padded to max(512, tlen) with a mask); SDXL: always 77",
     )
     p.add_argument("--batch", type=int, default=1)
+    p.add_argument(
+        "--buckets",
+        type=bucket_sizes,
+        default=[],
+        metavar="HxW,...",
+        help="more image sizes: the batches cycle through --h x --w and these, one size a batch, as aspect-ratio "
+        "buckets do (give --warm enough steps to meet each twice: compiling finishes before the timed steps)",
+    )
     p.add_argument("--accumulate", type=int, default=1, help="trainer.accumulate_grad_batches (a step: N batches)")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warm", type=int, default=3)
     p.add_argument("--opt", default="adamw8bit", choices=["adamw8bit", "adamw", "adafactor", "adafactor-hf"])
     p.add_argument("--compile", type=int, default=0)
     p.add_argument("--compile-mode", default=None, help="experiment: torch.compile mode of the blocks (--compile 1)")
+    p.add_argument(
+        "--compile-dynamic",
+        default="auto",
+        choices=["auto", "static", "dynamic"],
+        help="experiment: torch.compile(dynamic=) of the blocks (auto: dynamo's automatic dynamic shapes, as shipped)",
+    )
     p.add_argument("--offload", type=int, default=0, help="model.offload_blocks")
     p.add_argument("--cpp-wrapper", type=int, default=0, help="experiment: torch._inductor.config.cpp_wrapper")
     p.add_argument("--offload-act", type=int, default=0, help="model.offload_activations (0/1; needs --gc 1)")

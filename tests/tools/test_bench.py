@@ -42,6 +42,7 @@ def test_bench_runs_our_module_on_a_tiny_model(
     if loop == "lightning":  # each timed step's time, and no compile (nothing is compiled here)
         assert len(out["step_s_each"]) == 1 and out["step_s_each"][0] > 0 and out["graphs_compiled_timed"] == 0
         assert out["s_per_step_median"] == out["step_s_each"][0]
+        assert out["first_step_compile"] == dict.fromkeys(bench.compile_counts(), 0)  # nothing traced or loaded
         # where the step went: the training thread's CPU time and the wait at its end fit inside its wall time (on
         # the CPU the step is all host: the wait is nothing)
         (busy,), (wait,) = out["host_cpu_s_each"], out["sync_wait_s_each"]
@@ -456,3 +457,21 @@ def test_bench_loader_takes_the_workers_start_method_and_pinning(workers: int, s
     assert loader.pin_memory == (torch.cuda.is_available() if pin is None else pin)
     context = loader.multiprocessing_context
     assert (context.get_start_method() if context is not None else None) == (start if workers else None)
+
+
+def test_bench_buckets_change_the_shape_from_one_batch_to_the_next() -> None:
+    """``--buckets``: the batches cycle through the sizes, every batch one size, as the bucket sampler serves them."""
+    args = bench.parser().parse_args(["--h", "64", "--w", "64", "--buckets", "64x96,96x64", "--batch", "2"])
+    assert args.buckets == [(64, 96), (96, 64)]
+    dataset = bench.Synthetic("sdxl", bench.CONFIGS["sdxl"][1], 64, 64, 77, n=12, buckets=args.buckets, batch=2)
+    loader = bench.SyntheticData(dataset, 2).train_dataloader()
+    shapes = [(tuple(b["latents"].shape[-2:]), b["target_size"].tolist()) for b in loader]
+    assert shapes == [((8, 8), [[64, 64]] * 2), ((8, 12), [[64, 96]] * 2), ((12, 8), [[96, 64]] * 2)] * 2
+    with pytest.raises(SystemExit):  # a size that is not HxW
+        bench.parser().parse_args(["--buckets", "64x96,wide"])
+
+
+def test_bench_trains_through_bucket_changes_and_reports_them() -> None:
+    argv = ["--tiny", "--family", "sd15", "--h", "64", "--w", "64", "--buckets", "64x96", "--tlen", "16"]
+    out = bench.run(bench.parser().parse_args([*argv, "--steps", "2", "--warm", "1", "--opt", "adamw"]))
+    assert out["buckets"] == [[64, 64], [64, 96]] and out["s_per_step"] > 0 and len(out["step_s_each"]) == 2
