@@ -1159,21 +1159,18 @@ def measure(a: argparse.Namespace, outputs: Path | None) -> dict[str, Any]:
 
         inductor_config.cpp_wrapper = True
         out["cpp_wrapper"] = 1
+    compile_options: dict[str, Any] = {}  # experiments: torch.compile's mode and dynamic= for the blocks
     if getattr(a, "compile_mode", None):
-        import functools
-
-        from lightning_lora import assembly
-
-        out["compile_mode"] = a.compile_mode
-        assembly.compile_repeated_blocks = functools.partial(assembly.compile_repeated_blocks, mode=a.compile_mode)
-    if getattr(a, "compile_dynamic", "auto") != "auto":  # experiment: every block layout's graph static (or dynamic)
-        import functools
-
-        from lightning_lora import assembly
-
+        compile_options["mode"] = out["compile_mode"] = a.compile_mode
+    if getattr(a, "compile_dynamic", "auto") != "auto":  # every block layout's graph static (or dynamic)
         out["compile_dynamic"] = a.compile_dynamic
-        dynamic = a.compile_dynamic == "dynamic"
-        assembly.compile_repeated_blocks = functools.partial(assembly.compile_repeated_blocks, dynamic=dynamic)
+        compile_options["dynamic"] = a.compile_dynamic == "dynamic"
+    if compile_options:
+        import functools
+
+        from lightning_lora import assembly
+
+        assembly.compile_repeated_blocks = functools.partial(assembly.compile_repeated_blocks, **compile_options)
     if a.host_threads == "all":  # torch's own: a user's OMP_NUM_THREADS, which LoraModule.on_train_start leaves alone
         os.environ["OMP_NUM_THREADS"] = str(torch.get_num_threads())
     elif a.loop == "bare":  # as LoraModule.on_train_start does in fit
