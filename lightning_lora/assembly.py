@@ -162,6 +162,11 @@ def compile_repeated_blocks(
 
     Compiling the whole 12B model did not finish in 150 s on an H200; the blocks compile once and are reused by
     every layer, and parameter names stay unchanged (no ``_orig_mod.`` prefix in checkpoints).
+
+    ``dynamic`` is ``torch.compile``'s: ``None`` (what ``fit`` uses) lets dynamo make a size symbolic once it has seen
+    it change. Dynamo keeps a class's graphs on its ``forward``, so in a UNet the second layout of a class (other
+    channels, another resolution) already counts as a change and most of its graphs come out symbolic; ``False``
+    compiles each layout, and each bucket, static (BENCHMARKS.md, stop 42: not measured on a GPU yet).
     """
     compile_fn = getattr(denoiser, "compile_repeated_blocks", None)
     if compile_fn is None or not getattr(denoiser, "_repeated_blocks", None):
