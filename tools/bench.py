@@ -460,7 +460,7 @@ def compile_counts() -> dict[str, int]:
     from torch._dynamo.utils import counters
 
     return {
-        "graphs": int(counters["stats"]["unique_graphs"]),
+        "graphs": compiled_graphs(),
         "fxgraph_hit": int(counters["inductor"]["fxgraph_cache_hit"]),
         "fxgraph_miss": int(counters["inductor"]["fxgraph_cache_miss"]),
         "autograd_hit": int(counters["aot_autograd"]["autograd_cache_hit"]),
@@ -1235,8 +1235,9 @@ def measure(a: argparse.Namespace, outputs: Path | None) -> dict[str, Any]:
         names = {"adamw8bit": "AdamW8bit", "adafactor": "Adafactor", "adafactor-hf": "Adafactor", "adamw": "AdamW"}
         text_len, optimizer = text_length(a.family, a.tlen), names[a.opt]
         shards = shard_count(a.strategy, a.devices)  # --strategy fsdp: each GPU's share of the sharded base
+        height, width = max(dataset.sizes, key=lambda size: size[0] * size[1])  # --buckets: the largest batch
         plan = plan_training(
-            module.recipe, a.h, a.w, a.batch, text_len, optimizer=optimizer, sample_size=sample_size, shards=shards
+            module.recipe, height, width, a.batch, text_len, optimizer=optimizer, sample_size=sample_size, shards=shards
         )
         out["planned_peak_GiB"] = round(plan.peak_gib, 2)
         out["planned"] = {k: round(v, 3) for k, v in vars(plan).items() if isinstance(v, float)}
