@@ -468,11 +468,33 @@ def compile_counts() -> dict[str, int]:
     }
 
 
+COMPILE_PHASES = {  # dynamo_timed names (torch.compile's own timers) -> our names for them
+    "_compile.compile_inner": "dynamo",  # all of Dynamo's work on a frame, the backend's included
+    "bytecode_tracing": "tracing",  # Dynamo tracing the Python code into a graph
+    "OutputGraph.call_user_compiler": "backend",  # AOTAutograd and inductor: compiling, or loading from the caches
+    "AOTAutogradCache.inductor_load": "cache_load",  # a cache hit: loading the compiled forward and backward
+    "build_guards": "guards",
+    "compile_fx.<locals>.bw_compiler": "backward_compile",  # a cache miss compiling a backward graph
+}
+
+
+def compile_seconds() -> dict[str, float]:
+    """Seconds torch.compile has spent so far in this process, by phase (:data:`COMPILE_PHASES`; 0 for a phase that
+    has not run), from its own timers (``torch._dynamo.utils.compile_times``): what a second start's first step
+    spends tracing against loading the compiled code."""
+    from torch._dynamo.utils import compile_times
+
+    names, totals = compile_times(repr="csv", aggregate=True)
+    spent = dict(zip(names, totals, strict=True))
+    return {ours: float(spent.get(name, 0.0)) for name, ours in COMPILE_PHASES.items()}
+
+
 class StepTimer(Callback):
     """Times the optimizer steps after the warm-up; peak memory over the same window. Also the start: the first
     optimizer step's time from the start of training (``first_step_s``: compiling, or loading compiled code from the
     cache) and from the start of the process (``to_first_step_s``: what a user waits for the first step), and what
-    torch.compile did from the start of training to then (``first_step_compile``: :func:`compile_counts`).
+    torch.compile did from the start of training to then (``first_step_compile``: :func:`compile_counts`) and the seconds
+    it spent on it by phase (``first_step_compile_s``: :func:`compile_seconds`).
 
     Where each timed step's time went, to tell a host-bound step from a GPU-bound one: ``host_cpu_s_each`` is the CPU
     time of this process during the step (``time.process_time``: the training thread and autograd's device thread,
@@ -494,6 +516,7 @@ class StepTimer(Callback):
         self._stolen: float | None = None
         self._graphs = 0
         self._compiled_before: dict[str, int] = {}
+        self._compile_s_before: dict[str, float] = {}
 
     def _sync(self) -> None:
         if torch.cuda.is_available():
@@ -505,6 +528,7 @@ class StepTimer(Callback):
             self.result["static_GiB"] = round(torch.cuda.memory_allocated() / 2**30, 2)
         self._train_start = time.perf_counter()
         self._compiled_before = compile_counts()
+        self._compile_s_before = compile_seconds()
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if trainer.global_step == self.warm and not self._t0:
@@ -523,6 +547,8 @@ class StepTimer(Callback):
             self.result["first_step_s"] = round(time.perf_counter() - self._train_start, 2)
             counts = compile_counts()
             self.result["first_step_compile"] = {k: n - self._compiled_before[k] for k, n in counts.items()}
+            spent = compile_seconds()
+            self.result["first_step_compile_s"] = {k: round(t - self._compile_s_before[k], 3) for k, t in spent.items()}
             age = process_age()
             if age is not None:
                 self.result["to_first_step_s"] = round(age, 2)

@@ -43,6 +43,7 @@ def test_bench_runs_our_module_on_a_tiny_model(
         assert len(out["step_s_each"]) == 1 and out["step_s_each"][0] > 0 and out["graphs_compiled_timed"] == 0
         assert out["s_per_step_median"] == out["step_s_each"][0]
         assert out["first_step_compile"] == dict.fromkeys(bench.compile_counts(), 0)  # nothing traced or loaded
+        assert out["first_step_compile_s"] == dict.fromkeys(bench.COMPILE_PHASES.values(), 0)
         # where the step went: the training thread's CPU time and the wait at its end fit inside its wall time (on
         # the CPU the step is all host: the wait is nothing)
         (busy,), (wait,) = out["host_cpu_s_each"], out["sync_wait_s_each"]
@@ -475,3 +476,23 @@ def test_bench_trains_through_bucket_changes_and_reports_them() -> None:
     argv = ["--tiny", "--family", "sd15", "--h", "64", "--w", "64", "--buckets", "64x96", "--tlen", "16"]
     out = bench.run(bench.parser().parse_args([*argv, "--steps", "2", "--warm", "1", "--opt", "adamw"]))
     assert out["buckets"] == [[64, 64], [64, 96]] and out["s_per_step"] > 0 and len(out["step_s_each"]) == 2
+
+
+def test_bench_compile_seconds_grow_by_phase_when_dynamo_traces() -> None:
+    """``first_step_compile_s`` reads torch.compile's own timers: tracing a function adds to Dynamo's total and its
+    tracing, by phase names that exist in this torch (a renamed timer would leave them at 0)."""
+    import torch
+
+    before = bench.compile_seconds()
+    assert set(before) == set(bench.COMPILE_PHASES.values())
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        for _ in range(50):
+            x = torch.sin(x) * 2
+        return x
+
+    torch.compile(f, backend="eager")(torch.ones(3))
+    after = bench.compile_seconds()
+    grew = {k for k in after if after[k] > before[k]}
+    assert {"dynamo", "tracing", "backend", "guards"} <= grew
+    assert after["dynamo"] - before["dynamo"] >= after["tracing"] - before["tracing"] > 0
