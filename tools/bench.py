@@ -493,8 +493,8 @@ class StepTimer(Callback):
     """Times the optimizer steps after the warm-up; peak memory over the same window. Also the start: the first
     optimizer step's time from the start of training (``first_step_s``: compiling, or loading compiled code from the
     cache) and from the start of the process (``to_first_step_s``: what a user waits for the first step), and what
-    torch.compile did from the start of training to then (``first_step_compile``: :func:`compile_counts`) and the seconds
-    it spent on it by phase (``first_step_compile_s``: :func:`compile_seconds`).
+    torch.compile did from the start of training to then (``first_step_compile``: :func:`compile_counts`) and the
+    seconds it spent on it by phase (``first_step_compile_s``: :func:`compile_seconds`).
 
     Where each timed step's time went, to tell a host-bound step from a GPU-bound one: ``host_cpu_s_each`` is the CPU
     time of this process during the step (``time.process_time``: the training thread and autograd's device thread,
