@@ -1256,6 +1256,9 @@ def measure(a: argparse.Namespace, outputs: Path | None) -> dict[str, Any]:
         out["block_copies"] = offloader.loads
     out["lora_params_M"] = round(sum(p.numel() for p in module.denoiser.parameters() if p.requires_grad) / 1e6, 3)
     if a.plan:
+        # The planner's count of the full-size model takes seconds on the host: a row stopped then keeps what it
+        # measured (call 52's checkpointed flux_4090 row finished training and lost its line at its time limit).
+        print(json.dumps({**out, "partial": "measured; the plan follows"}), flush=True)
         from lightning_lora.plan import plan_training
 
         names = {"adamw8bit": "AdamW8bit", "adafactor": "Adafactor", "adafactor-hf": "Adafactor", "adamw": "AdamW"}

@@ -294,10 +294,14 @@ def test_bench_runs_a_configs_samples_checkpoint_and_export(capsys, tmp_path, mo
     argv = ["--tiny", "--config", str(REPO / "configs" / "sdxl_24gb.yaml"), "--steps", "1", "--warm", "1"]
     argv += ["--h", "64", "--w", "64", "--compile", "0", "--sample-steps", "1", "--sample-size", "64"]
     bench.main(argv)
-    partial, out = (json.loads(line) for line in capsys.readouterr().out.strip().splitlines() if line[0] == "{")
+    lines = capsys.readouterr().out.strip().splitlines()
+    partial, measured, out = (json.loads(line) for line in lines if line[0] == "{")
     assert "error" not in out, out
     # Before the outputs, the training figures: what a row stopped while sampling still leaves
     assert partial["partial"] and partial["s_per_step"] == out["s_per_step"] > 0 and "samples" not in partial
+    # Before the planner's count, everything measured: what a row stopped while planning still leaves
+    assert measured.pop("partial") and "planned_peak_GiB" not in measured and measured["samples"] == out["samples"]
+    assert measured == {k: v for k, v in out.items() if not k.startswith("planned")}
     assert "partial" not in out and out["sample_compiled"] is False  # the samples' default: the blocks uncompiled
     assert (out["sample_size"], out["sample_steps"], out["sample_prompts"], out["samples"]) == ([64, 64], 1, 2, 2)
     assert out["export_formats"] == ["diffusers", "kohya"] and out["export_MB"] > 0
