@@ -1119,6 +1119,10 @@ def measure(a: argparse.Namespace, outputs: Path | None) -> dict[str, Any]:
         "tool": "lightning-lora",
         **header(a),
     }
+    family_any: Any = family  # the attributes the experiments and the samples set on it
+    if getattr(a, "compile_regions", None) is not None:  # experiment: fewer (or more) module classes compiled
+        family_any.compiled_regions = tuple(name for name in a.compile_regions.split(",") if name)
+        out["compile_regions"] = list(family.compiled_regions)
     out.update(
         {
             "family": a.family,
@@ -1173,7 +1177,6 @@ def measure(a: argparse.Namespace, outputs: Path | None) -> dict[str, Any]:
     sample_size = None
     if outputs is not None:  # the config's samples, checkpoint and LoRA files (Outputs), under outputs
         sampler, checkpoint, exporter = output_callbacks(a, outputs)
-        family_any: Any = family
         family_any.vae_config = VAES[a.family][1 if a.tiny else 0]
         family_any.sampling_folder = write_sampling_files(family, a.denoiser, outputs / "model")
         if sampler is not None:
@@ -1517,6 +1520,13 @@ def parser() -> argparse.ArgumentParser:
         default="auto",
         choices=["auto", "static", "dynamic"],
         help="experiment: torch.compile(dynamic=) of the blocks (auto: dynamo's automatic dynamic shapes, as shipped)",
+    )
+    p.add_argument(
+        "--compile-regions",
+        default=None,
+        metavar="CLASS,...",
+        help="experiment: the module classes compiled besides the repeated blocks (the family's compiled_regions; "
+        "'' = the repeated blocks alone: for the UNets, the transformer blocks without the ResNets)",
     )
     p.add_argument("--offload", type=int, default=0, help="model.offload_blocks")
     p.add_argument("--cpp-wrapper", type=int, default=0, help="experiment: torch._inductor.config.cpp_wrapper")
