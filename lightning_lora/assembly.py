@@ -172,6 +172,7 @@ def compile_repeated_blocks(
     if compile_fn is None or not getattr(denoiser, "_repeated_blocks", None):
         raise ConfigError(f"model.compile_blocks: {type(denoiser).__name__} declares no repeated blocks to compile.")
     compile_cache_dir()
+    cache_custom_autograd_functions()
     compile_fn(fullgraph=False, mode=mode, dynamic=dynamic)
     for name in streams:
         source = denoiser.get_submodule(name)
@@ -225,6 +226,24 @@ def compile_cache_dir() -> Path:
         chosen = os.path.join(base, "lightning-lora", "torch-compile")
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = chosen
     return Path(chosen)
+
+
+def cache_custom_autograd_functions() -> bool:
+    """Let AOTAutograd's cache keep the compiled graphs that hold a custom ``torch.autograd.Function``; returns
+    whether it now does.
+
+    Ours are in every attention block of a CUDA run (:class:`lightning_lora.attention.OutputGradientInOutputLayout`,
+    wherever cuDNN's attention is allowed) and in the FP8 bases' matmuls (:mod:`lightning_lora.precision.fp8`). torch
+    refuses such graphs by default (``autograd_cache_allow_custom_autograd_functions``, off while torch tests it; Dynamo
+    traces the function's forward and backward into the graph that keys the cache, which is why torch's authors call
+    it safe, PR 149751). Refused, every start traced and partitioned those graphs again: on an H100, 0 AOTAutograd hits
+    of SD1.5's 3 attention graphs at a second start (BENCHMARKS.md, call 52g). A user's
+    ``TORCHINDUCTOR_AUTOGRAD_CACHE_ALLOW_CUSTOM_AUTOGRAD=0`` still wins (torch reads it over this setting)."""
+    config = torch._functorch.config
+    if not hasattr(config, "autograd_cache_allow_custom_autograd_functions"):  # torch without the setting
+        return False
+    config.autograd_cache_allow_custom_autograd_functions = True
+    return bool(config.autograd_cache_allow_custom_autograd_functions)
 
 
 def raise_recompile_limit(denoiser: nn.Module, classes: tuple[str, ...]) -> int:

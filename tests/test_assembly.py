@@ -325,17 +325,27 @@ def test_input_casts_are_skipped_only_under_mixed_precision(tiny_flux_dir: Path,
     assert all(m.cast_input_dtype_enabled is (precision == "32-true") for m in layers)
 
 
-@pytest.mark.parametrize("family_name", ["flux", "sdxl"])
+@pytest.mark.parametrize("family_name", ["flux", "sdxl", "sd15"])
 def test_compile_blocks_compiles_the_repeated_blocks_and_the_family_regions(
-    tiny_flux_dir: Path, tiny_sdxl_dir: Path, monkeypatch: pytest.MonkeyPatch, family_name: str
+    tiny_flux_dir: Path,
+    tiny_sdxl_dir: Path,
+    tiny_sd15_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    family_name: str,
 ) -> None:
-    """FLUX: its double and single blocks. The UNets: the transformer blocks and the ResNets (eager, those were
-    ~600 small kernels a step), each once, nothing else (``nn.Module.compile`` is recorded, not run)."""
+    """FLUX: its double and single blocks. SDXL: the transformer blocks and the ResNets (eager, those were ~600 small
+    kernels a step). SD1.5: the transformer blocks alone (its ResNets compiled made the step slower, call 52g). Each
+    once, nothing else (``nn.Module.compile`` is recorded, not run)."""
+    from lightning_lora.families.sd15 import SD15
     from lightning_lora.families.sdxl import SDXL
 
     compiled: list[str] = []
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kwargs: compiled.append(type(self).__name__))
-    family, folder = (Flux(), tiny_flux_dir) if family_name == "flux" else (SDXL(), tiny_sdxl_dir)
+    family, folder = {
+        "flux": (Flux(), tiny_flux_dir),
+        "sdxl": (SDXL(), tiny_sdxl_dir),
+        "sd15": (SD15(), tiny_sd15_dir),
+    }[family_name]
     with torch._dynamo.config.patch(recompile_limit=1):  # restored afterwards
         model = build_model(
             family, ModelSource(str(folder), dtype=torch.float32), LoraOptions(rank=2), compile_blocks=True
@@ -343,9 +353,10 @@ def test_compile_blocks_compiles_the_repeated_blocks_and_the_family_regions(
         kinds = {
             "flux": {"FluxTransformerBlock", "FluxSingleTransformerBlock"},
             "sdxl": {"BasicTransformerBlock", "ResnetBlock2D"},
+            "sd15": {"BasicTransformerBlock"},
         }
         expected = sorted(type(m).__name__ for m in model.modules() if type(m).__name__ in kinds[family_name])
-        assert len(set(expected)) == 2
+        assert len(set(expected)) == len(kinds[family_name])
         assert sorted(compiled) == expected
         # dynamo keeps a graph per parameter layout: the limit leaves room for every layout (UNet ResNets: several).
         layouts = {
@@ -355,6 +366,7 @@ def test_compile_blocks_compiles_the_repeated_blocks_and_the_family_regions(
         }
         most = max(sum(1 for kind, _ in layouts if kind == k) for k in kinds[family_name])
         assert most >= (3 if family_name == "sdxl" else 1)
+        assert ("ResnetBlock2D" in compiled) is (family_name == "sdxl")
         assert torch._dynamo.config.recompile_limit >= 4 * most
 
 

@@ -5,6 +5,11 @@ graph cache and AOTAutograd's cache: hits, no misses), also when only the learni
 whose compiled graph differs (another LoRA rank) must compile it (misses). Each run is a fresh process
 (tests/helpers/compile_step.py), as a user's next run is.
 
+The runs hand the attention's gradient over as CUDA runs do (:mod:`lightning_lora.attention`): a custom
+``autograd.Function`` in the graph, which AOTAutograd's cache refuses unless told (torch's
+``autograd_cache_allow_custom_autograd_functions``); refused, every start of a CUDA run traced and partitioned its
+attention blocks' graphs again (BENCHMARKS.md, call 52g: 0 AOTAutograd hits of 3 graphs on SD1.5's transformer blocks).
+
 Kept small (about 60 s on the 2-core CI machine, most of it gcc compiling ~10 C++ kernels and two interpreter starts):
 the tiny FLUX with one single-stream block, one graph forward and one backward.
 """
@@ -25,7 +30,7 @@ pytestmark = pytest.mark.subprocess
 
 def _steps(model_dir: Path, cache: Path, *runs: str) -> list[dict[str, Any]]:
     """Torch's compile counters of each of ``runs`` (``rank=R,seed=S,lr=LR``), stepped in one fresh process."""
-    command = [sys.executable, "-m", "helpers.compile_step", str(model_dir), *runs]
+    command = [sys.executable, "-m", "helpers.compile_step", str(model_dir), *runs, "--handover"]
     done = subprocess.run(
         command, env=command_env(TORCHINDUCTOR_CACHE_DIR=str(cache)), capture_output=True, text=True, timeout=300
     )

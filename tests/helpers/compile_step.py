@@ -10,6 +10,9 @@ Dynamo's graphs), the loss and the step's seconds.
 
 To keep the test short, the model keeps ``--double`` double-stream and ``--single`` single-stream blocks of the tiny
 FLUX (default: 0 and 1, one compiled graph forward and one backward, the least that exercises both caches).
+``--handover``: the attention hands its backward the gradient through
+:class:`~lightning_lora.attention.OutputGradientInOutputLayout`, as it does wherever cuDNN's attention is allowed (every
+CUDA run), so the compiled graph holds a custom ``autograd.Function``.
 """
 
 from __future__ import annotations
@@ -84,8 +87,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("runs", nargs="+", help="rank=R,seed=S,lr=LR,size=HxW")
     parser.add_argument("--double", type=int, default=0, help="double-stream blocks kept")
     parser.add_argument("--single", type=int, default=1, help="single-stream blocks kept")
+    parser.add_argument(
+        "--handover",
+        action="store_true",
+        help="attention through lightning_lora.attention's gradient handover (an autograd.Function), as on CUDA",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if args.handover:
+        from lightning_lora.attention import hand_sdpa_matching_gradients
+
+        hand_sdpa_matching_gradients(True)
     results = [step(args.model_dir, _parse_run(text), args.double, args.single) for text in args.runs]
     print(json.dumps(results))
 
