@@ -75,6 +75,7 @@ class SD15(UNetFamily):
     # 52g, sd15_8gb at 512², one command): 0.118 s a step against 0.129 with the ResNets compiled and 0.143 eager
     # (batch 8: 0.127 / 0.140 / 0.154); the first step 28.6 s cold against 91.5; a second start 28.4 s to the first
     # step against 32.4 (eager: 17.5-17.9). The ResNets compiled kept 0.4 GiB less at batch 2 (3.33 against 3.72 GiB).
+    # That step is the host's, even at batch 8; an 8 GB card's, where the GPU may be the limit, was not measured.
     compiled_regions: ClassVar[tuple[str, ...]] = ()
     # The whole forward's share of the eager count with the transformer blocks compiled and the ResNets eager:
     # calibrated on call 52g's 3.72 / 9.73 GiB at batch 2 / 8 (planned 3.85 / 9.36).
