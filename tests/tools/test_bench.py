@@ -504,14 +504,14 @@ def test_bench_compile_seconds_grow_by_phase_when_dynamo_traces() -> None:
 
 @pytest.mark.parametrize(("flag", "extra"), [([], ("ResnetBlock2D",)), (["--compile-regions", ""], ())])
 def test_bench_compile_regions_replace_the_familys_extra_compiled_classes(monkeypatch, flag, extra) -> None:
-    """``--compile-regions`` (an experiment: the UNets' transformer blocks compiled without their ResNets) reaches
-    the assembly's compile as the family's ``compiled_regions``; without it the family's own. The compile is recorded,
-    not run (compiling takes minutes on the CPU)."""
+    """``--compile-regions`` (an experiment: SDXL's transformer blocks compiled without its ResNets) reaches the
+    assembly's compile as the family's ``compiled_regions``; without it the family's own. The compile is recorded, not
+    run (compiling takes minutes on the CPU)."""
     from lightning_lora import assembly
 
     seen: list[tuple[str, ...]] = []
     monkeypatch.setattr(assembly, "compile_repeated_blocks", lambda model, extra, streams: seen.append(extra))
-    argv = ["--tiny", "--family", "sd15", "--h", "64", "--w", "64", "--tlen", "16", "--compile", "1", *flag]
+    argv = ["--tiny", "--family", "sdxl", "--h", "64", "--w", "64", "--tlen", "16", "--compile", "1", *flag]
     out = bench.run(bench.parser().parse_args([*argv, "--steps", "1", "--warm", "1", "--opt", "adamw"]))
     assert seen == [extra] and out["s_per_step"] > 0
     assert out.get("compile_regions") == (list(extra) if flag else None)
