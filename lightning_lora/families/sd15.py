@@ -78,7 +78,7 @@ class SD15(UNetFamily):
     # That step is the host's, even at batch 8; an 8 GB card's, where the GPU may be the limit, was not measured.
     compiled_regions: ClassVar[tuple[str, ...]] = ()
     # The whole forward's share of the eager count with the transformer blocks compiled and the ResNets eager:
-    # calibrated on call 52g's 3.72 / 9.73 GiB at batch 2 / 8 (planned 3.85 / 9.36).
+    # calibrated on call 52g's 3.72 / 9.73 GiB at batch 2 / 8 (planned 3.86 / 9.36).
     compiled_saved_fraction: ClassVar[float] = 0.70
 
     # -- loading -----------------------------------------------------------------------------------------------
