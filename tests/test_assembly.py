@@ -333,9 +333,9 @@ def test_compile_blocks_compiles_the_repeated_blocks_and_the_family_regions(
     monkeypatch: pytest.MonkeyPatch,
     family_name: str,
 ) -> None:
-    """FLUX: its double and single blocks. SDXL: the transformer blocks and the ResNets (eager, those were ~600 small
-    kernels a step). SD1.5: the transformer blocks alone (its ResNets compiled made the step slower, call 52g). Each
-    once, nothing else (``nn.Module.compile`` is recorded, not run)."""
+    """FLUX: its double and single blocks. The UNets (SDXL, SD1.5): their transformer blocks alone (the ResNets
+    compiled made the step no faster and every start longer: calls 52g and 53f). Each once, nothing else
+    (``nn.Module.compile`` is recorded, not run)."""
     from lightning_lora.families.sd15 import SD15
     from lightning_lora.families.sdxl import SDXL
 
@@ -352,21 +352,20 @@ def test_compile_blocks_compiles_the_repeated_blocks_and_the_family_regions(
         )
         kinds = {
             "flux": {"FluxTransformerBlock", "FluxSingleTransformerBlock"},
-            "sdxl": {"BasicTransformerBlock", "ResnetBlock2D"},
+            "sdxl": {"BasicTransformerBlock"},
             "sd15": {"BasicTransformerBlock"},
         }
         expected = sorted(type(m).__name__ for m in model.modules() if type(m).__name__ in kinds[family_name])
         assert len(set(expected)) == len(kinds[family_name])
         assert sorted(compiled) == expected
-        # dynamo keeps a graph per parameter layout: the limit leaves room for every layout (UNet ResNets: several).
+        # dynamo keeps a graph per parameter layout: the limit leaves room for every layout.
         layouts = {
             (type(m).__name__, tuple(p.shape for p in m.parameters()))
             for m in model.modules()
             if type(m).__name__ in kinds[family_name]
         }
         most = max(sum(1 for kind, _ in layouts if kind == k) for k in kinds[family_name])
-        assert most >= (3 if family_name == "sdxl" else 1)
-        assert ("ResnetBlock2D" in compiled) is (family_name == "sdxl")
+        assert "ResnetBlock2D" not in compiled
         assert torch._dynamo.config.recompile_limit >= 4 * most
 
 

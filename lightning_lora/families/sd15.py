@@ -70,15 +70,8 @@ class SD15(UNetFamily):
         {"text_encoder": CLIP_L},
     )
     vae_architecture: ClassVar[dict[str, Any] | None] = SD15_VAE
-    # ``model.compile_blocks`` compiles the transformer blocks alone: SD1.5's ResNets added 14 graphs to the blocks' 3,
-    # each traced again at every start, and compiled they made the step slower, not faster. On an H100 (BENCHMARKS.md
-    # call 52g, sd15_8gb at 512², one command): 0.118 s a step against 0.129 with the ResNets compiled and 0.143 eager
-    # (batch 8: 0.127 / 0.140 / 0.154); the first step 28.6 s cold against 91.5; a second start 28.4 s to the first
-    # step against 32.4 (eager: 17.5-17.9). The ResNets compiled kept 0.4 GiB less at batch 2 (3.33 against 3.72 GiB).
-    # That step is the host's, even at batch 8; an 8 GB card's, where the GPU may be the limit, was not measured.
-    compiled_regions: ClassVar[tuple[str, ...]] = ()
-    # The whole forward's share of the eager count with the transformer blocks compiled and the ResNets eager:
-    # calibrated on call 52g's 3.72 / 9.73 GiB at batch 2 / 8 (planned 3.86 / 9.36).
+    # The whole forward's share of the eager count with the transformer blocks compiled and the ResNets eager (the
+    # UNets' compiled regions): calibrated on call 52g's 3.72 / 9.73 GiB at batch 2 / 8 (planned 3.86 / 9.36).
     compiled_saved_fraction: ClassVar[float] = 0.70
 
     # -- loading -----------------------------------------------------------------------------------------------
