@@ -385,8 +385,8 @@ def test_flux2_klein_24gb_plans_its_measured_peak() -> None:
 @pytest.mark.parametrize(("batch", "measured_gib"), [(2, 3.72), (8, 9.73)])
 def test_sd15_compiled_plan_is_within_ten_percent_of_the_gpu(batch: int, measured_gib: float) -> None:
     """sd15_8gb's settings (bf16, rank 16 ``attention_ff``, 8-bit AdamW, 512², compiled: the transformer blocks, the
-    ResNets eager) peaked at 3.72 and 9.73 GiB at batch 2 and 8 on an H100 (BENCHMARKS.md call 52g). The UNets' shared
-    share (0.60, right with the ResNets compiled too: 8.17 measured) plans 8.37 at batch 8, 14% under this."""
+    ResNets eager) peaked at 3.72 and 9.73 GiB at batch 2 and 8 on an H100 (BENCHMARKS.md call 52g). SDXL's share (the
+    UNets', 0.60) plans 8.37 at batch 8, 14% under this."""
     from lightning_lora.families import SD15, ModelSource
     from lightning_lora.lora import LoraOptions
     from lightning_lora.recipe import ModelRecipe
