@@ -282,6 +282,22 @@ def json_lines(text: str) -> list[Any]:
     return found
 
 
+def machine(proc: Path = Path("/proc")) -> dict[str, str]:
+    """Which machine ran a row: its boot id (another machine, or the same one rebooted, has another) and its CPU model.
+    The device machines all call themselves ``vm``; call 53g's host ran the same settings 1.4-1.7x slower than calls
+    53c-f's, and only this tells such rows apart. ``"unknown"`` where ``proc`` has no such file."""
+
+    def read(path: Path) -> str:
+        try:
+            return path.read_text()
+        except OSError:
+            return ""
+
+    boot = read(proc / "sys" / "kernel" / "random" / "boot_id").strip() or "unknown"
+    models = re.findall(r"^model name\s*:\s*(.+)$", read(proc / "cpuinfo"), flags=re.MULTILINE)
+    return {"boot_id": boot, "cpu": f"{len(models)} x {models[0].strip()}" if models else "unknown"}
+
+
 def cache_env(folder: Path) -> dict[str, str]:
     """The environment that points torch.compile's caches (inductor's, and Triton's kernels) at ``folder``."""
     return {"TORCHINDUCTOR_CACHE_DIR": str(folder), "TRITON_CACHE_DIR": str(folder / "triton")}
@@ -313,6 +329,7 @@ def run_row(
         start=start,
         elapsed_s=round(elapsed, 1),
         rc=rc,
+        machine=machine(),
     )
     results = json_lines(stdout)
     rec["result"] = results[-1] if results else None

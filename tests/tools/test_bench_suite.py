@@ -264,6 +264,7 @@ def test_the_json_line_has_the_command_gpu_time_and_result_or_the_failure(
     assert not alive(child)  # what the row left behind died with its process group
     assert bad["who"] == "ref" and bad["gpu"] is None and bad["timeout_s"] == 300 and bad["result"] is None
     assert bad["error"] == "exit status 3" and bad["stderr_tail"].strip() == "Traceback: out of memory"
+    assert ok["machine"] == bad["machine"] == bs.machine()  # which machine: rows of two machines never pair
     log = out.with_suffix(".log").read_text()
     assert "Traceback: out of memory" in log and "Lightning says hello" in log and "== row 2 phase 1" in log
 
@@ -310,3 +311,15 @@ def test_rows_naming_a_compile_cache_share_a_folder_made_empty_for_the_suite(
         None,
     ]
     assert not Path(a1["inductor"]).exists() and not Path(b1["inductor"]).exists()
+
+
+def test_the_machine_is_its_boot_id_and_cpu_model(tmp_path: Path) -> None:
+    """The device machines all call themselves ``vm``: a row names its machine by boot id and CPU model."""
+    (tmp_path / "sys" / "kernel" / "random").mkdir(parents=True)
+    (tmp_path / "sys" / "kernel" / "random" / "boot_id").write_text("1f2e-boot\n")
+    (tmp_path / "cpuinfo").write_text(
+        "processor\t: 0\nmodel name\t: AMD EPYC 9454 48-Core Processor\n\n"
+        "processor\t: 1\nmodel name\t: AMD EPYC 9454 48-Core Processor\n"
+    )
+    assert bs.machine(tmp_path) == {"boot_id": "1f2e-boot", "cpu": "2 x AMD EPYC 9454 48-Core Processor"}
+    assert bs.machine(tmp_path / "none") == {"boot_id": "unknown", "cpu": "unknown"}
