@@ -20,7 +20,7 @@ The peak of a LoRA step is the sum of
 Sampling needs the frozen weights, the VAE and the larger of two transients, each *measured* the same way, on the
 ``meta`` device (:mod:`lightning_lora.live_bytes`: the most bytes its tensors hold at once, under the sampler's
 autocast): one no-grad forward pass of the denoiser at the sampling batch (2 with classifier-free guidance), and the
-VAE's decode of one image at full resolution (:func:`sampling_pieces`). The decode dominates: at its first
+VAE's decode of one image at full resolution (:mod:`lightning_lora.plan_sampling`). The decode dominates: at its first
 full-resolution group norm it holds the 256-channel bf16 activation, autocast's float32 copy of it and the float32
 output, 2.5 GiB for a 1024x1024 image.
 """
@@ -37,10 +37,11 @@ from torch import nn
 
 from lightning_lora.errors import ConfigError
 from lightning_lora.families.base import DiffusionFamily
-from lightning_lora.live_bytes import flash_like_attention, peak_bytes, saved_activation_bytes
+from lightning_lora.live_bytes import saved_activation_bytes
 from lightning_lora.lora import LoraOptions, inject_lora
 from lightning_lora.offload import offloaded_blocks, repeated_blocks
 from lightning_lora.parallel import LoraFSDPStrategy, check_strategy
+from lightning_lora.plan_sampling import autocast_dtype, sampling_bytes, sampling_pieces
 from lightning_lora.precision import BF16, FP8, NF4, BasePrecision, text_encoder_precision
 from lightning_lora.recipe import ModelRecipe
 
@@ -224,11 +225,6 @@ def add_counted_lora(model: nn.Module, family: DiffusionFamily, lora: LoraOption
     return sum(p.numel() for p in trainable)
 
 
-def _autocast_dtype(recipe: ModelRecipe) -> torch.dtype | None:
-    """The dtype training and sampling run the forward under autocast to (none for an fp32 base)."""
-    return recipe.precision.base_dtype if recipe.precision.autocasts else None
-
-
 def _fused_rms_norm(recipe: ModelRecipe) -> bool:
     """Whether the GPU runs ``F.rms_norm`` fused: not where the precision keeps the norms' weights in float32 under a
     bf16 input (NF4's ``upcast_small_params``: torch warns of the dtype mismatch and decomposes it)."""
@@ -272,7 +268,7 @@ def _count(recipe: ModelRecipe, height: int, width: int, batch: int, text_len: i
     model.train()
     inputs = family.example_inputs(model, batch, height, width, text_len, device="meta", dtype=source.dtype)
     saved, largest, moved = saved_activation_bytes(  # moved: block inputs kept in CPU memory
-        model, inputs, autocast=_autocast_dtype(recipe), fused_rms_norm=_fused_rms_norm(recipe)
+        model, inputs, autocast=autocast_dtype(recipe), fused_rms_norm=_fused_rms_norm(recipe)
     )
     counted = _Counted(lora_params, saved, largest, moved, family.block_count(model))
     if len(_COUNTED) > 64:
@@ -282,17 +278,10 @@ def _count(recipe: ModelRecipe, height: int, width: int, batch: int, text_len: i
 
 
 def compiled_saved_bytes(saved: float, uncheckpointed: float, all_checkpointed: float, share: float) -> float:
-    """What compiled blocks with one in N checkpointed keep for the backward, from three eager counts of the same
-    forward: ``saved`` as configured, ``uncheckpointed`` with no block checkpointed and ``all_checkpointed`` with every
-    block checkpointed (their inputs and what runs outside the blocks).
-
-    Blocks not checkpointed keep the family's compiled ``share`` of their eager tensors, as a model compiled without
-    checkpointing does; checkpointed blocks keep their inputs, which compiling does not shrink (a CPU probe on FLUX:
-    28.5 MiB compiled against 27.0 eager, BENCHMARKS.md stop 43). The checkpointed share of the blocks is what
-    checkpointing saved over what checkpointing them all saves. Without this, one in 4 or more checkpointed planned
-    more than none (every block at its eager size), and flux_h100 at batch 4 with one in 2 was planned 18% over the GPU
-    (77.9 GiB against 65.8, call 53b); with it 3% under, and flux_4090 with one in 3 6% under (16.0 against 17.0,
-    call 52f)."""
+    """What compiled blocks with one in N checkpointed keep for the backward, from the eager counts with N as configured
+    (``saved``), with none and with every block checkpointed: the blocks not checkpointed keep the family's compiled
+    ``share``, the checkpointed ones their inputs (which compiling does not shrink). The checkpointed fraction is what
+    N saved over what checkpointing them all saves (BENCHMARKS.md stop 45: within -6.5% / -3.1% of the GPU's)."""
     if uncheckpointed <= all_checkpointed:  # nothing to checkpoint
         return saved
     checkpointed = (uncheckpointed - saved) / (uncheckpointed - all_checkpointed)
@@ -367,83 +356,6 @@ def plan_training(
     sampling = sampling_bytes(recipe, model, sh, sw, text_len) / GIB
     plan.sampling_peak = resident / GIB + plan.lora + plan.optimizer + sampling + plan.overhead
     return plan
-
-
-# -- sampling ------------------------------------------------------------------------------------------------------
-
-# What the GPU allocates during the VAE decode beyond the tensors the meta device counts (cuDNN's workspaces for the
-# full-resolution convolutions), as a fraction of the counted decode peak. Calibrated on an H200 (tools/bench.py
-# --sample-steps 4, 2026-12-01): the sample peak less the planned static memory was 3.45-3.52 GiB at 1024x1024 (SDXL,
-# FLUX.1: 1.25-1.33x the counted 2.5 GiB decode plus the VAE's weights) and 0.76-0.80 GiB at 512x512 (SD1.5, FLUX.1:
-# 1.0x the counted 0.625 GiB); 0.25 splits the difference, within 7% of all six measured runs.
-VAE_DECODE_WORKSPACE = 0.25
-
-
-@dataclass(frozen=True)
-class SamplingPieces:
-    """What drawing one sample image adds to the GPU memory, in bytes, each measured on the ``meta`` device."""
-
-    denoiser: float
-    """The peak of one no-grad forward pass of the denoiser at the family's sampling batch, under autocast."""
-    decode: float
-    """The peak of the VAE's decode of one image at full resolution, under autocast."""
-    vae_weights: float
-    """The VAE's weights (on the GPU for the whole sampling: the callback moves it there first)."""
-
-    @property
-    def total(self) -> float:
-        """The VAE's weights and the larger transient (the denoiser's and the decode's never overlap), the decode
-        with :data:`VAE_DECODE_WORKSPACE`."""
-        return self.vae_weights + max(self.denoiser, self.decode * (1 + VAE_DECODE_WORKSPACE))
-
-
-_SAMPLING: dict[str, SamplingPieces] = {}
-
-
-def sampling_pieces(
-    recipe: ModelRecipe, model: nn.Module, height: int, width: int, text_len: int
-) -> SamplingPieces | None:
-    """The pieces of :class:`SamplingPieces` for one ``height x width`` sample image of ``recipe``'s model (``model``:
-    its denoiser skeleton on the ``meta`` device), as the sampler runs it: under the precision's autocast, attention
-    as the flash / memory-efficient kernels allocate it. None when the family declares no VAE architecture."""
-    import diffusers
-
-    from lightning_lora.families.base import build_from_config
-
-    family, source = recipe.family, recipe.source
-    config = family.vae_config_for(source)
-    if config is None:
-        return None
-    autocast = _autocast_dtype(recipe)
-    key = repr((type(family), sorted(vars(family).items()), source, config, autocast, height, width, text_len))
-    if key in _SAMPLING:
-        return _SAMPLING[key]
-    inputs = family.example_inputs(
-        model, family.sampling_batch, height, width, text_len, device="meta", dtype=source.dtype
-    )
-    with flash_like_attention():
-        denoiser, _ = peak_bytes(lambda: model(**inputs), autocast)
-    dtype = family.sampling_vae_dtype(config, source.dtype)
-    vae: Any = build_from_config(getattr(diffusers, config["_class_name"]), config, dtype)
-    latents = torch.empty(family.sampling_latent_shape(config, height, width), device="meta", dtype=dtype)
-    with flash_like_attention():
-        decode, _ = peak_bytes(lambda: vae.decode(latents, return_dict=False)[0], autocast)
-    weights = sum(p.numel() * p.element_size() for p in vae.parameters())
-    pieces = SamplingPieces(float(denoiser), float(decode), float(weights))
-    if len(_SAMPLING) > 64:
-        _SAMPLING.clear()
-    _SAMPLING[key] = pieces
-    return pieces
-
-
-def sampling_bytes(recipe: ModelRecipe, model: nn.Module, height: int, width: int, text_len: int) -> float:
-    """Bytes that drawing a ``height x width`` sample image adds to the training run's static memory: the measured
-    :class:`SamplingPieces`, or the family's own estimate (:meth:`~lightning_lora.families.base.DiffusionFamily.
-    sampling_bytes`) for a family that declares no VAE architecture."""
-    pieces = sampling_pieces(recipe, model, height, width, text_len)
-    if pieces is None:
-        return recipe.family.sampling_bytes(model, height, width, text_len)
-    return pieces.total
 
 
 # -- the caching phase and host memory ---------------------------------------------------------------------------
