@@ -317,7 +317,7 @@ def plan_training(
         # their inputs, which compiling cannot shrink.
         saved *= recipe.family.compiled_saved_fraction
     elif recipe.compile_blocks and recipe.checkpoint_every > 1:  # the blocks not checkpointed keep the family's share
-        eager = recipe.replace(gradient_checkpointing=False, offload_activations=False)
+        eager = recipe.replace(gradient_checkpointing=False, checkpoint_every=1, offload_activations=False)
         saved = compiled_saved_bytes(
             saved,
             uncheckpointed=_count(eager, height, width, batch, text_len).saved,
