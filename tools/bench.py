@@ -1525,8 +1525,8 @@ def parser() -> argparse.ArgumentParser:
         "--compile-regions",
         default=None,
         metavar="CLASS,...",
-        help="experiment: the module classes compiled besides the repeated blocks (the family's compiled_regions; "
-        "'' = the repeated blocks alone: for the UNets, the transformer blocks without the ResNets)",
+        help="experiment: the module classes compiled besides the repeated blocks (the family's compiled_regions, "
+        "empty for every family since stop 45; e.g. ResnetBlock2D: the UNets' ResNets too)",
     )
     p.add_argument("--offload", type=int, default=0, help="model.offload_blocks")
     p.add_argument("--cpp-wrapper", type=int, default=0, help="experiment: torch._inductor.config.cpp_wrapper")
