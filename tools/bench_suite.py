@@ -31,9 +31,10 @@ A plan file has one JSON object per line (blank lines and lines starting with ``
 
 Every row writes its output to files (a killed run's compile workers cannot hold a pipe open) and appends one JSON
 line to ``--out`` (and stdout), failures included: the row's position, phase, GPU, who, args, the exact command, the
-elapsed time, the exit status and ``result`` (the last JSON line the process printed; ``results`` when it printed
-several besides lines marked ``"partial"``: ``tools/bench.py``'s training figures before its outputs, which stay
-the ``result`` of a row stopped while sampling), or ``error`` and ``stderr_tail``. Each row's stderr goes to
+elapsed time, the exit status, the machine and its host's speed just before the row (:func:`host_speed`), and
+``result`` (the last JSON line the process printed; ``results`` when it printed several besides lines marked
+``"partial"``: ``tools/bench.py``'s training figures before its outputs, which stay the ``result`` of a row stopped
+while sampling), or ``error`` and ``stderr_tail``. Each row's stderr goes to
 ``--log`` (default: ``--out`` ending ``.log``). Installing wheels and setting PYTHONPATH is the environment's
 business, not this tool's (BENCHMARKS.md).
 """
@@ -298,6 +299,28 @@ def machine(proc: Path = Path("/proc")) -> dict[str, str]:
     return {"boot_id": boot, "cpu": f"{len(models)} x {models[0].strip()}" if models else "unknown"}
 
 
+def host_speed(calls: int = 20_000) -> dict[str, float]:
+    """How fast one core of this host does what a launch-bound step is made of, measured just before each row: PyTorch's
+    dispatch of a one-element CPU add (microseconds a call) and a plain Python loop (nanoseconds an iteration), each
+    the best of three. The GPU-bound rows of two H100s agree to 1% while the host-bound ones differ by up to 1.9x (call
+    55 against calls 53a-f), so host-bound rows of two machines compare only beside these figures."""
+    import torch  # the suite itself runs without torch until here (its tests, --dry-run)
+
+    a, b = torch.ones(1), torch.ones(1)
+    dispatch = loop = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(calls):
+            torch.add(a, b)
+        dispatch = min(dispatch, (time.perf_counter() - start) / calls)
+        start = time.perf_counter()
+        total = 0
+        for i in range(calls):
+            total += i
+        loop = min(loop, (time.perf_counter() - start) / calls)
+    return {"dispatch_us": round(dispatch * 1e6, 3), "python_loop_ns": round(loop * 1e9, 1)}
+
+
 def cache_env(folder: Path) -> dict[str, str]:
     """The environment that points torch.compile's caches (inductor's, and Triton's kernels) at ``folder``."""
     return {"TORCHINDUCTOR_CACHE_DIR": str(folder), "TRITON_CACHE_DIR": str(folder / "triton")}
@@ -314,6 +337,7 @@ def run_row(
         cache_start = "warm" if folder.exists() else "empty"
         folder.mkdir(parents=True, exist_ok=True)
         env = cache_env(folder)
+    speed = host_speed()
     rc, stdout, stderr, elapsed, timed_out = run_process(argv, row.gpu, row.timeout, kill_after, env)
     rec: dict[str, Any] = {"row": row.index, "phase": row.phase, "gpu": row.gpu, "who": row.who}
     if row.case:
@@ -330,6 +354,7 @@ def run_row(
         elapsed_s=round(elapsed, 1),
         rc=rc,
         machine=machine(),
+        host_speed=speed,
     )
     results = json_lines(stdout)
     rec["result"] = results[-1] if results else None

@@ -265,6 +265,9 @@ def test_the_json_line_has_the_command_gpu_time_and_result_or_the_failure(
     assert bad["who"] == "ref" and bad["gpu"] is None and bad["timeout_s"] == 300 and bad["result"] is None
     assert bad["error"] == "exit status 3" and bad["stderr_tail"].strip() == "Traceback: out of memory"
     assert ok["machine"] == bad["machine"] == bs.machine()  # which machine: rows of two machines never pair
+    for rec in (ok, bad):  # and how fast its host was just before the row
+        assert set(rec["host_speed"]) == {"dispatch_us", "python_loop_ns"}
+        assert 0 < rec["host_speed"]["dispatch_us"] < 1000 and 0 < rec["host_speed"]["python_loop_ns"] < 10_000
     log = out.with_suffix(".log").read_text()
     assert "Traceback: out of memory" in log and "Lightning says hello" in log and "== row 2 phase 1" in log
 
@@ -323,3 +326,19 @@ def test_the_machine_is_its_boot_id_and_cpu_model(tmp_path: Path) -> None:
     )
     assert bs.machine(tmp_path) == {"boot_id": "1f2e-boot", "cpu": "2 x AMD EPYC 9454 48-Core Processor"}
     assert bs.machine(tmp_path / "none") == {"boot_id": "unknown", "cpu": "unknown"}
+
+
+def test_host_speed_measures_a_slower_host_as_slower(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host whose dispatch takes longer reads as slower: the probe times the calls, it does not report a constant."""
+    fast = bs.host_speed(calls=2_000)
+    import torch
+
+    add = torch.add
+
+    def slow_add(*args: object) -> object:
+        time.sleep(20e-6)
+        return add(*args)
+
+    monkeypatch.setattr(torch, "add", slow_add)
+    slow = bs.host_speed(calls=2_000)
+    assert slow["dispatch_us"] > fast["dispatch_us"] + 15
