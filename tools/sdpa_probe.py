@@ -70,6 +70,16 @@ def output_gradient(args: argparse.Namespace, device: torch.device, dtype: torch
     return torch.randn(b, h, s, d, device=device, dtype=dtype)
 
 
+def storage_layout(t: torch.Tensor) -> str:
+    """Which ``[B, H, S, D]`` layout ``t``'s storage has: ``"bhsd"`` (contiguous as seen), ``"bshd"`` (heads inside
+    tokens, as diffusers' processors make q / k / v, whose ``flatten`` of the output is then a view) or ``"other"``.
+    Whether a backend's output follows its query's layout decides whether the processor copies it (the memory
+    planner's meta count allocates it in the query's ``[B, H, S, D]`` shape; BENCHMARKS.md stop 46)."""
+    if t.is_contiguous():
+        return "bhsd"
+    return "bshd" if t.transpose(1, 2).is_contiguous() else "other"
+
+
 def attention_flops(args: argparse.Namespace) -> tuple[float, float]:
     """Forward and backward FLOPs as fused kernels compute them (``4 B H S^2 D`` forward, 2.5x that backward)."""
     forward = 4.0 * args.batch * args.heads * args.tokens**2 * args.head_dim
@@ -132,6 +142,8 @@ def probe(args: argparse.Namespace) -> dict[str, Any]:
         backward_ms=round(backward_ms, 3),
         forward_tflops=round(forward_flops / forward_ms / 1e9, 1),
         backward_tflops=round(backward_flops / backward_ms / 1e9, 1),
+        query_layout=storage_layout(q),
+        output_layout=storage_layout(output),
     )
     reference = "flash" if device.type == "cuda" else "math"
     if args.backend != reference:

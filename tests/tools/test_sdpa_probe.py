@@ -28,6 +28,15 @@ def test_a_backend_is_timed_and_checked(layout: str, tmp_path, capsys) -> None:
     assert json.loads(out_file.read_text()) == line
     assert line["forward_ms"] > 0 and line["backward_ms"] > 0 and line["forward_tflops"] >= 0
     assert line["max_abs_diff_vs_math"] < 1e-4  # the same attention as the reference kernel
+    assert line["query_layout"] == layout.replace("contiguous", "bhsd")
+    assert line["output_layout"] in ("bhsd", "bshd")  # which one is the kernel's answer (the CPU's follows q)
+
+
+def test_the_storage_layout_names_heads_inside_tokens_apart() -> None:
+    t = torch.empty(1, 8, 2, 4)  # [B, S, H, D] storage
+    assert sdpa_probe.storage_layout(t.transpose(1, 2)) == "bshd"
+    assert sdpa_probe.storage_layout(t.transpose(1, 2).contiguous()) == "bhsd"
+    assert sdpa_probe.storage_layout(t.transpose(1, 2)[:, :, ::2]) == "other"
 
 
 def test_the_layouts_are_what_sdpa_receives() -> None:
