@@ -31,7 +31,9 @@ A plan file has one JSON object per line (blank lines and lines starting with ``
 
 Every row writes its output to files (a killed run's compile workers cannot hold a pipe open) and appends one JSON
 line to ``--out`` (and stdout), failures included: the row's position, phase, GPU, who, args, the exact command, the
-elapsed time, the exit status, the machine and its host's speed just before the row (:func:`host_speed`), and
+elapsed time, the exit status, the machine and its host's speed just before the row (:func:`host_speed`; each core's
+in ``core_dispatch_us``, :func:`core_speeds`), the hypervisor's steal time and the machine's load during the row
+(``host_during``, :func:`steal`), and
 ``result`` (the last JSON line the process printed; ``results`` when it printed several besides lines marked
 ``"partial"``: ``tools/bench.py``'s training figures before its outputs, which stay the ``result`` of a row stopped
 while sampling), or ``error`` and ``stderr_tail``. Each row's stderr goes to
@@ -321,6 +323,70 @@ def host_speed(calls: int = 20_000) -> dict[str, float]:
     return {"dispatch_us": round(dispatch * 1e6, 3), "python_loop_ns": round(loop * 1e9, 1)}
 
 
+def core_speeds(calls: int = 2_000) -> dict[str, float]:
+    """PyTorch's dispatch of a one-element CPU add on each core this process may use (microseconds a call, the best of
+    three), the process pinned to one core at a time and given back its whole set after. Call 56's rows found the
+    same machine's :func:`host_speed` at ~1.3 µs before one row and ~2.7 before the next: this tells a slow core (one
+    the hypervisor shares) from a slow moment (every core slow: see :func:`steal`)."""
+    import torch
+
+    allowed = sorted(os.sched_getaffinity(0))
+    a, b = torch.ones(1), torch.ones(1)
+    speeds: dict[str, float] = {}
+    try:
+        for core in allowed:
+            os.sched_setaffinity(0, {core})
+            best = float("inf")
+            for _ in range(3):
+                start = time.perf_counter()
+                for _ in range(calls):
+                    torch.add(a, b)
+                best = min(best, (time.perf_counter() - start) / calls)
+            speeds[str(core)] = round(best * 1e6, 3)
+    finally:
+        os.sched_setaffinity(0, allowed)  # the row's process inherits this process's cores
+    return speeds
+
+
+def cpu_times(proc: Path = Path("/proc")) -> dict[str, list[int]]:
+    """``/proc/stat``'s time counters of the whole machine (``cpu``) and of each core (``cpu0``...): user, nice,
+    system, idle, iowait, irq, softirq, steal (clock ticks; the guest columns are already inside user and nice).
+    Empty where ``proc`` has no such file."""
+    try:
+        text = (proc / "stat").read_text()
+    except OSError:
+        return {}
+    times = {}
+    for line in text.splitlines():
+        name, *fields = line.split()
+        if name.startswith("cpu"):
+            times[name] = [int(v) for v in fields[:8]] + [0] * (8 - len(fields[:8]))
+    return times
+
+
+def steal(before: dict[str, list[int]], after: dict[str, list[int]]) -> dict[str, float]:
+    """The share of the time between two :func:`cpu_times` readings that the hypervisor gave to someone else (steal
+    time, %), for the whole machine and for its most-stolen core, and how busy the machine was (%, neither idle,
+    iowait nor steal). On a KVM guest a host-bound row runs slower while its neighbours take its cores; a row's
+    figures then compare with another's only beside this. Empty without both readings."""
+
+    def shares(name: str) -> tuple[float, float] | None:
+        delta = [b - a for a, b in zip(before[name], after[name])]
+        total = sum(delta)
+        if total <= 0:
+            return None
+        return 100 * delta[7] / total, 100 * (total - delta[3] - delta[4] - delta[7]) / total
+
+    if "cpu" not in before or "cpu" not in after:
+        return {}
+    whole = shares("cpu")
+    if whole is None:
+        return {}
+    cores = [s for name in after if name != "cpu" and name in before if (s := shares(name)) is not None]
+    worst = max((s[0] for s in cores), default=whole[0])
+    return {"steal_pct": round(whole[0], 2), "steal_pct_worst_core": round(worst, 2), "busy_pct": round(whole[1], 1)}
+
+
 def cache_env(folder: Path) -> dict[str, str]:
     """The environment that points torch.compile's caches (inductor's, and Triton's kernels) at ``folder``."""
     return {"TORCHINDUCTOR_CACHE_DIR": str(folder), "TRITON_CACHE_DIR": str(folder / "triton")}
@@ -338,7 +404,10 @@ def run_row(
         folder.mkdir(parents=True, exist_ok=True)
         env = cache_env(folder)
     speed = host_speed()
+    cores = core_speeds()
+    before = cpu_times()
     rc, stdout, stderr, elapsed, timed_out = run_process(argv, row.gpu, row.timeout, kill_after, env)
+    during = steal(before, cpu_times())
     rec: dict[str, Any] = {"row": row.index, "phase": row.phase, "gpu": row.gpu, "who": row.who}
     if row.case:
         rec["case"] = row.case
@@ -355,6 +424,8 @@ def run_row(
         rc=rc,
         machine=machine(),
         host_speed=speed,
+        core_dispatch_us=cores,
+        host_during=during,
     )
     results = json_lines(stdout)
     rec["result"] = results[-1] if results else None

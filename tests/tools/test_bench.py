@@ -515,3 +515,20 @@ def test_bench_compile_regions_replace_the_familys_extra_compiled_classes(monkey
     out = bench.run(bench.parser().parse_args([*argv, "--steps", "1", "--warm", "1", "--opt", "adamw"]))
     assert seen == [extra] and out["s_per_step"] > 0
     assert out.get("compile_regions") == (list(extra) if flag else None)
+
+
+def test_kernel_launches_count_every_launch_api_and_nothing_else() -> None:
+    """Triton's and cuBLAS's kernels go through the driver's ``cuLaunchKernelEx``: a profile that counts only the
+    runtime's launches reads a launch-bound step as launching fewer kernels than it does."""
+    from types import SimpleNamespace as Event
+
+    events = [
+        Event(key="cudaLaunchKernel", count=10),
+        Event(key="cuLaunchKernel", count=20),
+        Event(key="cuLaunchKernelEx", count=300),
+        Event(key="cudaLaunchKernelExC", count=4),
+        Event(key="aten::mm", count=5000),
+        Event(key="cudaMemsetAsync", count=7),
+    ]
+    assert bench.kernel_launches(events) == 334
+    assert bench.kernel_launches([]) == 0

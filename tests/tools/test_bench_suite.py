@@ -268,6 +268,9 @@ def test_the_json_line_has_the_command_gpu_time_and_result_or_the_failure(
     for rec in (ok, bad):  # and how fast its host was just before the row
         assert set(rec["host_speed"]) == {"dispatch_us", "python_loop_ns"}
         assert 0 < rec["host_speed"]["dispatch_us"] < 1000 and 0 < rec["host_speed"]["python_loop_ns"] < 10_000
+        assert set(rec["core_dispatch_us"]) == {str(c) for c in os.sched_getaffinity(0)}  # each core's speed
+        assert set(rec["host_during"]) == {"steal_pct", "steal_pct_worst_core", "busy_pct"}  # and the load during it
+        assert 0 <= rec["host_during"]["steal_pct"] <= rec["host_during"]["steal_pct_worst_core"] <= 100
     log = out.with_suffix(".log").read_text()
     assert "Traceback: out of memory" in log and "Lightning says hello" in log and "== row 2 phase 1" in log
 
@@ -342,3 +345,52 @@ def test_host_speed_measures_a_slower_host_as_slower(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(torch, "add", slow_add)
     slow = bs.host_speed(calls=2_000)
     assert slow["dispatch_us"] > fast["dispatch_us"] + 15
+
+
+def test_core_speeds_time_each_core_pinned_alone_and_give_the_process_its_cores_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One figure per core this process may use, each timed with the process on that core alone; afterwards the
+    process (whose cores the row's process inherits) has its whole set again, even when the timing fails."""
+    import torch
+
+    allowed = os.sched_getaffinity(0)
+    seen: list[frozenset[int]] = []
+    add = torch.add
+
+    def watched_add(*args: object) -> object:
+        seen.append(frozenset(os.sched_getaffinity(0)))
+        return add(*args)
+
+    monkeypatch.setattr(torch, "add", watched_add)
+    speeds = bs.core_speeds(calls=50)
+    assert set(speeds) == {str(c) for c in allowed} and all(v > 0 for v in speeds.values())
+    assert set(seen) == {frozenset({c}) for c in allowed}
+    assert os.sched_getaffinity(0) == allowed
+
+    def failing_add(*args: object) -> object:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(torch, "add", failing_add)
+    with pytest.raises(RuntimeError, match="boom"):
+        bs.core_speeds(calls=50)
+    assert os.sched_getaffinity(0) == allowed
+
+
+def test_steal_is_the_hypervisors_share_of_the_time_between_two_readings(tmp_path: Path) -> None:
+    """/proc/stat's counters read twice: the steal column's share of all time, for the machine and its worst core,
+    and the busy share; a reading missing or not moving gives nothing rather than a made-up zero."""
+    (tmp_path / "stat").write_text(
+        "cpu  100 0 50 800 10 0 0 40 0 0\ncpu0 50 0 25 400 5 0 0 20 0 0\ncpu1 50 0 25 400 5 0 0 20 0 0\n"
+        "intr 1 2 3\nctxt 99\n"
+    )
+    before = bs.cpu_times(tmp_path)
+    assert before["cpu"] == [100, 0, 50, 800, 10, 0, 0, 40] and set(before) == {"cpu", "cpu0", "cpu1"}
+    (tmp_path / "stat").write_text(
+        # 400 ticks pass: the machine 300 busy + 40 idle + 0 iowait + 60 stolen; core 1 lost 50 of its 200
+        "cpu  300 0 150 840 10 0 0 100 0 0\ncpu0 150 0 75 440 5 0 0 30 0 0\ncpu1 150 0 75 400 5 0 0 70 0 0\n"
+    )
+    after = bs.cpu_times(tmp_path)
+    assert bs.steal(before, after) == {"steal_pct": 15.0, "steal_pct_worst_core": 25.0, "busy_pct": 75.0}
+    assert bs.steal(before, before) == {} and bs.steal({}, after) == {} and bs.steal(before, {}) == {}
+    assert bs.cpu_times(tmp_path / "none") == {}
