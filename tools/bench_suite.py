@@ -371,7 +371,7 @@ def steal(before: dict[str, list[int]], after: dict[str, list[int]]) -> dict[str
     figures then compare with another's only beside this. Empty without both readings."""
 
     def shares(name: str) -> tuple[float, float] | None:
-        delta = [b - a for a, b in zip(before[name], after[name])]
+        delta = [b - a for a, b in zip(before[name], after[name], strict=True)]
         total = sum(delta)
         if total <= 0:
             return None
