@@ -489,6 +489,12 @@ def compile_seconds() -> dict[str, float]:
     return {ours: float(spent.get(name, 0.0)) for name, ours in COMPILE_PHASES.items()}
 
 
+def sync() -> None:
+    """Wait for the GPU's queued work, where there is a GPU."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 class StepTimer(Callback):
     """Times the optimizer steps after the warm-up; peak memory over the same window. Also the start: the first
     optimizer step's time from the start of training (``first_step_s``: compiling, or loading compiled code from the
@@ -518,10 +524,6 @@ class StepTimer(Callback):
         self._compiled_before: dict[str, int] = {}
         self._compile_s_before: dict[str, float] = {}
 
-    def _sync(self) -> None:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-
     def on_train_start(self, trainer: Trainer, pl_module: Any) -> None:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -532,7 +534,7 @@ class StepTimer(Callback):
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if trainer.global_step == self.warm and not self._t0:
-            self._sync()
+            sync()
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
             self._t0 = time.perf_counter()
@@ -543,7 +545,7 @@ class StepTimer(Callback):
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if trainer.global_step == 1 and "first_step_s" not in self.result:
-            self._sync()
+            sync()
             self.result["first_step_s"] = round(time.perf_counter() - self._train_start, 2)
             counts = compile_counts()
             self.result["first_step_compile"] = {k: n - self._compiled_before[k] for k, n in counts.items()}
@@ -558,7 +560,7 @@ class StepTimer(Callback):
             and len(self._ends) < (trainer.global_step - self.warm)
         ):
             launched, cpu = time.perf_counter(), time.process_time()
-            self._sync()  # each timed step's own time: a one-off cost (a recompile) shows as one slow step
+            sync()  # each timed step's own time: a one-off cost (a recompile) shows as one slow step
             self._ends.append(time.perf_counter())
             self._busy.append(cpu - self._cpu)
             self._waits.append(self._ends[-1] - launched)
@@ -594,7 +596,8 @@ class StepTimer(Callback):
 
 class Profile(Callback):
     """torch.profiler over ``steps`` optimizer steps after ``warm``: the top operators by host and by GPU time, and
-    how busy the GPU was (sum of kernel time / wall time), written to ``path``."""
+    how busy the GPU was (sum of kernel time / wall time), written to ``path``. ``--profile-steps N`` puts them after
+    the timed steps (``warm`` is then warm-up plus timed steps), so one row gives both its timing and its profile."""
 
     def __init__(self, warm: int, steps: int, path: str) -> None:
         self.warm, self.steps, self.path = warm, steps, path
@@ -605,14 +608,16 @@ class Profile(Callback):
         if trainer.global_step == self.warm and self.prof is None:
             from torch.profiler import ProfilerActivity, profile
 
-            torch.cuda.synchronize()
-            self.prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=False)
+            gpu = torch.cuda.is_available()
+            sync()
+            activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if gpu else [ProfilerActivity.CPU]
+            self.prof = profile(activities=activities, record_shapes=False)
             self.prof.__enter__()
             self._t0 = time.perf_counter()
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self.prof is not None and trainer.global_step == self.warm + self.steps:
-            torch.cuda.synchronize()
+            sync()
             wall = time.perf_counter() - self._t0
             self.prof.__exit__(None, None, None)
             write_profile(self.prof, wall, self.steps, self.path)
@@ -661,14 +666,12 @@ class Stacks(Callback):
         sys.path.insert(0, str(Path(__file__).parent))
         from offcpu import OffCpuSampler
 
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        sync()
         self.sampler = OffCpuSampler()
         self.sampler.start()
 
     def end(self) -> None:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        sync()
         self.sampler.stop()
         self.sampler.report(self.path, per=self.steps)
         self.sampler = None
@@ -690,6 +693,11 @@ LAUNCH_CALLS = frozenset({"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKe
 def kernel_launches(events: Any) -> int:
     """How many kernels the profiled steps launched: the calls of every launch API in ``key_averages()``."""
     return sum(e.count for e in events if e.key in LAUNCH_CALLS)
+
+
+def extra_steps(a: argparse.Namespace) -> int:
+    """Optimizer steps a row trains after its timed ones: ``--profile-steps`` with ``--profile``, else none."""
+    return a.profile_steps if a.profile else 0
 
 
 def write_profile(prof: Any, wall: float, steps: int, path: str) -> None:
@@ -1225,7 +1233,8 @@ def measure(a: argparse.Namespace, outputs: Path | None) -> dict[str, Any]:
         watch = TeardownWatch(a.teardown_watch)
         callbacks: list[Callback] = [MemoryLimit(a.memory_limit, out), timer, watch]
         if a.profile:
-            callbacks.append(Profile(a.warm, a.steps, a.profile))
+            after = a.profile_steps > 0  # extra steps after the timed ones, or the timed ones themselves
+            callbacks.append(Profile(a.warm + a.steps if after else a.warm, a.profile_steps or a.steps, a.profile))
         if a.stacks:
             callbacks.append(Stacks(a.warm, a.steps, a.stacks))
         plugins: list[Any] = [precision]
@@ -1238,7 +1247,7 @@ def measure(a: argparse.Namespace, outputs: Path | None) -> dict[str, Any]:
             strategy=bench_strategy(a.strategy, a.devices),
             plugins=plugins,
             default_root_dir=None if outputs is None else str(outputs),
-            max_steps=a.warm + a.steps,
+            max_steps=a.warm + a.steps + extra_steps(a),
             accumulate_grad_batches=a.accumulate,
             logger=False,
             enable_checkpointing=False,
@@ -1262,7 +1271,7 @@ def measure(a: argparse.Namespace, outputs: Path | None) -> dict[str, Any]:
     offloader = getattr(module.denoiser, "_lora_offloader", None)
     input_offloader = getattr(module.denoiser, "_lora_input_offloader", None)
     if input_offloader is not None:
-        steps = a.warm + a.steps
+        steps = a.warm + a.steps + extra_steps(a)
         out["offloaded_inputs_GiB_per_step"] = round(input_offloader.moved_bytes / steps / 2**30, 3)
     if offloader is not None:
         out["offloaded_GiB"] = round(offloader.offloaded_bytes / 2**30, 2)
@@ -1437,6 +1446,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         except ConfigMismatch as e:
             p.error(f"--config {a.config}: {e}")
         a = p.parse_args(argv)
+    if a.profile_steps < 0 or (a.profile_steps and not a.profile):
+        p.error(f"--profile-steps {a.profile_steps}: give a count >= 1 with --profile FILE (0: profile the timed steps)")
     return a
 
 
@@ -1582,6 +1593,12 @@ def parser() -> argparse.ArgumentParser:
         help="SampleImages(compiled=...): 1 draws through the compiled blocks (default: the config's, else 0)",
     )
     p.add_argument("--profile", default="", help="write a torch.profiler summary of the timed steps to this file")
+    p.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="with --profile: profile this many steps after the timed ones instead (their timing left untouched)",
+    )
     p.add_argument(
         "--stacks",
         default="",

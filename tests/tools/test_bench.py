@@ -532,3 +532,31 @@ def test_kernel_launches_count_every_launch_api_and_nothing_else() -> None:
     ]
     assert bench.kernel_launches(events) == 334
     assert bench.kernel_launches([]) == 0
+
+
+def test_profile_steps_profile_after_the_timed_steps_and_leave_their_timing_alone(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--profile F --profile-steps N`` trains N more steps after the timed ones and profiles those: one row gives its
+    timing and its profile (call 56's separate profiled rows of FLUX with accumulation ran out of time). Without
+    ``--profile-steps`` the timed steps are the profiled ones, as before."""
+    windows: list[tuple[int, int]] = []
+    real = bench.Profile.__init__
+
+    def record(self, warm: int, steps: int, path: str) -> None:
+        windows.append((warm, steps))
+        real(self, warm, steps, path)
+
+    monkeypatch.setattr(bench.Profile, "__init__", record)
+    argv = ["--family", "flux", "--rank", "4", "--gc", "0", "--h", "64", "--w", "64", "--tlen", "16", "--tiny"]
+    argv += ["--steps", "2", "--warm", "1", "--opt", "adamw", "--profile", str(tmp_path / "p.txt")]
+    out = bench.run(bench.parse_args([*argv, "--profile-steps", "3"]))
+    assert windows == [(3, 3)]  # after the warm-up step and the 2 timed ones
+    assert len(out["step_s_each"]) == 2 and out["s_per_step"] > 0
+    assert (tmp_path / "p.txt").read_text().startswith("wall ")  # the profile was written: its window was reached
+    (tmp_path / "p.txt").unlink()
+    bench.run(bench.parse_args(argv))
+    assert windows[-1] == (1, 2) and (tmp_path / "p.txt").exists()
+    for bad in (["--profile-steps", "2"], ["--profile", "p.txt", "--profile-steps", "-1"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--tiny", *bad])
