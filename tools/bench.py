@@ -1447,7 +1447,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--config {a.config}: {e}")
         a = p.parse_args(argv)
     if a.profile_steps < 0 or (a.profile_steps and not a.profile):
-        p.error(f"--profile-steps {a.profile_steps}: give a count >= 1 with --profile FILE (0: profile the timed steps)")
+        p.error(f"--profile-steps {a.profile_steps}: give a count >= 1 with --profile FILE (0: the timed steps)")
     return a
 
 
