@@ -439,12 +439,10 @@ def cpu_stolen_s() -> float | None:
     """Seconds of CPU time the hypervisor gave other guests, summed over this machine's CPUs since boot (Linux: the
     ``steal`` column of /proc/stat; None elsewhere). Its growth over the timed steps says whether a virtual machine's
     neighbours took the host's cores while a launch-bound step waited for them."""
-    try:
-        with open("/proc/stat") as f:
-            fields = f.readline().split()
-        return int(fields[8]) / os.sysconf("SC_CLK_TCK")  # cpu user nice system idle iowait irq softirq steal
-    except (OSError, ValueError, IndexError):
-        return None
+    from bench_suite import cpu_times  # beside this file: /proc/stat read in one place
+
+    ticks = cpu_times().get("cpu")
+    return None if ticks is None else ticks[7] / os.sysconf("SC_CLK_TCK")  # the steal column
 
 
 def compiled_graphs() -> int:
