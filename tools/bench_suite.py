@@ -23,6 +23,9 @@ A plan file has one JSON object per line (blank lines and lines starting with ``
   GPU run one after another in file order, and the rows of different GPUs run at the same time. ``--phase N`` runs
   only phase N (repeatable): a plan longer than one device command's limit runs as one command per phase.
 - ``note`` (optional): copied to the row's JSON line.
+- ``table`` (optional): ``"<name>/<role>"``, the row's place in the table ``tools/bench_table.py`` makes of the results:
+  a config's ``shipped`` row (ours as shipped), the recipe's ``recipe-eager`` and ``recipe-compiled`` rows beside it,
+  and its ``second-start`` and ``eager-start`` rows (only their time to the first step counts). Copied to the JSON line.
 - ``cache`` (optional): a name for the row's torch.compile cache. Rows with the same name share one folder, made
   empty for the suite (``TORCHINDUCTOR_CACHE_DIR``, and ``TRITON_CACHE_DIR`` inside it), so the first row of a name
   compiles from nothing on a machine that has compiled before and the next ones start warm from that row alone: a
@@ -60,8 +63,10 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 CASE = re.compile(r"^(flux|sdxl)-(bf16|nf4|fp8|fp8c)-r(\d+)((?:-gc)?)((?:-\d+x\d+)?)((?:-compile)?)((?:-adafactor)?)$")
-ROW_KEYS = {"who", "args", "timeout", "gpu", "phase", "script", "note", "cache"}
+ROW_KEYS = {"who", "args", "timeout", "gpu", "phase", "script", "note", "cache", "table"}
 CACHE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+TABLE_ROLES = ("shipped", "recipe-eager", "recipe-compiled", "second-start", "eager-start")
+TABLE = re.compile(rf"^[A-Za-z0-9][A-Za-z0-9_.-]*/({'|'.join(TABLE_ROLES)})$")
 GPU = re.compile(r"^\d+(,\d+)*$")
 
 
@@ -103,6 +108,7 @@ class Row:
     note: str | None = None
     case: str | None = None
     cache: str | None = None  # the compile cache's name: rows of one name share a folder the suite made empty
+    table: str | None = None  # "<name>/<role>": the row's place in tools/bench_table.py's table
 
 
 def case_rows(cases: list[str], ref: str | None, steps: int, warm: int, timeout: float) -> list[Row]:
@@ -155,7 +161,10 @@ def parse_row(obj: Any, index: int, default_timeout: float, where: str = "") -> 
     cache = obj.get("cache")
     if cache is not None and not (isinstance(cache, str) and CACHE_NAME.match(cache)):
         raise bad(f"'cache' must be a name of letters, digits, '.', '_' and '-', not {cache!r}")
-    return Row(index, who, args, _number(timeout), gpu, phase, script, note, cache=cache)
+    table = obj.get("table")
+    if table is not None and not (isinstance(table, str) and TABLE.match(table)):
+        raise bad(f"'table' must be '<name>/<role>' with a role of {', '.join(TABLE_ROLES)}, not {table!r}")
+    return Row(index, who, args, _number(timeout), gpu, phase, script, note, cache=cache, table=table)
 
 
 def _number(x: float) -> float:
@@ -415,6 +424,8 @@ def run_row(
         rec["case"] = row.case
     if row.note:
         rec["note"] = row.note
+    if row.table:
+        rec["table"] = row.table
     if row.cache is not None:
         rec["compile_cache"] = {"name": row.cache, "start": cache_start}
     rec.update(

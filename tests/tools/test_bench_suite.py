@@ -56,10 +56,11 @@ def test_a_plan_file_parses_into_rows(tmp_path: Path) -> None:
 
         {"who": "ours", "args": "--rank 4 --profile '{outdir}/p f.txt'", "timeout": 120, "gpu": 0, "phase": 2}
         {"who": "ref", "args": ["flux-bf16", "--sdp", "nocudnn"], "gpu": "0,1", "note": "beside row 1"}
-        {"who": "ours", "script": "bench_text.py", "args": ""}
+        {"who": "ours", "script": "bench_text.py", "args": "", "table": "flux_4090/second-start"}
         """,
     )
     rows = bs.load_plan(plan, default_timeout=77)
+    assert [r.table for r in rows] == [None, None, "flux_4090/second-start"]
     assert [(r.index, r.who, r.phase, r.gpu, r.timeout) for r in rows] == [
         (1, "ours", 2, 0, 120),
         (2, "ref", 1, "0,1", 77),
@@ -93,6 +94,8 @@ def test_a_plan_file_parses_into_rows(tmp_path: Path) -> None:
         ('{"who": "ref", "args": "", "script": "bench_text.py"}', "'script'"),
         ('{"who": "ours", "args": 5}', "'args'"),
         ('{"who": "ours", "args": "", "cache": "../home"}', "'cache'"),
+        ('{"who": "ours", "args": "", "table": "flux_4090/warm-start"}', "'table'.*second-start"),
+        ('{"who": "ours", "args": "", "table": "flux_4090"}', "'table'"),
         ("--quant nf4", "not a JSON object"),
     ],
 )
@@ -235,7 +238,7 @@ def test_the_json_line_has_the_command_gpu_time_and_result_or_the_failure(
     plan = write_plan(
         tmp_path / "p.plan.jsonl",
         """
-        {"gpu": 1, "who": "ours", "args": "ok", "timeout": 30, "note": "n"}
+        {"gpu": 1, "who": "ours", "args": "ok", "timeout": 30, "note": "n", "table": "sd15/shipped"}
         {"who": "ref", "args": "boom"}
         """,
     )
@@ -256,6 +259,7 @@ def test_the_json_line_has_the_command_gpu_time_and_result_or_the_failure(
         0,
     )
     assert 0 <= ok["elapsed_s"] < 10 and ok["result"] == {"s_per_step": 0.25}
+    assert ok["table"] == "sd15/shipped" and "table" not in bad  # its place in tools/bench_table.py's table
     child = ok["results"][0]["child"]
     assert ok["results"] == [{"s_per_step": 0.5, "child": child}, {"s_per_step": 0.25}] and "error" not in ok
     deadline = time.monotonic() + 5
