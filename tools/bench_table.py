@@ -4,9 +4,9 @@
 
 The rows a plan marks with ``"table": "<name>/<role>"`` (bench_suite's module docstring) are grouped by name, in the
 order the names first appear: per image, our seconds per optimizer step over batch x accumulation against the recipe's
-batch-1 step, both ratios, the peak beside the planner's, the second start against the eager start (time to the first
-step), and each side's host speed just before its row (``host_speed``'s dispatch, µs), since host-bound rows follow
-the host. A row that failed shows its error instead of figures. Markdown on stdout.
+batch-1 step, both ratios, the peak beside the planner's and the eager recipe's, the second start against the eager
+start (time to the first step), and each side's host speed just before its row (``host_speed``'s dispatch, µs), since
+host-bound rows follow the host. A failed row's error is shown beside what figures it kept. Markdown on stdout.
 """
 
 from __future__ import annotations
@@ -94,14 +94,15 @@ def _s(value: float | None, digits: int = 3) -> str:
 def markdown(table: list[Entry]) -> str:
     """The table as Markdown: one line a config."""
     lines = [
-        "| config | per image (s/step) | recipe eager / compiled | ratio eager / compiled | peak GiB (planned) "
-        "| second / eager start | host µs ours / recipe | failed |",
+        "| config | per image (s/step) | recipe eager / compiled | ratio eager / compiled "
+        "| peak GiB (planned) / recipe's | second / eager start | host µs ours / recipe | failed |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for e in table:
         shipped = e.figures.get("shipped", {})
         peak = shipped.get("peak_alloc_GiB")
         planned = shipped.get("planned_peak_GiB")
+        theirs = e.figures.get("recipe-eager", {}).get("peak_alloc_GiB")
         second = e.figures.get("second-start", {}).get("to_first_step_s")
         eager = e.figures.get("eager-start", {}).get("to_first_step_s")
         start = "-" if e.start_ratio() is None else f"{second:.1f} / {eager:.1f} s ({e.start_ratio():.2f}x)"
@@ -111,7 +112,7 @@ def markdown(table: list[Entry]) -> str:
             f"| {e.name} | {_s(e.seconds('shipped'))} ({_s(shipped.get('s_per_step'), 4)}) "
             f"| {_s(e.seconds('recipe-eager'), 4)} / {_s(e.seconds('recipe-compiled'), 4)} "
             f"| {_x(e.ratio('recipe-eager'))} / {_x(e.ratio('recipe-compiled'))} "
-            f"| {_s(peak, 2)} ({_s(planned, 2)}) | {start} | {host} | {failed} |"
+            f"| {_s(peak, 2)} ({_s(planned, 2)}) / {_s(theirs, 2)} | {start} | {host} | {failed} |"
         )
     return "\n".join(lines)
 
