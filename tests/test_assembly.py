@@ -437,3 +437,55 @@ def test_identical_blocks_are_traced_once_per_class_not_once_per_block(
         finally:
             torch._dynamo.reset()
     assert traced == {(4, True): 3, (16, True): 3, (4, False): 4}
+
+
+@pytest.mark.parametrize("family_name", ["sdxl", "sd15"])
+def test_the_unets_first_transformer_block_shares_the_graph_of_the_others(
+    family_name: str, tiny_sdxl_dir: Path, tiny_sd15_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the ``attention`` preset (sdxl_24gb, sdxl_12gb) nothing before the UNet's first transformer block is
+    trained: its input is the only one without a gradient, and dynamo, which guards on ``requires_grad``, compiled a
+    graph for that one block (3 graphs in call 56's ``sdxl_24gb`` rows, traced again at each start). The family's
+    ``stream_sources`` (the first attention's ``proj_in``) give it one, and the block shares the others' graph.
+    Counted with a backend that records each graph (no code generation)."""
+    from lightning_lora.families.sd15 import SD15
+    from lightning_lora.families.sdxl import SDXL
+
+    family, folder = {"sdxl": (SDXL(), tiny_sdxl_dir), "sd15": (SD15(), tiny_sd15_dir)}[family_name]
+    graphs = count_compiled_graphs(monkeypatch)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(folder.parent / "compile-cache"))
+    traced: dict[bool, int] = {}
+    grads: dict[bool, list[torch.Tensor]] = {}
+    for hooked in (True, False):
+        torch._dynamo.reset()
+        try:
+            torch.manual_seed(0)
+            model = build_model(family, ModelSource(str(folder), dtype=torch.float32), LoraOptions(rank=2))
+            compile_repeated_blocks(model, streams=family.stream_sources if hooked else ())
+            graphs.clear()
+            model.train()(**random_inputs(family, model, 1))[0].square().mean().backward()
+            traced[hooked] = graph_count(graphs)
+            grads[hooked] = [p.grad for p in trainable_parameters(model)]
+        finally:
+            torch._dynamo.reset()
+    assert traced[True] == traced[False] - 1 >= 1, traced
+    for a, b in zip(grads[True], grads[False], strict=True):  # the same training: only the input's gradient is new
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("family_name", ["sdxl", "sd15"])
+def test_the_unets_stream_sources_name_modules_of_their_real_architectures(family_name: str) -> None:
+    """The names resolve in the full-size UNet of each family's known checkpoint (built on the meta device), where the
+    first transformer block sits: SDXL's first level has no attention, SD1.5's has."""
+    from diffusers import UNet2DConditionModel
+
+    from lightning_lora.families.sd15 import SD15
+    from lightning_lora.families.sdxl import SDXL
+
+    family = {"sdxl": SDXL(), "sd15": SD15()}[family_name]
+    for config in family.known_denoisers.values():
+        with torch.device("meta"):
+            unet = UNet2DConditionModel.from_config(config)
+        first = next(m for m in unet.modules() if type(m).__name__ == "BasicTransformerBlock")
+        owner = next(m for m in unet.modules() if first in m.modules() and hasattr(m, "proj_in"))  # Transformer2DModel
+        assert [unet.get_submodule(name) for name in family.stream_sources] == [owner.proj_in]

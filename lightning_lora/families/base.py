@@ -271,10 +271,12 @@ class DiffusionFamily(ABC):
     """Module classes ``model.compile_blocks`` compiles besides the model's repeated blocks (``_repeated_blocks``)."""
     stream_sources: ClassVar[tuple[str, ...]] = ()
     """The modules whose outputs feed the first repeated block (a container: each module in it), e.g. FLUX's image and
-    text embedders. Under ``model.compile_blocks`` their outputs are made to require gradients while training, as
-    every later block's inputs do, so that dynamo compiles one graph for the first block and the rest, not two (it
-    guards on ``requires_grad``): a quarter less to compile and to trace again at each start (BENCHMARKS.md). The
-    price is the first block's input gradient, one block's worth of input-gradient matmuls."""
+    text embedders, or the UNets' first attention's ``proj_in``. Under ``model.compile_blocks`` their outputs are made
+    to require gradients while training, as every later block's inputs do, so that dynamo compiles one graph for the
+    first block and the rest, not two (it guards on ``requires_grad``): a quarter of FLUX's graphs and a third of the
+    UNets' (with the ``attention`` preset) less to compile and to trace again at each start (BENCHMARKS.md). The
+    price is the first block's input gradient, one block's worth of input-gradient matmuls. Where the module is itself
+    trained (a LoRA on ``proj_in``), its output has a gradient already and nothing changes."""
     checkpoints_only_repeated_blocks: ClassVar[bool] = True
     """Whether diffusers' gradient checkpointing of the denoiser recomputes exactly its repeated blocks
     (``_repeated_blocks``: FLUX's double and single blocks, Z-Image's refiners and layers), so that checkpointing

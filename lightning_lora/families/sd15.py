@@ -70,6 +70,8 @@ class SD15(UNetFamily):
         {"text_encoder": CLIP_L},
     )
     vae_architecture: ClassVar[dict[str, Any] | None] = SD15_VAE
+    # The first transformer block's input: the first level's first attention.
+    stream_sources: ClassVar[tuple[str, ...]] = ("down_blocks.0.attentions.0.proj_in",)
     # The whole forward's share of the eager count with the transformer blocks compiled and the ResNets eager (the
     # UNets' compiled regions): calibrated on call 52g's 3.72 / 9.73 GiB at batch 2 / 8 (planned 3.86 / 9.36).
     compiled_saved_fraction: ClassVar[float] = 0.70

@@ -110,6 +110,8 @@ class SDXL(UNetFamily):
         }
     }
     vae_architecture: ClassVar[dict[str, Any] | None] = SDXL_VAE
+    # The first transformer block's input: SDXL's first level has ResNets alone, its second the first attention.
+    stream_sources: ClassVar[tuple[str, ...]] = ("down_blocks.1.attentions.0.proj_in",)
 
     # -- loading -----------------------------------------------------------------------------------------------
     def load_text_encoders(self, source: ModelSource) -> Any:
