@@ -24,7 +24,7 @@ NEEDS = {role: "to_first_step_s" if role.endswith("-start") else "s_per_step" fo
 
 
 def result_of(rec: dict[str, Any]) -> dict[str, Any] | None:
-    """A row's figures: its last whole result (``results``' last) or else its ``result``; None for a failed row."""
+    """A row's figures: its last whole result (``results``' last) or else its ``result``; None where it printed none."""
     if rec.get("results"):
         return rec["results"][-1]
     res = rec.get("result")
