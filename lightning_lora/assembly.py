@@ -70,7 +70,9 @@ def build_lora_model(recipe: ModelRecipe, device: torch.device | None = None) ->
     offload_blocks(denoiser, offloaded, device)
     configure_attention(denoiser, recipe.attention, device, family.cudnn_attention_in_auto)
     if recipe.compile_blocks:
-        compile_repeated_blocks(denoiser, extra=family.compiled_regions, streams=family.stream_sources)
+        compile_repeated_blocks(
+            denoiser, extra=family.compiled_regions, streams=family.stream_sources, joins=family.joined_streams
+        )
     return denoiser.train()
 
 
@@ -155,10 +157,13 @@ def compile_repeated_blocks(
     extra: tuple[str, ...] = (),
     streams: tuple[str, ...] = (),
     dynamic: bool | None = None,
+    joins: tuple[str, ...] = (),
 ) -> None:
     """Regional compilation: compile each repeated transformer block in place (diffusers' ``compile_repeated_blocks``),
     and each module of the ``extra`` classes (the family's ``compiled_regions``); the outputs of the ``streams``
-    modules (the family's ``stream_sources``) require gradients while training (:func:`stream_needs_gradients`).
+    modules (the family's ``stream_sources``) require gradients while training (:func:`stream_needs_gradients`), and
+    the two streams out of the last module of each ``joins`` container (the family's ``joined_streams``) come as
+    slices of one tensor (:func:`slices_of_one_tensor`).
 
     Compiling the whole 12B model did not finish in 150 s on an H200; the blocks compile once and are reused by
     every layer, and parameter names stay unchanged (no ``_orig_mod.`` prefix in checkpoints).
@@ -178,6 +183,10 @@ def compile_repeated_blocks(
         source = denoiser.get_submodule(name)
         for module in source.children() if isinstance(source, nn.ModuleDict | nn.ModuleList) else (source,):
             module.register_forward_hook(stream_needs_gradients)
+    for name in joins:
+        blocks = denoiser.get_submodule(name)
+        last = blocks[-1] if isinstance(blocks, nn.ModuleList) else blocks
+        last.register_forward_hook(slices_of_one_tensor)
     for module in denoiser.modules():
         if type(module).__name__ in extra:
             module.compile(fullgraph=False, mode=mode, dynamic=dynamic)
@@ -194,6 +203,22 @@ def uncompiled(enabled: bool = True) -> contextlib.AbstractContextManager[Any]:
     usual. On torch before 2.6 (no ``set_stance``) this changes nothing."""
     set_stance = getattr(torch.compiler, "set_stance", None)
     return set_stance("force_eager") if enabled and set_stance is not None else contextlib.nullcontext()
+
+
+@torch.compiler.disable  # run as it is: traced, this hook was a graph of its own
+def slices_of_one_tensor(module: nn.Module, args: Any, output: Any) -> Any:
+    """A forward hook: a block's two streams ``(text, image)``, ``[B, T, D]`` and ``[B, S, D]``, returned as the two
+    slices of one ``[B, T + S, D]`` tensor, the layout in which FLUX's single-stream blocks hand them to each other.
+    Dynamo guards on strides: without this the first single-stream block, fed the double-stream blocks' separate
+    tensors, compiled a graph of its own (a third of FLUX's). The cost is one concatenation a step, which the block
+    then makes again as each of them does. Anything else passes unchanged."""
+    if not (isinstance(output, tuple) and len(output) == 2 and all(isinstance(t, torch.Tensor) for t in output)):
+        return None
+    text, image = output
+    if text.dim() != 3 or image.dim() != 3 or text.shape[0] != image.shape[0] or text.shape[2] != image.shape[2]:
+        return None
+    joined = torch.cat([text, image], dim=1)
+    return joined[:, : text.shape[1]], joined[:, text.shape[1] :]
 
 
 def stream_needs_gradients(module: nn.Module, args: Any, output: Any) -> Any:

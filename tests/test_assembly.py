@@ -416,27 +416,34 @@ def test_identical_blocks_are_traced_once_per_class_not_once_per_block(
     torch's inlined nn modules its guards do not name the instance: 6 double and 10 single blocks trace as often as 1
     and 1 would (per class, once more where the first block's inputs differ: another stride into the first single
     one; and no gradient into the first double block, unless the family's ``stream_sources`` hooks give its inputs
-    one, which saves that graph), so FLUX's 57 blocks are not 57 traces. Counted with a backend that records each
-    graph (no code generation)."""
+    one, which saves that graph), so FLUX's 57 blocks are not 57 traces. The first single block's inputs had another
+    stride (the double blocks' separate tensors, not the single blocks' slices of one) and compiled a graph of their
+    own until the family's ``joined_streams`` hook laid them out as the single blocks do. The LoRA gradients are the
+    same either way. Counted with a backend that records each graph (no code generation)."""
     graphs = count_compiled_graphs(monkeypatch)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tiny_flux_dir.parent / "compile-cache"))
     family = Flux(max_sequence_length=8)
     traced: dict[tuple[int, bool], int] = {}
+    grads: dict[tuple[int, bool], list[torch.Tensor]] = {}
     for double, single, hooked in [(2, 2, True), (6, 10, True), (2, 2, False)]:
         torch._dynamo.reset()
         try:
+            torch.manual_seed(0)
             model = build_model(family, ModelSource(str(tiny_flux_dir), dtype=torch.float32), LoraOptions(rank=2))
             for name, count in [("transformer_blocks", double), ("single_transformer_blocks", single)]:
                 blocks: torch.nn.ModuleList = getattr(model, name)  # more: copies of the tiny model's two blocks
                 blocks.extend(copy.deepcopy(blocks[i % 2]) for i in range(len(blocks), count))
-            streams = family.stream_sources if hooked else ()
-            compile_repeated_blocks(model, extra=family.compiled_regions, streams=streams)
+            streams, joins = (family.stream_sources, family.joined_streams) if hooked else ((), ())
+            compile_repeated_blocks(model, extra=family.compiled_regions, streams=streams, joins=joins)
             graphs.clear()
             model.train()(**random_inputs(family, model, 1, size=(32, 32)))[0].square().mean().backward()
             traced[double + single, hooked] = graph_count(graphs)
+            grads[double + single, hooked] = [p.grad for p in trainable_parameters(model)]
         finally:
             torch._dynamo.reset()
-    assert traced == {(4, True): 3, (16, True): 3, (4, False): 4}
+    assert traced == {(4, True): 2, (16, True): 2, (4, False): 4}
+    for a, b in zip(grads[4, True], grads[4, False], strict=True):
+        torch.testing.assert_close(a, b)
 
 
 @pytest.mark.parametrize("family_name", ["sdxl", "sd15"])

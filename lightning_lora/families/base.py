@@ -277,6 +277,11 @@ class DiffusionFamily(ABC):
     UNets' (with the ``attention`` preset) less to compile and to trace again at each start (BENCHMARKS.md). The
     price is the first block's input gradient, one block's worth of input-gradient matmuls. Where the module is itself
     trained (a LoRA on ``proj_in``), its output has a gradient already and nothing changes."""
+    joined_streams: ClassVar[tuple[str, ...]] = ()
+    """Containers of repeated blocks whose last block hands its two streams ``(text, image)`` to blocks that pass
+    them to each other as slices of one tensor (FLUX's double-stream blocks, before its single-stream ones). Under
+    ``model.compile_blocks`` that last block's outputs come in the same layout, so that dynamo, which guards on
+    strides, compiles one graph for the first single-stream block and the rest, not two."""
     checkpoints_only_repeated_blocks: ClassVar[bool] = True
     """Whether diffusers' gradient checkpointing of the denoiser recomputes exactly its repeated blocks
     (``_repeated_blocks``: FLUX's double and single blocks, Z-Image's refiners and layers), so that checkpointing

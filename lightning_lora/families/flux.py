@@ -138,6 +138,7 @@ class Flux(DiffusionFamily):
     vae_architecture: ClassVar[dict[str, Any] | None] = FLUX1_VAE
     text_encoders: ClassVar[tuple[str, ...]] = ("text_encoder", "text_encoder_2")  # CLIP-L (pooled), T5-XXL
     stream_sources: ClassVar[tuple[str, ...]] = ("x_embedder", "context_embedder")
+    joined_streams: ClassVar[tuple[str, ...]] = ("transformer_blocks",)
     # diffusers: compact, loads in diffusers and (part by part) in ComfyUI; kohya: BFL module names, q/k/v (and the
     # single blocks' MLP input) fused, as sd-scripts needs them.
     lora_formats: ClassVar[tuple[str, ...]] = ("diffusers", "kohya")
