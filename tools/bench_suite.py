@@ -57,6 +57,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -310,25 +311,39 @@ def machine(proc: Path = Path("/proc")) -> dict[str, str]:
     return {"boot_id": boot, "cpu": f"{len(models)} x {models[0].strip()}" if models else "unknown"}
 
 
+def best_per_call(body: Callable[[int], object], calls: int) -> float:
+    """Seconds a call of ``body(calls)``, which makes ``calls`` calls: the best of three runs."""
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        body(calls)
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best
+
+
+def dispatches(calls: int) -> None:
+    """PyTorch's dispatch of a one-element CPU add, ``calls`` times."""
+    import torch  # the suite itself runs without torch until here (its tests, --dry-run)
+
+    a, b = torch.ones(1), torch.ones(1)
+    for _ in range(calls):
+        torch.add(a, b)
+
+
+def python_loop(calls: int) -> int:
+    """A plain Python loop of ``calls`` iterations."""
+    total = 0
+    for i in range(calls):
+        total += i
+    return total
+
+
 def host_speed(calls: int = 20_000) -> dict[str, float]:
     """How fast one core of this host does what a launch-bound step is made of, measured just before each row: PyTorch's
     dispatch of a one-element CPU add (microseconds a call) and a plain Python loop (nanoseconds an iteration), each
     the best of three. The GPU-bound rows of two H100s agree to 1% while the host-bound ones differ by up to 1.9x (call
     55 against calls 53a-f), so host-bound rows of two machines compare only beside these figures."""
-    import torch  # the suite itself runs without torch until here (its tests, --dry-run)
-
-    a, b = torch.ones(1), torch.ones(1)
-    dispatch = loop = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        for _ in range(calls):
-            torch.add(a, b)
-        dispatch = min(dispatch, (time.perf_counter() - start) / calls)
-        start = time.perf_counter()
-        total = 0
-        for i in range(calls):
-            total += i
-        loop = min(loop, (time.perf_counter() - start) / calls)
+    dispatch, loop = best_per_call(dispatches, calls), best_per_call(python_loop, calls)
     return {"dispatch_us": round(dispatch * 1e6, 3), "python_loop_ns": round(loop * 1e9, 1)}
 
 
@@ -337,21 +352,12 @@ def core_speeds(calls: int = 2_000) -> dict[str, float]:
     three), the process pinned to one core at a time and given back its whole set after. Call 56's rows found the
     same machine's :func:`host_speed` at ~1.3 µs before one row and ~2.7 before the next: this tells a slow core (one
     the hypervisor shares) from a slow moment (every core slow: see :func:`steal`)."""
-    import torch
-
     allowed = sorted(os.sched_getaffinity(0))
-    a, b = torch.ones(1), torch.ones(1)
     speeds: dict[str, float] = {}
     try:
         for core in allowed:
             os.sched_setaffinity(0, {core})
-            best = float("inf")
-            for _ in range(3):
-                start = time.perf_counter()
-                for _ in range(calls):
-                    torch.add(a, b)
-                best = min(best, (time.perf_counter() - start) / calls)
-            speeds[str(core)] = round(best * 1e6, 3)
+            speeds[str(core)] = round(best_per_call(dispatches, calls) * 1e6, 3)
     finally:
         os.sched_setaffinity(0, allowed)  # the row's process inherits this process's cores
     return speeds
