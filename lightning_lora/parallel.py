@@ -55,11 +55,17 @@ SHARDING_STRATEGIES: tuple[type[Strategy], ...] = (FSDPStrategy, ModelParallelSt
 
 
 def check_strategy(strategy: Strategy, recipe: ModelRecipe) -> None:
-    """Raise a :class:`ConfigError` for a sharding strategy over a quantized or partly offloaded base, or for a
-    sharding strategy other than :class:`LoraFSDPStrategy` and DeepSpeed."""
+    """Raise a :class:`ConfigError` for a sharding strategy over a quantized or partly offloaded base or CUDA-graphed
+    blocks, or for a sharding strategy other than :class:`LoraFSDPStrategy` and DeepSpeed."""
     if not isinstance(strategy, SHARDING_STRATEGIES):
         return
     name = type(strategy).__name__
+    if recipe.cuda_graphs:
+        raise ConfigError(
+            f"trainer.strategy: {name} shards the base model's weights and gathers them anew as each block runs, "
+            "which does not work with model.cuda_graphs: true (CUDA graphs replay the blocks on fixed weight "
+            "addresses). Use trainer.strategy: ddp, or model.cuda_graphs: false to shard the base."
+        )
     offload_blocks = recipe.offload_blocks
     if offload_blocks:
         raise ConfigError(

@@ -57,6 +57,7 @@ class ModelRecipe:
         checkpoint_every: with checkpointing, one block in this many is recomputed.
         attention: the attention kernel.
         compile_blocks: regional ``torch.compile`` of the repeated blocks.
+        cuda_graphs: the compiled blocks replay CUDA graphs (``torch.compile``'s ``reduce-overhead`` mode).
         offload_blocks: this many repeated blocks' frozen weights wait in CPU memory.
         offload_activations: checkpointed blocks' saved inputs wait in CPU memory.
     """
@@ -69,6 +70,7 @@ class ModelRecipe:
     checkpoint_every: int = 1
     attention: AttentionBackend = "auto"
     compile_blocks: bool = False
+    cuda_graphs: bool = False
     offload_blocks: int = 0
     offload_activations: bool = False
 
@@ -89,6 +91,11 @@ class ModelRecipe:
             raise ConfigError(
                 "model.offload_activations: true moves the inputs that checkpointed blocks keep for the backward to "
                 "CPU memory; it needs model.gradient_checkpointing: true."
+            )
+        if self.cuda_graphs and not self.compile_blocks:
+            raise ConfigError(
+                "model.cuda_graphs: true replays the compiled blocks as CUDA graphs; it needs "
+                "model.compile_blocks: true (or set model.cuda_graphs: false)."
             )
         self._check_offload()
         self.precision.check_recipe(self)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import warnings
 from pathlib import Path
 
 import pytest
@@ -367,6 +368,62 @@ def test_compile_blocks_compiles_the_repeated_blocks_and_the_family_regions(
         most = max(sum(1 for kind, _ in layouts if kind == k) for k in kinds[family_name])
         assert "ResnetBlock2D" not in compiled
         assert torch._dynamo.config.recompile_limit >= 4 * most
+
+
+def test_cuda_graphs_compile_every_block_in_reduce_overhead_mode(
+    tiny_flux_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``model.cuda_graphs`` hands ``torch.compile`` the ``reduce-overhead`` mode for every compiled block (and the
+    default mode without it); on a CPU it says the graphs need a GPU. It needs ``compile_blocks``."""
+    modes: list[str | None] = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kwargs: modes.append(kwargs.get("mode")))
+    source = ModelSource(str(tiny_flux_dir), dtype=torch.float32)
+    blocks = {"FluxTransformerBlock", "FluxSingleTransformerBlock"}
+    for graphs, expected in [(True, "reduce-overhead"), (False, None)]:
+        modes.clear()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = build_model(Flux(), source, LoraOptions(rank=2), compile_blocks=True, cuda_graphs=graphs)
+        assert len(modes) == sum(type(m).__name__ in blocks for m in model.modules()) > 0
+        assert set(modes) == {expected}
+        said = [str(w.message) for w in caught if "model.cuda_graphs" in str(w.message)]
+        assert len(said) == graphs and all("built on cpu" in text for text in said)
+    with pytest.raises(ConfigError, match=r"model.cuda_graphs: true .*needs model.compile_blocks: true"):
+        build_model(Flux(), source, LoraOptions(rank=2), cuda_graphs=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+def test_cuda_graphed_blocks_train_as_the_default_compiled_blocks(tiny_flux_dir: Path) -> None:
+    """On a GPU: a few optimizer steps through CUDA-graphed blocks, with an image size that changes in between (a
+    graph recorded per size), end at the same LoRA weights as the default compiled blocks. The graphs read the
+    weights where they were recorded, so the optimizer's in-place updates must reach every replay."""
+    family = Flux(max_sequence_length=8)
+    source = ModelSource(str(tiny_flux_dir), dtype=torch.float32)
+    start: list[torch.Tensor] = []
+    trained: dict[bool, list[torch.Tensor]] = {}
+    for graphs in (False, True):
+        torch._dynamo.reset()
+        try:
+            torch.manual_seed(0)
+            model = build_model(
+                family, source, LoraOptions(rank=2), torch.device("cuda"), compile_blocks=True, cuda_graphs=graphs
+            )
+            model = nonzero_lora_b(model).cuda()
+            params = list(trainable_parameters(model))
+            start = [p.detach().clone() for p in params]
+            optimizer = torch.optim.AdamW(params, lr=1e-2)
+            for step, size in enumerate([(32, 32), (32, 32), (32, 48), (32, 32), (32, 48), (32, 48)]):
+                inputs = random_inputs(family, model, 1, seed=step, size=size)
+                inputs = {k: v.cuda() if torch.is_tensor(v) else v for k, v in inputs.items()}
+                model(**inputs)[0].square().mean().backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            trained[graphs] = [p.detach().clone() for p in params]
+        finally:
+            torch._dynamo.reset()
+    assert all(not torch.equal(a, b) for a, b in zip(start, trained[True], strict=True))  # every tensor trained
+    for a, b in zip(trained[False], trained[True], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
 def test_compiled_code_is_cached_where_a_reboot_keeps_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -50,6 +50,16 @@ def test_sharding_an_offloaded_base_is_refused(strategy: type) -> None:
     check_strategy(DDPStrategy(), recipe("fp8", offload_blocks=4))
 
 
+def test_sharding_cuda_graphed_blocks_is_refused_and_ddp_takes_them() -> None:
+    """CUDA graphs replay the blocks on the weights' addresses when they were recorded; a sharded base is gathered
+    anew as each block runs."""
+    graphed = recipe().replace(compile_blocks=True, cuda_graphs=True)
+    with pytest.raises(ConfigError, match=r"trainer.strategy: LoraFSDPStrategy.*model.cuda_graphs: true.*ddp"):
+        check_strategy(LoraFSDPStrategy(), graphed)
+    check_strategy(DDPStrategy(), graphed)
+    check_strategy(LoraFSDPStrategy(), graphed.replace(cuda_graphs=False))
+
+
 @pytest.mark.parametrize("mode", ["none", "nf4", "fp8", "fp8_compute"])
 def test_ddp_takes_every_backend_and_fsdp_a_plain_base(mode: str) -> None:
     check_strategy(DDPStrategy(), recipe(mode))

@@ -1153,6 +1153,7 @@ def measure(a: argparse.Namespace, outputs: Path | None) -> dict[str, Any]:
             "batch": a.batch,
             "opt": a.opt,
             "compile": a.compile,
+            "cuda_graphs": a.cuda_graphs,
             "attention": a.attention,
             "targets": a.targets,
             "offload": a.offload,
@@ -1177,6 +1178,7 @@ def measure(a: argparse.Namespace, outputs: Path | None) -> dict[str, Any]:
         checkpoint_every=a.every,
         attention=a.attention,
         compile_blocks=bool(a.compile),
+        cuda_graphs=bool(a.cuda_graphs),
         offload_blocks=a.offload,
         offload_activations=bool(a.offload_act),
         optimizer=make_optimizer(a.opt, optimizer_options(a)),
@@ -1204,9 +1206,7 @@ def measure(a: argparse.Namespace, outputs: Path | None) -> dict[str, Any]:
 
         inductor_config.cpp_wrapper = True
         out["cpp_wrapper"] = 1
-    compile_options: dict[str, Any] = {}  # experiments: torch.compile's mode and dynamic= for the blocks
-    if getattr(a, "compile_mode", None):
-        compile_options["mode"] = out["compile_mode"] = a.compile_mode
+    compile_options: dict[str, Any] = {}  # experiment: torch.compile's dynamic= for the blocks
     if getattr(a, "compile_dynamic", "auto") != "auto":  # every block layout's graph static (or dynamic)
         out["compile_dynamic"] = a.compile_dynamic
         compile_options["dynamic"] = a.compile_dynamic == "dynamic"
@@ -1307,6 +1307,7 @@ MODEL_FLAGS = {  # model.<key> -> (bench option, conversion)
     "gradient_checkpointing": ("gc", int),
     "checkpoint_every": ("every", int),
     "compile_blocks": ("compile", int),
+    "cuda_graphs": ("cuda_graphs", int),
     "offload_blocks": ("offload", int),
     "offload_activations": ("offload_act", int),
     "attention": ("attention", str),
@@ -1533,7 +1534,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--warm", type=int, default=3)
     p.add_argument("--opt", default="adamw8bit", choices=["adamw8bit", "adamw", "adafactor", "adafactor-hf"])
     p.add_argument("--compile", type=int, default=0)
-    p.add_argument("--compile-mode", default=None, help="experiment: torch.compile mode of the blocks (--compile 1)")
+    p.add_argument(
+        "--cuda-graphs", type=int, default=0, help="model.cuda_graphs: the compiled blocks as CUDA graphs (--compile 1)"
+    )
     p.add_argument(
         "--compile-dynamic",
         default="auto",

@@ -169,6 +169,20 @@ def test_bench_config_takes_the_shipped_settings(path) -> None:
     assert bench.optimizer_options(a) == model["optimizer"]["init_args"]
 
 
+def test_bench_config_takes_cuda_graphs_as_fit_does(tmp_path) -> None:
+    """``model.cuda_graphs`` in a YAML reaches the benchmark's model (``--cuda-graphs``), as ``fit`` would build it;
+    absent, it is off."""
+    import yaml
+
+    doc = yaml.safe_load((REPO / "configs" / "sdxl_24gb.yaml").read_text())
+    assert bench.parse_args(["--config", str(REPO / "configs" / "sdxl_24gb.yaml")]).cuda_graphs == 0
+    doc["model"]["cuda_graphs"] = True
+    path = tmp_path / "sdxl_graphs.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    a = bench.parse_args(["--config", str(path)])
+    assert a.cuda_graphs == 1 and a.compile == 1
+
+
 def test_bench_config_flags_on_the_command_line_win() -> None:
     path = str(REPO / "configs" / "flux_4090.yaml")
     a = bench.parse_args(["--config", path, "--h", "512", "--w", "768", "--opt", "adamw", "--accumulate", "1"])
