@@ -524,7 +524,9 @@ def test_bench_compile_regions_replace_the_familys_extra_compiled_classes(monkey
     from lightning_lora import assembly
 
     seen: list[tuple[str, ...]] = []
-    monkeypatch.setattr(assembly, "compile_repeated_blocks", lambda model, extra, streams, joins: seen.append(extra))
+    monkeypatch.setattr(
+        assembly, "compile_repeated_blocks", lambda model, mode, extra, streams, joins: seen.append(extra)
+    )
     argv = ["--tiny", "--family", "sdxl", "--h", "64", "--w", "64", "--tlen", "16", "--compile", "1", *flag]
     out = bench.run(bench.parser().parse_args([*argv, "--steps", "1", "--warm", "1", "--opt", "adamw"]))
     assert seen == [extra] and out["s_per_step"] > 0
