@@ -26,6 +26,8 @@ A plan file has one JSON object per line (blank lines and lines starting with ``
 - ``table`` (optional): ``"<name>/<role>"``, the row's place in the table ``tools/bench_table.py`` makes of the results:
   a config's ``shipped`` row (ours as shipped), the recipe's ``recipe-eager`` and ``recipe-compiled`` rows beside it,
   and its ``second-start`` and ``eager-start`` rows (only their time to the first step counts). Copied to the JSON line.
+  ``"<name>,<name>/<role>"``: the row takes that role in each named line (one recipe row beside a config as shipped
+  and the same config with an option changed, e.g. ``"sdxl_24gb,sdxl_24gb+cuda_graphs/recipe-eager"``).
 - ``cache`` (optional): a name for the row's torch.compile cache. Rows with the same name share one folder, made
   empty for the suite (``TORCHINDUCTOR_CACHE_DIR``, and ``TRITON_CACHE_DIR`` inside it), so the first row of a name
   compiles from nothing on a machine that has compiled before and the next ones start warm from that row alone: a
@@ -67,7 +69,8 @@ CASE = re.compile(r"^(flux|sdxl)-(bf16|nf4|fp8|fp8c)-r(\d+)((?:-gc)?)((?:-\d+x\d
 ROW_KEYS = {"who", "args", "timeout", "gpu", "phase", "script", "note", "cache", "table"}
 CACHE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 TABLE_ROLES = ("shipped", "recipe-eager", "recipe-compiled", "second-start", "eager-start")
-TABLE = re.compile(rf"^[A-Za-z0-9][A-Za-z0-9_.-]*/({'|'.join(TABLE_ROLES)})$")
+TABLE_NAME = r"[A-Za-z0-9][A-Za-z0-9_.+-]*"
+TABLE = re.compile(rf"^{TABLE_NAME}(,{TABLE_NAME})*/({'|'.join(TABLE_ROLES)})$")
 GPU = re.compile(r"^\d+(,\d+)*$")
 
 
@@ -164,7 +167,9 @@ def parse_row(obj: Any, index: int, default_timeout: float, where: str = "") -> 
         raise bad(f"'cache' must be a name of letters, digits, '.', '_' and '-', not {cache!r}")
     table = obj.get("table")
     if table is not None and not (isinstance(table, str) and TABLE.match(table)):
-        raise bad(f"'table' must be '<name>/<role>' with a role of {', '.join(TABLE_ROLES)}, not {table!r}")
+        raise bad(
+            f"'table' must be '<name>/<role>' (or '<name>,<name>/<role>') with a role of {', '.join(TABLE_ROLES)}, not {table!r}"
+        )
     return Row(index, who, args, _number(timeout), gpu, phase, script, note, cache=cache, table=table)
 
 

@@ -2,8 +2,8 @@
 
     python tools/bench_table.py benchmarks/2026-12-07/results57*.jsonl
 
-The rows a plan marks with ``"table": "<name>/<role>"`` (bench_suite's module docstring) are grouped by name, in the
-order the names first appear: per image, our seconds per optimizer step over batch x accumulation against the recipe's
+The rows a plan marks with ``"table": "<name>/<role>"`` (bench_suite's module docstring; ``"<a>,<b>/<role>"`` puts a
+row in both lines) are grouped by name, in the order the names first appear: per image, our seconds per optimizer step over batch x accumulation against the recipe's
 batch-1 step, both ratios, the peak beside the planner's and the eager recipe's, the second start against the eager
 start (time to the first step), and each side's host speed just before its row (``host_speed``'s dispatch, µs), since
 host-bound rows follow the host. A failed row's error is shown beside what figures it kept. Markdown on stdout.
@@ -70,16 +70,17 @@ def entries(records: list[dict[str, Any]]) -> list[Entry]:
     for rec in records:
         if not rec.get("table"):
             continue
-        name, role = rec["table"].split("/", 1)
-        entry = by_name.setdefault(name, Entry(name))
-        if rec.get("error"):  # shown even where the figures it kept count (a row stopped while sampling)
-            entry.errors[role] = rec["error"]
-        res = result_of(rec)
-        if res is not None and NEEDS[role] in res:
-            entry.figures[role] = res
-            speed = (rec.get("host_speed") or {}).get("dispatch_us")
-            if speed is not None:
-                entry.dispatch_us[role] = speed
+        names, role = rec["table"].split("/", 1)
+        for name in names.split(","):  # one row may take its role in several lines
+            entry = by_name.setdefault(name, Entry(name))
+            if rec.get("error"):  # shown even where the figures it kept count (a row stopped while sampling)
+                entry.errors[role] = rec["error"]
+            res = result_of(rec)
+            if res is not None and NEEDS[role] in res:
+                entry.figures[role] = res
+                speed = (rec.get("host_speed") or {}).get("dispatch_us")
+                if speed is not None:
+                    entry.dispatch_us[role] = speed
     return list(by_name.values())
 
 

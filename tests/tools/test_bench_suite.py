@@ -96,6 +96,7 @@ def test_a_plan_file_parses_into_rows(tmp_path: Path) -> None:
         ('{"who": "ours", "args": "", "cache": "../home"}', "'cache'"),
         ('{"who": "ours", "args": "", "table": "flux_4090/warm-start"}', "'table'.*second-start"),
         ('{"who": "ours", "args": "", "table": "flux_4090"}', "'table'"),
+        ('{"who": "ours", "args": "", "table": "sdxl_24gb,/recipe-eager"}', "'table'"),
         ("--quant nf4", "not a JSON object"),
     ],
 )

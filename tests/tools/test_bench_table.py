@@ -74,3 +74,23 @@ def test_the_markdown_has_a_line_a_config_with_its_figures_and_failures(tmp_path
         in (h100)
     )
     assert "| 0.50x / - |" in f4090 and "27.0 / 20.0 s (1.35x)" in f4090 and "recipe-compiled: exit status 1" in f4090
+
+
+def test_a_row_marked_for_two_lines_takes_its_role_in_both() -> None:
+    """One recipe row beside a config as shipped and the same config with an option changed (``cuda_graphs``); a plan
+    row may say so, and bench_suite accepts it."""
+    import bench_suite as bs
+
+    shared = "sdxl_24gb,sdxl_24gb+cuda_graphs/recipe-eager"
+    assert bs.TABLE.match(shared) and not bs.TABLE.match("sdxl_24gb,/recipe-eager")
+    base, graphs = bt.entries(
+        [
+            rec("sdxl_24gb/shipped", {"s_per_step": 0.26}),
+            rec("sdxl_24gb+cuda_graphs/shipped", {"s_per_step": 0.15}),
+            rec(shared, {"s_per_step": 0.75}, dispatch=1.3),
+        ]
+    )
+    assert (base.name, graphs.name) == ("sdxl_24gb", "sdxl_24gb+cuda_graphs")
+    assert base.ratio("recipe-eager") == pytest.approx(0.26 / 0.75)
+    assert graphs.ratio("recipe-eager") == pytest.approx(0.2)
+    assert base.dispatch_us == graphs.dispatch_us == {"recipe-eager": 1.3}
