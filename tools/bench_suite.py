@@ -168,7 +168,8 @@ def parse_row(obj: Any, index: int, default_timeout: float, where: str = "") -> 
     table = obj.get("table")
     if table is not None and not (isinstance(table, str) and TABLE.match(table)):
         raise bad(
-            f"'table' must be '<name>/<role>' (or '<name>,<name>/<role>') with a role of {', '.join(TABLE_ROLES)}, not {table!r}"
+            f"'table' must be '<name>/<role>' (or '<name>,<name>/<role>') with a role of "
+            f"{', '.join(TABLE_ROLES)}, not {table!r}"
         )
     return Row(index, who, args, _number(timeout), gpu, phase, script, note, cache=cache, table=table)
 

@@ -3,10 +3,11 @@
     python tools/bench_table.py benchmarks/2026-12-07/results57*.jsonl
 
 The rows a plan marks with ``"table": "<name>/<role>"`` (bench_suite's module docstring; ``"<a>,<b>/<role>"`` puts a
-row in both lines) are grouped by name, in the order the names first appear: per image, our seconds per optimizer step over batch x accumulation against the recipe's
-batch-1 step, both ratios, the peak beside the planner's and the eager recipe's, the second start against the eager
-start (time to the first step), and each side's host speed just before its row (``host_speed``'s dispatch, µs), since
-host-bound rows follow the host. A failed row's error is shown beside what figures it kept. Markdown on stdout.
+row in both lines) are grouped by name, in the order the names first appear: per image, our seconds per optimizer step
+over batch x accumulation against the recipe's batch-1 step, both ratios, the peak beside the planner's and the eager
+recipe's, the second start against the eager start (time to the first step), and each side's host speed just before
+its row (``host_speed``'s dispatch, µs), since host-bound rows follow the host. A failed row's error is shown beside
+what figures it kept. Markdown on stdout.
 """
 
 from __future__ import annotations
