@@ -72,14 +72,15 @@ def entries(records: list[dict[str, Any]]) -> list[Entry]:
         if not rec.get("table"):
             continue
         names, role = rec["table"].split("/", 1)
+        res = result_of(rec)
+        counts = res if res is not None and NEEDS[role] in res else None  # the figure the role is there for
+        speed = (rec.get("host_speed") or {}).get("dispatch_us")
         for name in names.split(","):  # one row may take its role in several lines
             entry = by_name.setdefault(name, Entry(name))
             if rec.get("error"):  # shown even where the figures it kept count (a row stopped while sampling)
                 entry.errors[role] = rec["error"]
-            res = result_of(rec)
-            if res is not None and NEEDS[role] in res:
-                entry.figures[role] = res
-                speed = (rec.get("host_speed") or {}).get("dispatch_us")
+            if counts is not None:
+                entry.figures[role] = counts
                 if speed is not None:
                     entry.dispatch_us[role] = speed
     return list(by_name.values())
