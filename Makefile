@@ -1,6 +1,8 @@
 # The two commands of the README:
 #   make demo   create .venv, install, train a tiny LoRA end to end on CPU (a few minutes at most)
 #   make test   create .venv with the dev extras, run `make check` (lint, format, type check), then the tests on CPU
+# and on a GPU machine (CI stays CPU-only):
+#   make test-gpu TORCH=keep   the tests marked `gpu` alone (make test skips them), with the system's CUDA torch
 #
 # TORCH=cpu (default) pins the CPU build of torch through constraints-cpu.txt, so pip can never pull a multi-GB
 # CUDA build by accident. On a GPU machine use TORCH=keep: the venv then sees the torch already installed in the
@@ -29,7 +31,7 @@ export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: demo test check install lint clean-demo
+.PHONY: demo test test-gpu check install lint clean-demo
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
@@ -55,6 +57,15 @@ PYTEST_WORKERS ?= 2
 
 test: check
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup --durations=20
+
+# The tests that need a CUDA GPU (marker `gpu`, tests/conftest.py), one process: their header names the GPU and the
+# versions. GPU_REPORT=path also writes pytest's JUnit XML there (the record of the run). On a machine without a
+# network, skip the install and run the same line with a Python that has pytest:
+#   python3 -m pytest -m gpu -p no:cacheprovider -rA --junitxml=gpu-tests.xml
+GPU_REPORT ?=
+
+test-gpu: $(VENV)/.installed
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m gpu -p no:cacheprovider -rA -n 0 $(if $(GPU_REPORT),--junitxml=$(GPU_REPORT))
 
 check: $(VENV)/.installed
 	$(BIN)/ruff check lightning_lora tests tools

@@ -392,7 +392,7 @@ def test_cuda_graphs_compile_every_block_in_reduce_overhead_mode(
         build_model(Flux(), source, LoraOptions(rank=2), cuda_graphs=True)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+@pytest.mark.gpu
 def test_cuda_graphed_blocks_train_as_the_default_compiled_blocks(tiny_flux_dir: Path) -> None:
     """On a GPU: a few optimizer steps through CUDA-graphed blocks, with an image size that changes in between (a
     graph recorded per size), end at the same LoRA weights as the default compiled blocks. The graphs read the
