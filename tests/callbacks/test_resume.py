@@ -42,6 +42,27 @@ def test_stop_and_resume_twice_is_exact(tmp_path: Path, tiny_flux_dir: Path, pho
     assert_same_run(uninterrupted[1], config, after_step=3)
 
 
+def test_fused_adamw_with_gradient_clipping_resumes_exactly(
+    tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path
+) -> None:
+    """torch's AdamW with ``fused: true`` (one kernel for every LoRA tensor; its step counts are tensors on the
+    parameters' device) under ``trainer.gradient_clip_val``, with gradient accumulation: stopped between optimizer steps
+    and resumed, the same LoRA bit for bit and the same losses. Lightning refused to clip for a fused optimizer before
+    the precision plugins said that without a gradient scaler there is nothing to unscale."""
+    fused = {
+        "model.optimizer": {"class_path": "torch.optim.AdamW", "init_args": {"lr": 0.01, "fused": True}},
+        "trainer.gradient_clip_val": 0.01,  # below the tiny model's gradient norms: every step is clipped
+    }
+    reference = resume_config(tmp_path, tiny_flux_dir, photos_dir, "a", accumulate=2, steps=6, **fused)
+    assert run_cli(["fit", "--config", str(reference)]).trainer.global_step == 6
+    config = resume_config(tmp_path, tiny_flux_dir, photos_dir, "b", accumulate=2, steps=6, **fused)
+    run_cli(["fit", "--config", str(config), "--trainer.max_steps", "3"])
+    cli = run_cli(["fit", "--config", str(config), "--ckpt_path", "last"])
+    assert cli.trainer.global_step == 6
+    assert cli.model.optimizers().optimizer.defaults["fused"] is True
+    assert_same_run(reference, config, after_step=3)
+
+
 def test_the_control_would_fail_without_rng_restore(
     tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path, uninterrupted, monkeypatch: pytest.MonkeyPatch
 ) -> None:
