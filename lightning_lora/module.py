@@ -28,7 +28,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from typing_extensions import override
 
-from lightning_lora.assembly import build_lora_model
+from lightning_lora.assembly import build_lora_model, gradients_outside_graphs
 from lightning_lora.checkpoint import STAMP, configured_record, reconcile_training_state
 from lightning_lora.errors import ConfigError
 from lightning_lora.families.base import DiffusionFamily, ModelSource
@@ -239,6 +239,8 @@ class LoraModule(LightningModule):
 
     @override
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        if self.recipe.cuda_graphs:  # each micro-batch one generation of the graphs' memory (assembly.CUDA_GRAPHS_MODE)
+            torch.compiler.cudagraph_mark_step_begin()
         latents = batch["latents"]
         # The datamodule draws them per sample (independent of rank count); other batches use the global RNG.
         noise = batch["noise"] if "noise" in batch else self.family.sample_noise(latents)
@@ -305,8 +307,18 @@ class LoraModule(LightningModule):
     @override
     def on_train_start(self) -> None:
         """On a GPU, one thread for torch's CPU operators while training (:func:`lightning_lora.hardware.
-        limit_host_threads`: the pool's idle threads spin on the cores the two threads driving the GPU need)."""
+        limit_host_threads`: the pool's idle threads spin on the cores the two threads driving the GPU need). With
+        ``cuda_graphs`` the LoRA's gradients are allocated now, outside the graphs' memory
+        (:func:`~lightning_lora.assembly.gradients_outside_graphs`)."""
         self._host_threads = limit_host_threads(self.device.type)
+        if self.recipe.cuda_graphs:
+            gradients_outside_graphs(trainable_parameters(self._require_model()))
+
+    @override
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
+        """Gradients set to ``None`` between optimizer steps (torch's default), or zeroed in place with
+        ``cuda_graphs``: kept outside the graphs' memory (:func:`~lightning_lora.assembly.gradients_outside_graphs`)."""
+        optimizer.zero_grad(set_to_none=not self.recipe.cuda_graphs)
 
     @override
     def on_train_end(self) -> None:
