@@ -143,6 +143,14 @@ def random_inputs(
     return fill(inputs)
 
 
+def on_device(value: Any, device: str | torch.device) -> Any:
+    """``value`` (:func:`random_inputs`' keyword arguments: tensors, nested dicts, anything else) with every tensor
+    moved to ``device``."""
+    if isinstance(value, dict):
+        return {k: on_device(v, device) for k, v in value.items()}
+    return value.to(device) if torch.is_tensor(value) else value
+
+
 def two_step_grads(model: nn.Module, family: DiffusionFamily | None = None) -> list[dict[str, torch.Tensor]]:
     """The gradients of two backward passes of ``model`` (FLUX by default) on :func:`random_inputs` of seeds 1 and 3
     (loss: the mean square of the prediction), one dict ``{name: grad}`` of the trainable parameters per step."""
