@@ -11,6 +11,7 @@ import torch
 from helpers import (
     build_model,
     build_tiny,
+    lora_model,
     on_device,
     precision_for,
     random_inputs,
@@ -65,8 +66,13 @@ def _cuda_grads(model: torch.nn.Module) -> list[dict[str, torch.Tensor]]:
 def test_offloaded_blocks_stream_in_on_a_side_stream_on_a_gpu(tiny_flux_dir: Path, checkpointing: bool) -> None:
     """On a GPU each offloaded block's tensors come from pinned memory on a side CUDA stream, one block ahead, and the
     compute stream waits for the copy before the block runs: the gradients are those of the model kept whole."""
-    plain = _cuda_grads(build_tiny(tiny_flux_dir, 0, checkpointing).cuda())
-    model = build_tiny(tiny_flux_dir, 3, checkpointing).cuda()
+
+    def built(count: int) -> torch.nn.Module:  # build_tiny's model, built for the GPU (pinned host copies)
+        options = {"gradient_checkpointing": checkpointing, "offload_blocks": count, "device": torch.device("cuda")}
+        return lora_model(Flux(), tiny_flux_dir, rank=2, alpha=None, scale=0.1, train=True, **options).cuda()
+
+    plain = _cuda_grads(built(0))
+    model = built(3)
     offloader = model._lora_offloader
     assert all(slot.host.is_pinned() for block in offloader.blocks for slot in block.slots)
     offloaded = _cuda_grads(model)
