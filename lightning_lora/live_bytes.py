@@ -248,7 +248,7 @@ def saved_activation_bytes(
     fused_rms_norm: bool = True,
 ) -> tuple[float, float, float]:
     """Bytes autograd keeps from one forward pass of ``model`` (on the meta device), the largest single tensor, and
-    the bytes the model's :class:`~lightning_lora.recompute.InputOffloader` (if any) moves off the device.
+    the bytes the model's :class:`~lightning_lora.model.recompute.InputOffloader` (if any) moves off the device.
 
     ``attention``: ``flash_like`` counts SDPA as the GPU's fused kernels keep it (on the meta device PyTorch would run
     its math backend, which keeps the attention matrix), and ``F.rms_norm`` as the GPU's fused kernel keeps it

@@ -2,9 +2,10 @@
 
 Lifecycle (during ``fit`` Lightning calls these in this order):
 
-* ``__init__`` only stores and validates options (cheap): it builds the :class:`~lightning_lora.recipe.ModelRecipe`,
-  so a wrong path or an impossible combination fails here, before any weights load.
-* ``configure_model`` loads the backbone and injects LoRA (:mod:`lightning_lora.assembly`). It runs before a
+* ``__init__`` only stores and validates options (cheap): it builds the
+  :class:`~lightning_lora.model.recipe.ModelRecipe`, so a wrong path or an impossible combination fails here, before any
+  weights load.
+* ``configure_model`` loads the backbone and injects LoRA (:mod:`lightning_lora.model.assembly`). It runs before a
   checkpoint is restored and is idempotent, as Lightning requires.
 * On a resume, ``on_load_checkpoint`` checks that every LoRA tensor is present with the right shape (the non-strict
   loading that a partial checkpoint needs would otherwise hide a missing or mismatched key).
@@ -28,16 +29,16 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from typing_extensions import override
 
-from lightning_lora.assembly import build_lora_model
 from lightning_lora.checkpoint import STAMP, configured_record, reconcile_training_state
 from lightning_lora.errors import ConfigError
 from lightning_lora.families.base import DiffusionFamily, ModelSource
 from lightning_lora.families.flux import Flux
 from lightning_lora.hardware import limit_host_threads
 from lightning_lora.lora import LoraOptions, set_lora_input_casts, trainable_parameters
-from lightning_lora.parallel import prepare_model
+from lightning_lora.model.assembly import build_lora_model
+from lightning_lora.model.parallel import prepare_model
+from lightning_lora.model.recipe import AttentionBackend, ModelRecipe
 from lightning_lora.precision import BasePrecision, precision_of
-from lightning_lora.recipe import AttentionBackend, ModelRecipe
 
 __all__ = ["LoraModule", "primitive_hparams"]
 
@@ -110,8 +111,8 @@ class LoraModule(LightningModule):
         super().__init__()
         self.save_hyperparameters(ignore=["optimizer", "scheduler"])
         source = ModelSource(pretrained, denoiser_file, revision)
-        #: Everything that decides how the model is built, checked once (lightning_lora.recipe). The base format is
-        #: the trainer's precision plugin: BF16 until ``fit`` starts (:meth:`use_precision`).
+        #: Everything that decides how the model is built, checked once (lightning_lora.model.recipe). The base format
+        #: is the trainer's precision plugin: BF16 until ``fit`` starts (:meth:`use_precision`).
         self.recipe = ModelRecipe(
             family=family,
             source=source,
@@ -154,8 +155,9 @@ class LoraModule(LightningModule):
         return self.recipe.lora
 
     def use_memory_settings(self, settings: dict[str, Any]) -> None:
-        """Build with these memory settings (``model.memory``'s choice: :data:`~lightning_lora.recipe.MEMORY_SETTINGS`
-        by name), before ``configure_model``; the hyper-parameters (and so checkpoints) say them too."""
+        """Build with these memory settings (``model.memory``'s choice:
+        :data:`~lightning_lora.model.recipe.MEMORY_SETTINGS` by name), before ``configure_model``; the hyper-parameters
+        (and so checkpoints) say them too."""
         if self.denoiser is not None:
             raise RuntimeError("model.memory: the model is built already; choose its settings before fit")
         self.recipe = self.recipe.with_memory_settings(settings)
@@ -222,7 +224,7 @@ class LoraModule(LightningModule):
         denoiser = self.build(self.trainer.strategy.root_device)
         # Under autocast (every forward: training, samples, evaluation) the LoRA layers need no input casts.
         set_lora_input_casts(denoiser, enabled=not self.recipe.precision.autocasts)
-        prepare_model(self.trainer.strategy, denoiser)  # trainer.strategy: fsdp shards it (lightning_lora.parallel)
+        prepare_model(self.trainer.strategy, denoiser)  # trainer.strategy: fsdp shards it (model.parallel)
 
     def build(self, device: torch.device) -> torch.nn.Module:
         """Load the backbone on ``device`` and inject LoRA, once (``configure_model`` calls this with the trainer's

@@ -39,11 +39,11 @@ from lightning_lora.errors import ConfigError
 from lightning_lora.families.base import DiffusionFamily
 from lightning_lora.live_bytes import saved_activation_bytes
 from lightning_lora.lora import LoraOptions, inject_lora
-from lightning_lora.offload import offloaded_blocks, repeated_blocks
-from lightning_lora.parallel import LoraFSDPStrategy, check_strategy
+from lightning_lora.model.offload import offloaded_blocks, repeated_blocks
+from lightning_lora.model.parallel import LoraFSDPStrategy, check_strategy
+from lightning_lora.model.recipe import ModelRecipe
 from lightning_lora.plan_sampling import autocast_dtype, sampling_bytes, sampling_pieces
 from lightning_lora.precision import BF16, FP8, NF4, BasePrecision, text_encoder_precision
-from lightning_lora.recipe import ModelRecipe
 
 __all__ = [
     "CARDS",
@@ -186,7 +186,7 @@ def offloaded_weight_bytes(model: nn.Module, blocks: list[nn.Module], precision:
 
 def sharded_weight_bytes(model: nn.Module, precision: BasePrecision, shards: int) -> tuple[float, float]:
     """Frozen-weight bytes on each GPU when the base is sharded over ``shards`` GPUs the way
-    :func:`~lightning_lora.sharding.shard_base` shards it, and the part of them that is gathered blocks in flight.
+    :func:`~lightning_lora.model.sharding.shard_base` shards it, and the part of them that is gathered blocks in flight.
 
     Each repeated block is its own unit: a GPU keeps 1/``shards`` of it, and gathers its full weights just before it
     runs, the next block's while it runs (FSDP2 prefetches one unit ahead in the forward and in the backward): two
@@ -232,8 +232,8 @@ def _fused_rms_norm(recipe: ModelRecipe) -> bool:
 
 
 def _count(recipe: ModelRecipe, height: int, width: int, batch: int, text_len: int) -> _Counted:
-    from lightning_lora.assembly import apply_gradient_checkpointing
-    from lightning_lora.recompute import ensure_recomputed
+    from lightning_lora.model.assembly import apply_gradient_checkpointing
+    from lightning_lora.model.recompute import ensure_recomputed
 
     family, source = recipe.family, recipe.source
     key = repr(
@@ -418,8 +418,8 @@ def plan_for(
     shards: int = 1,
 ) -> MemoryPlan:
     """The plan of a run: ``recipe`` at the data module's largest resolution and batch size, the family's text
-    length, on each GPU (``shards``: :func:`plan_training`; :func:`~lightning_lora.parallel.shard_count` of a trainer
-    or a config)."""
+    length, on each GPU (``shards``: :func:`plan_training`; :func:`~lightning_lora.model.parallel.shard_count` of a
+    trainer or a config)."""
     resolution = getattr(datamodule, "resolution", 512)
     side = max(resolution) if isinstance(resolution, list | tuple) else int(resolution)
     text_len = recipe.family.text_tokens

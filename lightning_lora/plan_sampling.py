@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from lightning_lora.live_bytes import flash_like_attention, peak_bytes
-from lightning_lora.recipe import ModelRecipe
+from lightning_lora.model.recipe import ModelRecipe
 
 __all__ = ["VAE_DECODE_WORKSPACE", "SamplingPieces", "autocast_dtype", "sampling_bytes", "sampling_pieces"]
 

@@ -55,9 +55,9 @@ def pytest_itemcollected(item: pytest.Item) -> None:
 def _process_globals() -> Iterator[None]:
     """What one test changes in the process, the next does not inherit (a test process runs many tests, in an order
     that changes with the suite): the SIGINT / SIGTERM handlers (Lightning leaves SIGINT ignored after a run it stopped
-    on a KeyboardInterrupt), ``F.scaled_dot_product_attention`` (lightning_lora.attention replaces it; a recording
-    SDPA left by tests/test_attention.py once failed 11 later tests of one process) and ``logging.lastResort`` (the
-    verbs without a run log replace it for the rest of their process: ``quiet_library_loggers``)."""
+    on a KeyboardInterrupt), ``F.scaled_dot_product_attention`` (lightning_lora.model.attention replaces it; a recording
+    SDPA left by tests/model/test_attention.py once failed 11 later tests of one process) and ``logging.lastResort``
+    (the verbs without a run log replace it for the rest of their process: ``quiet_library_loggers``)."""
     import logging
     import signal
 

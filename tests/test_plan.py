@@ -51,10 +51,10 @@ def test_the_planned_shard_is_what_fsdp2_keeps_on_each_rank(tiny_flux_dir: Path)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from lightning_lora.assembly import build_lora_model
-    from lightning_lora.offload import repeated_blocks
+    from lightning_lora.model.assembly import build_lora_model
+    from lightning_lora.model.offload import repeated_blocks
+    from lightning_lora.model.sharding import shard_base
     from lightning_lora.plan import sharded_weight_bytes
-    from lightning_lora.sharding import shard_base
 
     def frozen_bytes(modules: list[nn.Module]) -> int:
         tensors = {id(p): p for m in modules for p in m.parameters() if not p.requires_grad}
@@ -119,7 +119,7 @@ def test_suggestions_try_partial_checkpointing_first(tiny_flux_dir: Path, monkey
     from lightning_lora import plan
     from lightning_lora.families.base import ModelSource
     from lightning_lora.families.flux import Flux
-    from lightning_lora.recipe import ModelRecipe
+    from lightning_lora.model.recipe import ModelRecipe
 
     def fake_plan(recipe: ModelRecipe, datamodule: object, optimizer: str, shards: int = 1) -> SimpleNamespace:
         if not recipe.gradient_checkpointing:
@@ -166,7 +166,7 @@ def test_the_sample_images_must_fit_too(tiny_flux_dir: Path, monkeypatch: pytest
     from lightning_lora import plan
     from lightning_lora.families.base import ModelSource
     from lightning_lora.families.flux import Flux
-    from lightning_lora.recipe import ModelRecipe
+    from lightning_lora.model.recipe import ModelRecipe
 
     def fake_plan(recipe: ModelRecipe, datamodule: object, optimizer: str, shards: int = 1) -> MemoryPlan:
         weights = 12.0 if type(recipe.precision).__name__ == "BF16" else 6.0
@@ -194,7 +194,7 @@ def test_sdxl_sampling_peak_holds_the_measured_decode_at_1024() -> None:
     from lightning_lora.families.sdxl import SDXL_VAE
     from lightning_lora.live_bytes import flash_like_attention, peak_bytes
     from lightning_lora.lora import LoraOptions
-    from lightning_lora.recipe import ModelRecipe
+    from lightning_lora.model.recipe import ModelRecipe
 
     source = ModelSource("stabilityai/stable-diffusion-xl-base-1.0", dtype=torch.bfloat16)
     recipe = ModelRecipe(SDXL(), source, lora=LoraOptions(rank=32, targets="attention"))
@@ -225,8 +225,8 @@ def test_zimage_samples_are_planned_with_flux_vae_decode() -> None:
     from lightning_lora.families import ModelSource
     from lightning_lora.families.zimage import ZImage
     from lightning_lora.lora import LoraOptions
+    from lightning_lora.model.recipe import ModelRecipe
     from lightning_lora.plan import sampling_pieces
-    from lightning_lora.recipe import ModelRecipe
 
     source = ModelSource("Tongyi-MAI/Z-Image-Turbo", dtype=torch.bfloat16)
     recipe = ModelRecipe(ZImage(), source, lora=LoraOptions(rank=16, targets="attention"))
@@ -240,8 +240,8 @@ def test_zimage_samples_are_planned_with_flux_vae_decode() -> None:
 def test_sampling_without_a_vae_architecture_uses_the_family_estimate(tiny_flux_dir: Path) -> None:
     """A family that declares no VAE architecture plans sampling with its own ``sampling_bytes``."""
     from lightning_lora.families import Flux, ModelSource
+    from lightning_lora.model.recipe import ModelRecipe
     from lightning_lora.plan import sampling_bytes, sampling_pieces
-    from lightning_lora.recipe import ModelRecipe
 
     class NoVae(Flux):
         vae_architecture = None
@@ -270,7 +270,7 @@ def test_compiled_blocks_keep_their_familys_measured_share_of_the_eager_saved_te
     call 30) and 19.49 (FLUX.2 klein base 4B, calls 30 and 31), where FLUX.1's share planned 40.8 and 22.01."""
     from lightning_lora.families import FAMILIES, Flux, ModelSource
     from lightning_lora.lora import LoraOptions
-    from lightning_lora.recipe import ModelRecipe
+    from lightning_lora.model.recipe import ModelRecipe
 
     family = FAMILIES[family_name]()
     source = ModelSource(pretrained, dtype=torch.bfloat16)
@@ -368,7 +368,7 @@ def test_flux2_klein_24gb_plans_its_measured_peak() -> None:
     and 33); planned 17.44 (+10.2%) counted without autocast and with rms_norm decomposed."""
     from lightning_lora.families import FAMILIES, ModelSource
     from lightning_lora.lora import LoraOptions
-    from lightning_lora.recipe import ModelRecipe
+    from lightning_lora.model.recipe import ModelRecipe
 
     source = ModelSource("black-forest-labs/FLUX.2-klein-base-4B", dtype=torch.bfloat16)
     recipe = ModelRecipe(
@@ -389,7 +389,7 @@ def test_sd15_compiled_plan_is_within_ten_percent_of_the_gpu(batch: int, measure
     UNets', 0.60) plans 8.37 at batch 8, 14% under this."""
     from lightning_lora.families import SD15, ModelSource
     from lightning_lora.lora import LoraOptions
-    from lightning_lora.recipe import ModelRecipe
+    from lightning_lora.model.recipe import ModelRecipe
 
     source = ModelSource("stable-diffusion-v1-5/stable-diffusion-v1-5", dtype=torch.bfloat16)
     lora = LoraOptions(rank=16, alpha=8, targets="attention_ff")
@@ -404,7 +404,7 @@ def test_sdxl_compiled_plan_is_within_ten_percent_of_the_gpu() -> None:
     the ResNets eager) peaked at 10.34 GiB on an H100 (BENCHMARKS.md call 53f; 9.65 with the ResNets compiled too)."""
     from lightning_lora.families import SDXL, ModelSource
     from lightning_lora.lora import LoraOptions
-    from lightning_lora.recipe import ModelRecipe
+    from lightning_lora.model.recipe import ModelRecipe
 
     source = ModelSource("stabilityai/stable-diffusion-xl-base-1.0", dtype=torch.bfloat16)
     recipe = ModelRecipe(SDXL(), source, lora=LoraOptions(rank=32, alpha=32, targets="attention"), compile_blocks=True)
@@ -431,7 +431,7 @@ def test_compiled_saved_bytes_between_no_and_every_block_checkpointed() -> None:
 def _flux_recipe(precision: object, rank: int, targets: str, every: int | None) -> object:
     from lightning_lora.families import Flux, ModelSource
     from lightning_lora.lora import LoraOptions
-    from lightning_lora.recipe import ModelRecipe
+    from lightning_lora.model.recipe import ModelRecipe
 
     source = ModelSource("black-forest-labs/FLUX.1-dev", dtype=torch.bfloat16)
     return ModelRecipe(

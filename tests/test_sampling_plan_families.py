@@ -15,8 +15,8 @@ from lightning_lora.families import DiffusionFamily, Flux2, ModelSource, QwenIma
 from lightning_lora.families.flux2 import FLUX2_VAE
 from lightning_lora.families.qwenimage import QWEN_IMAGE_VAE
 from lightning_lora.lora import LoraOptions
+from lightning_lora.model.recipe import ModelRecipe
 from lightning_lora.plan import plan_training, sampling_bytes, sampling_pieces
-from lightning_lora.recipe import ModelRecipe
 
 CASES = [
     # FLUX.2's pipelines undo the batch norm and the 2x2 patches first: the decode sees 32 channels at H/8.

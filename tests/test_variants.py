@@ -16,8 +16,8 @@ from lightning_lora.errors import ConfigError
 from lightning_lora.families import Flux
 from lightning_lora.families.base import ModelSource
 from lightning_lora.lora import VARIANTS, LoraOptions, is_adapter_param, parse_key
+from lightning_lora.model.recipe import ModelRecipe
 from lightning_lora.plan import plan_training
-from lightning_lora.recipe import ModelRecipe
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,9 @@ the same shapes: a time on a shared machine is only meaningful as a ratio.
     python tools/bench.py --tiny --steps 2 --warm 1             # a CPU smoke run of the same code
 
 Several GPUs: ``--devices N`` with ``--strategy ddp`` (ours, every GPU a whole base) or ``--strategy fsdp`` (a bf16
-base sharded with FSDP2 over the N GPUs: ``trainer.strategy: fsdp``, :class:`lightning_lora.parallel.LoraFSDPStrategy`);
-``weights_GiB_per_device`` is rank 0's share of the weights, ``peak_*`` the largest over the ranks:
+base sharded with FSDP2 over the N GPUs: ``trainer.strategy: fsdp``,
+:class:`lightning_lora.model.parallel.LoraFSDPStrategy`); ``weights_GiB_per_device`` is rank 0's share of the weights,
+``peak_*`` the largest over the ranks:
 
     python tools/bench.py --quant none --opt adamw --devices 2 --strategy fsdp
 
@@ -93,10 +94,10 @@ from lightning_lora.families.unet import NoiseSchedule, UNetFamily
 from lightning_lora.hardware import ALLOCATOR_VARIABLES, limit_host_threads, set_allocator_defaults
 from lightning_lora.hardware import ALLOCATORS as ALLOCATOR_CHOICES
 from lightning_lora.lora import LoraOptions, set_lora_input_casts
+from lightning_lora.model.parallel import resolve_strategy, shard_count
+from lightning_lora.model.sharding import local_parameter_bytes
 from lightning_lora.module import LoraModule
-from lightning_lora.parallel import resolve_strategy, shard_count
 from lightning_lora.precision import PRECISIONS, BasePrecision
-from lightning_lora.sharding import local_parameter_bytes
 
 FLUX_DEV = dict(Flux.known_denoisers["black-forest-labs/FLUX.1-dev"])
 FLUX_TINY = dict(

@@ -13,7 +13,7 @@ tensors at the real width:
 2. one forward pass on the planner's batch (:meth:`DiffusionFamily.example_inputs`, random values), with the bytes
    autograd saves counted by :func:`lightning_lora.plan.saved_activation_bytes` (PyTorch's own CPU SDPA: on a bf16
    input without a mask it is its fused flash kernel, which keeps what the GPU kernels keep);
-3. the same after :func:`lightning_lora.assembly.compile_repeated_blocks` (one forward and backward first, so the
+3. the same after :func:`lightning_lora.model.assembly.compile_repeated_blocks` (one forward and backward first, so the
    graphs are compiled).
 
 The difference between the models with one and with two blocks of a kind is one block of that kind; the share is
@@ -59,8 +59,8 @@ def _inputs(family: Any, model: torch.nn.Module, a: argparse.Namespace, dtype: t
 
 
 def _saved(family: Any, model: torch.nn.Module, inputs: dict[str, Any], compiled: bool) -> dict[str, float]:
-    from lightning_lora.assembly import compile_repeated_blocks
     from lightning_lora.live_bytes import saved_activation_bytes
+    from lightning_lora.model.assembly import compile_repeated_blocks
 
     if compiled:
         compile_repeated_blocks(model, extra=family.compiled_regions, streams=family.stream_sources)

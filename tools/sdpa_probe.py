@@ -7,7 +7,7 @@ Why: at 1024x1024 FLUX.1 spent 45% of its GPU time in PyTorch's flash kernel (Fl
 on an H200, against 710 for its GEMMs: BENCHMARKS.md call 30), and cuDNN's SDPA, the Hopper kernel PyTorch has,
 crashed in FLUX's backward with an illegal memory access (calls 8 and 30). This probe runs the attention alone, or
 FLUX's own blocks, so one call can say whether a crash follows the backend, the tensor layout, the shape or the model
-(call 31: the layout of the output's gradient in FLUX's single-stream blocks; ``lightning_lora.attention``).
+(call 31: the layout of the output's gradient in FLUX's single-stream blocks; ``lightning_lora.model.attention``).
 
 ``--layout contiguous`` gives SDPA ``[B, H, S, D]`` tensors as allocated; ``bshd`` gives it the ``[B, S, H, D]``
 tensors transposed to ``[B, H, S, D]`` (strided, as diffusers' attention processors hand them over), and the output's
@@ -174,7 +174,7 @@ def model_probe(args: argparse.Namespace, device: torch.device, dtype: torch.dty
     error. The process is the unit: an illegal memory access leaves its CUDA context unusable."""
     model = flux_transformer(args, device, dtype)
     if args.grad_fix:
-        from lightning_lora.attention import hand_sdpa_matching_gradients
+        from lightning_lora.model.attention import hand_sdpa_matching_gradients
 
         hand_sdpa_matching_gradients(True)
     if args.dispatch == "cudnn":
@@ -240,7 +240,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--double", type=int, default=1, help="--model: double-stream blocks")
     p.add_argument("--single", type=int, default=1, help="--model: single-stream blocks")
     p.add_argument("--text", type=int, default=512, help="--model: text tokens")
-    p.add_argument("--grad-fix", action="store_true", help="--model: dO in O's strides (lightning_lora.attention)")
+    p.add_argument(
+        "--grad-fix", action="store_true", help="--model: dO in O's strides (lightning_lora.model.attention)"
+    )
     p.add_argument("--forward-only", action="store_true", help="--model: the forward without gradients")
     p.add_argument("--warm", type=int, default=2, help="calls before the timed ones")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")

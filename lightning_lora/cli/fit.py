@@ -54,8 +54,8 @@ from lightning_lora.cli.peek import config_files, read_config_file
 from lightning_lora.data.datamodule import LatentDataModule
 from lightning_lora.errors import ConfigError, first_line
 from lightning_lora.hardware import Allocator, allocator_conflict
+from lightning_lora.model.parallel import check_strategy, resolve_strategy, shards_of
 from lightning_lora.module import LoraModule, primitive_hparams
-from lightning_lora.parallel import check_strategy, resolve_strategy, shards_of
 from lightning_lora.precision import BasePrecision, check_trainer_precision, for_trainer_precision, precision_of
 
 __all__ = ["LoraCLI", "main", "run_summary", "write_error"]

@@ -286,7 +286,7 @@ class DiffusionFamily(ABC):
     """Whether diffusers' gradient checkpointing of the denoiser recomputes exactly its repeated blocks
     (``_repeated_blocks``: FLUX's double and single blocks, Z-Image's refiners and layers), so that checkpointing
     inside each of those blocks is the same checkpointing. Compiled blocks are checkpointed that way
-    (:func:`lightning_lora.assembly.apply_gradient_checkpointing`); the UNets' checkpointing also recomputes their
+    (:func:`lightning_lora.model.assembly.apply_gradient_checkpointing`); the UNets' checkpointing also recomputes their
     ResNets, which are no repeated blocks."""
     text_encoders: ClassVar[tuple[str, ...]]
     """The pipeline components (subfolders) whose weights the prompt embeddings depend on: every one the family's

@@ -66,8 +66,8 @@ __all__ = [
 
 
 class ModelOptions(Protocol):
-    """What a plugin checks of the model's options (a :class:`~lightning_lora.recipe.ModelRecipe`, which imports this
-    package: the recipe sits above the plugins)."""
+    """What a plugin checks of the model's options (a :class:`~lightning_lora.model.recipe.ModelRecipe`, which imports
+    this package: the recipe sits above the plugins)."""
 
     @property
     def lora(self) -> Any: ...

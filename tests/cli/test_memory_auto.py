@@ -13,8 +13,8 @@ from helpers import run_cli, write_config
 from lightning_lora.families import Flux
 from lightning_lora.families.base import ModelSource
 from lightning_lora.lora import LoraOptions
+from lightning_lora.model.recipe import ModelRecipe
 from lightning_lora.plan import choose_for_memory, plan_for
-from lightning_lora.recipe import ModelRecipe
 
 
 @pytest.mark.parametrize("gib", [8, 12, 16, 24, 32])

@@ -21,8 +21,8 @@ from lightning_lora.errors import ConfigError
 from lightning_lora.families import SD15, SDXL, Flux
 from lightning_lora.families.base import ModelSource
 from lightning_lora.lora import LoraOptions
+from lightning_lora.model.recipe import ModelRecipe
 from lightning_lora.plan import card_memory, cards_table, plan_for
-from lightning_lora.recipe import ModelRecipe
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 GPU_CONFIGS = sorted(p.name for p in CONFIGS.glob("*.yaml") if not p.name.startswith("tiny_"))

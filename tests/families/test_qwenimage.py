@@ -480,9 +480,9 @@ def test_the_shipped_architecture_plans_like_a_local_folder(tmp_path: Path) -> N
 
     from diffusers import QwenImageTransformer2DModel
 
+    from lightning_lora.model.recipe import ModelRecipe
     from lightning_lora.plan import caching_peaks, weight_bytes
     from lightning_lora.precision import BF16
-    from lightning_lora.recipe import ModelRecipe
 
     # diffusers' defaults are Qwen-Image's transformer config (its docs load "Qwen/QwenImage-20B" with them).
     defaults = inspect.signature(QwenImageTransformer2DModel.__init__).parameters

@@ -15,11 +15,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_lora.assembly import build_lora_model
 from lightning_lora.families.base import DiffusionFamily, ModelSource
 from lightning_lora.lora import LoraOptions
+from lightning_lora.model.assembly import build_lora_model
+from lightning_lora.model.recipe import ModelRecipe
 from lightning_lora.precision import BF16, FP8, NF4, BasePrecision, FP8Compute, dtype_name
-from lightning_lora.recipe import ModelRecipe
 
 RANK, ALPHA = 4, 8.0
 """The LoRA of :func:`lora_model`: alpha / rank = 2, so a scale that is dropped or applied twice shows."""

@@ -12,10 +12,10 @@ import torch
 from helpers import assert_same_lora, build_model, precision_for, resume_config, run_cli
 from torch import nn
 
-from lightning_lora.assembly import configure_attention
 from lightning_lora.errors import ConfigError
 from lightning_lora.families import Flux, ModelSource
 from lightning_lora.lora import LoraOptions
+from lightning_lora.model.assembly import configure_attention
 from lightning_lora.precision import FP8, FP8Compute
 from lightning_lora.precision.fp8 import FP8Linear, _ScaledMatmul, quantize_rowwise
 

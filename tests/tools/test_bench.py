@@ -396,7 +396,7 @@ def test_bench_shards_a_bf16_base_with_fsdp() -> None:
     import torch
     from helpers import DISTRIBUTED_ENV
 
-    from lightning_lora.parallel import LoraFSDPStrategy
+    from lightning_lora.model.parallel import LoraFSDPStrategy
 
     argv = ["--family", "flux", "--rank", "4", "--h", "64", "--w", "64", "--tlen", "16", "--steps", "1", "--warm", "1"]
     args = bench.parser().parse_args([*argv, "--opt", "adamw", "--tiny", "--strategy", "fsdp"])

@@ -21,12 +21,12 @@ from helpers import (
     random_inputs,
 )
 
-from lightning_lora.assembly import apply_gradient_checkpointing, compile_repeated_blocks
 from lightning_lora.errors import ConfigError
 from lightning_lora.families.base import ModelSource
 from lightning_lora.families.flux import Flux
 from lightning_lora.lora import LoraOptions, resolve_targets, trainable_parameters
-from lightning_lora.offload import repeated_blocks
+from lightning_lora.model.assembly import apply_gradient_checkpointing, compile_repeated_blocks
+from lightning_lora.model.offload import repeated_blocks
 
 ATTENTION_SUFFIXES = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0")
 
@@ -429,7 +429,7 @@ def test_cuda_graphed_blocks_train_as_the_default_compiled_blocks(tiny_flux_dir:
 def test_compiled_code_is_cached_where_a_reboot_keeps_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """torch's default compile cache is under /tmp (emptied by a reboot or a fresh container): ours is in the user's
     cache folder, unless TORCHINDUCTOR_CACHE_DIR says otherwise."""
-    from lightning_lora.assembly import compile_cache_dir
+    from lightning_lora.model.assembly import compile_cache_dir
 
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))

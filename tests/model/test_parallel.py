@@ -14,7 +14,7 @@ from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParalle
 from lightning_lora.errors import ConfigError
 from lightning_lora.families.base import ModelSource
 from lightning_lora.families.flux import Flux
-from lightning_lora.parallel import (
+from lightning_lora.model.parallel import (
     LoraDDPStrategy,
     LoraFSDPStrategy,
     check_strategy,
@@ -22,7 +22,7 @@ from lightning_lora.parallel import (
     resolve_strategy,
     shard_count,
 )
-from lightning_lora.recipe import ModelRecipe
+from lightning_lora.model.recipe import ModelRecipe
 
 
 def recipe(mode: str = "none", offload_blocks: int = 0) -> ModelRecipe:
@@ -69,7 +69,9 @@ def test_ddp_takes_every_backend_and_fsdp_a_plain_base(mode: str) -> None:
 def test_fsdp_becomes_ours_and_lightnings_fsdp_is_refused_naming_it() -> None:
     assert isinstance(resolve_strategy("fsdp", 2), LoraFSDPStrategy)
     for strategy in ("fsdp_cpu_offload", FSDPStrategy(), ModelParallelStrategy()):
-        with pytest.raises(ConfigError, match=r"Use trainer.strategy: fsdp \(lightning_lora.parallel.LoraFSDPStrategy"):
+        with pytest.raises(
+            ConfigError, match=r"Use trainer.strategy: fsdp \(lightning_lora.model.parallel.LoraFSDPStrategy"
+        ):
             resolve_strategy(strategy, 2)
     with pytest.raises(ConfigError, match="Use trainer.strategy: fsdp"):
         check_strategy(FSDPStrategy(), recipe())

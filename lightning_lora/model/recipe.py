@@ -5,11 +5,11 @@ A user writes these as flat options of ``model:`` in the YAML (``model.lora.rank
 :mod:`lightning_lora.precision`); :class:`~lightning_lora.module.LoraModule` turns them into one :class:`ModelRecipe`
 (the plugin joins when ``fit`` starts). From then on the recipe is what the rest of the code reads:
 
-* :func:`~lightning_lora.assembly.build_lora_model` builds the model from it (load, freeze, quantize, inject LoRA,
+* :func:`~lightning_lora.model.assembly.build_lora_model` builds the model from it (load, freeze, quantize, inject LoRA,
   checkpointing, offloading, attention, compile);
 * the memory planner (:mod:`lightning_lora.plan`) counts the same recipe on the meta device, and tries alternatives
   as ``recipe.replace(...)``: a new recipe, never a change to the live module;
-* the strategy check (:func:`~lightning_lora.parallel.check_strategy`) asks it what the base is.
+* the strategy check (:func:`~lightning_lora.model.parallel.check_strategy`) asks it what the base is.
 
 **Every cross-option check is here** (:meth:`ModelRecipe.check`, run when a recipe is created): an impossible
 combination stops before any weight loads, with one message that names the options and the fix, and an alternative

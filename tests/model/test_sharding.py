@@ -1,6 +1,6 @@
-"""FSDP2 over a bf16 base carrying a float32 LoRA, two CPU processes over gloo (:mod:`lightning_lora.sharding`): each
-rank holds half the weights, and the sharded model computes the LoRA gradients and the optimizer step of the unsharded
-one.
+"""FSDP2 over a bf16 base carrying a float32 LoRA, two CPU processes over gloo (:mod:`lightning_lora.model.sharding`):
+each rank holds half the weights, and the sharded model computes the LoRA gradients and the optimizer step of the
+unsharded one.
 
 Tolerance: the forward and backward run the same bf16 / float32 operations on the same gathered weights (an all-gather
 copies bits), so each rank's local gradient is the unsharded model's bit for bit. What differs is the average over
@@ -27,13 +27,13 @@ def _worker(rank: int, world: int, port: int, model_dir: str, results: str) -> N
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from lightning_lora.assembly import build_lora_model
     from lightning_lora.families.base import ModelSource
     from lightning_lora.families.flux import Flux
     from lightning_lora.lora import LoraOptions, trainable_parameters
-    from lightning_lora.parallel import LoraFSDPStrategy
-    from lightning_lora.recipe import ModelRecipe
-    from lightning_lora.sharding import local_parameter_bytes, shard_base
+    from lightning_lora.model.assembly import build_lora_model
+    from lightning_lora.model.parallel import LoraFSDPStrategy
+    from lightning_lora.model.recipe import ModelRecipe
+    from lightning_lora.model.sharding import local_parameter_bytes, shard_base
 
     torch.set_num_threads(1)
     os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}

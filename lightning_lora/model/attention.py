@@ -25,7 +25,8 @@ inductor keeps SDPA's inputs in their traced stride order (its ``sdpa_constraint
 :func:`hand_sdpa_matching_gradients` installs it process-wide, as the ``torch.backends.cuda`` switches that choose
 the kernel are process-wide: diffusers' attention processors, old and new, call
 ``torch.nn.functional.scaled_dot_product_attention`` by name when they run, so every family is covered without a
-processor of ours. :func:`lightning_lora.assembly.configure_attention` installs it whenever cuDNN's SDPA is allowed.
+processor of ours. :func:`lightning_lora.model.assembly.configure_attention` installs it whenever cuDNN's SDPA is
+allowed.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Build the trainable model a :class:`~lightning_lora.recipe.ModelRecipe` describes: load the frozen backbone,
+"""Build the trainable model a :class:`~lightning_lora.model.recipe.ModelRecipe` describes: load the frozen backbone,
 inject LoRA with peft, prepare it for training.
 
 The order matters and is fixed here, once:
@@ -12,7 +12,7 @@ The order matters and is fixed here, once:
    bf16 anyway;
 5. gradient checkpointing, if asked: recompute each block's activations in the backward pass instead of storing them;
 6. block offloading, if asked: some blocks' frozen tensors stay in CPU memory and stream in when they run
-   (:mod:`lightning_lora.offload`; before Lightning moves the model to the GPU, so they never all land there);
+   (:mod:`lightning_lora.model.offload`; before Lightning moves the model to the GPU, so they never all land there);
 7. the attention backend, and regional compilation of the repeated blocks, if asked.
 
 The adapter itself (its options, targets, peft config, which parameters are its own) is :mod:`lightning_lora.lora`.
@@ -29,14 +29,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_lora.attention import hand_sdpa_matching_gradients
 from lightning_lora.errors import ConfigError
 from lightning_lora.families.base import DiffusersModel
 from lightning_lora.hardware import check_attention
 from lightning_lora.lora import inject_lora, trainable_parameters
-from lightning_lora.offload import offload_blocks, offloaded_blocks, repeated_blocks
-from lightning_lora.recipe import AttentionBackend, ModelRecipe
-from lightning_lora.recompute import InputOffloader, checkpoint_function, recomputed
+from lightning_lora.model.attention import hand_sdpa_matching_gradients
+from lightning_lora.model.offload import offload_blocks, offloaded_blocks, repeated_blocks
+from lightning_lora.model.recipe import AttentionBackend, ModelRecipe
+from lightning_lora.model.recompute import InputOffloader, checkpoint_function, recomputed
 
 __all__ = [
     "CUDA_GRAPHS_MODE",
@@ -145,7 +145,7 @@ def configure_attention(
     family's ``cudnn_attention_in_auto``). ``sdpa`` is PyTorch's own choice among all its backends. ``flash`` /
     ``efficient`` / ``cudnn`` / ``math`` allow only that SDPA backend (the process-wide ``torch.backends.cuda``
     switches); ``xformers`` uses diffusers' xformers processors (CUDA only). Wherever cuDNN's SDPA is allowed, its
-    backward is handed the output's gradient in the output's strides (:mod:`lightning_lora.attention`: without it,
+    backward is handed the output's gradient in the output's strides (:mod:`lightning_lora.model.attention`: without it,
     cuDNN's backward read out of bounds in full-size FLUX on an H200, BENCHMARKS.md call 31).
     """
     check_attention(backend, device)  # xformers / cudnn on a build that has none (CPU, ROCm)
@@ -277,13 +277,14 @@ def cache_custom_autograd_functions() -> bool:
     """Let AOTAutograd's cache keep the compiled graphs that hold a custom ``torch.autograd.Function``; returns
     whether it now does.
 
-    Ours are in every attention block of a CUDA run (:class:`lightning_lora.attention.OutputGradientInOutputLayout`,
-    wherever cuDNN's attention is allowed) and in the FP8 bases' matmuls (:mod:`lightning_lora.precision.fp8`). torch
-    refuses such graphs by default (``autograd_cache_allow_custom_autograd_functions``, off while torch tests it; Dynamo
-    traces the function's forward and backward into the graph that keys the cache, which is why torch's authors call
-    it safe, PR 149751). Refused, every start traced and partitioned those graphs again: on an H100, 0 AOTAutograd hits
-    of SD1.5's 3 attention graphs at a second start (BENCHMARKS.md, call 52g). A user's
-    ``TORCHINDUCTOR_AUTOGRAD_CACHE_ALLOW_CUSTOM_AUTOGRAD=0`` still wins (torch reads it over this setting)."""
+    Ours are in every attention block of a CUDA run
+    (:class:`lightning_lora.model.attention.OutputGradientInOutputLayout`, wherever cuDNN's attention is allowed) and in
+    the FP8 bases' matmuls (:mod:`lightning_lora.precision.fp8`). torch refuses such graphs by default
+    (``autograd_cache_allow_custom_autograd_functions``, off while torch tests it; Dynamo traces the function's forward
+    and backward into the graph that keys the cache, which is why torch's authors call it safe, PR 149751). Refused,
+    every start traced and partitioned those graphs again: on an H100, 0 AOTAutograd hits of SD1.5's 3 attention graphs
+    at a second start (BENCHMARKS.md, call 52g). A user's ``TORCHINDUCTOR_AUTOGRAD_CACHE_ALLOW_CUSTOM_AUTOGRAD=0`` still
+    wins (torch reads it over this setting)."""
     config = torch._functorch.config
     if not hasattr(config, "autograd_cache_allow_custom_autograd_functions"):  # torch without the setting
         return False

@@ -2,8 +2,8 @@
 the weights, and gathers one block's full weights just before it runs (forward, and again in the backward).
 
 When this is worth it: a base whose bf16 weights do not fit one GPU beside the activations, 20-32 B parameters
-(Qwen-Image, FLUX.2 dev). Below that, DDP (:class:`~lightning_lora.parallel.LoraDDPStrategy`) is faster: it moves only
-the LoRA gradients between GPUs, where FSDP moves every block's weights twice per step.
+(Qwen-Image, FLUX.2 dev). Below that, DDP (:class:`~lightning_lora.model.parallel.LoraDDPStrategy`) is faster: it moves
+only the LoRA gradients between GPUs, where FSDP moves every block's weights twice per step.
 
 Why FSDP2 and not Lightning's ``FSDPStrategy`` (FSDP1):
 
@@ -15,7 +15,7 @@ Why FSDP2 and not Lightning's ``FSDPStrategy`` (FSDP1):
   and averages its gradients in bf16; FSDP2 runs under Lightning's ``ModelParallelStrategy``, which takes any precision
   plugin, and :func:`shard_base` keeps every parameter in its own dtype and averages gradients in float32.
 * FSDP1 refuses a CPU-only machine ("FSDP needs a non-CPU accelerator device"), and Lightning refuses ``fsdp`` without
-  a GPU; FSDP2 runs on the CPU over gloo, so the sharding is tested in CI (tests/test_sharding.py).
+  a GPU; FSDP2 runs on the CPU over gloo, so the sharding is tested in CI (tests/model/test_sharding.py).
 
 Units: each repeated block (the family's ``_repeated_blocks``: FLUX's double and single blocks, a UNet's transformer
 blocks) is one unit, and the root holds the rest (embeddings, final norm and projection). Peak weight memory per GPU is
@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_lora.offload import repeated_blocks
+from lightning_lora.model.offload import repeated_blocks
 
 __all__ = ["full_state", "full_tensor", "local_parameter_bytes", "no_gradient_sync", "shard_base", "shard_like"]
 

@@ -14,7 +14,7 @@ from lightning_lora.errors import ConfigError
 from lightning_lora.families.base import ModelSource
 from lightning_lora.families.flux import Flux
 from lightning_lora.lora import LoraOptions
-from lightning_lora.offload import BlockOffloader, pick_offloaded, repeated_blocks
+from lightning_lora.model.offload import BlockOffloader, pick_offloaded, repeated_blocks
 from lightning_lora.precision import BF16, FP8, NF4
 
 

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from lightning_lora.errors import ConfigError
-from lightning_lora.recompute import ensure_recomputed
+from lightning_lora.model.recompute import ensure_recomputed
 
 __all__ = [
     "BlockOffloader",
@@ -88,7 +88,7 @@ def pick_offloaded(count: int, total: int) -> list[int]:
 
 def check_block_count(count: int, total: int) -> None:
     """Refuse more offloaded blocks than the model has (the other offloading rules are the recipe's:
-    :meth:`lightning_lora.recipe.ModelRecipe.check`)."""
+    :meth:`lightning_lora.model.recipe.ModelRecipe.check`)."""
     if count > total:
         raise ConfigError(
             f"model.offload_blocks: {count} is more than the model's {total} repeated blocks: use at most {total}."

@@ -10,12 +10,12 @@ bitsandbytes with FSDP2 has open corruption bugs. They are refused up front, nam
 with the settings that suit a frozen base, measured on 2 H200s (BENCHMARKS.md).
 
 ``trainer.strategy: fsdp`` becomes :class:`LoraFSDPStrategy`: an unquantized (bf16) base sharded over the GPUs with
-FSDP2 (:mod:`lightning_lora.sharding`), for a base whose weights do not fit one GPU. It is a subclass of Lightning's
-``ModelParallelStrategy`` (FSDP2), not Lightning's ``FSDPStrategy`` (FSDP1): FSDP1 takes only its own precision plugin
-(ours own the base format), flattens a block's bf16 base and float32 LoRA into one tensor of one dtype, and refuses a
-CPU, so it could not be tested here. A ``FSDPStrategy`` or a plain ``ModelParallelStrategy`` given by class path is
-refused naming ``trainer.strategy: fsdp``: the plain one would shard nothing (our module does the sharding only for
-ours) and train each rank apart, without averaging the gradients.
+FSDP2 (:mod:`lightning_lora.model.sharding`), for a base whose weights do not fit one GPU. It is a subclass of
+Lightning's ``ModelParallelStrategy`` (FSDP2), not Lightning's ``FSDPStrategy`` (FSDP1): FSDP1 takes only its own
+precision plugin (ours own the base format), flattens a block's bf16 base and float32 LoRA into one tensor of one dtype,
+and refuses a CPU, so it could not be tested here. A ``FSDPStrategy`` or a plain ``ModelParallelStrategy`` given by
+class path is refused naming ``trainer.strategy: fsdp``: the plain one would shard nothing (our module does the sharding
+only for ours) and train each rank apart, without averaging the gradients.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_lora.errors import ConfigError
-from lightning_lora.recipe import ModelRecipe
+from lightning_lora.model.recipe import ModelRecipe
 
 __all__ = [
     "SHARDING_STRATEGIES",
@@ -142,7 +142,8 @@ def resolve_strategy(strategy: Any, devices: Any, num_nodes: int = 1) -> Any:
         raise ConfigError(
             f"trainer.strategy: {strategy} is one of Lightning's FSDP (FSDP1) variants, which lightning-lora does not "
             "run (it takes only Lightning's own precision plugin, and would average the LoRA gradients in bf16). Use "
-            "trainer.strategy: fsdp (lightning_lora.parallel.LoraFSDPStrategy: FSDP2 sharding of a bf16 base), or ddp."
+            "trainer.strategy: fsdp (lightning_lora.model.parallel.LoraFSDPStrategy: FSDP2 sharding of a bf16 base), "
+            "or ddp."
         )
     if isinstance(strategy, Strategy):
         _refuse_foreign_fsdp(strategy)
@@ -160,7 +161,7 @@ def _refuse_foreign_fsdp(strategy: Strategy) -> None:
     )
     raise ConfigError(
         f"trainer.strategy: {type(strategy).__name__}: {what}. Use trainer.strategy: fsdp "
-        "(lightning_lora.parallel.LoraFSDPStrategy: FSDP2 sharding of a bf16 base over every GPU), or ddp."
+        "(lightning_lora.model.parallel.LoraFSDPStrategy: FSDP2 sharding of a bf16 base over every GPU), or ddp."
     )
 
 
@@ -208,7 +209,7 @@ def runs_forward_on_every_rank(strategy: Strategy) -> bool:
 
 class LoraFSDPStrategy(ModelParallelStrategy):
     """A frozen bf16 base sharded over every GPU of every node with FSDP2, the LoRA trained on top (``trainer.strategy:
-    fsdp``; see :mod:`lightning_lora.sharding` for what it costs and when DDP is better).
+    fsdp``; see :mod:`lightning_lora.model.sharding` for what it costs and when DDP is better).
 
     Lightning's ``ModelParallelStrategy`` with one data-parallel dimension over all processes (no tensor parallelism),
     and checkpoints that hold what a DDP run's hold: the full (gathered) LoRA tensors and optimizer state in a single
@@ -241,7 +242,7 @@ class LoraFSDPStrategy(ModelParallelStrategy):
 
     def shard(self, denoiser: nn.Module) -> None:
         """Shard ``denoiser`` (LoRA injected) over every process; on every rank, before the optimizer is built."""
-        from lightning_lora.sharding import shard_base
+        from lightning_lora.model.sharding import shard_base
 
         shard_base(denoiser, self.device_mesh["data_parallel"])
 
@@ -251,7 +252,7 @@ class LoraFSDPStrategy(ModelParallelStrategy):
         """Lightning's loop enters this for every micro-batch of ``trainer.accumulate_grad_batches`` but the last, as
         for DDP's ``no_sync``: their LoRA gradients stay unsharded on each rank and the last micro-batch's backward
         reduce-scatters the sum once (without it, ``ModelParallelStrategy`` reduce-scatters after every micro-batch)."""
-        from lightning_lora.sharding import no_gradient_sync
+        from lightning_lora.model.sharding import no_gradient_sync
 
         assert self.model is not None
         with no_gradient_sync(self.model):
@@ -264,7 +265,7 @@ class LoraFSDPStrategy(ModelParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        from lightning_lora.sharding import full_tensor
+        from lightning_lora.model.sharding import full_tensor
 
         assert self.lightning_module is not None
         trainable = [(n, p) for n, p in self.lightning_module.named_parameters() if p.requires_grad]
@@ -272,7 +273,7 @@ class LoraFSDPStrategy(ModelParallelStrategy):
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        from lightning_lora.sharding import full_tensor
+        from lightning_lora.model.sharding import full_tensor
 
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's torch optimizer
         state = optimizer.state_dict()
@@ -292,7 +293,7 @@ class LoraFSDPStrategy(ModelParallelStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        from lightning_lora.sharding import shard_like
+        from lightning_lora.model.sharding import shard_like
 
         assert self.lightning_module is not None
         saved = checkpoint["state_dict"]
@@ -303,7 +304,7 @@ class LoraFSDPStrategy(ModelParallelStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        from lightning_lora.sharding import shard_like
+        from lightning_lora.model.sharding import shard_like
 
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
             params = [p for group in optimizer.param_groups for p in group["params"]]

@@ -19,8 +19,8 @@ from lightning_lora.errors import ConfigError
 from lightning_lora.families.base import ModelSource
 from lightning_lora.families.flux import Flux
 from lightning_lora.lora import LoraOptions
+from lightning_lora.model.recompute import InputOffloader
 from lightning_lora.precision import BF16
-from lightning_lora.recompute import InputOffloader
 
 
 def _build(folder: Path, offload_activations: bool, every: int = 1, family: Any = None) -> torch.nn.Module:

@@ -1,6 +1,7 @@
-"""lightning_lora.attention: SDPA's backward is handed the output's gradient in the output's strides (the layout cuDNN's
-backward needs; its own copy for mismatched strides read out of bounds in full-size FLUX on an H200, BENCHMARKS.md
-call 31). On the CPU: which strides arrive, that nothing else changes, and that compiled blocks trace as before."""
+"""lightning_lora.model.attention: SDPA's backward is handed the output's gradient in the output's strides (the layout
+cuDNN's backward needs; its own copy for mismatched strides read out of bounds in full-size FLUX on an H200,
+BENCHMARKS.md call 31). On the CPU: which strides arrive, that nothing else changes, and that compiled blocks trace as
+before."""
 
 from __future__ import annotations
 
@@ -15,10 +16,10 @@ import torch.nn.functional as F
 from helpers import build_model, count_compiled_graphs, graph_count, random_inputs
 
 from lightning_lora import attention
-from lightning_lora.assembly import compile_repeated_blocks
 from lightning_lora.families.base import ModelSource
 from lightning_lora.families.flux import Flux
 from lightning_lora.lora import LoraOptions
+from lightning_lora.model.assembly import compile_repeated_blocks
 
 
 @pytest.fixture
@@ -133,7 +134,7 @@ def test_compiled_it_traces_in_one_graph_with_the_same_gradients(matching) -> No
 def test_flux_blocks_compile_to_as_many_graphs_with_it(
     tiny_flux_dir: Path, monkeypatch: pytest.MonkeyPatch, matching
 ) -> None:
-    """FLUX's 3 block graphs (tests/test_assembly.py) stay 3 with the wrapper in every attention."""
+    """FLUX's 3 block graphs (tests/model/test_assembly.py) stay 3 with the wrapper in every attention."""
     graphs = count_compiled_graphs(monkeypatch)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tiny_flux_dir.parent / "compile-cache"))
     family = Flux(max_sequence_length=8)
