@@ -11,8 +11,8 @@ tensors at the real width:
    in bf16 with random weights, frozen, the project's LoRA injected (rank 16 on the ``attention`` preset by default),
    as the planner builds it;
 2. one forward pass on the planner's batch (:meth:`DiffusionFamily.example_inputs`, random values), with the bytes
-   autograd saves counted by :func:`lightning_lora.plan.saved_activation_bytes` (PyTorch's own CPU SDPA: on a bf16
-   input without a mask it is its fused flash kernel, which keeps what the GPU kernels keep);
+   autograd saves counted by :func:`lightning_lora.plan.live_bytes.saved_activation_bytes` (PyTorch's own CPU SDPA: on a
+   bf16 input without a mask it is its fused flash kernel, which keeps what the GPU kernels keep);
 3. the same after :func:`lightning_lora.model.assembly.compile_repeated_blocks` (one forward and backward first, so the
    graphs are compiled).
 
@@ -41,7 +41,7 @@ import torch
 def _build(family: Any, source: Any, config: dict[str, Any], rank: int, targets: str) -> torch.nn.Module:
     from lightning_lora.families.base import build_from_config
     from lightning_lora.lora import LoraOptions
-    from lightning_lora.plan import add_counted_lora
+    from lightning_lora.plan.estimate import add_counted_lora
 
     torch.manual_seed(0)
     model = build_from_config(family.denoiser_cls(), config, source.dtype, device="cpu")
@@ -59,8 +59,8 @@ def _inputs(family: Any, model: torch.nn.Module, a: argparse.Namespace, dtype: t
 
 
 def _saved(family: Any, model: torch.nn.Module, inputs: dict[str, Any], compiled: bool) -> dict[str, float]:
-    from lightning_lora.live_bytes import saved_activation_bytes
     from lightning_lora.model.assembly import compile_repeated_blocks
+    from lightning_lora.plan.live_bytes import saved_activation_bytes
 
     if compiled:
         compile_repeated_blocks(model, extra=family.compiled_regions, streams=family.stream_sources)

@@ -549,7 +549,7 @@ class DiffusionFamily(ABC):
     def sampling_bytes(self, model: DiffusersModel, height: int, width: int, text_len: int) -> float:
         """Activation bytes of one inference forward pass (plus the VAE decode) at this size: a hand estimate, used
         by the planner only for a family without :attr:`vae_architecture` (else both are measured on the meta device:
-        :func:`lightning_lora.plan_sampling.sampling_pieces`)."""
+        :func:`lightning_lora.plan.sampling.sampling_pieces`)."""
         raise NotImplementedError(f"the memory planner does not support the {self.name} family yet")
 
     # -- shared helpers ----------------------------------------------------------------------------------------

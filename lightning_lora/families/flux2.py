@@ -144,7 +144,7 @@ FLUX2_VAE: dict[str, Any] = {
 """FLUX.2's ``vae/config.json`` (klein and dev share it; the rest is the class's defaults): 8x down into 32 channels,
 patchified 2x2 to the transformer's 128. The pipelines undo the batch norm and the patches before decoding (on the
 small latents: a few MiB), so the decode sees ``[1, 32, H/8, W/8]``, as the planner measures it
-(:func:`lightning_lora.plan_sampling.sampling_pieces`)."""
+(:func:`lightning_lora.plan.sampling.sampling_pieces`)."""
 
 _KLEIN_4B = ("black-forest-labs/FLUX.2-klein-4B", "black-forest-labs/FLUX.2-klein-base-4B")
 _KLEIN_9B = ("black-forest-labs/FLUX.2-klein-9B", "black-forest-labs/FLUX.2-klein-base-9B")

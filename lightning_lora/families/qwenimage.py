@@ -498,7 +498,7 @@ class QwenImage(DiffusionFamily):
     def sampling_latent_shape(self, vae_config: dict[str, Any], height: int, width: int) -> tuple[int, ...]:
         """The latents ``QwenImagePipeline`` decodes for one ``height x width`` image: one frame of the video VAE,
         ``[1, z_dim, 1, H/8, W/8]`` (the planner measures that decode:
-        :func:`lightning_lora.plan_sampling.sampling_pieces`)."""
+        :func:`lightning_lora.plan.sampling.sampling_pieces`)."""
         scale = 2 ** (len(vae_config["dim_mult"]) - 1)
         return (1, vae_config["z_dim"], 1, height // scale, width // scale)
 

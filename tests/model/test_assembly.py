@@ -169,7 +169,7 @@ def test_lora_options_defaults() -> None:
 
 
 def _grads_and_saved(folder: Path, checkpointing: bool, every: int) -> tuple[dict[str, torch.Tensor], float, set[str]]:
-    from lightning_lora.live_bytes import saved_activation_bytes
+    from lightning_lora.plan.live_bytes import saved_activation_bytes
 
     model = build_tiny(folder, 0, checkpointing, every)
     inputs = random_inputs(Flux(), model, seed=1)
@@ -199,7 +199,7 @@ def test_checkpointing_inside_each_block_is_diffusers_checkpointing(tiny_flux_di
     """``in_blocks``: each repeated block's forward under the checkpoint instead of diffusers' wrapping of its call:
     the same loss and gradients bit for bit, the same tensors kept for the backward (the blocks' inputs), and the
     block's own ``forward`` marked as recomputed (what offloading asks, ``ensure_recomputed``)."""
-    from lightning_lora.live_bytes import saved_activation_bytes
+    from lightning_lora.plan.live_bytes import saved_activation_bytes
 
     outside, inside = build_tiny(tiny_flux_dir, 0), build_tiny(tiny_flux_dir, 0)  # the same seed: the same model
     assert apply_gradient_checkpointing(outside, 1) == 0 and outside.is_gradient_checkpointing

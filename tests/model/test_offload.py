@@ -102,7 +102,7 @@ def test_weights_are_on_the_device_only_while_their_block_runs(tiny_flux_dir: Pa
 def test_offloaded_blocks_are_recomputed(tiny_flux_dir: Path) -> None:
     """Without gradient checkpointing, the offloaded blocks are still recomputed: a block that kept its activations
     would keep its weights for the backward too."""
-    from lightning_lora.live_bytes import saved_activation_bytes
+    from lightning_lora.plan.live_bytes import saved_activation_bytes
 
     model = build_tiny(tiny_flux_dir, 0)
     plain, _, _ = saved_activation_bytes(model, random_inputs(Flux(), model, seed=1))
@@ -166,7 +166,8 @@ def test_fp8_storage_base_offloads_its_buffers(tiny_flux_dir: Path) -> None:
 def test_planner_counts_the_weights_left_on_the_device(tiny_flux_dir: Path) -> None:
     """The planner's frozen-weight figure with offloading is the most the real model holds at once in a step."""
     from lightning_lora.module import LoraModule
-    from lightning_lora.plan import GIB, plan_training
+    from lightning_lora.plan import plan_training
+    from lightning_lora.plan.estimate import GIB
 
     module = LoraModule(str(tiny_flux_dir), lora=LoraOptions(rank=2), offload_blocks=3)
     module.use_precision(BF16(dtype="fp32"))

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_lora.live_bytes import saved_activation_bytes
+from lightning_lora.plan.live_bytes import saved_activation_bytes
 from lightning_lora.precision import NF4
 from lightning_lora.precision.nf4 import nf4_weight
 

@@ -14,7 +14,7 @@ have held is counted as it runs:
   multiplications and convolutions cast float32 inputs to the low-precision dtype, normalizations and softmax cast
   low-precision inputs to float32 and return float32. The casts are real ops, so their copies are counted. That is why
   a VAE decode under autocast holds three times its widest bf16 activation at a group norm: the bf16 input, its float32
-  copy and the float32 output (``tests/test_live_bytes.py``).
+  copy and the float32 output (``tests/plan/test_live_bytes.py``).
 
 :func:`peak_bytes` runs a function under both. Attention should run under :func:`flash_like_attention` (what the
 GPU's flash / memory-efficient kernels allocate: no score matrix).

@@ -12,9 +12,10 @@ import torch
 from torch import nn
 
 from lightning_lora.errors import ConfigError
-from lightning_lora.live_bytes import saved_activation_bytes
 from lightning_lora.module import LoraModule
-from lightning_lora.plan import GIB, MemoryPlan, plan_training, weight_bytes
+from lightning_lora.plan import MemoryPlan, plan_training, weight_bytes
+from lightning_lora.plan.estimate import GIB
+from lightning_lora.plan.live_bytes import saved_activation_bytes
 from lightning_lora.precision import BF16, FP8, NF4
 
 
@@ -54,7 +55,7 @@ def test_the_planned_shard_is_what_fsdp2_keeps_on_each_rank(tiny_flux_dir: Path)
     from lightning_lora.model.assembly import build_lora_model
     from lightning_lora.model.offload import repeated_blocks
     from lightning_lora.model.sharding import shard_base
-    from lightning_lora.plan import sharded_weight_bytes
+    from lightning_lora.plan.estimate import sharded_weight_bytes
 
     def frozen_bytes(modules: list[nn.Module]) -> int:
         tensors = {id(p): p for m in modules for p in m.parameters() if not p.requires_grad}
@@ -116,10 +117,10 @@ def test_suggestions_try_partial_checkpointing_first(tiny_flux_dir: Path, monkey
     a new recipe; one the recipe refuses (NF4 with offloading) is left out."""
     from types import SimpleNamespace
 
-    from lightning_lora import plan
     from lightning_lora.families.base import ModelSource
     from lightning_lora.families.flux import Flux
     from lightning_lora.model.recipe import ModelRecipe
+    from lightning_lora.plan import search
 
     def fake_plan(recipe: ModelRecipe, datamodule: object, optimizer: str, shards: int = 1) -> SimpleNamespace:
         if not recipe.gradient_checkpointing:
@@ -135,9 +136,9 @@ def test_suggestions_try_partial_checkpointing_first(tiny_flux_dir: Path, monkey
         peak -= 0.5 * recipe.offload_blocks
         return SimpleNamespace(peak_gib=peak, run_peak=peak)
 
-    monkeypatch.setattr(plan, "plan_for", fake_plan)
+    monkeypatch.setattr(search, "plan_for", fake_plan)
     recipe = ModelRecipe(Flux(), ModelSource(str(tiny_flux_dir)))
-    fits = plan.fitting_changes(recipe, None, vram=26.0)  # 0.95 x 26 = 24.7: every 2 and every 1 fit, 3 does not
+    fits = search.fitting_changes(recipe, None, vram=26.0)  # 0.95 x 26 = 24.7: every 2 and every 1 fit, 3 does not
     assert fits[0].startswith("--model.gradient_checkpointing true --model.checkpoint_every 2")
     assert fits[1].startswith("--model.gradient_checkpointing true   ")
     assert fits[2].startswith(
@@ -148,38 +149,38 @@ def test_suggestions_try_partial_checkpointing_first(tiny_flux_dir: Path, monkey
     # The fewest offloaded blocks that fit, without checkpointing: 30 - 0.5 x 12 = 24 <= 24.7 (10 gives 25).
     assert [f.split("   ")[0] for f in fits if "offload_blocks" in f] == ["--model.offload_blocks 12"]
     assert recipe.gradient_checkpointing is False and recipe.offload_blocks == 0  # a recipe never changes
-    assert not any("offload_blocks" in f for f in plan.fitting_changes(recipe, None, vram=10.0))  # 16: not enough
+    assert not any("offload_blocks" in f for f in search.fitting_changes(recipe, None, vram=10.0))  # 16: not enough
     # Already offloading: the NF4 alternatives, which the recipe refuses with offloading, are left out.
     offloading = recipe.replace(gradient_checkpointing=True, offload_blocks=4)
-    suggested = plan.fitting_changes(offloading, None, vram=10.0)
+    suggested = search.fitting_changes(offloading, None, vram=10.0)
     assert suggested and not any("NF4" in f for f in suggested) and any("precision.FP8" in f for f in suggested)
     partial = recipe.replace(gradient_checkpointing=True, checkpoint_every=3)
-    assert plan.fitting_changes(partial, None, vram=22.0)[0].startswith("--model.checkpoint_every 1")
+    assert search.fitting_changes(partial, None, vram=22.0)[0].startswith("--model.checkpoint_every 1")
     checkpointed = recipe.replace(gradient_checkpointing=True)
-    assert plan.fitting_changes(checkpointed, None, vram=20.5)[0].startswith("--model.offload_activations true   ")
+    assert search.fitting_changes(checkpointed, None, vram=20.5)[0].startswith("--model.offload_activations true   ")
 
 
 def test_the_sample_images_must_fit_too(tiny_flux_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A run whose steps fit but whose sample images do not (the decode at full resolution beside the resident base)
     does not fit: ``model.memory: auto`` and ``plan --vram`` pick a change under which both fit."""
 
-    from lightning_lora import plan
     from lightning_lora.families.base import ModelSource
     from lightning_lora.families.flux import Flux
     from lightning_lora.model.recipe import ModelRecipe
+    from lightning_lora.plan import search
 
     def fake_plan(recipe: ModelRecipe, datamodule: object, optimizer: str, shards: int = 1) -> MemoryPlan:
         weights = 12.0 if type(recipe.precision).__name__ == "BF16" else 6.0
         # overhead 0: the steps need weights + 2 GiB, the samples weights + 3.5 (BF16: 14 and 15.5 GiB)
         return MemoryPlan(weights, 0.0, 0.0, 0.0, 2.0, 0.0, overhead=0.0, sampling_peak=weights + 3.5)
 
-    monkeypatch.setattr(plan, "plan_for", fake_plan)
+    monkeypatch.setattr(search, "plan_for", fake_plan)
     recipe = ModelRecipe(Flux(), ModelSource(str(tiny_flux_dir)))
-    chosen = plan.choose_for_memory(recipe, None, vram=16.0)  # 15.2 usable: the steps fit, the samples do not
+    chosen = search.choose_for_memory(recipe, None, vram=16.0)  # 15.2 usable: the steps fit, the samples do not
     assert chosen is not None and chosen.changes, chosen  # not "as configured"
     assert chosen.peak_gib <= 15.2
-    assert plan.fitting_changes(recipe, None, vram=16.0)
-    assert plan.choose_for_memory(recipe, None, vram=17.0) == plan.Fit("", 15.5)  # 16.15 usable: both fit
+    assert search.fitting_changes(recipe, None, vram=16.0)
+    assert search.choose_for_memory(recipe, None, vram=17.0) == search.Fit("", 15.5)  # 16.15 usable: both fit
 
 
 def test_sdxl_sampling_peak_holds_the_measured_decode_at_1024() -> None:
@@ -192,9 +193,9 @@ def test_sdxl_sampling_peak_holds_the_measured_decode_at_1024() -> None:
     from lightning_lora.families import SDXL, ModelSource
     from lightning_lora.families.base import build_from_config
     from lightning_lora.families.sdxl import SDXL_VAE
-    from lightning_lora.live_bytes import flash_like_attention, peak_bytes
     from lightning_lora.lora import LoraOptions
     from lightning_lora.model.recipe import ModelRecipe
+    from lightning_lora.plan.live_bytes import flash_like_attention, peak_bytes
 
     source = ModelSource("stabilityai/stable-diffusion-xl-base-1.0", dtype=torch.bfloat16)
     recipe = ModelRecipe(SDXL(), source, lora=LoraOptions(rank=32, targets="attention"))
@@ -341,7 +342,7 @@ def test_flux2_blocks_keep_what_they_kept_on_an_h200() -> None:
     from lightning_lora.families import FAMILIES, ModelSource
     from lightning_lora.families.base import build_from_config
     from lightning_lora.lora import LoraOptions
-    from lightning_lora.plan import add_counted_lora
+    from lightning_lora.plan.estimate import add_counted_lora
 
     family = FAMILIES["flux2"]()
     source = ModelSource("black-forest-labs/FLUX.2-klein-base-4B", dtype=torch.bfloat16)

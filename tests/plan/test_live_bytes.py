@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lightning_lora.live_bytes import peak_bytes
+from lightning_lora.plan.live_bytes import peak_bytes
 
 
 def test_peak_of_a_chain_of_ops_counted_by_hand() -> None:

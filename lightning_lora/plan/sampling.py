@@ -1,6 +1,6 @@
 """What drawing sample images during training adds to the GPU memory, measured on the ``meta`` device: the
-denoiser's no-grad forward at the sampling batch and the VAE's decode at full resolution (:mod:`lightning_lora.plan`
-adds it to the run's static memory)."""
+denoiser's no-grad forward at the sampling batch and the VAE's decode at full resolution
+(:mod:`lightning_lora.plan.estimate` adds it to the run's static memory)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_lora.live_bytes import flash_like_attention, peak_bytes
 from lightning_lora.model.recipe import ModelRecipe
+from lightning_lora.plan.live_bytes import flash_like_attention, peak_bytes
 
 __all__ = ["VAE_DECODE_WORKSPACE", "SamplingPieces", "autocast_dtype", "sampling_bytes", "sampling_pieces"]
 

@@ -38,7 +38,7 @@ def test_sample_decode_is_measured_at_1024(
     import diffusers
 
     from lightning_lora.families.base import build_from_config
-    from lightning_lora.live_bytes import flash_like_attention, peak_bytes
+    from lightning_lora.plan.live_bytes import flash_like_attention, peak_bytes
 
     assert family.vae_architecture is vae_config
     source = ModelSource(hub_id, dtype=torch.bfloat16)
