@@ -30,12 +30,12 @@ __all__ = ["PHOTOS", "TINY_MODELS", "prepare"]
 #: Folder name under the demo folder -> ``module:function`` that writes it (the newer families' tiny pipelines have
 #: modules of their own, which import the shared pieces of :mod:`lightning_lora.tiny`).
 TINY_MODELS: dict[str, str] = {
-    "tiny-flux": "lightning_lora.tiny:save_tiny_flux",
-    "tiny-sdxl": "lightning_lora.tiny:save_tiny_sdxl",
-    "tiny-sd15": "lightning_lora.tiny:save_tiny_sd15",
-    "tiny-zimage": "lightning_lora.tiny_zimage:save_tiny_zimage",
-    "tiny-qwenimage": "lightning_lora.tiny_qwenimage:save_tiny_qwenimage",
-    "tiny-flux2": "lightning_lora.tiny_flux2:save_tiny_flux2",
+    "tiny-flux": "lightning_lora.tiny.shared:save_tiny_flux",
+    "tiny-sdxl": "lightning_lora.tiny.shared:save_tiny_sdxl",
+    "tiny-sd15": "lightning_lora.tiny.shared:save_tiny_sd15",
+    "tiny-zimage": "lightning_lora.tiny.zimage:save_tiny_zimage",
+    "tiny-qwenimage": "lightning_lora.tiny.qwenimage:save_tiny_qwenimage",
+    "tiny-flux2": "lightning_lora.tiny.flux2:save_tiny_flux2",
 }
 
 # scikit-image sample name -> caption. "sks" is the usual rare trigger token of DreamBooth-style LoRAs.

@@ -132,7 +132,7 @@ def tiny_flux2_dir(tiny_pipeline: Callable[[str], Path]) -> Path:
 def tiny_flux2_dev_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A saved tiny FLUX.2 dev pipeline folder (``Flux2Pipeline``: Flux2 transformer with a guidance embedder,
     batch-normalised VAE, 31-layer Mistral3 text encoder, tekken-style tokenizer with Mistral's chat template)."""
-    from lightning_lora.tiny_flux2 import save_tiny_flux2_dev
+    from lightning_lora.tiny.flux2 import save_tiny_flux2_dev
 
     return save_tiny_flux2_dev(tmp_path_factory.mktemp("models") / "tiny-flux2-dev", seed=0)
 

@@ -124,7 +124,7 @@ SD15_BASE = dict(SD15.known_denoisers["stable-diffusion-v1-5/stable-diffusion-v1
 SD15_TINY = dict(SD15_BASE, block_out_channels=(32, 32, 64, 64), layers_per_block=1, attention_head_dim=2)
 SD15_TINY.update(cross_attention_dim=64, sample_size=8)
 ZIMAGE_TURBO = dict(ZImage.known_denoisers["Tongyi-MAI/Z-Image-Turbo"])
-ZIMAGE_TINY = dict(  # lightning_lora.tiny_zimage's transformer: 1 + 1 refiners, 2 main layers, 2 heads of 32
+ZIMAGE_TINY = dict(  # lightning_lora.tiny.zimage's transformer: 1 + 1 refiners, 2 main layers, 2 heads of 32
     ZIMAGE_TURBO,
     dim=64,
     n_layers=2,
@@ -135,7 +135,7 @@ ZIMAGE_TINY = dict(  # lightning_lora.tiny_zimage's transformer: 1 + 1 refiners,
     axes_dims=[8, 12, 12],
 )
 QWEN_IMAGE = dict(QwenImage.known_denoisers["Qwen/Qwen-Image"])
-QWEN_IMAGE_TINY = dict(  # lightning_lora.tiny_qwenimage's transformer: 2 blocks, 2 heads of 16, 4 latent channels
+QWEN_IMAGE_TINY = dict(  # lightning_lora.tiny.qwenimage's transformer: 2 blocks, 2 heads of 16, 4 latent channels
     QWEN_IMAGE,
     in_channels=16,
     out_channels=4,
@@ -146,7 +146,7 @@ QWEN_IMAGE_TINY = dict(  # lightning_lora.tiny_qwenimage's transformer: 2 blocks
     axes_dims_rope=[4, 6, 6],
 )
 FLUX2_KLEIN = dict(Flux2.known_denoisers["black-forest-labs/FLUX.2-klein-base-4B"])
-FLUX2_TINY = dict(  # lightning_lora.tiny_flux2's transformer: 2 double + 2 single blocks, 2 heads of 32
+FLUX2_TINY = dict(  # lightning_lora.tiny.flux2's transformer: 2 double + 2 single blocks, 2 heads of 32
     FLUX2_KLEIN,
     in_channels=64,
     num_layers=2,
@@ -172,7 +172,7 @@ VAES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "sdxl": (SDXL_VAE, dict(SDXL_VAE, **SMALL)),
     "sd15": (SD15_VAE, dict(SD15_VAE, **SMALL)),
     "zimage": (FLUX1_VAE, dict(FLUX1_VAE, **SMALL)),  # Z-Image decodes with FLUX.1's VAE
-    "qwenimage": (  # the tiny transformer's 4 latent channels (lightning_lora.tiny_qwenimage's VAE)
+    "qwenimage": (  # the tiny transformer's 4 latent channels (lightning_lora.tiny.qwenimage's VAE)
         QWEN_IMAGE_VAE,
         dict(QWEN_IMAGE_VAE, base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1)
         | {"latents_mean": [-0.7571, -0.7089, -0.9113, 0.1075], "latents_std": [2.8184, 1.4541, 2.3275, 2.6558]},
@@ -823,12 +823,12 @@ class MemoryLimit(Callback):
 
 
 SCHEDULERS = {  # family -> the scheduler class and its config, as lightning_lora's tiny pipelines copy the real one
-    "flux": ("FlowMatchEulerDiscreteScheduler", "lightning_lora.tiny", "FLUX_DEV_SCHEDULER_CONFIG"),
-    "sdxl": ("EulerDiscreteScheduler", "lightning_lora.tiny", "SDXL_SCHEDULER_CONFIG"),
-    "sd15": ("PNDMScheduler", "lightning_lora.tiny", "SD15_SCHEDULER_CONFIG"),
-    "zimage": ("FlowMatchEulerDiscreteScheduler", "lightning_lora.tiny_zimage", "ZIMAGE_TURBO_SCHEDULER_CONFIG"),
-    "qwenimage": ("FlowMatchEulerDiscreteScheduler", "lightning_lora.tiny_qwenimage", "QWEN_IMAGE_SCHEDULER_CONFIG"),
-    "flux2": ("FlowMatchEulerDiscreteScheduler", "lightning_lora.tiny_flux2", "FLUX2_SCHEDULER_CONFIG"),
+    "flux": ("FlowMatchEulerDiscreteScheduler", "lightning_lora.tiny.shared", "FLUX_DEV_SCHEDULER_CONFIG"),
+    "sdxl": ("EulerDiscreteScheduler", "lightning_lora.tiny.shared", "SDXL_SCHEDULER_CONFIG"),
+    "sd15": ("PNDMScheduler", "lightning_lora.tiny.shared", "SD15_SCHEDULER_CONFIG"),
+    "zimage": ("FlowMatchEulerDiscreteScheduler", "lightning_lora.tiny.zimage", "ZIMAGE_TURBO_SCHEDULER_CONFIG"),
+    "qwenimage": ("FlowMatchEulerDiscreteScheduler", "lightning_lora.tiny.qwenimage", "QWEN_IMAGE_SCHEDULER_CONFIG"),
+    "flux2": ("FlowMatchEulerDiscreteScheduler", "lightning_lora.tiny.flux2", "FLUX2_SCHEDULER_CONFIG"),
 }
 
 

@@ -31,7 +31,7 @@ import torch
 from lightning_lora.data.cache import quantize_text_encoders
 from lightning_lora.families import encoders
 from lightning_lora.families.flux import Flux
-from lightning_lora.tiny import CAPTION_WORDS, make_clip_tokenizer, make_t5_tokenizer
+from lightning_lora.tiny.shared import CAPTION_WORDS, make_clip_tokenizer, make_t5_tokenizer
 
 # google/t5-v1_1-xxl (FLUX.1-dev's text_encoder_2) and openai/clip-vit-large-patch14 (its text_encoder): the
 # architectures the memory planner uses (lightning_lora.families.encoders).

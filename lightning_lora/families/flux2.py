@@ -408,7 +408,7 @@ class Flux2(DiffusionFamily):
 
     @classmethod
     def save_tiny(cls, folder: Path, seed: int = 0) -> Path:
-        from lightning_lora.tiny_flux2 import save_tiny_flux2
+        from lightning_lora.tiny.flux2 import save_tiny_flux2
 
         return save_tiny_flux2(folder, seed=seed)
 

@@ -302,7 +302,7 @@ class QwenImage(DiffusionFamily):
 
     @classmethod
     def save_tiny(cls, folder: Path, seed: int = 0) -> Path:
-        from lightning_lora.tiny_qwenimage import save_tiny_qwenimage
+        from lightning_lora.tiny.qwenimage import save_tiny_qwenimage
 
         return save_tiny_qwenimage(folder, seed=seed)
 

@@ -392,7 +392,7 @@ def test_offloading_and_checkpointing_train_the_same_gradients(
 
 
 def test_the_tiny_pipeline_is_deterministic_and_reads_the_real_layers() -> None:
-    from lightning_lora.tiny_flux2 import build_tiny_flux2
+    from lightning_lora.tiny.flux2 import build_tiny_flux2
 
     a, b = build_tiny_flux2(seed=0), build_tiny_flux2(seed=0)
     for name in ("transformer", "text_encoder", "vae"):
@@ -650,7 +650,7 @@ def test_dev_single_file_transformer(tmp_path: Path, tiny_flux2_dev_dir: Path, l
 
 
 def test_dev_tiny_pipeline_is_deterministic_and_reads_the_real_layers() -> None:
-    from lightning_lora.tiny_flux2 import build_tiny_flux2_dev
+    from lightning_lora.tiny.flux2 import build_tiny_flux2_dev
 
     a, b = build_tiny_flux2_dev(seed=0), build_tiny_flux2_dev(seed=0)
     for name in ("transformer", "text_encoder", "vae"):

@@ -64,7 +64,7 @@ def _pixels(b: int = 2, h: int = 32, w: int = 48) -> torch.Tensor:
 
 
 def test_the_tiny_pipeline_is_seeded_and_leaves_the_global_rng_alone() -> None:
-    from lightning_lora.tiny_qwenimage import build_tiny_qwenimage, make_qwen_tokenizer
+    from lightning_lora.tiny.qwenimage import build_tiny_qwenimage, make_qwen_tokenizer
 
     state = torch.get_rng_state()
     a, b, other = build_tiny_qwenimage(0), build_tiny_qwenimage(0), build_tiny_qwenimage(1)

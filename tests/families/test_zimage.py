@@ -350,8 +350,8 @@ def test_offloading_and_checkpointing_train_the_same_gradients(
 
 
 def test_the_tiny_pipeline_is_deterministic_and_its_words_are_tokens() -> None:
-    from lightning_lora.tiny import CAPTION_WORDS
-    from lightning_lora.tiny_zimage import build_tiny_zimage, make_qwen_tokenizer
+    from lightning_lora.tiny.shared import CAPTION_WORDS
+    from lightning_lora.tiny.zimage import build_tiny_zimage, make_qwen_tokenizer
 
     a, b = build_tiny_zimage(seed=0), build_tiny_zimage(seed=0)
     for name in ("transformer", "text_encoder", "vae"):

@@ -66,9 +66,9 @@ def test_bench_batches_have_the_caches_layout(family: str) -> None:
     from lightning_lora.families import FAMILIES
 
     if family == "zimage":
-        from lightning_lora.tiny_zimage import build_tiny_zimage as build
+        from lightning_lora.tiny.zimage import build_tiny_zimage as build
     else:
-        from lightning_lora.tiny_qwenimage import build_tiny_qwenimage as build
+        from lightning_lora.tiny.qwenimage import build_tiny_qwenimage as build
     pipe = build()
     config = bench.CONFIGS[family][1]
     assert json.loads(json.dumps({k: pipe.transformer.config[k] for k in config if not k.startswith("_")})) == {

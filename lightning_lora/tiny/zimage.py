@@ -18,10 +18,10 @@ each one from a config with the real model's *structure* and tiny widths:
 The tokenizer
 -------------
 Qwen's tokenizer is GPT-2-style byte-level BPE: every byte is one printable character (the table of
-:func:`lightning_lora.tiny._bytes_to_unicode`), a space becomes ``Ġ`` and is glued to the word after it, and there is
-no end-of-word marker. The vocabulary here is the 256 byte characters, then for each word of
-:data:`~lightning_lora.tiny.CAPTION_WORDS` (and the chat roles) merges that spell ``word`` and ``Ġword`` left to right,
-so every caption word is one token; new merges rank below older ones, so no later word changes an earlier word's
+:func:`lightning_lora.tiny.shared._bytes_to_unicode`), a space becomes ``Ġ`` and is glued to the word after it, and
+there is no end-of-word marker. The vocabulary here is the 256 byte characters, then for each word of
+:data:`~lightning_lora.tiny.shared.CAPTION_WORDS` (and the chat roles) merges that spell ``word`` and ``Ġword`` left to
+right, so every caption word is one token; new merges rank below older ones, so no later word changes an earlier word's
 split. The specials come last: ``<|endoftext|>`` (pad, as in Qwen), ``<|im_start|>``, ``<|im_end|>`` (end of a turn).
 Like the FLUX tokenizers it is written out by hand, never trained (trainers reorder merges between runs).
 
@@ -45,7 +45,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTra
 from tokenizers import AddedToken
 from transformers import Qwen2Tokenizer, Qwen3Config, Qwen3Model
 
-from lightning_lora.tiny import CAPTION_WORDS, _build, _save_tiny, byte_level_bpe, tiny_flux_vae
+from lightning_lora.tiny.shared import CAPTION_WORDS, _build, _save_tiny, byte_level_bpe, tiny_flux_vae
 
 __all__ = [
     "CHAT_TEMPLATE",
@@ -84,7 +84,7 @@ _ROLES = ("user", "assistant", "system")
 
 def qwen_vocab_and_merges(words: Iterable[str] = CAPTION_WORDS) -> tuple[dict[str, int], list[tuple[str, str]]]:
     """The byte-level BPE vocabulary (specials included, last) and merge list of the tiny Qwen tokenizer
-    (:func:`~lightning_lora.tiny.byte_level_bpe`): ``word`` and ``Ġword`` are one token each for every word of
+    (:func:`~lightning_lora.tiny.shared.byte_level_bpe`): ``word`` and ``Ġword`` are one token each for every word of
     ``words`` and the chat roles."""
     return byte_level_bpe([*_ROLES, *words], QWEN_SPECIALS)
 
@@ -156,6 +156,6 @@ def build_tiny_zimage(seed: int = 0) -> ZImagePipeline:
 
 def save_tiny_zimage(folder: Path, seed: int = 0) -> Path:
     """Build the tiny Z-Image pipeline and save it to ``folder`` (atomically, idempotent; see
-    :func:`lightning_lora.tiny.save_tiny_flux`); ``ZImagePipeline.from_pretrained(folder)`` loads it back."""
+    :func:`lightning_lora.tiny.shared.save_tiny_flux`); ``ZImagePipeline.from_pretrained(folder)`` loads it back."""
     wanted = {"family": "zimage", "seed": seed}
     return _save_tiny(Path(folder), wanted, lambda: build_tiny_zimage(seed=seed), "Z-Image")

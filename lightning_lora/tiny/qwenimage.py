@@ -24,12 +24,13 @@ leading space), every byte becomes a printable character (the space is ``Ġ``, t
 characters into tokens. The pipeline wraps each prompt in a chat template and drops its first
 ``prompt_template_encode_start_idx`` = 34 tokens (the system message and the user turn's header), a number that is
 right for the real tokenizer, where every word of the template is one token. The tiny vocabulary has the same
-property: every word of the template and of :data:`~lightning_lora.tiny.CAPTION_WORDS` (with and without its leading
-space) is one token, so the template's header is exactly 34 tokens here too and the kept embeddings are the prompt's
-tokens plus the 5 that close the template (``<|im_end|>``, ``Ċ``, ``<|im_start|>``, ``assistant``, ``Ċ``). The merges
-are built like the tiny CLIP vocabulary's (each word glued left to right with merges that rank below every earlier
-one, so no later word changes how an earlier one splits); no trainer, so token ids never change between processes.
-The three special tokens come last: ``<|endoftext|>`` (padding), ``<|im_start|>``, ``<|im_end|>`` (end of sequence).
+property: every word of the template and of :data:`~lightning_lora.tiny.shared.CAPTION_WORDS` (with and without its
+leading space) is one token, so the template's header is exactly 34 tokens here too and the kept embeddings are the
+prompt's tokens plus the 5 that close the template (``<|im_end|>``, ``Ċ``, ``<|im_start|>``, ``assistant``, ``Ċ``). The
+merges are built like the tiny CLIP vocabulary's (each word glued left to right with merges that rank below every
+earlier one, so no later word changes how an earlier one splits); no trainer, so token ids never change between
+processes. The three special tokens come last: ``<|endoftext|>`` (padding), ``<|im_start|>``, ``<|im_end|>`` (end of
+sequence).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from diffusers import (
 )
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
-from lightning_lora.tiny import CAPTION_WORDS, _build, _save_tiny, byte_level_bpe
+from lightning_lora.tiny.shared import CAPTION_WORDS, _build, _save_tiny, byte_level_bpe
 
 __all__ = [
     "QWEN_IMAGE_SCHEDULER_CONFIG",
@@ -93,8 +94,8 @@ def qwen_vocab_and_merges(
     words: Iterable[str] = (*TEMPLATE_WORDS, *CAPTION_WORDS),
 ) -> tuple[dict[str, int], list[tuple[str, str]]]:
     """The byte-level BPE vocabulary and merges of the tiny Qwen tokenizer
-    (:func:`lightning_lora.tiny.byte_level_bpe`): the byte characters, every piece the merges make, then the three
-    special tokens."""
+    (:func:`lightning_lora.tiny.shared.byte_level_bpe`): the byte characters, every piece the merges make, then the
+    three special tokens."""
     return byte_level_bpe(words, (ENDOFTEXT, IM_START, IM_END))
 
 
@@ -173,6 +174,6 @@ def build_tiny_qwenimage(seed: int = 0) -> QwenImagePipeline:
 
 def save_tiny_qwenimage(folder: Path, seed: int = 0) -> Path:
     """Build the tiny Qwen-Image pipeline and save it to ``folder`` (atomically, idempotent; see
-    :func:`lightning_lora.tiny.save_tiny_flux`)."""
+    :func:`lightning_lora.tiny.shared.save_tiny_flux`)."""
     wanted = {"family": "qwenimage", "seed": seed}
     return _save_tiny(Path(folder), wanted, lambda: build_tiny_qwenimage(seed), "Qwen-Image")

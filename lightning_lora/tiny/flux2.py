@@ -1,5 +1,5 @@
 """Tiny, randomly initialised FLUX.2 pipelines (klein and dev), built offline and deterministically (see
-:mod:`lightning_lora.tiny` for the approach; klein's Qwen tokenizer is Z-Image's, :mod:`lightning_lora.tiny_zimage`).
+:mod:`lightning_lora.tiny` for the approach; klein's Qwen tokenizer is Z-Image's, :mod:`lightning_lora.tiny.zimage`).
 
 What is built
 -------------
@@ -42,7 +42,7 @@ with ``AutoTokenizer`` (the real folder's ``tokenizer.json`` and chat template a
 The tokenizer is Mistral's *tekken* kind, byte-level BPE, in miniature: the control tokens at Mistral's own ids
 (``<unk>`` 0, ``<s>`` 1, ``</s>`` 2, ``[INST]`` 3, ``[/INST]`` 4, ..., ``[IMG]`` 10, ``<pad>`` 11, ...,
 ``[SYSTEM_PROMPT]`` 17, ``[/SYSTEM_PROMPT]`` 18; the vision config's ``image_token_index`` is 10 as in the real model),
-then the byte-level vocabulary and merges of the tiny Qwen tokenizer (:func:`~lightning_lora.tiny_zimage.
+then the byte-level vocabulary and merges of the tiny Qwen tokenizer (:func:`~lightning_lora.tiny.zimage.
 qwen_vocab_and_merges`) over the caption words *and the words of the pipeline's system message*, so that the system turn
 is about 30 tokens, not 150 single characters. A plain call adds ``<s>`` in front (Mistral's post-processor). The chat
 template (:data:`MISTRAL_CHAT_TEMPLATE`) renders Mistral-Small-3.1's V7 format for the turns the pipeline sends::
@@ -75,8 +75,8 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from lightning_lora.tiny import CAPTION_WORDS, _build, _save_tiny
-from lightning_lora.tiny_zimage import QWEN_SPECIALS, make_qwen_tokenizer, qwen_vocab_and_merges
+from lightning_lora.tiny.shared import CAPTION_WORDS, _build, _save_tiny
+from lightning_lora.tiny.zimage import QWEN_SPECIALS, make_qwen_tokenizer, qwen_vocab_and_merges
 
 __all__ = [
     "FLUX2_SCHEDULER_CONFIG",
@@ -276,13 +276,13 @@ def build_tiny_flux2_dev(seed: int = 0) -> Flux2Pipeline:
 
 def save_tiny_flux2(folder: Path, seed: int = 0) -> Path:
     """Build the tiny FLUX.2 klein pipeline and save it to ``folder`` (atomically, idempotent; see
-    :func:`lightning_lora.tiny.save_tiny_flux`); ``Flux2KleinPipeline.from_pretrained(folder)`` loads it back."""
+    :func:`lightning_lora.tiny.shared.save_tiny_flux`); ``Flux2KleinPipeline.from_pretrained(folder)`` loads it back."""
     wanted = {"family": "flux2", "seed": seed}
     return _save_tiny(Path(folder), wanted, lambda: build_tiny_flux2(seed), "FLUX.2 klein")
 
 
 def save_tiny_flux2_dev(folder: Path, seed: int = 0) -> Path:
     """Build the tiny FLUX.2 dev pipeline and save it to ``folder`` (atomically, idempotent; see
-    :func:`lightning_lora.tiny.save_tiny_flux`); ``Flux2Pipeline.from_pretrained(folder)`` loads it back."""
+    :func:`lightning_lora.tiny.shared.save_tiny_flux`); ``Flux2Pipeline.from_pretrained(folder)`` loads it back."""
     wanted = {"family": "flux2", "variant": "dev", "seed": seed}
     return _save_tiny(Path(folder), wanted, lambda: build_tiny_flux2_dev(seed), "FLUX.2 dev")

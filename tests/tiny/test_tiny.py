@@ -8,7 +8,7 @@ import pytest
 import torch
 from diffusers import FluxPipeline
 
-from lightning_lora.tiny import (
+from lightning_lora.tiny.shared import (
     CAPTION_WORDS,
     build_clip_tokenizer,
     build_t5_tokenizer,

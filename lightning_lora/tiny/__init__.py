@@ -1,0 +1,1 @@
+"""Tiny, randomly initialised diffusion pipelines for the demo and the tests (see :mod:`.shared`)."""
