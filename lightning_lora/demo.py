@@ -27,12 +27,12 @@ import numpy as np
 
 __all__ = ["PHOTOS", "TINY_MODELS", "prepare"]
 
-#: Folder name under the demo folder -> ``module:function`` that writes it (the newer families' tiny pipelines have
-#: modules of their own, which import the shared pieces of :mod:`lightning_lora.tiny`).
+#: Folder name under the demo folder -> ``module:function`` that writes it (one module of :mod:`lightning_lora.tiny`
+#: per family).
 TINY_MODELS: dict[str, str] = {
-    "tiny-flux": "lightning_lora.tiny.shared:save_tiny_flux",
-    "tiny-sdxl": "lightning_lora.tiny.shared:save_tiny_sdxl",
-    "tiny-sd15": "lightning_lora.tiny.shared:save_tiny_sd15",
+    "tiny-flux": "lightning_lora.tiny.flux:save_tiny_flux",
+    "tiny-sdxl": "lightning_lora.tiny.sdxl:save_tiny_sdxl",
+    "tiny-sd15": "lightning_lora.tiny.sd15:save_tiny_sd15",
     "tiny-zimage": "lightning_lora.tiny.zimage:save_tiny_zimage",
     "tiny-qwenimage": "lightning_lora.tiny.qwenimage:save_tiny_qwenimage",
     "tiny-flux2": "lightning_lora.tiny.flux2:save_tiny_flux2",

@@ -23,7 +23,7 @@ from lightning_lora.plan import plan_training
 @pytest.fixture(scope="module")
 def flux64(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny FLUX with widths that are multiples of 64 (what NF4 quantizes)."""
-    from lightning_lora.tiny.shared import save_tiny_flux
+    from lightning_lora.tiny.flux import save_tiny_flux
 
     return save_tiny_flux(tmp_path_factory.mktemp("models") / "flux64", seed=0, dim64=True)
 

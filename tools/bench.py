@@ -823,9 +823,9 @@ class MemoryLimit(Callback):
 
 
 SCHEDULERS = {  # family -> the scheduler class and its config, as lightning_lora's tiny pipelines copy the real one
-    "flux": ("FlowMatchEulerDiscreteScheduler", "lightning_lora.tiny.shared", "FLUX_DEV_SCHEDULER_CONFIG"),
-    "sdxl": ("EulerDiscreteScheduler", "lightning_lora.tiny.shared", "SDXL_SCHEDULER_CONFIG"),
-    "sd15": ("PNDMScheduler", "lightning_lora.tiny.shared", "SD15_SCHEDULER_CONFIG"),
+    "flux": ("FlowMatchEulerDiscreteScheduler", "lightning_lora.tiny.flux", "FLUX_DEV_SCHEDULER_CONFIG"),
+    "sdxl": ("EulerDiscreteScheduler", "lightning_lora.tiny.sdxl", "SDXL_SCHEDULER_CONFIG"),
+    "sd15": ("PNDMScheduler", "lightning_lora.tiny.sd15", "SD15_SCHEDULER_CONFIG"),
     "zimage": ("FlowMatchEulerDiscreteScheduler", "lightning_lora.tiny.zimage", "ZIMAGE_TURBO_SCHEDULER_CONFIG"),
     "qwenimage": ("FlowMatchEulerDiscreteScheduler", "lightning_lora.tiny.qwenimage", "QWEN_IMAGE_SCHEDULER_CONFIG"),
     "flux2": ("FlowMatchEulerDiscreteScheduler", "lightning_lora.tiny.flux2", "FLUX2_SCHEDULER_CONFIG"),

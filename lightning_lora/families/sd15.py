@@ -97,7 +97,7 @@ class SD15(UNetFamily):
 
     @classmethod
     def save_tiny(cls, folder: Path, seed: int = 0) -> Path:
-        from lightning_lora.tiny.shared import save_tiny_sd15
+        from lightning_lora.tiny.sd15 import save_tiny_sd15
 
         return save_tiny_sd15(folder, seed=seed)
 

@@ -276,13 +276,13 @@ def build_tiny_flux2_dev(seed: int = 0) -> Flux2Pipeline:
 
 def save_tiny_flux2(folder: Path, seed: int = 0) -> Path:
     """Build the tiny FLUX.2 klein pipeline and save it to ``folder`` (atomically, idempotent; see
-    :func:`lightning_lora.tiny.shared.save_tiny_flux`); ``Flux2KleinPipeline.from_pretrained(folder)`` loads it back."""
+    :func:`lightning_lora.tiny.flux.save_tiny_flux`); ``Flux2KleinPipeline.from_pretrained(folder)`` loads it back."""
     wanted = {"family": "flux2", "seed": seed}
     return _save_tiny(Path(folder), wanted, lambda: build_tiny_flux2(seed), "FLUX.2 klein")
 
 
 def save_tiny_flux2_dev(folder: Path, seed: int = 0) -> Path:
     """Build the tiny FLUX.2 dev pipeline and save it to ``folder`` (atomically, idempotent; see
-    :func:`lightning_lora.tiny.shared.save_tiny_flux`); ``Flux2Pipeline.from_pretrained(folder)`` loads it back."""
+    :func:`lightning_lora.tiny.flux.save_tiny_flux`); ``Flux2Pipeline.from_pretrained(folder)`` loads it back."""
     wanted = {"family": "flux2", "variant": "dev", "seed": seed}
     return _save_tiny(Path(folder), wanted, lambda: build_tiny_flux2_dev(seed), "FLUX.2 dev")

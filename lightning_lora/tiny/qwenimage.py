@@ -11,7 +11,7 @@ A ``QwenImagePipeline`` with the real structure and configs at tiny widths:
   a spatial scale factor of 8 like the real VAE), 8 base channels, 4 latent channels with per-channel
   ``latents_mean`` / ``latents_std`` (the real VAE's first four values, so the normalisation is exercised);
 * ``Qwen2_5_VLForConditionalGeneration``: a 2-layer text model 64 wide (multiples of 64, so NF4 works on the CPU, see
-  :mod:`lightning_lora.tiny`) with multimodal RoPE sections ``[4, 6, 6]`` (half the head width of 32, as the real
+  :mod:`lightning_lora.tiny.flux`) with multimodal RoPE sections ``[4, 6, 6]`` (half the head width of 32, as the real
   model's ``[16, 24, 24]`` is half of 128), and a 1-block vision tower (never run: Qwen-Image reads text only);
 * a byte-level BPE ``Qwen2Tokenizer`` written out by hand;
 * ``FlowMatchEulerDiscreteScheduler`` with Qwen/Qwen-Image's real scheduler config
@@ -174,6 +174,6 @@ def build_tiny_qwenimage(seed: int = 0) -> QwenImagePipeline:
 
 def save_tiny_qwenimage(folder: Path, seed: int = 0) -> Path:
     """Build the tiny Qwen-Image pipeline and save it to ``folder`` (atomically, idempotent; see
-    :func:`lightning_lora.tiny.shared.save_tiny_flux`)."""
+    :func:`lightning_lora.tiny.flux.save_tiny_flux`)."""
     wanted = {"family": "qwenimage", "seed": seed}
     return _save_tiny(Path(folder), wanted, lambda: build_tiny_qwenimage(seed), "Qwen-Image")

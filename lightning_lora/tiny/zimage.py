@@ -45,7 +45,8 @@ from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTra
 from tokenizers import AddedToken
 from transformers import Qwen2Tokenizer, Qwen3Config, Qwen3Model
 
-from lightning_lora.tiny.shared import CAPTION_WORDS, _build, _save_tiny, byte_level_bpe, tiny_flux_vae
+from lightning_lora.tiny.flux import tiny_flux_vae
+from lightning_lora.tiny.shared import CAPTION_WORDS, _build, _save_tiny, byte_level_bpe
 
 __all__ = [
     "CHAT_TEMPLATE",
@@ -156,6 +157,6 @@ def build_tiny_zimage(seed: int = 0) -> ZImagePipeline:
 
 def save_tiny_zimage(folder: Path, seed: int = 0) -> Path:
     """Build the tiny Z-Image pipeline and save it to ``folder`` (atomically, idempotent; see
-    :func:`lightning_lora.tiny.shared.save_tiny_flux`); ``ZImagePipeline.from_pretrained(folder)`` loads it back."""
+    :func:`lightning_lora.tiny.flux.save_tiny_flux`); ``ZImagePipeline.from_pretrained(folder)`` loads it back."""
     wanted = {"family": "zimage", "seed": seed}
     return _save_tiny(Path(folder), wanted, lambda: build_tiny_zimage(seed=seed), "Z-Image")

@@ -692,7 +692,7 @@ def test_nf4_text_encoders_keep_their_other_weights_in_the_load_dtype(tmp_path: 
 
     from lightning_lora.data.cache import quantize_text_encoders
     from lightning_lora.families.base import ModelSource
-    from lightning_lora.tiny.shared import save_tiny_flux
+    from lightning_lora.tiny.flux import save_tiny_flux
 
     folder = save_tiny_flux(tmp_path / "flux64", seed=0, dim64=True)  # NF4 needs widths that are multiples of 64
     encoders = Flux().load_text_encoders(ModelSource(str(folder), dtype=torch.bfloat16))

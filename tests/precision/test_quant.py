@@ -23,7 +23,7 @@ from lightning_lora.precision.fp8 import FP8Linear, _ScaledMatmul, quantize_roww
 @pytest.fixture(scope="module")
 def tiny_flux64_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Tiny FLUX whose linear layers all have in_features % 64 == 0 (bitsandbytes' block size)."""
-    from lightning_lora.tiny.shared import save_tiny_flux
+    from lightning_lora.tiny.flux import save_tiny_flux
 
     return save_tiny_flux(tmp_path_factory.mktemp("models") / "tiny-flux64", seed=0, dim64=True)
 

@@ -8,13 +8,8 @@ import pytest
 import torch
 from diffusers import FluxPipeline
 
-from lightning_lora.tiny.shared import (
-    CAPTION_WORDS,
-    build_clip_tokenizer,
-    build_t5_tokenizer,
-    build_tiny_flux,
-    save_tiny_flux,
-)
+from lightning_lora.tiny.flux import build_tiny_flux, save_tiny_flux
+from lightning_lora.tiny.shared import CAPTION_WORDS, build_clip_tokenizer, build_t5_tokenizer
 
 CAPTION = "a photo of sks person, astronaut with a coffee cup"
 
