@@ -142,7 +142,7 @@ def photos_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Four real photos from scikit-image (shipped in its wheel) with .txt captions."""
     from PIL import Image
 
-    from lightning_lora.demo import PHOTOS, _photo
+    from lightning_lora.cli.demo import PHOTOS, _photo
 
     folder = tmp_path_factory.mktemp("photos")
     for name in list(PHOTOS)[:4]:

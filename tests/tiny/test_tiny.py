@@ -146,25 +146,3 @@ def test_save_tiny_flux_reuses_and_refuses(tmp_path: Path) -> None:
     empty = tmp_path / "empty"
     empty.mkdir()
     assert (save_tiny_flux(empty) / "model_index.json").is_file()
-
-
-@pytest.mark.subprocess
-def test_the_demo_prints_its_two_lines(tmp_path: Path) -> None:
-    """`make demo`'s first step, as it runs: the tiny pipelines and photos are written, and the console shows where
-    they are and nothing else (no library note, no save progress bar)."""
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [sys.executable, "-m", "lightning_lora.demo", "--out", str(tmp_path / ".demo")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    lines = (done.stdout + done.stderr).splitlines()
-    assert [line.split(":")[0] for line in lines] == ["demo model", "demo photos"], lines
-    assert (tmp_path / ".demo" / "tiny-flux" / "model_index.json").is_file()

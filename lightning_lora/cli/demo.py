@@ -1,6 +1,6 @@
 """Prepare the CPU demo: tiny random FLUX, SDXL and SD1.5 pipelines and a folder of real captioned photos.
 
-``python -m lightning_lora.demo [--out .demo]`` writes::
+``python -m lightning_lora.cli.demo [--out .demo]`` writes::
 
     .demo/tiny-flux/     a complete diffusers FluxPipeline folder (random weights, ~1 MB), loaded back by the trainer
                          through the real ``from_pretrained`` path
