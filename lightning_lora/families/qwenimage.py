@@ -130,7 +130,7 @@ QWEN_IMAGE_NETWORK = kohya.KohyaNetwork("networks.lora_qwen_image", "qwen_image"
 
 # Qwen/Qwen-Image's scheduler_config.json: the dynamic shift's mu is linear from base_shift (0.5) at
 # base_image_seq_len (256) image tokens to max_shift (0.9) at max_image_seq_len (8192);
-# tiny_qwenimage.QWEN_IMAGE_SCHEDULER_CONFIG holds the whole file.
+# lightning_lora.tiny.qwenimage.QWEN_IMAGE_SCHEDULER_CONFIG holds the whole file.
 _BASE_TOKENS, _MAX_TOKENS, _BASE_SHIFT, _MAX_SHIFT = 256, 8192, 0.5, 0.9
 # Prefixes a single-file checkpoint may put before the transformer's own names (a ComfyUI all-in-one checkpoint).
 _SINGLE_FILE_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
