@@ -2,8 +2,9 @@
 
 cuDNN's fused attention is the Hopper kernel in PyTorch's SDPA: on an H200 at FLUX's 1024x1024 attention (batch 2, 24
 heads, 4,608 tokens, head dimension 128) it runs the forward at 660 TFLOP/s and the backward at 528, against 341 and
-281 for the flash kernel (FlashAttention-2) that PyTorch picks without it (BENCHMARKS.md, call 31). Attention is 45%
-of a FLUX step's GPU time at that size, so this is the largest single speed-up left for the transformer families.
+281 for the flash kernel (FlashAttention-2) that PyTorch picks without it (``dev/probes/sdpa_probe.py``). Attention
+is 45% of a FLUX step's GPU time at that size, so this is the largest single speed-up left for the transformer
+families.
 
 It crashed: an illegal memory access, or ``mha_graph.execute(...).is_good()`` false, in the backward of full-size
 FLUX (torch 2.11, cuDNN 9.19). Call 31 found where. SDPA alone never crashed, in any layout; one FLUX block of either
