@@ -7,8 +7,8 @@ is 45% of a FLUX step's GPU time at that size, so this is the largest single spe
 families.
 
 It crashed: an illegal memory access, or ``mha_graph.execute(...).is_good()`` false, in the backward of full-size
-FLUX (torch 2.11, cuDNN 9.19). Call 31 found where. SDPA alone never crashed, in any layout; one FLUX block of either
-kind did not either; a double-stream block followed by a single-stream one did, every time: with
+FLUX (torch 2.11, cuDNN 9.19). A bisection on an H200 found where. SDPA alone never crashed, in any layout; one FLUX
+block of either kind did not either; a double-stream block followed by a single-stream one did, every time: with
 ``CUDA_LAUNCH_BLOCKING=1`` the failing call is cuDNN's ``mha_graph.execute`` in the backward, and compute-sanitizer saw
 16-byte reads up to 238 KB past the end of a 2 MiB allocation. The single-stream block concatenates
 the attention output with its MLP branch (``torch.cat([attn, mlp], dim=2)``), so the gradient that reaches SDPA's

@@ -355,7 +355,7 @@ def host_speed(calls: int = 20_000) -> dict[str, float]:
 
 def core_speeds(calls: int = 2_000) -> dict[str, float]:
     """PyTorch's dispatch of a one-element CPU add on each core this process may use (microseconds a call, the best of
-    three), the process pinned to one core at a time and given back its whole set after. Call 56's rows found the
+    three), the process pinned to one core at a time and given back its whole set after. One H100's rows found the
     same machine's :func:`host_speed` at ~1.3 µs before one row and ~2.7 before the next: this tells a slow core (one
     the hypervisor shares) from a slow moment (every core slow: see :func:`steal`)."""
     allowed = sorted(os.sched_getaffinity(0))

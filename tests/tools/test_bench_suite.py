@@ -132,7 +132,8 @@ def test_the_dated_plans_parse(capsys: pytest.CaptureFixture[str]) -> None:
     assert removed_named == set(REMOVED_TOOLS)  # a tool that no plan names any more leaves this list
     assert not any((REPO / "tools" / name).exists() for name in REMOVED_TOOLS)
     assert moved_named == MOVED_PROBES
-    assert all((REPO / "dev" / "probes" / name).is_file() and not (REPO / "tools" / name).exists() for name in MOVED_PROBES)
+    for name in MOVED_PROBES:
+        assert (REPO / "dev" / "probes" / name).is_file() and not (REPO / "tools" / name).exists(), name
     rows = bs.load_plan(REPO / "dev/benchmarks/2026-11-30/call14.plan.jsonl")
     assert {(r.phase, r.gpu) for r in rows} == {(1, 0), (1, 1), (2, 0), (2, 1)}
 
