@@ -68,8 +68,8 @@ class LoraModule(LightningModule):
             a compile of a minute or two at the start.
         cuda_graphs: with ``compile_blocks``, replay each compiled block as a CUDA graph (``torch.compile``'s
             ``reduce-overhead`` mode): for steps bound by the host's CPU (the UNets on a fast GPU: ``sdxl_24gb`` 2.8x
-            faster a step on an H100, BENCHMARKS.md call 58); no gain where the GPU is the bound. One graph per image
-            size, recorded at its first steps. Not with a sharding strategy (FSDP).
+            faster a step on an H100: BENCHMARKS.md, "CUDA graphs"); no gain where the GPU is the bound. One graph
+            per image size, recorded at its first steps. Not with a sharding strategy (FSDP).
         offload_blocks: keep the frozen weights of this many repeated blocks (spread over the model) in CPU memory
             and copy each to the GPU while it runs; they are recomputed in the backward pass. Frees their weights'
             GPU memory (less two blocks in flight) for two copies per block and step: how FLUX in bf16 fits a 24 GB

@@ -186,7 +186,7 @@ def test_attention_switches(monkeypatch, backend: str, cudnn_in_auto: bool, expe
 
 def test_every_family_lets_auto_use_cudnn_attention() -> None:
     """cuDNN's SDPA crashed in FLUX's backward until its output gradient was handed over in the output's strides
-    (lightning_lora.model.attention, BENCHMARKS.md call 31); since then no family leaves it out of ``auto``."""
+    (lightning_lora.model.attention, dev/LOG.md, call 31); since then no family leaves it out of ``auto``."""
     from lightning_lora.families import FAMILIES
 
     assert FAMILIES and all(family.cudnn_attention_in_auto for family in FAMILIES.values())

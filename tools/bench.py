@@ -627,7 +627,7 @@ class TeardownWatch(Callback):
     """Every thread's Python stack on stderr when ``Trainer.fit`` has not returned ``seconds`` after the training
     ended (its teardown: the callbacks' ``on_train_end``, the data loader's workers shutting down), and again each
     ``seconds`` until :meth:`cancel`; 0: off. A Python thread that takes the GIL and reads ``sys._current_frames``:
-    faulthandler's watchdog reads the other threads' frames without it, and call 48 (row 4, sdxl_12gb still sampling
+    faulthandler's watchdog reads the other threads' frames without it, and a GPU row (sdxl_12gb still sampling
     20 s after its last step) died of a segmentation fault in the middle of its dump."""
 
     def __init__(self, seconds: float) -> None:
@@ -684,7 +684,7 @@ class Stacks(Callback):
             self.end()
 
 
-# The host calls that launch a kernel: the runtime's, and the driver's that Triton's and cuBLAS's kernels use (call 56's
+# The host calls that launch a kernel: the runtime's, and the driver's that Triton's and cuBLAS's kernels use (an H100
 # profile of the bf16 512x768 row spent 58 ms in ``cuLaunchKernelEx`` alone, left out of its count before).
 LAUNCH_CALLS = frozenset({"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx"})
 
@@ -1278,7 +1278,7 @@ def measure(a: argparse.Namespace, outputs: Path | None) -> dict[str, Any]:
     out["lora_params_M"] = round(sum(p.numel() for p in module.denoiser.parameters() if p.requires_grad) / 1e6, 3)
     if a.plan:
         # The planner's count of the full-size model takes seconds on the host: a row stopped then keeps what it
-        # measured (call 52's checkpointed flux_4090 row finished training and lost its line at its time limit).
+        # measured (a checkpointed flux_4090 row once finished training and lost its line at its time limit).
         print(json.dumps({**out, "partial": "measured; the plan follows"}), flush=True)
         from lightning_lora.plan import plan_training
 
@@ -1549,7 +1549,7 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         metavar="CLASS,...",
         help="experiment: the module classes compiled besides the repeated blocks (the family's compiled_regions, "
-        "empty for every family since stop 45; e.g. ResnetBlock2D: the UNets' ResNets too)",
+        "empty for every family; e.g. ResnetBlock2D: the UNets' ResNets too)",
     )
     p.add_argument("--offload", type=int, default=0, help="model.offload_blocks")
     p.add_argument("--cpp-wrapper", type=int, default=0, help="experiment: torch._inductor.config.cpp_wrapper")
@@ -1611,7 +1611,7 @@ def parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="data loader worker processes serving the synthetic batches (a --config's data.num_workers); 0: the "
-        "training process serves them, as every row before stop 38 did",
+        "training process serves them, as every row before 2026-12-04 did",
     )
     p.add_argument(
         "--loader-pin",
@@ -1685,6 +1685,6 @@ def main(argv: list[str] | None = None) -> None:
 if __name__ == "__main__":
     main()
     # The result is printed: skip the interpreter's teardown. Shutting down inductor's compile workers took 15-20 s
-    # a row on the H200 (call 24), which a suite's row timeout counts and which killed rows after their result.
+    # a row on the H200, which a suite's row timeout counts and which killed rows after their result.
     sys.stderr.flush()
     os._exit(0)

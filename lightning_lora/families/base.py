@@ -265,8 +265,8 @@ class DiffusionFamily(ABC):
     """The share of the eager forward's saved tensors that blocks compiled by ``model.compile_blocks`` keep for the
     backward (inductor fuses elementwise chains and recomputes them): the planner scales the eager count it makes on
     the meta device by it, for blocks that are not checkpointed. 0.72: calibrated on the two compiled FLUX rank-16 rows
-    without checkpointing (bf16 and NF4, BENCHMARKS.md calls 9-10: 0.78 of the eager count as it was then made, without
-    autocast and with rms_norm decomposed; 0.72 of the count made as the GPU runs, since call 33)."""
+    without checkpointing (bf16 and NF4, on an H200: 0.78 of the eager count as it was then made, without autocast
+    and with rms_norm decomposed; 0.72 of the count made as the GPU runs)."""
     compiled_regions: ClassVar[tuple[str, ...]] = ()
     """Module classes ``model.compile_blocks`` compiles besides the model's repeated blocks (``_repeated_blocks``)."""
     stream_sources: ClassVar[tuple[str, ...]] = ()

@@ -249,10 +249,10 @@ class Flux2(DiffusionFamily):
     denoiser_subfolder: ClassVar[str] = "transformer"
     latent_divisor: ClassVar[int] = 16
     # Compiled by inductor, full-width klein 4B blocks at 1024x1024 with 512-token captions kept 0.75 (double-stream)
-    # and 0.72 (single-stream) of what their eager forward saves, 0.73 of the whole model (tools/saved_share.py on the
-    # CPU; FLUX.1's measured 0.86 there against the 0.78 calibrated on the GPU, so this errs high, the safe side). That
-    # was a share of the eager count as the CPU runs it; of the count made as the GPU runs (autocast, the fused
-    # rms_norm: call 33) the same compiled bytes are 0.80.
+    # and 0.72 (single-stream) of what their eager forward saves, 0.73 of the whole model (dev/probes/saved_share.py on
+    # the CPU; FLUX.1's measured 0.86 there against the 0.78 calibrated on the GPU, so this errs high, the safe side).
+    # That was a share of the eager count as the CPU runs it; of the count made as the GPU runs (autocast, the fused
+    # rms_norm) the same compiled bytes are 0.80.
     compiled_saved_fraction: ClassVar[float] = 0.80
     known_denoisers: ClassVar[dict[str, dict[str, Any]]] = {
         **dict.fromkeys(_KLEIN_4B, FLUX2_KLEIN_4B_TRANSFORMER),

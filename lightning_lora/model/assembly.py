@@ -51,9 +51,9 @@ CUDA_GRAPHS_MODE = "reduce-overhead"
 """The ``torch.compile`` mode of the blocks with ``model.cuda_graphs``: inductor records each compiled block's kernels
 as a CUDA graph (one per input shape, in one memory pool) and replays it, so a block costs the host one launch
 instead of a few hundred. For steps the host's CPU bounds: ``sdxl_24gb`` on an H100 took 0.154 s a step against 0.431
-with the default mode in the same command, at 10.52 against 10.39 GiB reserved (BENCHMARKS.md call 58); a step the
-GPU bounds gains nothing (``flux_h100``: 0.698 against 0.702 s, call 50; FLUX bf16 512x768: 0.184 against 0.187,
-call 58). On a CPU inductor runs the blocks without graphs."""
+with the default mode in the same command, at 10.52 against 10.39 GiB reserved; a step the GPU bounds gains nothing
+(``flux_h100``: 0.698 against 0.702 s; FLUX bf16 512x768: 0.184 against 0.187; BENCHMARKS.md, "CUDA graphs"). On a
+CPU inductor runs the blocks without graphs."""
 
 
 def build_lora_model(recipe: ModelRecipe, device: torch.device | None = None) -> nn.Module:
@@ -115,7 +115,7 @@ def apply_gradient_checkpointing(
     recomputation in the backward) besides its backward; with the checkpoint inside the block, dynamo traces it and
     the recomputation is part of the block's compiled backward: one call fewer per block and step, which counts on a
     host-bound step (``flux_8gb`` on an H200: 1.14 against 1.75-2.15 s per step at the same peak; ``qwenimage_24gb``
-    2.37 against 3.31, BENCHMARKS.md call 36). Not with ``offload_inputs``, whose
+    2.37 against 3.31, BENCHMARKS.md, "What each option measured"). Not with ``offload_inputs``, whose
     saved-tensor hooks stay around the compiled call. Returns how many blocks were wrapped (0: diffusers' own).
     """
     if every < 1:
@@ -146,7 +146,7 @@ def configure_attention(
     ``efficient`` / ``cudnn`` / ``math`` allow only that SDPA backend (the process-wide ``torch.backends.cuda``
     switches); ``xformers`` uses diffusers' xformers processors (CUDA only). Wherever cuDNN's SDPA is allowed, its
     backward is handed the output's gradient in the output's strides (:mod:`lightning_lora.model.attention`: without it,
-    cuDNN's backward read out of bounds in full-size FLUX on an H200, BENCHMARKS.md call 31).
+    cuDNN's backward read out of bounds in full-size FLUX on an H200).
     """
     check_attention(backend, device)  # xformers / cudnn on a build that has none (CPU, ROCm)
     if backend == "xformers":
@@ -191,7 +191,7 @@ def compile_repeated_blocks(
     ``dynamic`` is ``torch.compile``'s: ``None`` (what ``fit`` uses) lets dynamo make a size symbolic once it has seen
     it change. Dynamo keeps a class's graphs on its ``forward``, so in a UNet the second layout of a class (other
     channels, another resolution) already counts as a change and most of its graphs come out symbolic; ``False``
-    compiles each layout, and each bucket, static (BENCHMARKS.md, stop 42: not measured on a GPU yet).
+    compiles each layout, and each bucket, static (not measured on a GPU yet: BENCHMARKS.md, "Not measured yet").
     """
     compile_fn = getattr(denoiser, "compile_repeated_blocks", None)
     if compile_fn is None or not getattr(denoiser, "_repeated_blocks", None):
@@ -217,8 +217,8 @@ def uncompiled(enabled: bool = True) -> contextlib.AbstractContextManager[Any]:
     """Inside, the compiled regions run as the plain modules they wrap (``torch.compiler.set_stance("force_eager")``):
     for the forwards without gradients that a run makes besides its training steps, the eval loss and the sample
     images. Compiled, each would compile a second graph of every block layout (no gradients, and the samples' own
-    batch and size): SDXL's samples compiled 15 graphs in 54 s (BENCHMARKS.md call 49b), and SD1.5's were still
-    compiling when call 50 stopped its row at 220 s, the training steps done. In ``fit`` that comes before the
+    batch and size): SDXL's samples compiled 15 graphs in 54 s on an H200, and SD1.5's were still compiling when
+    their benchmark row was stopped at 220 s, the training steps done. In ``fit`` that comes before the
     first training step, since the samples and the eval loss also run at the start. ``enabled=False``: compiled as
     usual. On torch before 2.6 (no ``set_stance``) this changes nothing."""
     set_stance = getattr(torch.compiler, "set_stance", None)
@@ -277,14 +277,13 @@ def cache_custom_autograd_functions() -> bool:
     """Let AOTAutograd's cache keep the compiled graphs that hold a custom ``torch.autograd.Function``; returns
     whether it now does.
 
-    Ours are in every attention block of a CUDA run
-    (:class:`lightning_lora.model.attention.OutputGradientInOutputLayout`, wherever cuDNN's attention is allowed) and in
-    the FP8 bases' matmuls (:mod:`lightning_lora.precision.fp8`). torch refuses such graphs by default
-    (``autograd_cache_allow_custom_autograd_functions``, off while torch tests it; Dynamo traces the function's forward
-    and backward into the graph that keys the cache, which is why torch's authors call it safe, PR 149751). Refused,
-    every start traced and partitioned those graphs again: on an H100, 0 AOTAutograd hits of SD1.5's 3 attention graphs
-    at a second start (BENCHMARKS.md, call 52g). A user's ``TORCHINDUCTOR_AUTOGRAD_CACHE_ALLOW_CUSTOM_AUTOGRAD=0`` still
-    wins (torch reads it over this setting)."""
+    Ours are in every attention block of a CUDA run (:class:`lightning_lora.model.attention.OutputGradientInOutputLayout`,
+    wherever cuDNN's attention is allowed) and in the FP8 bases' matmuls (:mod:`lightning_lora.precision.fp8`). torch
+    refuses such graphs by default (``autograd_cache_allow_custom_autograd_functions``, off while torch tests it; Dynamo
+    traces the function's forward and backward into the graph that keys the cache, which is why torch's authors call
+    it safe, PR 149751). Refused, every start traced and partitioned those graphs again: on an H100, 0 AOTAutograd hits
+    of SD1.5's 3 attention graphs at a second start. A user's
+    ``TORCHINDUCTOR_AUTOGRAD_CACHE_ALLOW_CUSTOM_AUTOGRAD=0`` still wins (torch reads it over this setting)."""
     config = torch._functorch.config
     if not hasattr(config, "autograd_cache_allow_custom_autograd_functions"):  # torch without the setting
         return False

@@ -2,12 +2,13 @@
 
 cuDNN's fused attention is the Hopper kernel in PyTorch's SDPA: on an H200 at FLUX's 1024x1024 attention (batch 2, 24
 heads, 4,608 tokens, head dimension 128) it runs the forward at 660 TFLOP/s and the backward at 528, against 341 and
-281 for the flash kernel (FlashAttention-2) that PyTorch picks without it (BENCHMARKS.md, call 31). Attention is 45%
-of a FLUX step's GPU time at that size, so this is the largest single speed-up left for the transformer families.
+281 for the flash kernel (FlashAttention-2) that PyTorch picks without it (``dev/probes/sdpa_probe.py``). Attention
+is 45% of a FLUX step's GPU time at that size, so this is the largest single speed-up left for the transformer
+families.
 
 It crashed: an illegal memory access, or ``mha_graph.execute(...).is_good()`` false, in the backward of full-size
-FLUX (torch 2.11, cuDNN 9.19). Call 31 found where. SDPA alone never crashed, in any layout; one FLUX block of either
-kind did not either; a double-stream block followed by a single-stream one did, every time: with
+FLUX (torch 2.11, cuDNN 9.19). A bisection on an H200 found where. SDPA alone never crashed, in any layout; one FLUX
+block of either kind did not either; a double-stream block followed by a single-stream one did, every time: with
 ``CUDA_LAUNCH_BLOCKING=1`` the failing call is cuDNN's ``mha_graph.execute`` in the backward, and compute-sanitizer saw
 16-byte reads up to 238 KB past the end of a 2 MiB allocation. The single-stream block concatenates
 the attention output with its MLP branch (``torch.cat([attn, mlp], dim=2)``), so the gradient that reaches SDPA's

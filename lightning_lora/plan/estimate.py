@@ -270,7 +270,8 @@ def compiled_saved_bytes(saved: float, uncheckpointed: float, all_checkpointed: 
     """What compiled blocks with one in N checkpointed keep for the backward, from the eager counts with N as configured
     (``saved``), with none and with every block checkpointed: the blocks not checkpointed keep the family's compiled
     ``share``, the checkpointed ones their inputs (which compiling does not shrink). The checkpointed fraction is what
-    N saved over what checkpointing them all saves (BENCHMARKS.md stop 45: within -6.5% / -3.1% of the GPU's)."""
+    N saved over what checkpointing them all saves (within -6.5% / -3.1% of the GPU's: BENCHMARKS.md, "The planner
+    against measured peaks")."""
     if uncheckpointed <= all_checkpointed:  # nothing to checkpoint
         return saved
     checkpointed = (uncheckpointed - saved) / (uncheckpointed - all_checkpointed)

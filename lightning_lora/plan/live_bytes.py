@@ -215,7 +215,7 @@ class _FusedRMSNorm(torch.autograd.Function):
 def fused_like_rms_norm() -> Iterator[None]:
     """Make ``F.rms_norm`` (``torch.nn.RMSNorm``: FLUX.1's and FLUX.2's q/k norms) keep what it keeps on a CUDA / ROCm
     GPU: the fused kernel's input and float32 rstd (measured on an H200, torch 2.11, with and without autocast:
-    BENCHMARKS.md call 33, ``benchmarks/2026-12-01/norms33e.txt``). On the CPU and the meta device torch decomposes it,
+    ``dev/benchmarks/2026-12-01/norms33e.txt``). On the CPU and the meta device torch decomposes it,
     and autograd keeps float32 copies of the input instead. A weight whose dtype differs from the input's (NF4's float32
     norms) takes the decomposed path on the GPU too, and is left alone here."""
     rms = torch.nn.functional.rms_norm
@@ -254,10 +254,10 @@ def saved_activation_bytes(
     its math backend, which keeps the attention matrix), and ``F.rms_norm`` as the GPU's fused kernel keeps it
     (:func:`fused_like_rms_norm`; ``fused_rms_norm`` false: decomposed, as NF4's float32 norm weights run it);
     ``as_run`` leaves SDPA and ``rms_norm`` alone (real tensors on a device whose kernel is the fused one, as
-    ``tools/saved_share.py`` measures compiled blocks on the CPU). ``autocast``: the forward runs under
+    ``dev/probes/saved_share.py`` measures compiled blocks on the CPU). ``autocast``: the forward runs under
     :class:`MetaAutocast` to this dtype, as training runs under CUDA autocast: the norms keep
     float32 copies of their inputs and return float32, and each linear layer keeps its own low-precision copy of a
-    float32 input (a FLUX.2 klein block at 1024² within 0.4% of what it kept on an H200, call 33).
+    float32 input (a FLUX.2 klein block at 1024² within 0.4% of what it kept on an H200).
 
     Parameters and buffers are not counted (they are static memory); tensors sharing storage are counted once, and
     a moved input whose storage something else keeps on the device counts as kept (moving it frees nothing).

@@ -218,7 +218,7 @@ class _Planner:
 OUTSIDE_ALLOCATOR_GIB = 0.67
 """GPU memory a training process holds outside PyTorch's caching allocator (the CUDA context, the loaded kernels, the
 libraries' handles), which the planned peaks (PyTorch's allocated peaks) leave out: 0.67 GiB on an H200 (CUDA 13); with
-the allocator capped at 7.5 GiB the process held 8.17 (BENCHMARKS.md call 35). The fit verdicts do not count it yet
+the allocator capped at 7.5 GiB the process held 8.17 (dev/LOG.md, 2026-12-02). The fit verdicts do not count it yet
 (their 0.35 GiB allowance and 5% headroom stand in for it); :func:`larger_batches` does."""
 
 
@@ -248,7 +248,7 @@ def larger_batches(
     GiB with :data:`OUTSIDE_ALLOCATOR_GIB` kept for the process and 5% of the rest free; None otherwise. A step that
     launches many small kernels (NF4, checkpointed blocks, 512px) pays its launches per batch: FLUX at rank 4 with NF4
     and every block checkpointed trained 4 images in 1.10 s as 2 x 2 against 2.01-2.14 as 4 x 1 (torch's AdamW at
-    both) on an H200 (call 35), and needed 7.34 GiB for it, which an 8 GB card does not have (out of memory under a
+    both) on an H200, and needed 7.34 GiB for it, which an 8 GB card does not have (out of memory under a
     7.5 GiB cap)."""
     merged = merged_batches(datamodule.batch_size, accumulate)
     if merged is None:

@@ -230,7 +230,7 @@ def test_compiled_blocks_are_checkpointed_inside_and_run_once_a_step_not_twice(
     """With ``compile_blocks`` and every block checkpointed, a family whose checkpointing is its repeated blocks
     (``checkpoints_only_repeated_blocks``) has the checkpoint traced inside each compiled block: a training step calls
     each compiled block once, where diffusers' wrapping calls it again to recompute it in the backward (each call
-    several milliseconds of host time on a GPU, BENCHMARKS.md call 36). The same gradients both ways. Counted with a
+    several milliseconds of host time on a GPU, dev/LOG.md, call 36). The same gradients both ways. Counted with a
     backend that runs the traced graphs (no code generation)."""
     graphs, calls = count_compiled(monkeypatch)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tiny_flux_dir.parent / "compile-cache"))

@@ -264,7 +264,7 @@ def test_compiled_blocks_keep_their_familys_measured_share_of_the_eager_saved_te
     family_name: str, pretrained: str, measured_gib: float
 ) -> None:
     """The planner scales the eager count of compiled blocks by the family's own share, measured on compiled full-width
-    blocks on the CPU (tools/saved_share.py), not FLUX.1's. Z-Image 0.5: its blocks keep a float32 copy per
+    blocks on the CPU (dev/probes/saved_share.py), not FLUX.1's. Z-Image 0.5: its blocks keep a float32 copy per
     RMSNorm in the eager forward, which compiling fuses away; FLUX.2 0.80 (0.73 of the eager count as the CPU runs it,
     without autocast and with the q/k norms decomposed). Checked against the H200: bf16, no
     checkpointing, compiled, 1024x1024, text 512, rank 16 `attention`, AdamW peaked at 28.52 GiB (Z-Image, BENCHMARKS.md
@@ -292,7 +292,7 @@ class _Attention(nn.Module):
 def test_saved_bytes_count_attention_as_the_fused_kernels_keep_it_unless_asked_to_count_what_runs() -> None:
     """On the meta device PyTorch runs SDPA's math backend, which keeps the whole attention matrix; the planner counts
     what the GPU's fused kernels keep (q, k, v, the output, the log-sum-exp). ``as_run`` counts what actually ran: what
-    tools/saved_share.py needs for real tensors on the CPU, whose fused kernel it must not replace."""
+    dev/probes/saved_share.py needs for real tensors on the CPU, whose fused kernel it must not replace."""
     heads, tokens, dim = 2, 512, 8
     q, k, v = (torch.empty(1, heads, tokens, dim, device="meta", requires_grad=True) for _ in range(3))
     fused, _, _ = saved_activation_bytes(_Attention(), {"q": q, "k": k, "v": v})
@@ -316,10 +316,11 @@ class _Norms(nn.Module):
 
 
 def test_norms_are_counted_as_the_gpu_keeps_them_under_autocast() -> None:
-    """On an H200 (torch 2.11, bf16 autocast: benchmarks/2026-12-01/norms33e.txt) ``rms_norm`` keeps its bf16 input and
-    a float32 rstd per row (the fused kernel), ``layer_norm`` a float32 copy of its input and a float32 mean and rstd
-    per row (autocast's float32 list). The meta device decomposes rms_norm into float32 copies and, without autocast,
-    keeps layer_norm's bf16 input: counted so, FLUX.2 klein's single-stream block was 13% over what the GPU keeps."""
+    """On an H200 (torch 2.11, bf16 autocast: dev/benchmarks/2026-12-01/norms33e.txt) ``rms_norm`` keeps its bf16 input
+    and a float32 rstd per row (the fused kernel), ``layer_norm`` a float32 copy of its input and a float32 mean and
+    rstd per row (autocast's float32 list). The meta device decomposes rms_norm into float32 copies and, without
+    autocast, keeps layer_norm's bf16 input: counted so, FLUX.2 klein's single-stream block was 13% over what the GPU
+    keeps."""
     rows, heads, head_dim = 4608, 24, 128
     q = torch.empty(1, rows, heads, head_dim, dtype=torch.bfloat16, device="meta", requires_grad=True)
     x = torch.empty(1, rows, heads * head_dim, dtype=torch.bfloat16, device="meta", requires_grad=True)
@@ -386,7 +387,7 @@ def test_flux2_klein_24gb_plans_its_measured_peak() -> None:
 @pytest.mark.parametrize(("batch", "measured_gib"), [(2, 3.72), (8, 9.73)])
 def test_sd15_compiled_plan_is_within_ten_percent_of_the_gpu(batch: int, measured_gib: float) -> None:
     """sd15_8gb's settings (bf16, rank 16 ``attention_ff``, 8-bit AdamW, 512², compiled: the transformer blocks, the
-    ResNets eager) peaked at 3.72 and 9.73 GiB at batch 2 and 8 on an H100 (BENCHMARKS.md call 52g). SDXL's share (the
+    ResNets eager) peaked at 3.72 and 9.73 GiB at batch 2 and 8 on an H100 (dev/LOG.md, call 52g). SDXL's share (the
     UNets', 0.60) plans 8.37 at batch 8, 14% under this."""
     from lightning_lora.families import SD15, ModelSource
     from lightning_lora.lora import LoraOptions
@@ -402,7 +403,7 @@ def test_sd15_compiled_plan_is_within_ten_percent_of_the_gpu(batch: int, measure
 
 def test_sdxl_compiled_plan_is_within_ten_percent_of_the_gpu() -> None:
     """sdxl_24gb's settings (bf16, rank 32 ``attention``, Adafactor, 1024², batch 1, compiled: the transformer blocks,
-    the ResNets eager) peaked at 10.34 GiB on an H100 (BENCHMARKS.md call 53f; 9.65 with the ResNets compiled too)."""
+    the ResNets eager) peaked at 10.34 GiB on an H100 (dev/LOG.md, call 53f; 9.65 with the ResNets compiled too)."""
     from lightning_lora.families import SDXL, ModelSource
     from lightning_lora.lora import LoraOptions
     from lightning_lora.model.recipe import ModelRecipe

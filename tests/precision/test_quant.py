@@ -87,7 +87,7 @@ def test_fp8_compute_gives_cublaslt_the_layouts_it_takes(monkeypatch: pytest.Mon
     """cuBLASLt multiplies a row-major ``a`` by a column-major ``b`` only. SDXL's ``proj_in`` gets a column-major view
     (``permute(0, 2, 3, 1).reshape(...)`` of the feature map) and the output gradient can be one too: the quantized
     operands must be row-major whatever the input's layout (the H200 failed with "Only multiplication of row-major and
-    column-major matrices is supported by cuBLASLt", BENCHMARKS.md call 18)."""
+    column-major matrices is supported by cuBLASLt", dev/LOG.md, call 18)."""
     real = torch._scaled_mm
     seen: list[bool] = []
 
@@ -117,7 +117,7 @@ def test_fp8_compute_gives_cublaslt_the_layouts_it_takes(monkeypatch: pytest.Mon
 def test_fp8_quantizers_are_inlined_into_a_compiled_region() -> None:
     """In eager mode the quantizers run as their own compiled kernels on CUDA; inside a compiled region
     (``model.compile_blocks``) they must be the plain functions, which the region's compiler fuses with their
-    neighbours (a nested compiled function made FP8 compute 3.7x slower: BENCHMARKS.md, call 16)."""
+    neighbours (a nested compiled function made FP8 compute 3.7x slower: dev/LOG.md, call 16)."""
     from lightning_lora.precision import fp8
 
     assert fp8._fused(fp8.quantize_rowwise, "cuda") is not fp8.quantize_rowwise

@@ -2,7 +2,7 @@
 input gradient (the frozen base's two matmuls), bf16 vs lightning-lora's FP8 compute vs torchao's float8 training
 layers. Prints one JSON line per measurement (``--out`` also appends them to a file).
 
-    python tools/fp8_probe.py [--tokens 2048] [--out fp8_probe.jsonl] [--profile profile.txt]
+    python dev/probes/fp8_probe.py [--tokens 2048] [--out fp8_probe.jsonl] [--profile profile.txt]
 
 Modes:
 

@@ -16,9 +16,9 @@ per block, scaling 0.3611, shift 0.1159, no quant convs) with random weights (th
 built directly on the device in ``--dtype``. Images are synthetic ``--size`` x ``--size`` JPEGs with photo-like
 smooth content and grain, or the images of ``--images`` (a folder of your own photos).
 
-    python tools/bench_cache.py                              # GPU: 256 images of 1024x1024, bf16, batch 8
-    python tools/bench_cache.py --batch-size 16 --workers 12
-    python tools/bench_cache.py --tiny                       # CPU check: a small VAE, 16 images of 256x256
+    python dev/probes/bench_cache.py                              # GPU: 256 images of 1024x1024, bf16, batch 8
+    python dev/probes/bench_cache.py --batch-size 16 --workers 12
+    python dev/probes/bench_cache.py --tiny                       # CPU check: a small VAE, 16 images of 256x256
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ compiled over eager, both as they ran on the CPU; ``fraction`` is the compiled b
 (the same eager model counted as the planner counts it, as the GPU runs it: bf16 autocast, the fused ``rms_norm``,
 attention's fused kernels), the value :attr:`DiffusionFamily.compiled_saved_fraction` takes.
 
-    python tools/saved_share.py --family flux2 --pretrained black-forest-labs/FLUX.2-klein-base-4B \\
+    python dev/probes/saved_share.py --family flux2 --pretrained black-forest-labs/FLUX.2-klein-base-4B \\
         --blocks num_layers num_single_layers --h 1024 --w 1024 --tlen 512
 
 Prints one JSON line. Slow on a small CPU (inductor compiles each block class, then full-width forward passes).

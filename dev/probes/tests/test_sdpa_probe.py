@@ -1,18 +1,13 @@
-"""tools/sdpa_probe.py: one SDPA backend at one shape, timed, checked against a reference kernel, or its error named
-(on the CPU: the math kernel is the reference; cuDNN has no CPU kernel)."""
+"""dev/probes/sdpa_probe.py: one SDPA backend at one shape, timed, checked against a reference kernel, or its error
+named (on the CPU: the math kernel is the reference; cuDNN has no CPU kernel)."""
 
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
+import sdpa_probe
 import torch
-from helpers import REPO
-
-sys.path.insert(0, str(REPO / "tools"))
-
-import sdpa_probe  # noqa: E402
 
 SMALL = ["--device", "cpu", "--batch", "1", "--heads", "2", "--tokens", "64", "--head-dim", "16", "--reps", "1"]
 

@@ -3,8 +3,8 @@ compute, NF4) against the same step on the bf16 base: same random weights, same 
 random values so every LoRA tensor has a gradient), same batch. Prints one JSON line per mode: the cosine of the
 concatenated LoRA gradients to the bf16 ones, the worst per-tensor cosine, and the relative norm of the difference.
 
-    python tools/fp8_numerics.py                          # FLUX.1-dev at full size (random weights), on the GPU
-    python tools/fp8_numerics.py --tiny --modes none fp8  # a CPU smoke run of the same code
+    python dev/probes/fp8_numerics.py                          # FLUX.1-dev at full size (random weights), on the GPU
+    python dev/probes/fp8_numerics.py --tiny --modes none fp8  # a CPU smoke run of the same code
 
 Random weights at full size are a hard case (nothing in them is smooth); issue 16 asks for a cosine of at least 0.99.
 """
@@ -13,15 +13,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import zlib
+from pathlib import Path
 from typing import Any
 
 import torch
-from bench import FLUX_DEV, FLUX_TINY, Synthetic, random_family
 
-from lightning_lora.lora import LoraOptions, set_lora_input_casts
-from lightning_lora.module import LoraModule
-from lightning_lora.precision import PRECISIONS
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))  # tools/bench.py builds the model and the batch
+
+from bench import FLUX_DEV, FLUX_TINY, Synthetic, random_family  # noqa: E402
+
+from lightning_lora.lora import LoraOptions, set_lora_input_casts  # noqa: E402
+from lightning_lora.module import LoraModule  # noqa: E402
+from lightning_lora.precision import PRECISIONS  # noqa: E402
 
 
 def lora_gradients(mode: str, a: argparse.Namespace, device: str) -> dict[str, torch.Tensor]:

@@ -1,15 +1,18 @@
-"""The plain diffusers + peft LoRA recipe for Stable Diffusion 1.5 (``shared/bench/ref_recipe.py`` has no SD1.5 mode).
+"""The plain diffusers + peft LoRA recipe for Stable Diffusion 1.5, from before ``shared/bench/ref_recipe.py`` had an
+SD1.5 mode. Its ``sd15-bf16 --clip 0`` mode is the same loop (the same UNet config, LoRA targets, casts, noise and
+loss); new plans use it. This file stays for the rows it produced (the SD1.5 recipe rows of dev/LOG.md and
+BENCHMARKS.md).
 
-``ref_recipe.py`` is the reference our benchmark stands beside (FLUX.1 and SDXL); ``configs/sd15_8gb.yaml`` had nothing
-to stand beside. This is the same plain loop for SD1.5, written here (it is not the shared reference: BENCHMARKS.md
-says which rows it produced): the UNet of SD1.5's real config (:data:`lightning_lora.families.sd15.SD15_UNET`, 860 M
-parameters) with random bf16 weights, frozen; peft's LoRA on ``to_k/to_q/to_v/to_out.0`` added with ``add_adapter``
-and its parameters cast to float32 (what diffusers' ``train_text_to_image_lora.py`` does); bf16 autocast; epsilon
-prediction on a cosine noise schedule; ``mse_loss``; ``enable_gradient_checkpointing`` with ``--gc 1``;
-``compile_repeated_blocks`` with ``--rcompile`` (the two lines a recipe user adds); batch 1 of random latents and CLIP-L
-embeddings (77 x 768). Nothing of lightning-lora runs but the config dict.
+``ref_recipe.py`` was the reference for FLUX.1 and SDXL only; ``configs/sd15_8gb.yaml`` had nothing to stand beside.
+This is the same plain loop for SD1.5, written here: the UNet of SD1.5's real config
+(:data:`lightning_lora.families.sd15.SD15_UNET`, 860 M parameters) with random bf16 weights, frozen; peft's LoRA on
+``to_k/to_q/to_v/to_out.0`` added with ``add_adapter`` and its parameters cast to float32 (what diffusers'
+``train_text_to_image_lora.py`` does); bf16 autocast; epsilon prediction on a cosine noise schedule; ``mse_loss``;
+``enable_gradient_checkpointing`` with ``--gc 1``; ``compile_repeated_blocks`` with ``--rcompile`` (the two lines a
+recipe user adds); batch 1 of random latents and CLIP-L embeddings (77 x 768). Nothing of lightning-lora runs but the
+config dict.
 
-    python tools/ref_sd15.py --rank 16 --gc 0 --h 512 --w 512 --opt adamw8bit [--rcompile] [--steps 6 --warm 3]
+    python dev/probes/ref_sd15.py --rank 16 --gc 0 --h 512 --w 512 --opt adamw8bit [--rcompile] [--steps 6 --warm 3]
 
 Prints one JSON line with ``ref_recipe.py``'s keys (``s_per_step``, ``peak_alloc_GiB``, ``peak_reserved_GiB``, ``loss``,
 ``lora_params_M``...), ``mode`` ``sd15-bf16``; an error in the steps is the line's ``error``.
@@ -110,7 +113,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     if a.sdp == "nocudnn" and device == "cuda":
         torch.backends.cuda.enable_cudnn_sdp(False)
     out: dict[str, Any] = {"mode": "sd15-bf16", "rank": a.rank, "gc": a.gc, "h": a.h, "w": a.w, "opt": a.opt}
-    out.update(rcompile=a.rcompile, sdp=a.sdp, recipe="tools/ref_sd15.py")
+    out.update(rcompile=a.rcompile, sdp=a.sdp, recipe="dev/probes/ref_sd15.py")
     t0 = time.time()
     model, cfg = build_unet(a.tiny, device, torch.bfloat16)
     out["base_params_B"] = round(sum(p.numel() for p in model.parameters()) / 1e9, 3)

@@ -1,10 +1,10 @@
 """One SDPA backend at one attention shape: forward and backward time, TFLOP/s, agreement with the flash kernel, or
 the error. Prints one JSON line (``--out`` also appends it to a file).
 
-    python tools/sdpa_probe.py --backend cudnn --layout bshd [--batch 2 --heads 24 --tokens 4608 --head-dim 128]
+    python dev/probes/sdpa_probe.py --backend cudnn --layout bshd [--batch 2 --heads 24 --tokens 4608 --head-dim 128]
 
 Why: at 1024x1024 FLUX.1 spent 45% of its GPU time in PyTorch's flash kernel (FlashAttention-2, about 285 TFLOP/s
-on an H200, against 710 for its GEMMs: BENCHMARKS.md call 30), and cuDNN's SDPA, the Hopper kernel PyTorch has,
+on an H200, against 710 for its GEMMs: dev/LOG.md, call 30), and cuDNN's SDPA, the Hopper kernel PyTorch has,
 crashed in FLUX's backward with an illegal memory access (calls 8 and 30). This probe runs the attention alone, or
 FLUX's own blocks, so one call can say whether a crash follows the backend, the tensor layout, the shape or the model
 (call 31: the layout of the output's gradient in FLUX's single-stream blocks; ``lightning_lora.model.attention``).
@@ -19,9 +19,9 @@ backward as in LoRA training, with diffusers' attention dispatch (``--dispatch n
 the kernel chosen by ``--backend``; ``--dispatch cudnn``: diffusers' ``_native_cudnn`` backend, which hands cuDNN
 contiguous tensors). ``--tokens`` is then the image tokens and ``--text`` the text tokens.
 
-Run each backend in its own process (``tools/bench_suite.py`` rows with ``"script": "sdpa_probe.py"``): an illegal
-memory access leaves the process's CUDA context unusable. The default shape is ``flux_h100``'s: batch 2, 24 heads, 4,096
-image + 512 text tokens, head dimension 128.
+Run each backend in its own process (one command each; ``tools/bench_suite.py`` ran it as a ``"script"`` row when it
+lived in tools/): an illegal memory access leaves the process's CUDA context unusable. The default shape is
+``flux_h100``'s: batch 2, 24 heads, 4,096 image + 512 text tokens, head dimension 128.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def storage_layout(t: torch.Tensor) -> str:
     """Which ``[B, H, S, D]`` layout ``t``'s storage has: ``"bhsd"`` (contiguous as seen), ``"bshd"`` (heads inside
     tokens, as diffusers' processors make q / k / v, whose ``flatten`` of the output is then a view) or ``"other"``.
     Whether a backend's output follows its query's layout decides whether the processor copies it (the memory
-    planner's meta count allocates it in the query's ``[B, H, S, D]`` shape; BENCHMARKS.md stop 46)."""
+    planner's meta count allocates it in the query's ``[B, H, S, D]`` shape; dev/LOG.md, stop 46)."""
     if t.is_contiguous():
         return "bhsd"
     return "bshd" if t.transpose(1, 2).is_contiguous() else "other"

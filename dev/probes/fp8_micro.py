@@ -1,7 +1,7 @@
 """Micro-benchmark of one frozen linear layer, forward + input gradient, on FLUX.1 shapes: bf16 vs FP8 storage vs
 FP8 compute (lightning_lora.precision.fp8). Prints one JSON line per shape with ms per call and the speed-up over bf16.
 
-    python tools/fp8_micro.py [--tokens 2048]
+    python dev/probes/fp8_micro.py [--tokens 2048]
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
-"""tools/ref_sd15.py: the plain recipe's loop for SD1.5 trains peft's LoRA on the four attention projections only."""
+"""dev/probes/ref_sd15.py: the plain recipe's loop for SD1.5 trains peft's LoRA on the four attention projections
+only."""
 
 from __future__ import annotations
 
 import math
-import sys
 
+import ref_sd15
 import torch
-from helpers import REPO
-
-sys.path.insert(0, str(REPO / "tools"))
-
-import ref_sd15  # noqa: E402
 
 
 def test_the_lora_is_on_the_four_attention_projections_and_a_step_trains_it() -> None:

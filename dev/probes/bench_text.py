@@ -13,8 +13,8 @@ same shapes and memory as the real ones), through the code ``LatentCache.encode_
 
 One JSON line per mode on stdout.
 
-    python tools/bench_text.py                       # GPU: real sizes, modes none nf4 fp8
-    python tools/bench_text.py --tiny --modes none fp8   # CPU check with small encoders
+    python dev/probes/bench_text.py                       # GPU: real sizes, modes none nf4 fp8
+    python dev/probes/bench_text.py --tiny --modes none fp8   # CPU check with small encoders
 """
 
 from __future__ import annotations
