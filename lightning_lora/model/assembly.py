@@ -277,13 +277,14 @@ def cache_custom_autograd_functions() -> bool:
     """Let AOTAutograd's cache keep the compiled graphs that hold a custom ``torch.autograd.Function``; returns
     whether it now does.
 
-    Ours are in every attention block of a CUDA run (:class:`lightning_lora.model.attention.OutputGradientInOutputLayout`,
-    wherever cuDNN's attention is allowed) and in the FP8 bases' matmuls (:mod:`lightning_lora.precision.fp8`). torch
-    refuses such graphs by default (``autograd_cache_allow_custom_autograd_functions``, off while torch tests it; Dynamo
-    traces the function's forward and backward into the graph that keys the cache, which is why torch's authors call
-    it safe, PR 149751). Refused, every start traced and partitioned those graphs again: on an H100, 0 AOTAutograd hits
-    of SD1.5's 3 attention graphs at a second start. A user's
-    ``TORCHINDUCTOR_AUTOGRAD_CACHE_ALLOW_CUSTOM_AUTOGRAD=0`` still wins (torch reads it over this setting)."""
+    Ours are in every attention block of a CUDA run
+    (:class:`lightning_lora.model.attention.OutputGradientInOutputLayout`, wherever cuDNN's attention is allowed) and in
+    the FP8 bases' matmuls (:mod:`lightning_lora.precision.fp8`). torch refuses such graphs by default
+    (``autograd_cache_allow_custom_autograd_functions``, off while torch tests it; Dynamo traces the function's forward
+    and backward into the graph that keys the cache, which is why torch's authors call it safe, PR 149751). Refused,
+    every start traced and partitioned those graphs again: on an H100, 0 AOTAutograd hits of SD1.5's 3 attention graphs
+    at a second start. A user's ``TORCHINDUCTOR_AUTOGRAD_CACHE_ALLOW_CUSTOM_AUTOGRAD=0`` still wins (torch reads it over
+    this setting)."""
     config = torch._functorch.config
     if not hasattr(config, "autograd_cache_allow_custom_autograd_functions"):  # torch without the setting
         return False
