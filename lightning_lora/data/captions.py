@@ -130,7 +130,8 @@ def not_text(text: str) -> str | None:
     NUL character (binary files do; text in any encoding this module reads does not, once decoded), or more than
     :data:`_CONTROL_SHARE` of its characters are control characters other than tabs and line breaks."""
     if "\x00" in text:
-        return f"it holds {text.count(chr(0)):,} NUL bytes: a binary file (or UTF-16 without a byte-order mark), not text"
+        nul = text.count("\x00")
+        return f"it holds {nul:,} NUL bytes: a binary file (or UTF-16 without a byte-order mark), not text"
     controls = sum(1 for c in text if c not in _LAYOUT and unicodedata.category(c) == "Cc")
     if text and controls > _CONTROL_SHARE * len(text):
         return f"{controls:,} of its {len(text):,} characters are control characters: a binary file, not text"

@@ -319,7 +319,8 @@ def test_links_and_metadata_rows_that_match_no_image_are_named(tmp_path: Path) -
 def test_a_binary_file_named_like_a_caption_is_no_caption(tmp_path: Path) -> None:
     """A PNG saved as ``photo.txt`` (NUL bytes) or a file of control characters is no caption, in any encoding: it is
     named, and the image takes the default caption or the trigger word alone, as without a caption file; without
-    either the image is skipped. Text with a few control characters (an escape sequence pasted along) stays a caption."""
+    either the image is skipped. Text with a few control characters (an escape sequence pasted in) stays a caption.
+    """
     import io
 
     from PIL import Image
