@@ -54,6 +54,7 @@ from lightning_lora.cli.peek import config_files, read_config_file
 from lightning_lora.data.datamodule import LatentDataModule
 from lightning_lora.errors import ConfigError, first_line
 from lightning_lora.hardware import Allocator, allocator_conflict
+from lightning_lora.io import write_failure
 from lightning_lora.module import LoraModule, primitive_hparams
 from lightning_lora.parallel import check_strategy, resolve_strategy, shards_of
 from lightning_lora.precision import BasePrecision, check_trainer_precision, for_trainer_precision, precision_of
@@ -379,22 +380,14 @@ def check_writable(folder: Path, option: str) -> None:
 
 
 def write_error(e: OSError) -> str | None:
-    """The one-line message for a file that cannot be written (full disk, no permission); None for other errors."""
-    hints = {
-        errno.ENOSPC: "the disk is full: free some space, or put trainer.default_root_dir / data.cache_dir on another "
-        "disk",
-        errno.EDQUOT: "the disk quota is used up: free some space, or put trainer.default_root_dir / data.cache_dir "
-        "elsewhere",
-        errno.EACCES: "no permission: fix the permissions, or choose another trainer.default_root_dir / data.cache_dir",
-        errno.EPERM: "no permission: fix the permissions, or choose another trainer.default_root_dir / data.cache_dir",
-        errno.EROFS: "the file system is read-only: choose another trainer.default_root_dir / data.cache_dir",
-    }
-    if e.errno not in hints:
+    """The one-line message for a file that cannot be written (full disk, no permission, a file-size limit); None for
+    other errors."""
+    message = write_failure(e, "trainer.default_root_dir / data.cache_dir")
+    if message is None:
         return None
-    where = e.filename or "a file"
     return (
-        f"cannot write {where} ({e.strerror or e}); {hints[e.errno]}. Files already written are intact (every write is "
-        "atomic): run the same command again to continue (add --ckpt_path last if training had started)."
+        f"{message}. Files already written are intact (every write is atomic): run the same command again to continue "
+        "(add --ckpt_path last if training had started)."
     )
 
 
