@@ -20,7 +20,11 @@ over the finished run, replace its exported LoRA and leave a ``last`` that conti
 
 Compatibility (:func:`check_compatible`): a different LoRA rank, alpha, targets, family or base model would train a
 different adapter, so a resume stops with the option's name. Anything else (steps, learning rate, logging, samples)
-may change between runs.
+may change between runs. The base model is compared by what it is, not by how ``model.pretrained`` is spelled: every
+checkpoint records the model's identity (``checkpoint["lightning_lora"]["model"]``,
+:meth:`~lightning_lora.families.base.ModelSource.model_identity`: its files' contents, or a hub id), so a model folder
+that moved or is named by another path resumes, and another model copied to the same path is refused. A checkpoint
+written before identities were recorded is compared by the path as written (and the note says so).
 
 Settings versus state (:func:`reconcile_training_state`): an optimizer's and a scheduler's ``state_dict`` mix the
 *state* a resume must continue (moments, step counters, the schedule's position) with the *settings* the config chose
@@ -70,6 +74,9 @@ INCOMPATIBLE = {
     "model.denoiser_file": ("denoiser_file",),
 }
 
+
+_MODEL_FILES = ("model.pretrained", "model.denoiser_file")
+"""The options compared by the model's identity (its files), not as written, when the checkpoint records it."""
 
 STAMP = "lightning_lora"
 """The checkpoint key under which lightning-lora keeps its own records (``saved_at_ns``, ``configured``)."""
@@ -232,11 +239,28 @@ def _lookup(hparams: dict[str, Any], keys: tuple[str, ...]) -> Any:
     return value
 
 
-def check_compatible(saved: dict[str, Any], current: dict[str, Any], path: str | Path) -> None:
-    """Raise :class:`ConfigError` if an option that defines the LoRA differs between a checkpoint and this run."""
+def check_compatible(
+    saved: dict[str, Any],
+    current: dict[str, Any],
+    path: str | Path,
+    saved_model: dict[str, Any] | None = None,
+    current_model: dict[str, Any] | None = None,
+) -> None:
+    """Raise :class:`ConfigError` if an option that defines the LoRA differs between a checkpoint and this run.
+
+    ``saved`` and ``current`` are the hyper-parameters; ``saved_model`` and ``current_model`` the model identities
+    (:meth:`~lightning_lora.families.base.ModelSource.model_identity`) of the checkpoint (None when it predates them:
+    the model options are then compared as written) and of this run."""
     diffs = []
+    by_identity = saved_model is not None and current_model is not None
     for option, keys in INCOMPATIBLE.items():
         old, new = _lookup(saved, keys), _lookup(current, keys)
+        if option in _MODEL_FILES and by_identity:
+            assert saved_model is not None and current_model is not None
+            if saved_model.get(keys[0]) != current_model.get(keys[0]):
+                was = "" if old == new else f" ({old!r})"
+                diffs.append(f"{option} {new!r} is not the model the run was trained on{was}: their files differ")
+            continue
         if option == "model.lora.alpha":  # null means alpha = rank
             old = old if old is not None else _lookup(saved, ("lora", "rank"))
             new = new if new is not None else _lookup(current, ("lora", "rank"))
@@ -247,11 +271,20 @@ def check_compatible(saved: dict[str, Any], current: dict[str, Any], path: str |
             old, new = (Path(old).name if old else old), (Path(new).name if new else new)
         if old != new:
             diffs.append(f"{option} was {old!r}, now {new!r}")
+    older = (
+        f"{path} records no identity of its base model (written by an older lightning-lora), so model.pretrained is "
+        "compared as written"
+    )
     if diffs:
+        hint = ""
+        if not by_identity and any(d.startswith(_MODEL_FILES) for d in diffs):
+            hint = f" ({older}: resume once with the path it was trained with; its new checkpoints record the model)"
         raise ConfigError(
-            f"--ckpt_path: {path} was trained with other settings: {'; '.join(diffs)}. Resume with the run's own "
+            f"--ckpt_path: {path} was trained with other settings: {'; '.join(diffs)}{hint}. Resume with the run's own "
             "settings (its config.yaml), or start a new run in another folder (trainer.default_root_dir)."
         )
+    if not by_identity:
+        rank_zero_info(f"--ckpt_path: {older}; the checkpoints this run writes record it.")
 
 
 # -- settings versus state (see the module docstring) -------------------------------------------------------------

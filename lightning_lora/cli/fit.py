@@ -231,8 +231,13 @@ class LoraCLI(LightningCLI):
         elif ckpt_path is not None:
             checkpoint = read_checkpoint(ckpt_path)
         if checkpoint is not None:
+            saved_model = (checkpoint.get(STAMP) or {}).get("model")  # None: a checkpoint from before identities
             check_compatible(
-                checkpoint.get("hyper_parameters", {}), primitive_hparams(dict(model.hparams)), ckpt_path or ""
+                checkpoint.get("hyper_parameters", {}),
+                primitive_hparams(dict(model.hparams)),
+                ckpt_path or "",
+                saved_model,
+                model.model_identity() if saved_model is not None else None,
             )
             step, end = checkpoint.get("global_step", 0), self.trainer.max_steps
             if end and 0 < end <= step:

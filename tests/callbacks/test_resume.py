@@ -480,3 +480,48 @@ def test_a_second_fit_into_a_run_folder_in_use_is_refused_naming_the_first(
         holder.kill()  # SIGKILL
         holder.wait()
     assert run_cli(["fit", "--config", str(config)]).trainer.global_step == 1
+
+
+def test_a_moved_base_model_resumes_and_another_model_at_its_path_is_refused(
+    tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path, capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run trained on a model named by a relative path continues after the model moved to another disk and is named
+    by an absolute path (its cache entries are reused: the same model); a model with other weights copied to that
+    path is refused in one line, though model.pretrained is written the same."""
+    import shutil
+
+    from helpers import other_weights
+
+    from lightning_lora.cli import main
+
+    shutil.copytree(tiny_flux_dir, tmp_path / "disk1" / "flux")
+    monkeypatch.chdir(tmp_path)
+    config = resume_config(tmp_path, tiny_flux_dir, photos_dir, "b", **{"model.pretrained": "disk1/flux"})
+    run_cli(["fit", "--config", str(config), "--trainer.max_steps", "2"])
+    shutil.move(tmp_path / "disk1", tmp_path / "disk2")
+    moved = str(tmp_path / "disk2" / "flux")
+    cli = run_cli(
+        ["fit", "--config", str(config), "--ckpt_path", "last", "--trainer.max_steps", "3", "--model.pretrained", moved]
+    )
+    assert cli.trainer.global_step == 3
+    report = cli.datamodule.report
+    assert report is not None and report.latents_encoded == 0 and report.texts_encoded == 0
+    other_weights(tmp_path / "disk2" / "flux")  # another model of the same shapes
+    with pytest.raises(SystemExit) as exit_info:
+        main(
+            [
+                "fit",
+                "--config",
+                str(config),
+                "--ckpt_path",
+                "last",
+                "--trainer.max_steps",
+                "4",
+                "--model.pretrained",
+                moved,
+            ]
+        )
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert f"model.pretrained '{moved}' is not the model the run was trained on: their files differ" in err, err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
