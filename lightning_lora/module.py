@@ -227,6 +227,7 @@ class LoraModule(LightningModule):
             return
         if self.denoiser is not None:  # idempotent, as Lightning requires
             return
+        self.model_identity()  # read while the files are surely there; every checkpoint of the run records it
         denoiser = self.build(self.trainer.strategy.root_device)
         # Under autocast (every forward: training, samples, evaluation) the LoRA layers need no input casts.
         set_lora_input_casts(denoiser, enabled=not self.recipe.precision.autocasts)
