@@ -31,6 +31,7 @@ Where Python has no ``fcntl`` (Windows) there is no lock; on a file system witho
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -186,10 +187,6 @@ class RunLock:
         self.path = self.folder / LOCK_NAME
         self._fd: int | None = None
 
-    @property
-    def held(self) -> bool:
-        return self._fd is not None
-
     def acquire(self) -> None:
         """Take the lock, or raise :class:`ConfigError` naming the process that holds it."""
         if fcntl is None or self._fd is not None:
@@ -220,13 +217,15 @@ class RunLock:
         self._fd = fd
 
     def release(self) -> None:
-        """Let the next run in (closing the file releases the lock); the file stays, empty."""
+        """Let the next run in; the file stays, empty. Unlocked explicitly: a process forked meanwhile (a data loader's
+        worker) shares the lock, which closing this descriptor alone would leave held."""
         if self._fd is None:
             return
-        try:
+        with contextlib.suppress(OSError):
             os.ftruncate(self._fd, 0)
-        except OSError:
-            pass
+        if fcntl is not None:
+            with contextlib.suppress(OSError):
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
         os.close(self._fd)
         self._fd = None
 

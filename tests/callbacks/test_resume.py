@@ -500,27 +500,14 @@ def test_a_moved_base_model_resumes_and_another_model_at_its_path_is_refused(
     run_cli(["fit", "--config", str(config), "--trainer.max_steps", "2"])
     shutil.move(tmp_path / "disk1", tmp_path / "disk2")
     moved = str(tmp_path / "disk2" / "flux")
-    cli = run_cli(
-        ["fit", "--config", str(config), "--ckpt_path", "last", "--trainer.max_steps", "3", "--model.pretrained", moved]
-    )
+    resume = ["fit", "--config", str(config), "--ckpt_path", "last", "--model.pretrained", moved]
+    cli = run_cli([*resume, "--trainer.max_steps", "3"])
     assert cli.trainer.global_step == 3
     report = cli.datamodule.report
     assert report is not None and report.latents_encoded == 0 and report.texts_encoded == 0
     other_weights(tmp_path / "disk2" / "flux")  # another model of the same shapes
     with pytest.raises(SystemExit) as exit_info:
-        main(
-            [
-                "fit",
-                "--config",
-                str(config),
-                "--ckpt_path",
-                "last",
-                "--trainer.max_steps",
-                "4",
-                "--model.pretrained",
-                moved,
-            ]
-        )
+        main([*resume, "--trainer.max_steps", "4"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip()
     assert f"model.pretrained '{moved}' is not the model the run was trained on: their files differ" in err, err
