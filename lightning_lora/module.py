@@ -15,7 +15,8 @@ Lifecycle (during ``fit`` Lightning calls these in this order):
   (:func:`lightning_lora.checkpoint.reconcile_training_state`).
 * ``training_step`` takes the batch's per-sample noise and timesteps and asks the family for the loss. Batches
   come from the latent cache: no VAE or text encoder runs while training.
-* Checkpoints hold only the trainable tensors: ``on_save_checkpoint`` drops the frozen base.
+* Checkpoints hold only the trainable tensors: ``on_save_checkpoint`` drops the frozen base, and stamps what the base
+  model is (:meth:`model_identity`) for a resume to compare, however its path is spelled then.
 """
 
 from __future__ import annotations
@@ -139,6 +140,7 @@ class LoraModule(LightningModule):
         self._host_threads: int | None = None  # torch's CPU threads before training limited them (on_train_start)
         self.resume_notes: list[str] = []
         """What a resume took from the config instead of the checkpoint, one line each (the start summary prints)."""
+        self._model_identity: dict[str, str | None] | None = None
         # A partial checkpoint (LoRA only) must load into the full model; on_load_checkpoint does the strict check.
         self.strict_loading = False
 
@@ -153,6 +155,12 @@ class LoraModule(LightningModule):
     @property
     def lora(self) -> LoraOptions:
         return self.recipe.lora
+
+    def model_identity(self) -> dict[str, str | None]:
+        """What the base model is (:meth:`ModelSource.model_identity`: its files, not its path), read once."""
+        if self._model_identity is None:
+            self._model_identity = self.source.model_identity()
+        return self._model_identity
 
     def use_memory_settings(self, settings: dict[str, Any]) -> None:
         """Build with these memory settings (``model.memory``'s choice:
@@ -221,6 +229,7 @@ class LoraModule(LightningModule):
             return
         if self.denoiser is not None:  # idempotent, as Lightning requires
             return
+        self.model_identity()  # read while the files are surely there; every checkpoint of the run records it
         denoiser = self.build(self.trainer.strategy.root_device)
         # Under autocast (every forward: training, samples, evaluation) the LoRA layers need no input casts.
         set_lora_input_casts(denoiser, enabled=not self.recipe.precision.autocasts)
@@ -325,6 +334,7 @@ class LoraModule(LightningModule):
             checkpoint.setdefault(STAMP, {})["configured"] = self._configured[0]
         if self.memory_settings is not None:
             checkpoint.setdefault(STAMP, {})["memory"] = dict(self.memory_settings)
+        checkpoint.setdefault(STAMP, {})["model"] = self.model_identity()
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -167,3 +167,12 @@ def denoiser_output(denoiser: nn.Module, inputs: dict[str, Any]) -> torch.Tensor
 def lora_layers(model: nn.Module) -> set[str]:
     """Names of the modules that carry a LoRA adapter."""
     return {n for n, m in model.named_modules() if hasattr(m, "lora_A") and len(getattr(m, "lora_A", {})) > 0}
+
+
+def other_weights(model_dir: Path, component: str = "transformer") -> None:
+    """Every weight of ``component`` in the saved pipeline ``model_dir`` changed, the shapes kept: another model (a
+    fine-tune) that the same config loads."""
+    from safetensors.torch import load_file, save_file
+
+    for file in (model_dir / component).glob("*.safetensors"):
+        save_file({k: v + 0.01 for k, v in load_file(file).items()}, file)

@@ -147,5 +147,8 @@ def test_memory_auto_switches_the_trainers_plugin_and_the_written_config(
     assert saved["precision"] is None
     assert saved["plugins"][-1] == {"class_path": "lightning_lora.precision.FP8", "init_args": precision.options()}
     monkeypatch.setattr(hardware, "free_memory_gib", lambda device: 80.0)  # the written config is the choice itself
-    again = run_cli(["fit", "--config", str(tmp_path / "run" / "config.yaml"), "--model.memory", "as_configured"])
+    written = str(tmp_path / "run" / "config.yaml")
+    again = run_cli(
+        ["fit", "--config", written, "--model.memory", "as_configured", "--trainer.default_root_dir", str(tmp_path)]
+    )
     assert again.model.recipe.precision == FP8(dtype="fp32")
