@@ -43,7 +43,7 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml constraints-cpu.txt
 install: $(VENV)/.installed
 
 demo: $(VENV)/.installed
-	$(BIN)/python -m lightning_lora.demo --out $(DEMO_DIR)
+	$(BIN)/python -m lightning_lora.cli.demo --out $(DEMO_DIR)
 	$(BIN)/lightning-lora fit --config configs/tiny_cpu.yaml \
 		--trainer.default_root_dir runs/demo/$$(date +%Y%m%d-%H%M%S)
 

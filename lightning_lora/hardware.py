@@ -181,9 +181,9 @@ def set_allocator_defaults(environ: MutableMapping[str, str] | None = None, choi
     other sizes (training steps, then the sample images' decode) can run out of memory with enough free in total
     but none in one piece. On an H200 capped at 7.0 GiB (an 8 GB card that drives a display), ``flux_8gb`` as shipped
     ran out of memory drawing its samples that way (6.95 GiB reserved for 6.65 allocated), and with expandable
-    segments trained, sampled (6.84 GiB) and exported at the same speed, 6.64 reserved (BENCHMARKS.md call 36). With
-    room to spare, PyTorch's default was the faster one for the SDXL UNet (calls 37-38): ``allocator:
-    pytorch_default``.
+    segments trained, sampled (6.84 GiB) and exported at the same speed, 6.64 reserved (BENCHMARKS.md, "What each
+    option measured"). With room to spare, PyTorch's default was at times the faster one for the SDXL UNet:
+    ``allocator: pytorch_default``.
 
     The allocator reads the setting when it starts, at the first GPU allocation, and importing a GPU library
     (bitsandbytes asks for the GPU's compute capability) starts it: the command sets it first thing, before it parses
@@ -238,7 +238,8 @@ def limit_host_threads(device_type: str, environ: Mapping[str, str] | None = Non
     thread pool, and after each the pool's OpenMP threads spin, waiting for more, while the two threads that drive the
     GPU (the training thread, and autograd's, which runs the backward pass) need a core each. On an H200's 16-core
     host ``sdxl_12gb``'s step took 0.70 s with one thread and 0.75 / 1.13 s with one per core, which spent 1.5-2.3 s of
-    the process's CPU a step (BENCHMARKS.md call 44); ``flux_4090``'s 0.576 against 0.705 / 0.838 s (call 45).
+    the process's CPU a step; ``flux_4090``'s 0.576 against 0.705 / 0.838 s (BENCHMARKS.md, "What each option
+    measured").
     """
     environ = os.environ if environ is None else environ
     if device_type != "cuda" or "OMP_NUM_THREADS" in environ:

@@ -2,9 +2,10 @@
 
 Lifecycle (during ``fit`` Lightning calls these in this order):
 
-* ``__init__`` only stores and validates options (cheap): it builds the :class:`~lightning_lora.recipe.ModelRecipe`,
-  so a wrong path or an impossible combination fails here, before any weights load.
-* ``configure_model`` loads the backbone and injects LoRA (:mod:`lightning_lora.assembly`). It runs before a
+* ``__init__`` only stores and validates options (cheap): it builds the
+  :class:`~lightning_lora.model.recipe.ModelRecipe`, so a wrong path or an impossible combination fails here, before any
+  weights load.
+* ``configure_model`` loads the backbone and injects LoRA (:mod:`lightning_lora.model.assembly`). It runs before a
   checkpoint is restored and is idempotent, as Lightning requires.
 * On a resume, ``on_load_checkpoint`` checks that every LoRA tensor is present with the right shape (the non-strict
   loading that a partial checkpoint needs would otherwise hide a missing or mismatched key).
@@ -14,7 +15,8 @@ Lifecycle (during ``fit`` Lightning calls these in this order):
   (:func:`lightning_lora.checkpoint.reconcile_training_state`).
 * ``training_step`` takes the batch's per-sample noise and timesteps and asks the family for the loss. Batches
   come from the latent cache: no VAE or text encoder runs while training.
-* Checkpoints hold only the trainable tensors: ``on_save_checkpoint`` drops the frozen base.
+* Checkpoints hold only the trainable tensors: ``on_save_checkpoint`` drops the frozen base, and stamps what the base
+  model is (:meth:`model_identity`) for a resume to compare, however its path is spelled then.
 """
 
 from __future__ import annotations
@@ -28,16 +30,16 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from typing_extensions import override
 
-from lightning_lora.assembly import build_lora_model, gradients_outside_graphs
 from lightning_lora.checkpoint import STAMP, configured_record, reconcile_training_state
 from lightning_lora.errors import ConfigError
 from lightning_lora.families.base import DiffusionFamily, ModelSource
 from lightning_lora.families.flux import Flux
 from lightning_lora.hardware import limit_host_threads
 from lightning_lora.lora import LoraOptions, set_lora_input_casts, trainable_parameters
-from lightning_lora.parallel import prepare_model
+from lightning_lora.model.assembly import build_lora_model, gradients_outside_graphs
+from lightning_lora.model.parallel import prepare_model
+from lightning_lora.model.recipe import AttentionBackend, ModelRecipe
 from lightning_lora.precision import BasePrecision, precision_of
-from lightning_lora.recipe import AttentionBackend, ModelRecipe
 
 __all__ = ["LoraModule", "primitive_hparams"]
 
@@ -67,8 +69,8 @@ class LoraModule(LightningModule):
             a compile of a minute or two at the start.
         cuda_graphs: with ``compile_blocks``, replay each compiled block as a CUDA graph (``torch.compile``'s
             ``reduce-overhead`` mode): for steps bound by the host's CPU (the UNets on a fast GPU: ``sdxl_24gb`` 2.8x
-            faster a step on an H100, BENCHMARKS.md call 58); no gain where the GPU is the bound. One graph per image
-            size, recorded at its first steps. Not with a sharding strategy (FSDP).
+            faster a step on an H100: BENCHMARKS.md, "CUDA graphs"); no gain where the GPU is the bound. One graph
+            per image size, recorded at its first steps. Not with a sharding strategy (FSDP).
         offload_blocks: keep the frozen weights of this many repeated blocks (spread over the model) in CPU memory
             and copy each to the GPU while it runs; they are recomputed in the backward pass. Frees their weights'
             GPU memory (less two blocks in flight) for two copies per block and step: how FLUX in bf16 fits a 24 GB
@@ -110,8 +112,8 @@ class LoraModule(LightningModule):
         super().__init__()
         self.save_hyperparameters(ignore=["optimizer", "scheduler"])
         source = ModelSource(pretrained, denoiser_file, revision)
-        #: Everything that decides how the model is built, checked once (lightning_lora.recipe). The base format is
-        #: the trainer's precision plugin: BF16 until ``fit`` starts (:meth:`use_precision`).
+        #: Everything that decides how the model is built, checked once (lightning_lora.model.recipe). The base format
+        #: is the trainer's precision plugin: BF16 until ``fit`` starts (:meth:`use_precision`).
         self.recipe = ModelRecipe(
             family=family,
             source=source,
@@ -138,6 +140,7 @@ class LoraModule(LightningModule):
         self._host_threads: int | None = None  # torch's CPU threads before training limited them (on_train_start)
         self.resume_notes: list[str] = []
         """What a resume took from the config instead of the checkpoint, one line each (the start summary prints)."""
+        self._model_identity: dict[str, str | None] | None = None
         # A partial checkpoint (LoRA only) must load into the full model; on_load_checkpoint does the strict check.
         self.strict_loading = False
 
@@ -153,9 +156,16 @@ class LoraModule(LightningModule):
     def lora(self) -> LoraOptions:
         return self.recipe.lora
 
+    def model_identity(self) -> dict[str, str | None]:
+        """What the base model is (:meth:`ModelSource.model_identity`: its files, not its path), read once."""
+        if self._model_identity is None:
+            self._model_identity = self.source.model_identity()
+        return self._model_identity
+
     def use_memory_settings(self, settings: dict[str, Any]) -> None:
-        """Build with these memory settings (``model.memory``'s choice: :data:`~lightning_lora.recipe.MEMORY_SETTINGS`
-        by name), before ``configure_model``; the hyper-parameters (and so checkpoints) say them too."""
+        """Build with these memory settings (``model.memory``'s choice:
+        :data:`~lightning_lora.model.recipe.MEMORY_SETTINGS` by name), before ``configure_model``; the hyper-parameters
+        (and so checkpoints) say them too."""
         if self.denoiser is not None:
             raise RuntimeError("model.memory: the model is built already; choose its settings before fit")
         self.recipe = self.recipe.with_memory_settings(settings)
@@ -219,10 +229,11 @@ class LoraModule(LightningModule):
             return
         if self.denoiser is not None:  # idempotent, as Lightning requires
             return
+        self.model_identity()  # read while the files are surely there; every checkpoint of the run records it
         denoiser = self.build(self.trainer.strategy.root_device)
         # Under autocast (every forward: training, samples, evaluation) the LoRA layers need no input casts.
         set_lora_input_casts(denoiser, enabled=not self.recipe.precision.autocasts)
-        prepare_model(self.trainer.strategy, denoiser)  # trainer.strategy: fsdp shards it (lightning_lora.parallel)
+        prepare_model(self.trainer.strategy, denoiser)  # trainer.strategy: fsdp shards it (model.parallel)
 
     def build(self, device: torch.device) -> torch.nn.Module:
         """Load the backbone on ``device`` and inject LoRA, once (``configure_model`` calls this with the trainer's
@@ -239,7 +250,9 @@ class LoraModule(LightningModule):
 
     @override
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        if self.recipe.cuda_graphs:  # each micro-batch one generation of the graphs' memory (assembly.CUDA_GRAPHS_MODE)
+        if (
+            self.recipe.cuda_graphs
+        ):  # each micro-batch one generation of the graphs' memory (model.assembly.CUDA_GRAPHS_MODE)
             torch.compiler.cudagraph_mark_step_begin()
         latents = batch["latents"]
         # The datamodule draws them per sample (independent of rank count); other batches use the global RNG.
@@ -309,7 +322,7 @@ class LoraModule(LightningModule):
         """On a GPU, one thread for torch's CPU operators while training (:func:`lightning_lora.hardware.
         limit_host_threads`: the pool's idle threads spin on the cores the two threads driving the GPU need). With
         ``cuda_graphs`` the LoRA's gradients are allocated now, outside the graphs' memory
-        (:func:`~lightning_lora.assembly.gradients_outside_graphs`)."""
+        (:func:`~lightning_lora.model.assembly.gradients_outside_graphs`)."""
         self._host_threads = limit_host_threads(self.device.type)
         if self.recipe.cuda_graphs:
             gradients_outside_graphs(trainable_parameters(self._require_model()))
@@ -317,7 +330,8 @@ class LoraModule(LightningModule):
     @override
     def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
         """Gradients set to ``None`` between optimizer steps (torch's default), or zeroed in place with
-        ``cuda_graphs``: kept outside the graphs' memory (:func:`~lightning_lora.assembly.gradients_outside_graphs`)."""
+        ``cuda_graphs``: kept outside the graphs' memory
+        (:func:`~lightning_lora.model.assembly.gradients_outside_graphs`)."""
         optimizer.zero_grad(set_to_none=not self.recipe.cuda_graphs)
 
     @override
@@ -335,6 +349,7 @@ class LoraModule(LightningModule):
             checkpoint.setdefault(STAMP, {})["configured"] = self._configured[0]
         if self.memory_settings is not None:
             checkpoint.setdefault(STAMP, {})["memory"] = dict(self.memory_settings)
+        checkpoint.setdefault(STAMP, {})["model"] = self.model_identity()
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -92,9 +92,9 @@ def pytest_itemcollected(item: pytest.Item) -> None:
 def _process_globals() -> Iterator[None]:
     """What one test changes in the process, the next does not inherit (a test process runs many tests, in an order
     that changes with the suite): the SIGINT / SIGTERM handlers (Lightning leaves SIGINT ignored after a run it stopped
-    on a KeyboardInterrupt), ``F.scaled_dot_product_attention`` (lightning_lora.attention replaces it; a recording
-    SDPA left by tests/test_attention.py once failed 11 later tests of one process) and ``logging.lastResort`` (the
-    verbs without a run log replace it for the rest of their process: ``quiet_library_loggers``)."""
+    on a KeyboardInterrupt), ``F.scaled_dot_product_attention`` (lightning_lora.model.attention replaces it; a recording
+    SDPA left by tests/model/test_attention.py once failed 11 later tests of one process) and ``logging.lastResort``
+    (the verbs without a run log replace it for the rest of their process: ``quiet_library_loggers``)."""
     import logging
     import signal
 
@@ -169,7 +169,7 @@ def tiny_flux2_dir(tiny_pipeline: Callable[[str], Path]) -> Path:
 def tiny_flux2_dev_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A saved tiny FLUX.2 dev pipeline folder (``Flux2Pipeline``: Flux2 transformer with a guidance embedder,
     batch-normalised VAE, 31-layer Mistral3 text encoder, tekken-style tokenizer with Mistral's chat template)."""
-    from lightning_lora.tiny_flux2 import save_tiny_flux2_dev
+    from lightning_lora.tiny.flux2 import save_tiny_flux2_dev
 
     return save_tiny_flux2_dev(tmp_path_factory.mktemp("models") / "tiny-flux2-dev", seed=0)
 
@@ -179,7 +179,7 @@ def photos_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Four real photos from scikit-image (shipped in its wheel) with .txt captions."""
     from PIL import Image
 
-    from lightning_lora.demo import PHOTOS, _photo
+    from lightning_lora.cli.demo import PHOTOS, _photo
 
     folder = tmp_path_factory.mktemp("photos")
     for name in list(PHOTOS)[:4]:

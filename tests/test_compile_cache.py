@@ -5,10 +5,10 @@ graph cache and AOTAutograd's cache: hits, no misses), also when only the learni
 whose compiled graph differs (another LoRA rank) must compile it (misses). Each run is a fresh process
 (tests/helpers/compile_step.py), as a user's next run is.
 
-The runs hand the attention's gradient over as CUDA runs do (:mod:`lightning_lora.attention`): a custom
+The runs hand the attention's gradient over as CUDA runs do (:mod:`lightning_lora.model.attention`): a custom
 ``autograd.Function`` in the graph, which AOTAutograd's cache refuses unless told (torch's
 ``autograd_cache_allow_custom_autograd_functions``); refused, every start of a CUDA run traced and partitioned its
-attention blocks' graphs again (BENCHMARKS.md, call 52g: 0 AOTAutograd hits of 3 graphs on SD1.5's transformer blocks).
+attention blocks' graphs again (dev/LOG.md, call 52g: 0 AOTAutograd hits of 3 graphs on SD1.5's transformer blocks).
 
 Kept small (about 60 s on the 2-core CI machine, most of it gcc compiling ~10 C++ kernels and two interpreter starts):
 the tiny FLUX with one single-stream block, one graph forward and one backward.

@@ -50,7 +50,7 @@ def _model(family: DiffusionFamily, folder: Path, compiled: bool) -> torch.nn.Mo
         blocks: torch.nn.ModuleList = getattr(model, name)
         blocks.append(copy.deepcopy(blocks[0]))
     if compiled:
-        from lightning_lora.assembly import compile_repeated_blocks
+        from lightning_lora.model.assembly import compile_repeated_blocks
 
         compile_repeated_blocks(model, extra=family.compiled_regions, streams=family.stream_sources)
     return model

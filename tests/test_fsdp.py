@@ -1,7 +1,7 @@
 """``trainer.strategy: fsdp`` through the command: a bf16 base sharded over two CPU processes (gloo) with FSDP2
-(:class:`lightning_lora.parallel.LoraFSDPStrategy`) trains the LoRA that two processes of DDP train, writes checkpoints
-in DDP's layout (full LoRA tensors and optimizer state, compared key by key), resumes from them on the DDP path, and
-exports the LoRA its checkpoint holds.
+(:class:`lightning_lora.model.parallel.LoraFSDPStrategy`) trains the LoRA that two processes of DDP train, writes
+checkpoints in DDP's layout (full LoRA tensors and optimizer state, compared key by key), resumes from them on the DDP
+path, and exports the LoRA its checkpoint holds.
 
 Tolerance (measured: the LoRA after 1-5 steps differs from DDP's by at most 5e-6 of each tensor's largest value, the
 RNG states are equal): both strategies run the same two processes on the same global batches with the same per-sample

@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_lora.assembly import configure_attention
-from lightning_lora.attention import hand_sdpa_matching_gradients, sdpa_hands_matching_gradients
 from lightning_lora.errors import ConfigError
 from lightning_lora.hardware import Backend, check_attention, detect, fp8_compute_supported, fp8_dtype
+from lightning_lora.model.assembly import configure_attention
+from lightning_lora.model.attention import hand_sdpa_matching_gradients, sdpa_hands_matching_gradients
 from lightning_lora.precision import FP8Compute
 from lightning_lora.precision import fp8 as fp8_module
 from lightning_lora.precision.nf4 import require_bitsandbytes
@@ -175,7 +175,7 @@ def test_attention_switches(monkeypatch, backend: str, cudnn_in_auto: bool, expe
     try:
         configure_attention(nn.Linear(2, 2), backend, torch.device("cpu"), cudnn_in_auto)  # type: ignore[arg-type]
         assert tuple(f() for f in switches) == expected
-        # cuDNN's backward is handed dO in O's strides wherever cuDNN may run (lightning_lora.attention)
+        # cuDNN's backward is handed dO in O's strides wherever cuDNN may run (lightning_lora.model.attention)
         assert sdpa_hands_matching_gradients() == expected[2]
     finally:
         hand_sdpa_matching_gradients(False)
@@ -186,7 +186,7 @@ def test_attention_switches(monkeypatch, backend: str, cudnn_in_auto: bool, expe
 
 def test_every_family_lets_auto_use_cudnn_attention() -> None:
     """cuDNN's SDPA crashed in FLUX's backward until its output gradient was handed over in the output's strides
-    (lightning_lora.attention, BENCHMARKS.md call 31); since then no family leaves it out of ``auto``."""
+    (lightning_lora.model.attention, dev/LOG.md, call 31); since then no family leaves it out of ``auto``."""
     from lightning_lora.families import FAMILIES
 
     assert FAMILIES and all(family.cudnn_attention_in_auto for family in FAMILIES.values())

@@ -16,14 +16,14 @@ from lightning_lora.errors import ConfigError
 from lightning_lora.families import Flux
 from lightning_lora.families.base import ModelSource
 from lightning_lora.lora import VARIANTS, LoraOptions, is_adapter_param, parse_key
+from lightning_lora.model.recipe import ModelRecipe
 from lightning_lora.plan import plan_training
-from lightning_lora.recipe import ModelRecipe
 
 
 @pytest.fixture(scope="module")
 def flux64(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny FLUX with widths that are multiples of 64 (what NF4 quantizes)."""
-    from lightning_lora.tiny import save_tiny_flux
+    from lightning_lora.tiny.flux import save_tiny_flux
 
     return save_tiny_flux(tmp_path_factory.mktemp("models") / "flux64", seed=0, dim64=True)
 

@@ -14,8 +14,9 @@ the same shapes: a time on a shared machine is only meaningful as a ratio.
     python tools/bench.py --tiny --steps 2 --warm 1             # a CPU smoke run of the same code
 
 Several GPUs: ``--devices N`` with ``--strategy ddp`` (ours, every GPU a whole base) or ``--strategy fsdp`` (a bf16
-base sharded with FSDP2 over the N GPUs: ``trainer.strategy: fsdp``, :class:`lightning_lora.parallel.LoraFSDPStrategy`);
-``weights_GiB_per_device`` is rank 0's share of the weights, ``peak_*`` the largest over the ranks:
+base sharded with FSDP2 over the N GPUs: ``trainer.strategy: fsdp``,
+:class:`lightning_lora.model.parallel.LoraFSDPStrategy`); ``weights_GiB_per_device`` is rank 0's share of the weights,
+``peak_*`` the largest over the ranks:
 
     python tools/bench.py --quant none --opt adamw --devices 2 --strategy fsdp
 
@@ -95,11 +96,11 @@ from lightning_lora.families.unet import NoiseSchedule, UNetFamily
 from lightning_lora.hardware import ALLOCATOR_VARIABLES, limit_host_threads, set_allocator_defaults
 from lightning_lora.hardware import ALLOCATORS as ALLOCATOR_CHOICES
 from lightning_lora.lora import LoraOptions, set_lora_input_casts
+from lightning_lora.model.parallel import resolve_strategy, shard_count
+from lightning_lora.model.sharding import local_parameter_bytes
 from lightning_lora.module import LoraModule
-from lightning_lora.parallel import resolve_strategy, shard_count
 from lightning_lora.precision import FP8, PRECISIONS, BasePrecision
 from lightning_lora.precision.layers import linear_layers
-from lightning_lora.sharding import local_parameter_bytes
 
 FLUX_DEV = dict(Flux.known_denoisers["black-forest-labs/FLUX.1-dev"])
 FLUX_TINY = dict(
@@ -126,7 +127,7 @@ SD15_BASE = dict(SD15.known_denoisers["stable-diffusion-v1-5/stable-diffusion-v1
 SD15_TINY = dict(SD15_BASE, block_out_channels=(32, 32, 64, 64), layers_per_block=1, attention_head_dim=2)
 SD15_TINY.update(cross_attention_dim=64, sample_size=8)
 ZIMAGE_TURBO = dict(ZImage.known_denoisers["Tongyi-MAI/Z-Image-Turbo"])
-ZIMAGE_TINY = dict(  # lightning_lora.tiny_zimage's transformer: 1 + 1 refiners, 2 main layers, 2 heads of 32
+ZIMAGE_TINY = dict(  # lightning_lora.tiny.zimage's transformer: 1 + 1 refiners, 2 main layers, 2 heads of 32
     ZIMAGE_TURBO,
     dim=64,
     n_layers=2,
@@ -137,7 +138,7 @@ ZIMAGE_TINY = dict(  # lightning_lora.tiny_zimage's transformer: 1 + 1 refiners,
     axes_dims=[8, 12, 12],
 )
 QWEN_IMAGE = dict(QwenImage.known_denoisers["Qwen/Qwen-Image"])
-QWEN_IMAGE_TINY = dict(  # lightning_lora.tiny_qwenimage's transformer: 2 blocks, 2 heads of 16, 4 latent channels
+QWEN_IMAGE_TINY = dict(  # lightning_lora.tiny.qwenimage's transformer: 2 blocks, 2 heads of 16, 4 latent channels
     QWEN_IMAGE,
     in_channels=16,
     out_channels=4,
@@ -148,7 +149,7 @@ QWEN_IMAGE_TINY = dict(  # lightning_lora.tiny_qwenimage's transformer: 2 blocks
     axes_dims_rope=[4, 6, 6],
 )
 FLUX2_KLEIN = dict(Flux2.known_denoisers["black-forest-labs/FLUX.2-klein-base-4B"])
-FLUX2_TINY = dict(  # lightning_lora.tiny_flux2's transformer: 2 double + 2 single blocks, 2 heads of 32
+FLUX2_TINY = dict(  # lightning_lora.tiny.flux2's transformer: 2 double + 2 single blocks, 2 heads of 32
     FLUX2_KLEIN,
     in_channels=64,
     num_layers=2,
@@ -174,7 +175,7 @@ VAES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "sdxl": (SDXL_VAE, dict(SDXL_VAE, **SMALL)),
     "sd15": (SD15_VAE, dict(SD15_VAE, **SMALL)),
     "zimage": (FLUX1_VAE, dict(FLUX1_VAE, **SMALL)),  # Z-Image decodes with FLUX.1's VAE
-    "qwenimage": (  # the tiny transformer's 4 latent channels (lightning_lora.tiny_qwenimage's VAE)
+    "qwenimage": (  # the tiny transformer's 4 latent channels (lightning_lora.tiny.qwenimage's VAE)
         QWEN_IMAGE_VAE,
         dict(QWEN_IMAGE_VAE, base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1)
         | {"latents_mean": [-0.7571, -0.7089, -0.9113, 0.1075], "latents_std": [2.8184, 1.4541, 2.3275, 2.6558]},
@@ -629,7 +630,7 @@ class TeardownWatch(Callback):
     """Every thread's Python stack on stderr when ``Trainer.fit`` has not returned ``seconds`` after the training
     ended (its teardown: the callbacks' ``on_train_end``, the data loader's workers shutting down), and again each
     ``seconds`` until :meth:`cancel`; 0: off. A Python thread that takes the GIL and reads ``sys._current_frames``:
-    faulthandler's watchdog reads the other threads' frames without it, and call 48 (row 4, sdxl_12gb still sampling
+    faulthandler's watchdog reads the other threads' frames without it, and a GPU row (sdxl_12gb still sampling
     20 s after its last step) died of a segmentation fault in the middle of its dump."""
 
     def __init__(self, seconds: float) -> None:
@@ -686,7 +687,7 @@ class Stacks(Callback):
             self.end()
 
 
-# The host calls that launch a kernel: the runtime's, and the driver's that Triton's and cuBLAS's kernels use (call 56's
+# The host calls that launch a kernel: the runtime's, and the driver's that Triton's and cuBLAS's kernels use (an H100
 # profile of the bf16 512x768 row spent 58 ms in ``cuLaunchKernelEx`` alone, left out of its count before).
 LAUNCH_CALLS = frozenset({"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx"})
 
@@ -830,12 +831,12 @@ class MemoryLimit(Callback):
 
 
 SCHEDULERS = {  # family -> the scheduler class and its config, as lightning_lora's tiny pipelines copy the real one
-    "flux": ("FlowMatchEulerDiscreteScheduler", "lightning_lora.tiny", "FLUX_DEV_SCHEDULER_CONFIG"),
-    "sdxl": ("EulerDiscreteScheduler", "lightning_lora.tiny", "SDXL_SCHEDULER_CONFIG"),
-    "sd15": ("PNDMScheduler", "lightning_lora.tiny", "SD15_SCHEDULER_CONFIG"),
-    "zimage": ("FlowMatchEulerDiscreteScheduler", "lightning_lora.tiny_zimage", "ZIMAGE_TURBO_SCHEDULER_CONFIG"),
-    "qwenimage": ("FlowMatchEulerDiscreteScheduler", "lightning_lora.tiny_qwenimage", "QWEN_IMAGE_SCHEDULER_CONFIG"),
-    "flux2": ("FlowMatchEulerDiscreteScheduler", "lightning_lora.tiny_flux2", "FLUX2_SCHEDULER_CONFIG"),
+    "flux": ("FlowMatchEulerDiscreteScheduler", "lightning_lora.tiny.flux", "FLUX_DEV_SCHEDULER_CONFIG"),
+    "sdxl": ("EulerDiscreteScheduler", "lightning_lora.tiny.sdxl", "SDXL_SCHEDULER_CONFIG"),
+    "sd15": ("PNDMScheduler", "lightning_lora.tiny.sd15", "SD15_SCHEDULER_CONFIG"),
+    "zimage": ("FlowMatchEulerDiscreteScheduler", "lightning_lora.tiny.zimage", "ZIMAGE_TURBO_SCHEDULER_CONFIG"),
+    "qwenimage": ("FlowMatchEulerDiscreteScheduler", "lightning_lora.tiny.qwenimage", "QWEN_IMAGE_SCHEDULER_CONFIG"),
+    "flux2": ("FlowMatchEulerDiscreteScheduler", "lightning_lora.tiny.flux2", "FLUX2_SCHEDULER_CONFIG"),
 }
 
 
@@ -1309,7 +1310,7 @@ def measure(a: argparse.Namespace, outputs: Path | None) -> dict[str, Any]:
     out["lora_params_M"] = round(sum(p.numel() for p in module.denoiser.parameters() if p.requires_grad) / 1e6, 3)
     if a.plan:
         # The planner's count of the full-size model takes seconds on the host: a row stopped then keeps what it
-        # measured (call 52's checkpointed flux_4090 row finished training and lost its line at its time limit).
+        # measured (a checkpointed flux_4090 row once finished training and lost its line at its time limit).
         print(json.dumps({**out, "partial": "measured; the plan follows"}), flush=True)
         from lightning_lora.plan import plan_training
 
@@ -1599,7 +1600,7 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         metavar="CLASS,...",
         help="experiment: the module classes compiled besides the repeated blocks (the family's compiled_regions, "
-        "empty for every family since stop 45; e.g. ResnetBlock2D: the UNets' ResNets too)",
+        "empty for every family; e.g. ResnetBlock2D: the UNets' ResNets too)",
     )
     p.add_argument("--offload", type=int, default=0, help="model.offload_blocks")
     p.add_argument("--cpp-wrapper", type=int, default=0, help="experiment: torch._inductor.config.cpp_wrapper")
@@ -1661,7 +1662,7 @@ def parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="data loader worker processes serving the synthetic batches (a --config's data.num_workers); 0: the "
-        "training process serves them, as every row before stop 38 did",
+        "training process serves them, as every row before 2026-12-04 did",
     )
     p.add_argument(
         "--loader-pin",
@@ -1735,6 +1736,6 @@ def main(argv: list[str] | None = None) -> None:
 if __name__ == "__main__":
     main()
     # The result is printed: skip the interpreter's teardown. Shutting down inductor's compile workers took 15-20 s
-    # a row on the H200 (call 24), which a suite's row timeout counts and which killed rows after their result.
+    # a row on the H200, which a suite's row timeout counts and which killed rows after their result.
     sys.stderr.flush()
     os._exit(0)

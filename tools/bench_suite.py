@@ -3,7 +3,7 @@
 The rows come either as case names or as a plan file:
 
     python tools/bench_suite.py --ref .bench/ref_recipe.py --out results.jsonl flux-bf16-r16 flux-nf4-r4-gc ...
-    python tools/bench_suite.py --ref .bench/ref_recipe.py --plan benchmarks/2026-11-30/call14.plan.jsonl \\
+    python tools/bench_suite.py --ref .bench/ref_recipe.py --plan dev/benchmarks/2026-11-30/call14.plan.jsonl \\
         --out results14.jsonl
 
 A case name is ``<family>-<quant>-r<rank>[-gc][-<h>x<w>][-compile][-adafactor]``; each case runs ours, then the
@@ -303,8 +303,8 @@ def json_lines(text: str) -> list[Any]:
 
 def machine(proc: Path = Path("/proc")) -> dict[str, str]:
     """Which machine ran a row: its boot id (another machine, or the same one rebooted, has another) and its CPU model.
-    The device machines all call themselves ``vm``; call 53g's host ran the same settings 1.4-1.7x slower than calls
-    53c-f's, and only this tells such rows apart. ``"unknown"`` where ``proc`` has no such file."""
+    The device machines all call themselves ``vm``; one H100's host ran the same settings 1.4-1.7x slower than
+    another's, and only this tells such rows apart. ``"unknown"`` where ``proc`` has no such file."""
 
     def read(path: Path) -> str:
         try:
@@ -347,15 +347,15 @@ def python_loop(calls: int) -> int:
 def host_speed(calls: int = 20_000) -> dict[str, float]:
     """How fast one core of this host does what a launch-bound step is made of, measured just before each row: PyTorch's
     dispatch of a one-element CPU add (microseconds a call) and a plain Python loop (nanoseconds an iteration), each
-    the best of three. The GPU-bound rows of two H100s agree to 1% while the host-bound ones differ by up to 1.9x (call
-    55 against calls 53a-f), so host-bound rows of two machines compare only beside these figures."""
+    the best of three. The GPU-bound rows of two H100s agree to 1% while the host-bound ones differ by up to 1.9x, so
+    host-bound rows of two machines compare only beside these figures."""
     dispatch, loop = best_per_call(dispatches, calls), best_per_call(python_loop, calls)
     return {"dispatch_us": round(dispatch * 1e6, 3), "python_loop_ns": round(loop * 1e9, 1)}
 
 
 def core_speeds(calls: int = 2_000) -> dict[str, float]:
     """PyTorch's dispatch of a one-element CPU add on each core this process may use (microseconds a call, the best of
-    three), the process pinned to one core at a time and given back its whole set after. Call 56's rows found the
+    three), the process pinned to one core at a time and given back its whole set after. One H100's rows found the
     same machine's :func:`host_speed` at ~1.3 µs before one row and ~2.7 before the next: this tells a slow core (one
     the hypervisor shares) from a slow moment (every core slow: see :func:`steal`)."""
     allowed = sorted(os.sched_getaffinity(0))
@@ -390,7 +390,7 @@ def steal(before: dict[str, list[int]], after: dict[str, list[int]]) -> dict[str
     time, %), for the whole machine and for its most-stolen core, and how busy the machine was (%, neither idle,
     iowait nor steal). On a KVM guest a host-bound row runs slower while its neighbours take its cores; a row's
     figures then compare with another's only beside this. ``tools/bench.py`` measures the same over its timed steps
-    (``cpu_stolen_s``: 0.00-0.02 s in call 56's rows); this covers the recipe's rows too. Empty without both
+    (``cpu_stolen_s``: 0.00-0.02 s in the rows of one H100); this covers the recipe's rows too. Empty without both
     readings."""
 
     def shares(name: str) -> tuple[float, float] | None:

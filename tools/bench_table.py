@@ -1,6 +1,6 @@
 """Issue 17's table from the JSON lines of ``tools/bench_suite.py``: each config as shipped beside the recipe.
 
-    python tools/bench_table.py benchmarks/2026-12-07/results57*.jsonl
+    python tools/bench_table.py dev/benchmarks/2026-12-07/results57*.jsonl
 
 The rows a plan marks with ``"table": "<name>/<role>"`` (bench_suite's module docstring; ``"<a>,<b>/<role>"`` puts a
 row in both lines) are grouped by name, in the order the names first appear: per image, our seconds per optimizer step

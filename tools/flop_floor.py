@@ -48,7 +48,7 @@ the linear layers' forward is 57 * 2 * 12 D^2 * S = 26.44 TFLOP (+0.02 for the e
 with N = 11.9 B (97 TFLOP for forward and input gradients, ~104 with attention) overcounts 1.85x: 3.2 B of FLUX's
 parameters are AdaLN modulation weights, which see one conditioning vector per sample, not every token, and a double
 block's two streams each see only their own tokens (image or text), so a token meets 57 * 12 D^2 = 6.45 B weights.
-The profile of the eager step agrees: its base-forward matmuls took 37 ms (BENCHMARKS.md, issue 7), 715 TFLOP/s for
+The profile of the eager step agrees: its base-forward matmuls took 37 ms (dev/LOG.md, issue 7), 715 TFLOP/s for
 26.5 TFLOP; 48.7 TFLOP in 37 ms would be 1,300 TFLOP/s, above the peak.
 
     python tools/flop_floor.py --family flux --h 1024 --w 1024 --tlen 512

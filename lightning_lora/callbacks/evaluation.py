@@ -20,7 +20,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lightning_lora.assembly import uncompiled
+from lightning_lora.model.assembly import uncompiled
 
 __all__ = ["FixedEvalLoss"]
 

@@ -175,7 +175,7 @@ class LoraExport(Callback):
         each rank holds a shard of it: every rank takes part), and global rank 0 writes."""
         from peft.utils import get_peft_model_state_dict
 
-        from lightning_lora.sharding import full_state
+        from lightning_lora.model.sharding import full_state
 
         module: Any = pl_module
         state = full_state(get_peft_model_state_dict(module.denoiser, unwrap_compiled=True))

@@ -55,7 +55,7 @@ class VRAMMonitor(Callback):
         self.static_gib = torch.cuda.memory_allocated(pl_module.device) / GIB
         metrics = {"vram/static_GiB": self.static_gib}
         if self.plan and trainer.is_global_zero:
-            from lightning_lora.parallel import shards_of
+            from lightning_lora.model.parallel import shards_of
             from lightning_lora.plan import plan_for
 
             module: Any = pl_module
@@ -210,7 +210,7 @@ def start_summary(trainer: Trainer, pl_module: LightningModule) -> str:
             lines.append(f"Learning rate: constant {lr:.3g}")
     recipe = getattr(pl_module, "recipe", None)
     if recipe is not None and recipe.compile_blocks:
-        from lightning_lora.assembly import compile_cache_dir
+        from lightning_lora.model.assembly import compile_cache_dir
 
         lines.append(
             "Compiling: the repeated blocks compile during the first steps (the first time 30-45 s for FLUX, 1.5-2 "

@@ -30,10 +30,10 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from typing_extensions import override
 
-from lightning_lora.assembly import uncompiled
 from lightning_lora.errors import first_line
 from lightning_lora.io import atomic_write
-from lightning_lora.parallel import runs_forward_on_every_rank
+from lightning_lora.model.assembly import uncompiled
+from lightning_lora.model.parallel import runs_forward_on_every_rank
 
 __all__ = ["SampleImages"]
 
@@ -55,8 +55,8 @@ class SampleImages(Callback):
         offload_vae: keep the VAE on the CPU between samples.
         dirname: folder under the run folder for the PNG files.
         compiled: with ``model.compile_blocks``, draw through the compiled blocks too. Off, the samples run the
-            blocks uncompiled (:func:`~lightning_lora.assembly.uncompiled`): no second set of graphs to compile for
-            forwards without gradients at the samples' size before the first step (SDXL: 15 graphs, 54 s on an
+            blocks uncompiled (:func:`~lightning_lora.model.assembly.uncompiled`): no second set of graphs to compile
+            for forwards without gradients at the samples' size before the first step (SDXL: 15 graphs, 54 s on an
             H200's host); on, each denoising step may be faster once they have compiled, for runs that draw many
             images often.
     """

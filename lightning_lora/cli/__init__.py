@@ -5,8 +5,8 @@
 * ``lightning-lora plan --config X.yaml [--vram 24]`` predicts peak GPU memory (:mod:`lightning_lora.cli.plan`);
 * ``lightning-lora export CKPT --format kohya --out F`` writes a checkpoint's LoRA (:mod:`lightning_lora.cli.export`).
 
-This package is the top layer: nothing else in ``lightning_lora`` imports from it but the other entry point,
-:mod:`lightning_lora.demo` (its console routing). A verb module exposes
+The other entry point, ``python -m lightning_lora.cli.demo``, prepares the CPU demo (:mod:`lightning_lora.cli.demo`).
+This package is the top layer: nothing else in ``lightning_lora`` imports from it. A verb module exposes
 ``main(argv) -> int`` (the exit status: 0 done, 2 a problem the user can fix, printed as one line, 130 / 143 after
 Ctrl-C / SIGTERM) and is imported only when its verb runs.
 """

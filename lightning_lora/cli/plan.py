@@ -17,7 +17,7 @@ from typing import Any
 from lightning_lora.cli.fit import LoraCLI, resolve_precision
 from lightning_lora.data.datamodule import DataOptions
 from lightning_lora.errors import ConfigError
-from lightning_lora.parallel import shard_count
+from lightning_lora.model.parallel import shard_count
 from lightning_lora.precision import BasePrecision
 
 __all__ = ["PlanCLI", "main"]

@@ -194,7 +194,7 @@ class Flux(DiffusionFamily):
 
     @classmethod
     def save_tiny(cls, folder: Path, seed: int = 0) -> Path:
-        from lightning_lora.tiny import save_tiny_flux
+        from lightning_lora.tiny.flux import save_tiny_flux
 
         return save_tiny_flux(folder, seed=seed)
 

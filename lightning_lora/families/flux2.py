@@ -144,7 +144,7 @@ FLUX2_VAE: dict[str, Any] = {
 """FLUX.2's ``vae/config.json`` (klein and dev share it; the rest is the class's defaults): 8x down into 32 channels,
 patchified 2x2 to the transformer's 128. The pipelines undo the batch norm and the patches before decoding (on the
 small latents: a few MiB), so the decode sees ``[1, 32, H/8, W/8]``, as the planner measures it
-(:func:`lightning_lora.plan_sampling.sampling_pieces`)."""
+(:func:`lightning_lora.plan.sampling.sampling_pieces`)."""
 
 _KLEIN_4B = ("black-forest-labs/FLUX.2-klein-4B", "black-forest-labs/FLUX.2-klein-base-4B")
 _KLEIN_9B = ("black-forest-labs/FLUX.2-klein-9B", "black-forest-labs/FLUX.2-klein-base-9B")
@@ -249,10 +249,10 @@ class Flux2(DiffusionFamily):
     denoiser_subfolder: ClassVar[str] = "transformer"
     latent_divisor: ClassVar[int] = 16
     # Compiled by inductor, full-width klein 4B blocks at 1024x1024 with 512-token captions kept 0.75 (double-stream)
-    # and 0.72 (single-stream) of what their eager forward saves, 0.73 of the whole model (tools/saved_share.py on the
-    # CPU; FLUX.1's measured 0.86 there against the 0.78 calibrated on the GPU, so this errs high, the safe side). That
-    # was a share of the eager count as the CPU runs it; of the count made as the GPU runs (autocast, the fused
-    # rms_norm: call 33) the same compiled bytes are 0.80.
+    # and 0.72 (single-stream) of what their eager forward saves, 0.73 of the whole model (dev/probes/saved_share.py on
+    # the CPU; FLUX.1's measured 0.86 there against the 0.78 calibrated on the GPU, so this errs high, the safe side).
+    # That was a share of the eager count as the CPU runs it; of the count made as the GPU runs (autocast, the fused
+    # rms_norm) the same compiled bytes are 0.80.
     compiled_saved_fraction: ClassVar[float] = 0.80
     known_denoisers: ClassVar[dict[str, dict[str, Any]]] = {
         **dict.fromkeys(_KLEIN_4B, FLUX2_KLEIN_4B_TRANSFORMER),
@@ -408,7 +408,7 @@ class Flux2(DiffusionFamily):
 
     @classmethod
     def save_tiny(cls, folder: Path, seed: int = 0) -> Path:
-        from lightning_lora.tiny_flux2 import save_tiny_flux2
+        from lightning_lora.tiny.flux2 import save_tiny_flux2
 
         return save_tiny_flux2(folder, seed=seed)
 

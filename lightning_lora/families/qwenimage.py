@@ -130,7 +130,7 @@ QWEN_IMAGE_NETWORK = kohya.KohyaNetwork("networks.lora_qwen_image", "qwen_image"
 
 # Qwen/Qwen-Image's scheduler_config.json: the dynamic shift's mu is linear from base_shift (0.5) at
 # base_image_seq_len (256) image tokens to max_shift (0.9) at max_image_seq_len (8192);
-# tiny_qwenimage.QWEN_IMAGE_SCHEDULER_CONFIG holds the whole file.
+# lightning_lora.tiny.qwenimage.QWEN_IMAGE_SCHEDULER_CONFIG holds the whole file.
 _BASE_TOKENS, _MAX_TOKENS, _BASE_SHIFT, _MAX_SHIFT = 256, 8192, 0.5, 0.9
 # Prefixes a single-file checkpoint may put before the transformer's own names (a ComfyUI all-in-one checkpoint).
 _SINGLE_FILE_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
@@ -180,8 +180,8 @@ class QwenImage(DiffusionFamily):
     pipeline_classes: ClassVar[tuple[str, ...]] = ("QwenImagePipeline",)
     denoiser_subfolder: ClassVar[str] = "transformer"
     latent_divisor: ClassVar[int] = 16
-    # Not measured for Qwen-Image: FLUX's 0.78 of the eager count as it was made before call 33, rebased to the count
-    # made as the GPU runs, under autocast (21% larger), so the compiled plan stays as measured (call 30: +4.8%).
+    # Not measured for Qwen-Image: FLUX's 0.78 of the eager count as it was first made, rebased to the count made
+    # as the GPU runs, under autocast (21% larger), so the compiled plan stays as measured (+4.8%, on an H200).
     compiled_saved_fraction: ClassVar[float] = 0.64
     known_denoisers: ClassVar[dict[str, dict[str, Any]]] = {"Qwen/Qwen-Image": QWEN_IMAGE_TRANSFORMER}
     known_text_encoders: ClassVar[dict[str, dict[str, dict[str, Any]]]] = {
@@ -302,7 +302,7 @@ class QwenImage(DiffusionFamily):
 
     @classmethod
     def save_tiny(cls, folder: Path, seed: int = 0) -> Path:
-        from lightning_lora.tiny_qwenimage import save_tiny_qwenimage
+        from lightning_lora.tiny.qwenimage import save_tiny_qwenimage
 
         return save_tiny_qwenimage(folder, seed=seed)
 
@@ -498,7 +498,7 @@ class QwenImage(DiffusionFamily):
     def sampling_latent_shape(self, vae_config: dict[str, Any], height: int, width: int) -> tuple[int, ...]:
         """The latents ``QwenImagePipeline`` decodes for one ``height x width`` image: one frame of the video VAE,
         ``[1, z_dim, 1, H/8, W/8]`` (the planner measures that decode:
-        :func:`lightning_lora.plan_sampling.sampling_pieces`)."""
+        :func:`lightning_lora.plan.sampling.sampling_pieces`)."""
         scale = 2 ** (len(vae_config["dim_mult"]) - 1)
         return (1, vae_config["z_dim"], 1, height // scale, width // scale)
 

@@ -73,7 +73,7 @@ class SD15(UNetFamily):
     # The first transformer block's input: the first level's first attention.
     stream_sources: ClassVar[tuple[str, ...]] = ("down_blocks.0.attentions.0.proj_in",)
     # The whole forward's share of the eager count with the transformer blocks compiled and the ResNets eager (the
-    # UNets' compiled regions): calibrated on call 52g's 3.72 / 9.73 GiB at batch 2 / 8 (planned 3.86 / 9.36).
+    # UNets' compiled regions): calibrated on an H100's 3.72 / 9.73 GiB at batch 2 / 8 (planned 3.86 / 9.36).
     compiled_saved_fraction: ClassVar[float] = 0.70
 
     # -- loading -----------------------------------------------------------------------------------------------
@@ -97,7 +97,7 @@ class SD15(UNetFamily):
 
     @classmethod
     def save_tiny(cls, folder: Path, seed: int = 0) -> Path:
-        from lightning_lora.tiny import save_tiny_sd15
+        from lightning_lora.tiny.sd15 import save_tiny_sd15
 
         return save_tiny_sd15(folder, seed=seed)
 

@@ -136,7 +136,7 @@ class SDXL(UNetFamily):
 
     @classmethod
     def save_tiny(cls, folder: Path, seed: int = 0) -> Path:
-        from lightning_lora.tiny import save_tiny_sdxl
+        from lightning_lora.tiny.sdxl import save_tiny_sdxl
 
         return save_tiny_sdxl(folder, seed=seed)
 

@@ -103,17 +103,18 @@ class UNetFamily(DiffusionFamily):
     denoiser_class: ClassVar[str] = "UNet2DConditionModel"
     # ``model.compile_blocks`` compiles the transformer blocks alone (``compiled_regions`` stays the base's empty
     # tuple): compiled, the ResNets add 12-14 graphs to the blocks' 3, each traced again at every start, and they did
-    # not make the step faster where it was measured. On an H100 (BENCHMARKS.md, stops 44-45), transformer blocks alone
+    # not make the step faster where it was measured. On an H100, transformer blocks alone
     # against ResNets compiled too: SD1.5 (sd15_8gb, 512²) 0.118 against 0.129 s a step, first step 28.6 against 91.5 s
     # cold; SDXL (sdxl_24gb, 1024²) 0.209 against 0.210-0.218 s, first step 15.8 against 61.5 s cold, a second start
     # 20.0 against 24.5 s to the first step (eager: 16.8). The ResNets compiled kept less memory: 0.4 GiB (SD1.5) and
     # 0.7 GiB (SDXL, 9.65 against 10.34) less. Both steps were the host's; on a smaller GPU, where the GPU is the
     # limit, fusing the ResNets' norms saves an estimated 1-2% of an SDXL step (their elementwise traffic).
-    # ``tools/bench.py --compile-regions ResnetBlock2D`` measures them compiled.
+    # ``tools/bench.py --compile-regions ResnetBlock2D`` measures them compiled (BENCHMARKS.md, "What each option
+    # measured").
     checkpoints_only_repeated_blocks: ClassVar[bool] = False  # diffusers also checkpoints the ResNets
     latent_divisor: ClassVar[int] = 8
     # The whole forward's share of the eager count with the transformer blocks compiled and the ResNets eager, for SDXL:
-    # sdxl_24gb (rank 32, 1024², batch 1) planned 10.31 GiB against 10.34 measured (call 53f). SD1.5 has its own.
+    # sdxl_24gb (rank 32, 1024², batch 1) planned 10.31 GiB against 10.34 measured (an H100). SD1.5 has its own.
     compiled_saved_fraction: ClassVar[float] = 0.60
     vae_scale_factor: ClassVar[int] = 8
     sampling_batch: ClassVar[int] = 2  # classifier-free guidance: the prompt and the negative in one batch

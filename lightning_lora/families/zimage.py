@@ -199,7 +199,7 @@ class ZImage(DiffusionFamily):
 
     @classmethod
     def save_tiny(cls, folder: Path, seed: int = 0) -> Path:
-        from lightning_lora.tiny_zimage import save_tiny_zimage
+        from lightning_lora.tiny.zimage import save_tiny_zimage
 
         return save_tiny_zimage(folder, seed=seed)
 

@@ -14,10 +14,11 @@ Inside blocks compiled by ``model.compile_blocks`` the layers dequantize with to
 bitsandbytes' kernels (:func:`nf4_linear`; ``NF4(compiled_dequantize=False)`` turns it off): the same weights, but
 inductor fuses the dequantization into one kernel per layer and launches it from its generated code. Through
 bitsandbytes each 4-bit matmul cost 172 µs of host time for 102 µs of GPU time, and ``flux_8gb``'s step was host-bound
-(BENCHMARKS.md call 33: GPU busy 23%, 39,992 launches per step). With the torch operations (call 34, H200) the same
-step made 30,264 launches, the GPU was busy 36-39%, and it took 1.81-1.91 s against 2.21-2.81 with bitsandbytes'
-kernels at the same peak (6.65 GiB); Qwen-Image's NF4 config compiled this way took 2.95 s per step against 5.60
-eager. Eager layers keep bitsandbytes' kernels (one launch where the torch operations would be several).
+(GPU busy 23%, 39,992 launches per step, on an H200). With the torch operations the same step made 30,264
+launches, the GPU was busy 36-39%, and it took 1.81-1.91 s against 2.21-2.81 with bitsandbytes' kernels at the same
+peak (6.65 GiB; BENCHMARKS.md, "What each option measured"); Qwen-Image's NF4 config compiled this way took 2.95 s
+per step against 5.60 eager. Eager layers keep bitsandbytes' kernels (one launch where the torch operations would be
+several).
 """
 
 from __future__ import annotations

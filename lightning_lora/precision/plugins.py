@@ -67,8 +67,8 @@ __all__ = [
 
 
 class ModelOptions(Protocol):
-    """What a plugin checks of the model's options (a :class:`~lightning_lora.recipe.ModelRecipe`, which imports this
-    package: the recipe sits above the plugins)."""
+    """What a plugin checks of the model's options (a :class:`~lightning_lora.model.recipe.ModelRecipe`, which imports
+    this package: the recipe sits above the plugins)."""
 
     @property
     def lora(self) -> Any: ...
@@ -298,7 +298,8 @@ class NF4(BasePrecision):
             layers) in float32, as peft's ``prepare_model_for_kbit_training`` does.
         compiled_dequantize: inside blocks compiled by ``model.compile_blocks``, dequantize with torch operations the
             compiler fuses (the same weights, bit for bit) instead of calling bitsandbytes' kernels, whose host time
-            made ``flux_8gb``'s compiled step host-bound (BENCHMARKS.md call 33). Measured on an H200 (call 34):
+            made ``flux_8gb``'s compiled step host-bound. Measured on an H200 (BENCHMARKS.md, "What each option
+            measured"):
             ``flux_8gb`` 1.81-1.91 s per step against 2.21-2.81 with bitsandbytes' kernels, ``qwenimage_24gb``
             compiled 2.95 against 5.60 eager, the same peak memory. ``false``: bitsandbytes' kernels everywhere.
             Eager layers always use bitsandbytes' kernels.

@@ -428,6 +428,30 @@ def test_a_full_disk_while_checkpointing_keeps_the_last_checkpoint(
     assert cli.trainer.global_step == 8
 
 
+@pytest.mark.parametrize("limit", [None, 1 << 20])
+def test_a_file_size_limit_while_checkpointing_is_one_line_naming_the_limit(
+    tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path, capsys, monkeypatch: pytest.MonkeyPatch, limit: int | None
+) -> None:
+    """EFBIG (a file larger than FAT32 holds, or than ``ulimit -f`` allows) names the file and the limit, exit 2;
+    tests/test_io.py shows that a real ``ulimit -f`` gives EFBIG (not a SIGXFSZ kill) through the atomic writer."""
+    import errno
+
+    from lightning_lora import io
+
+    monkeypatch.setattr(io, "file_size_limit", lambda: limit)
+    config = write_config(tmp_path, tiny_flux_dir, photos_dir, **{"trainer.max_steps": 4})
+    _failing_writes(monkeypatch, ".ckpt", after=0, error=errno.EFBIG)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(config)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert f"cannot write {tmp_path / 'run' / 'checkpoints'}" in err and ".ckpt (File too large)" in err, err
+    expected = "file-size limit of 1.0 MiB (ulimit -f)" if limit else "FAT32 holds at most 4 GiB"
+    assert expected in err, err
+    assert not list((tmp_path / "run" / "checkpoints").glob("*")), "a partial checkpoint was left behind"
+
+
 @pytest.mark.parametrize("error", ["ENOSPC", "EACCES"])
 def test_a_cache_that_cannot_be_written_is_one_line_and_keeps_what_was_written(
     tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path, capsys, monkeypatch: pytest.MonkeyPatch, error: str

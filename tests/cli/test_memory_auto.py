@@ -13,8 +13,8 @@ from helpers import run_cli, write_config
 from lightning_lora.families import Flux
 from lightning_lora.families.base import ModelSource
 from lightning_lora.lora import LoraOptions
+from lightning_lora.model.recipe import ModelRecipe
 from lightning_lora.plan import choose_for_memory, plan_for
-from lightning_lora.recipe import ModelRecipe
 
 
 @pytest.mark.parametrize("gib", [8, 12, 16, 24, 32])
@@ -35,11 +35,12 @@ def test_the_fastest_settings_that_fit_each_card(gib: int) -> None:
 
 def _fake_device(monkeypatch: pytest.MonkeyPatch, free_gib: float) -> None:
     """A GPU with ``free_gib`` free, on which this tiny model needs 30 GiB as configured and 18 with checkpointing."""
-    from lightning_lora import hardware, plan
+    from lightning_lora import hardware
+    from lightning_lora.plan import search
 
     monkeypatch.setattr(hardware, "free_memory_gib", lambda device: free_gib)
     monkeypatch.setattr(
-        plan,
+        search,
         "plan_for",
         lambda recipe, data, optimizer="AdamW", shards=1: SimpleNamespace(
             run_peak=18.0 if recipe.gradient_checkpointing else 30.0

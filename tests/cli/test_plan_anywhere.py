@@ -21,8 +21,8 @@ from lightning_lora.errors import ConfigError
 from lightning_lora.families import SD15, SDXL, Flux
 from lightning_lora.families.base import ModelSource
 from lightning_lora.lora import LoraOptions
+from lightning_lora.model.recipe import ModelRecipe
 from lightning_lora.plan import card_memory, cards_table, plan_for
-from lightning_lora.recipe import ModelRecipe
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 GPU_CONFIGS = sorted(p.name for p in CONFIGS.glob("*.yaml") if not p.name.startswith("tiny_"))
@@ -151,7 +151,7 @@ def test_an_unknown_card_is_named() -> None:
 def test_the_cards_table_gives_the_fastest_fit_per_size(tiny_flux_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Fastest first: as configured where it fits, then checkpointing, quantization; a smaller batch or image only when
     nothing that keeps the training the same fits."""
-    from lightning_lora import plan
+    from lightning_lora.plan import search
 
     def fake_plan(recipe: ModelRecipe, datamodule, optimizer: str = "AdamW", shards: int = 1) -> SimpleNamespace:
         peak = 40.0 if datamodule.batch_size == 2 else 28.0
@@ -162,7 +162,7 @@ def test_the_cards_table_gives_the_fastest_fit_per_size(tiny_flux_dir: Path, mon
         peak -= 0.5 * recipe.offload_blocks
         return SimpleNamespace(run_peak=peak)
 
-    monkeypatch.setattr(plan, "plan_for", fake_plan)
+    monkeypatch.setattr(search, "plan_for", fake_plan)
     recipe = ModelRecipe(Flux(), ModelSource(str(tiny_flux_dir)))
     rows = dict(cards_table(recipe, SimpleNamespace(resolution=1024, batch_size=2), sizes=(8, 12, 24, 48)))
     assert rows[48] is not None and rows[48].flags == "" and rows[48].peak_gib == 40.0  # as configured
@@ -177,8 +177,7 @@ def test_a_larger_card_is_told_to_checkpoint_less(tiny_flux_dir: Path, monkeypat
     """A config that saves memory (every block checkpointed, its inputs in CPU memory) on a card with room to spare:
     the cards table, ``model.memory: auto`` and ``plan --vram`` choose less recomputation and fewer copies, fastest
     first (no checkpointing, then one block in 3, in 2), and the configured settings only where nothing faster fits."""
-    from lightning_lora import plan
-    from lightning_lora.plan import choose_for_memory
+    from lightning_lora.plan import choose_for_memory, search
 
     def fake_plan(recipe: ModelRecipe, datamodule, optimizer: str = "AdamW", shards: int = 1) -> SimpleNamespace:
         if not recipe.gradient_checkpointing:
@@ -187,7 +186,7 @@ def test_a_larger_card_is_told_to_checkpoint_less(tiny_flux_dir: Path, monkeypat
             peak = {1: 12.0, 2: 21.0, 3: 24.0}[recipe.checkpoint_every]
         return SimpleNamespace(run_peak=peak - (1.0 if recipe.offload_activations else 0.0))
 
-    monkeypatch.setattr(plan, "plan_for", fake_plan)
+    monkeypatch.setattr(search, "plan_for", fake_plan)
     saving = ModelRecipe(Flux(), ModelSource(str(tiny_flux_dir))).replace(
         gradient_checkpointing=True, offload_activations=True
     )
@@ -259,10 +258,10 @@ def test_plan_names_larger_batches_where_a_card_has_room_for_them(tmp_path: Path
     assert "the same 4 images a step in larger batches" in out, out
     assert "--data.batch_size 2 --trainer.accumulate_grad_batches 2   (~7.2 GiB)" in out, out
 
-    from lightning_lora import plan
+    from lightning_lora.plan import search
 
     monkeypatch.setattr(
-        plan,
+        search,
         "plan_for",
         lambda recipe, data, optimizer="AdamW", shards=1: SimpleNamespace(
             run_peak=7.26 if data.batch_size == 2 else 6.68
@@ -270,10 +269,10 @@ def test_plan_names_larger_batches_where_a_card_has_room_for_them(tmp_path: Path
     )
     recipe = ModelRecipe(Flux(), ModelSource("black-forest-labs/FLUX.1-dev"))
     data = SimpleNamespace(resolution=512, batch_size=1)
-    assert plan.larger_batches(recipe, data, 8, 4) is None  # (8 - 0.67) x 0.95 = 6.96 < 7.26
-    fit = plan.larger_batches(recipe, data, 8.5, 4)  # 7.44
+    assert search.larger_batches(recipe, data, 8, 4) is None  # (8 - 0.67) x 0.95 = 6.96 < 7.26
+    fit = search.larger_batches(recipe, data, 8.5, 4)  # 7.44
     assert fit is not None and fit.data == {"batch_size": 2} and fit.peak_gib == 7.26
-    assert plan.larger_batches(recipe, data, 48, 1) is None  # no accumulation: nothing to merge
+    assert search.larger_batches(recipe, data, 48, 1) is None  # no accumulation: nothing to merge
 
 
 @pytest.mark.parametrize(

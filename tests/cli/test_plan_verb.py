@@ -1,5 +1,5 @@
 """The ``lightning-lora plan`` command: a run's memory plan from its config, for every family, without training and
-without writing anything. The planner itself is tested in tests/test_plan.py."""
+without writing anything. The planner itself is tested in tests/plan/test_plan.py."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def test_plan_verb_plans_each_gpu_of_a_sharded_base(
     tmp_path: Path, photos_dir: Path, tiny_flux_dir: Path, capsys
 ) -> None:
     """``trainer.strategy: fsdp`` over ``trainer.devices: 2`` is planned per GPU, sharded (the numbers are
-    tests/test_plan.py's); DDP over 2 GPUs is not (each GPU holds the whole base)."""
+    tests/plan/test_plan.py's); DDP over 2 GPUs is not (each GPU holds the whole base)."""
 
     def report(**options: object) -> str:
         config = write_config(tmp_path, tiny_flux_dir, photos_dir, **{"data.resolution": 64, **options})

@@ -175,7 +175,7 @@ def test_checkpointing_recomputes_the_repeated_blocks_as_the_family_says(
     diffusers (``assembly.apply_gradient_checkpointing``), the same checkpointing only where diffusers recomputes the
     repeated blocks that run and nothing else. Recorded: the modules diffusers hands its checkpointing function, and
     the repeated blocks that ran (a family's optional blocks, Z-Image's SigLIP refiner, may not run)."""
-    from lightning_lora.offload import repeated_blocks
+    from lightning_lora.model.offload import repeated_blocks
 
     model = family.load_denoiser(ModelSource(str(model_dir), dtype=torch.float32)).train()
     handed: list[int] = []

@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from lightning_lora.errors import ConfigError
 from lightning_lora.families.base import ModelSource, check_source
 from lightning_lora.families.flux import Flux, latent_image_ids, pack_latents, unpack_latents
-from lightning_lora.tiny import build_tiny_flux
+from lightning_lora.tiny.flux import build_tiny_flux
 
 # -- packing -------------------------------------------------------------------------------------------------------
 

@@ -362,7 +362,7 @@ def test_offloading_and_checkpointing_train_the_same_gradients(
     the order they run): the gradients of two steps of our loss are the plain model's."""
     from helpers import build_tiny
 
-    from lightning_lora.offload import repeated_blocks
+    from lightning_lora.model.offload import repeated_blocks
 
     family = Flux2(max_sequence_length=LENGTH)
     x0 = family.encode_images(pipe.vae, _pixels())
@@ -392,7 +392,7 @@ def test_offloading_and_checkpointing_train_the_same_gradients(
 
 
 def test_the_tiny_pipeline_is_deterministic_and_reads_the_real_layers() -> None:
-    from lightning_lora.tiny_flux2 import build_tiny_flux2
+    from lightning_lora.tiny.flux2 import build_tiny_flux2
 
     a, b = build_tiny_flux2(seed=0), build_tiny_flux2(seed=0)
     for name in ("transformer", "text_encoder", "vae"):
@@ -650,7 +650,7 @@ def test_dev_single_file_transformer(tmp_path: Path, tiny_flux2_dev_dir: Path, l
 
 
 def test_dev_tiny_pipeline_is_deterministic_and_reads_the_real_layers() -> None:
-    from lightning_lora.tiny_flux2 import build_tiny_flux2_dev
+    from lightning_lora.tiny.flux2 import build_tiny_flux2_dev
 
     a, b = build_tiny_flux2_dev(seed=0), build_tiny_flux2_dev(seed=0)
     for name in ("transformer", "text_encoder", "vae"):
@@ -669,8 +669,8 @@ def test_the_hub_model_plans_with_nothing_downloaded_like_its_local_configs(tmp_
     """``plan`` on the hub id needs no file (the real configs ship with the family) and gives the same plan as a local
     folder holding those configs; the sizes are the real model's: 3.88 B transformer, 4.02 B Qwen3-4B encoder."""
     from lightning_lora.families.encoders import QWEN3_4B_LM
+    from lightning_lora.model.recipe import ModelRecipe
     from lightning_lora.plan import caching_peaks, plan_for
-    from lightning_lora.recipe import ModelRecipe
 
     folder = tmp_path / "FLUX.2-klein-4B"
     (folder / "transformer").mkdir(parents=True)

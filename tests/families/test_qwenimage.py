@@ -64,7 +64,7 @@ def _pixels(b: int = 2, h: int = 32, w: int = 48) -> torch.Tensor:
 
 
 def test_the_tiny_pipeline_is_seeded_and_leaves_the_global_rng_alone() -> None:
-    from lightning_lora.tiny_qwenimage import build_tiny_qwenimage, make_qwen_tokenizer
+    from lightning_lora.tiny.qwenimage import build_tiny_qwenimage, make_qwen_tokenizer
 
     state = torch.get_rng_state()
     a, b, other = build_tiny_qwenimage(0), build_tiny_qwenimage(0), build_tiny_qwenimage(1)
@@ -480,9 +480,9 @@ def test_the_shipped_architecture_plans_like_a_local_folder(tmp_path: Path) -> N
 
     from diffusers import QwenImageTransformer2DModel
 
+    from lightning_lora.model.recipe import ModelRecipe
     from lightning_lora.plan import caching_peaks, weight_bytes
     from lightning_lora.precision import BF16
-    from lightning_lora.recipe import ModelRecipe
 
     # diffusers' defaults are Qwen-Image's transformer config (its docs load "Qwen/QwenImage-20B" with them).
     defaults = inspect.signature(QwenImageTransformer2DModel.__init__).parameters

@@ -47,7 +47,7 @@ def source(tiny_sd15_dir: Path) -> ModelSource:
 @pytest.fixture(scope="module")
 def v_source(tmp_path_factory: pytest.TempPathFactory) -> ModelSource:
     """An SD2-768-like model: the scheduler config says v_prediction."""
-    from lightning_lora.tiny import save_tiny_sd15
+    from lightning_lora.tiny.sd15 import save_tiny_sd15
 
     folder = save_tiny_sd15(tmp_path_factory.mktemp("models") / "tiny-sd15-v", prediction_type="v_prediction")
     return ModelSource(str(folder), dtype=torch.float32)
@@ -178,7 +178,7 @@ def test_wrong_pipeline_folder_is_refused(tiny_sdxl_dir: Path) -> None:
 
 
 def test_tiny_sd15_is_deterministic_and_saved_losslessly(tiny_sd15_dir: Path) -> None:
-    from lightning_lora.tiny import build_tiny_sd15, save_tiny_sd15
+    from lightning_lora.tiny.sd15 import build_tiny_sd15, save_tiny_sd15
 
     a, b = build_tiny_sd15(seed=0), build_tiny_sd15(seed=0)
     loaded = StableDiffusionPipeline.from_pretrained(tiny_sd15_dir)

@@ -298,7 +298,7 @@ def test_loss_without_a_loaded_schedule_is_a_clear_error(tiny_sdxl_dir: Path) ->
 
 
 def test_tiny_sdxl_is_deterministic_and_saved_losslessly(tiny_sdxl_dir: Path) -> None:
-    from lightning_lora.tiny import build_tiny_sdxl, save_tiny_sdxl
+    from lightning_lora.tiny.sdxl import build_tiny_sdxl, save_tiny_sdxl
 
     a, b = build_tiny_sdxl(seed=0), build_tiny_sdxl(seed=0)
     loaded = StableDiffusionXLPipeline.from_pretrained(tiny_sdxl_dir)

@@ -320,7 +320,7 @@ def test_offloading_and_checkpointing_train_the_same_gradients(
     the order they run): the gradients of two steps of our loss are the plain model's."""
     from helpers import build_tiny
 
-    from lightning_lora.offload import repeated_blocks
+    from lightning_lora.model.offload import repeated_blocks
 
     family = ZImage(max_sequence_length=32)
     x0 = _latents(pipe)
@@ -350,8 +350,8 @@ def test_offloading_and_checkpointing_train_the_same_gradients(
 
 
 def test_the_tiny_pipeline_is_deterministic_and_its_words_are_tokens() -> None:
-    from lightning_lora.tiny import CAPTION_WORDS
-    from lightning_lora.tiny_zimage import build_tiny_zimage, make_qwen_tokenizer
+    from lightning_lora.tiny.shared import CAPTION_WORDS
+    from lightning_lora.tiny.zimage import build_tiny_zimage, make_qwen_tokenizer
 
     a, b = build_tiny_zimage(seed=0), build_tiny_zimage(seed=0)
     for name in ("transformer", "text_encoder", "vae"):
@@ -416,8 +416,8 @@ def test_the_hub_model_plans_with_nothing_downloaded_like_its_local_configs(tmp_
     """``plan`` on the hub id needs no file (the real configs ship with the family) and gives the same plan as a local
     folder holding those configs; the sizes are the real model's: 6.15 B transformer, 4.02 B Qwen3-4B encoder."""
     from lightning_lora.families.encoders import QWEN3_4B
+    from lightning_lora.model.recipe import ModelRecipe
     from lightning_lora.plan import caching_peaks, plan_for
-    from lightning_lora.recipe import ModelRecipe
 
     folder = tmp_path / "Z-Image-Turbo"
     (folder / "transformer").mkdir(parents=True)

@@ -19,7 +19,7 @@ from lightning_lora.formats.bfl import (
     flux_dims_from_config,
     flux_dims_from_state_dict,
 )
-from lightning_lora.tiny import build_tiny_flux, save_tiny_flux
+from lightning_lora.tiny.flux import build_tiny_flux, save_tiny_flux
 
 
 @pytest.fixture(autouse=True)

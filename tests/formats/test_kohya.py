@@ -43,7 +43,7 @@ from lightning_lora.formats.kohya import flux_lora_dims, flux_to_kohya, kohya_na
 from lightning_lora.lora import LoraOptions, split_lora_state
 
 INFO = {"family": "flux", "base_model": "tiny", "steps": 3}
-INNER, MLP = 32, 128  # the tiny FLUX of lightning_lora.tiny (dim64=False)
+INNER, MLP = 32, 128  # the tiny FLUX of lightning_lora.tiny.flux (dim64=False)
 
 
 @pytest.fixture(autouse=True)

@@ -4,15 +4,15 @@
 ``python -m helpers.compile_step MODEL_DIR RUN [RUN...]`` with tests/ on ``PYTHONPATH`` and the caller's
 ``TORCHINDUCTOR_CACHE_DIR``. Each ``RUN`` is ``rank=R,seed=S,lr=LR,size=HxW`` (any may be left out): it builds the
 LoRA model through the real code, compiles its repeated blocks with
-:func:`~lightning_lora.assembly.compile_repeated_blocks`, and runs one forward, backward and AdamW step. The process
-prints one JSON line: per run, torch's own counters of that run (inductor's FX graph cache, AOTAutograd's cache,
+:func:`~lightning_lora.model.assembly.compile_repeated_blocks`, and runs one forward, backward and AdamW step. The
+process prints one JSON line: per run, torch's own counters of that run (inductor's FX graph cache, AOTAutograd's cache,
 Dynamo's graphs), the loss and the step's seconds.
 
 To keep the test short, the model keeps ``--double`` double-stream and ``--single`` single-stream blocks of the tiny
 FLUX (default: 0 and 1, one compiled graph forward and one backward, the least that exercises both caches).
 ``--handover``: the attention hands its backward the gradient through
-:class:`~lightning_lora.attention.OutputGradientInOutputLayout`, as it does wherever cuDNN's attention is allowed (every
-CUDA run), so the compiled graph holds a custom ``autograd.Function``.
+:class:`~lightning_lora.model.attention.OutputGradientInOutputLayout`, as it does wherever cuDNN's attention is allowed
+(every CUDA run), so the compiled graph holds a custom ``autograd.Function``.
 """
 
 from __future__ import annotations
@@ -56,10 +56,10 @@ def _counts() -> dict[str, int]:
 def step(model_dir: str, run: dict[str, Any], double: int, single: int) -> dict[str, Any]:
     """One compiled training step with the settings of ``run``; torch's counters of this step only."""
     from helpers.models import build_model, random_inputs
-    from lightning_lora.assembly import compile_repeated_blocks
     from lightning_lora.families.base import ModelSource
     from lightning_lora.families.flux import Flux
     from lightning_lora.lora import LoraOptions
+    from lightning_lora.model.assembly import compile_repeated_blocks
 
     before = _counts()
     torch.manual_seed(run["seed"])
@@ -90,12 +90,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--handover",
         action="store_true",
-        help="attention through lightning_lora.attention's gradient handover (an autograd.Function), as on CUDA",
+        help="attention through lightning_lora.model.attention's gradient handover (an autograd.Function), as on CUDA",
     )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if args.handover:
-        from lightning_lora.attention import hand_sdpa_matching_gradients
+        from lightning_lora.model.attention import hand_sdpa_matching_gradients
 
         hand_sdpa_matching_gradients(True)
     results = [step(args.model_dir, _parse_run(text), args.double, args.single) for text in args.runs]

@@ -15,11 +15,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_lora.assembly import build_lora_model
 from lightning_lora.families.base import DiffusionFamily, ModelSource
 from lightning_lora.lora import LoraOptions
+from lightning_lora.model.assembly import build_lora_model
+from lightning_lora.model.recipe import ModelRecipe
 from lightning_lora.precision import BF16, FP8, NF4, BasePrecision, FP8Compute, dtype_name
-from lightning_lora.recipe import ModelRecipe
 
 RANK, ALPHA = 4, 8.0
 """The LoRA of :func:`lora_model`: alpha / rank = 2, so a scale that is dropped or applied twice shows."""
@@ -175,3 +175,12 @@ def denoiser_output(denoiser: nn.Module, inputs: dict[str, Any]) -> torch.Tensor
 def lora_layers(model: nn.Module) -> set[str]:
     """Names of the modules that carry a LoRA adapter."""
     return {n for n, m in model.named_modules() if hasattr(m, "lora_A") and len(getattr(m, "lora_A", {})) > 0}
+
+
+def other_weights(model_dir: Path, component: str = "transformer") -> None:
+    """Every weight of ``component`` in the saved pipeline ``model_dir`` changed, the shapes kept: another model (a
+    fine-tune) that the same config loads."""
+    from safetensors.torch import load_file, save_file
+
+    for file in (model_dir / component).glob("*.safetensors"):
+        save_file({k: v + 0.01 for k, v in load_file(file).items()}, file)

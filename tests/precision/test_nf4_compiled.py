@@ -1,6 +1,6 @@
 """NF4 layers inside compiled regions (``NF4(compiled_dequantize=True)``): the weights dequantized with torch operations
 are bitsandbytes' own, the compiled graph calls no bitsandbytes kernel, and the backward does not keep a dense copy of
-the weights (BENCHMARKS.md call 33: bitsandbytes' host time per matmul made ``flux_8gb``'s compiled step host-bound)."""
+the weights (dev/LOG.md, call 33: bitsandbytes' host time per matmul made ``flux_8gb``'s compiled step host-bound)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_lora.live_bytes import saved_activation_bytes
+from lightning_lora.plan.live_bytes import saved_activation_bytes
 from lightning_lora.precision import NF4
 from lightning_lora.precision.nf4 import nf4_weight
 

@@ -130,13 +130,14 @@ def test_memory_auto_switches_the_trainers_plugin_and_the_written_config(
 ) -> None:
     """Only an FP8 base fits the (fake) card: the run trains with the FP8 plugin (the trainer's too, keeping the
     config's fp32 dtype), config.yaml names it under trainer.plugins, and that config runs again as written."""
-    from lightning_lora import hardware, plan
+    from lightning_lora import hardware
+    from lightning_lora.plan import search
 
     monkeypatch.setattr(hardware, "free_memory_gib", lambda device: 24.0)
     fits = lambda recipe, data, optimizer="AdamW", shards=1: SimpleNamespace(  # noqa: E731
         run_peak=18.0 if isinstance(recipe.precision, FP8) else 30.0
     )
-    monkeypatch.setattr(plan, "plan_for", fits)
+    monkeypatch.setattr(search, "plan_for", fits)
     config = write_config(tmp_path, tiny_flux_dir, photos_dir, **{"trainer.max_steps": 2, "model.memory": "auto"})
     cli = run_cli(["fit", "--config", str(config)])
     precision = cli.model.recipe.precision
@@ -146,7 +147,10 @@ def test_memory_auto_switches_the_trainers_plugin_and_the_written_config(
     assert saved["precision"] is None
     assert saved["plugins"][-1] == {"class_path": "lightning_lora.precision.FP8", "init_args": precision.options()}
     monkeypatch.setattr(hardware, "free_memory_gib", lambda device: 80.0)  # the written config is the choice itself
-    again = run_cli(["fit", "--config", str(tmp_path / "run" / "config.yaml"), "--model.memory", "as_configured"])
+    written = str(tmp_path / "run" / "config.yaml")
+    again = run_cli(
+        ["fit", "--config", written, "--model.memory", "as_configured", "--trainer.default_root_dir", str(tmp_path)]
+    )
     assert again.model.recipe.precision == FP8(dtype="fp32")
 
 

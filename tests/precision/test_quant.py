@@ -12,10 +12,10 @@ import torch
 from helpers import assert_same_lora, build_model, precision_for, resume_config, run_cli
 from torch import nn
 
-from lightning_lora.assembly import configure_attention
 from lightning_lora.errors import ConfigError
 from lightning_lora.families import Flux, ModelSource
 from lightning_lora.lora import LoraOptions
+from lightning_lora.model.assembly import configure_attention
 from lightning_lora.precision import FP8, FP8Compute
 from lightning_lora.precision.fp8 import FP8Linear, _ScaledMatmul, quantize_rowwise
 
@@ -23,7 +23,7 @@ from lightning_lora.precision.fp8 import FP8Linear, _ScaledMatmul, quantize_roww
 @pytest.fixture(scope="module")
 def tiny_flux64_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Tiny FLUX whose linear layers all have in_features % 64 == 0 (bitsandbytes' block size)."""
-    from lightning_lora.tiny import save_tiny_flux
+    from lightning_lora.tiny.flux import save_tiny_flux
 
     return save_tiny_flux(tmp_path_factory.mktemp("models") / "tiny-flux64", seed=0, dim64=True)
 
@@ -129,7 +129,7 @@ def test_fp8_compute_gives_cublaslt_the_layouts_it_takes(monkeypatch: pytest.Mon
     """cuBLASLt multiplies a row-major ``a`` by a column-major ``b`` only. SDXL's ``proj_in`` gets a column-major view
     (``permute(0, 2, 3, 1).reshape(...)`` of the feature map) and the output gradient can be one too: the quantized
     operands must be row-major whatever the input's layout (the H200 failed with "Only multiplication of row-major and
-    column-major matrices is supported by cuBLASLt", BENCHMARKS.md call 18)."""
+    column-major matrices is supported by cuBLASLt", dev/LOG.md, call 18)."""
     real = torch._scaled_mm
     seen: list[bool] = []
 
@@ -159,7 +159,7 @@ def test_fp8_compute_gives_cublaslt_the_layouts_it_takes(monkeypatch: pytest.Mon
 def test_fp8_quantizers_are_inlined_into_a_compiled_region() -> None:
     """In eager mode the quantizers run as their own compiled kernels on CUDA; inside a compiled region
     (``model.compile_blocks``) they must be the plain functions, which the region's compiler fuses with their
-    neighbours (a nested compiled function made FP8 compute 3.7x slower: BENCHMARKS.md, call 16)."""
+    neighbours (a nested compiled function made FP8 compute 3.7x slower: dev/LOG.md, call 16)."""
     from lightning_lora.precision import fp8
 
     assert fp8._fused(fp8.quantize_rowwise, "cuda") is not fp8.quantize_rowwise

@@ -1,0 +1,297 @@
+"""What a computation holds, measured on the ``meta`` device: the most bytes its tensors hold at once (its transient
+peak), and the bytes autograd keeps from a forward pass for the backward (:func:`saved_activation_bytes`).
+
+The memory planner needs what a forward pass (a denoiser's, a VAE decode's) allocates *beyond* the weights while it
+runs: on a GPU, what ``torch.cuda.max_memory_allocated`` rises by. On the ``meta`` device tensors have shapes and
+dtypes but no memory, so the whole computation at full size costs a few seconds of CPU and no memory; what it would
+have held is counted as it runs:
+
+* :class:`LiveBytes` is a ``TorchDispatchMode``: every aten op's output that is new memory (its schema's returns carry
+  no alias annotation, so views, reshapes and in-place ops add nothing) adds its storage's bytes; the bytes are given
+  back when the last tensor seen on that storage dies (``weakref.finalize``), as the caching allocator frees a block.
+  The most bytes live at once is the peak. Tensors made before the measurement (weights, inputs) are not counted.
+* :class:`MetaAutocast` does on the meta device what CUDA autocast does (autocast has no meta kernel): matrix
+  multiplications and convolutions cast float32 inputs to the low-precision dtype, normalizations and softmax cast
+  low-precision inputs to float32 and return float32. The casts are real ops, so their copies are counted. That is why
+  a VAE decode under autocast holds three times its widest bf16 activation at a group norm: the bf16 input, its float32
+  copy and the float32 output (``tests/plan/test_live_bytes.py``).
+
+:func:`peak_bytes` runs a function under both. Attention should run under :func:`flash_like_attention` (what the
+GPU's flash / memory-efficient kernels allocate: no score matrix).
+
+:func:`saved_activation_bytes` counts the tensors autograd saves in a forward pass, as the GPU runs it: attention as
+its fused kernels keep it (:func:`flash_like_attention`), ``rms_norm`` as its fused kernel keeps it
+(:func:`fused_like_rms_norm`) and, with ``autocast``, under :class:`MetaAutocast` (a torch-function mode, so its casts
+are ops autograd records, as CUDA autocast's are).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+__all__ = [
+    "LiveBytes",
+    "MetaAutocast",
+    "flash_like_attention",
+    "fused_like_rms_norm",
+    "peak_bytes",
+    "saved_activation_bytes",
+]
+
+# CUDA autocast's op lists (torch.amp docs, "CUDA Ops that can autocast to float16 / to float32"), the ones diffusion
+# models call. Matched at the torch-function level, where autocast applies: before composite ops (conv2d, linear)
+# check that their input and weight dtypes agree.
+_LOWER_PRECISION: frozenset[Any] = frozenset(
+    {
+        torch.conv1d,
+        torch.conv2d,
+        torch.conv3d,
+        torch.conv_transpose1d,
+        torch.conv_transpose2d,
+        torch.conv_transpose3d,
+        F.linear,
+        torch.matmul,
+        torch.Tensor.matmul,
+        torch.Tensor.__matmul__,
+        torch.mm,
+        torch.Tensor.mm,
+        torch.bmm,
+        torch.Tensor.bmm,
+        torch.baddbmm,
+        torch.addmm,
+        torch.addbmm,
+    }
+)
+_FLOAT32: frozenset[Any] = frozenset(
+    {
+        F.group_norm,
+        torch.group_norm,
+        F.layer_norm,
+        torch.layer_norm,
+        F.softmax,
+        torch.softmax,
+        torch.Tensor.softmax,
+        F.log_softmax,
+        torch.log_softmax,
+        torch.Tensor.log_softmax,
+    }
+)
+_LOW_DTYPES = (torch.float16, torch.bfloat16)
+
+
+class LiveBytes(TorchDispatchMode):
+    """Count the bytes of the tensors a computation creates and holds at once (see the module docstring).
+
+    ``live`` is the bytes held now, ``peak`` the most held at once, ``peak_op`` the op that reached it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self.peak_op = ""
+        self._sizes: dict[int, int] = {}  # storage -> bytes, for the storages this mode saw created
+        self._refs: dict[int, int] = {}  # storage -> tensors seen on it that are alive
+
+    def _hold(self, t: torch.Tensor, new: bool) -> None:
+        key = t.untyped_storage()._cdata
+        if key not in self._sizes:
+            if not new:  # a view of a weight or an input: not ours
+                return
+            self._sizes[key] = t.untyped_storage().nbytes()
+            self._refs[key] = 0
+            self.live += self._sizes[key]
+        self._refs[key] += 1
+        weakref.finalize(t, self._release, key)
+
+    def _release(self, key: int) -> None:
+        self._refs[key] -= 1
+        if self._refs[key] == 0:
+            del self._refs[key]
+            self.live -= self._sizes.pop(key)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        new = not any(r.alias_info is not None for r in func._schema.returns)
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._hold(t, new)
+        if self.live > self.peak:
+            self.peak, self.peak_op = self.live, str(func)
+        return out
+
+
+class MetaAutocast(TorchFunctionMode):
+    """CUDA autocast to ``dtype`` (float16 or bfloat16), done by casting arguments, so that it works on ``meta``."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        sources: tuple[torch.dtype, ...]
+        if func in _LOWER_PRECISION:
+            target, sources = self.dtype, (torch.float32,)
+        elif func in _FLOAT32:
+            target, sources = torch.float32, _LOW_DTYPES
+        else:
+            return func(*args, **kwargs)
+
+        def cast(x: Any) -> Any:
+            return x.to(target) if isinstance(x, torch.Tensor) and x.dtype in sources else x
+
+        args, kwargs = tree_map(cast, (args, kwargs))
+        return func(*args, **kwargs)
+
+
+def peak_bytes(run: Callable[[], Any], autocast: torch.dtype | None = None) -> tuple[int, str]:
+    """The most bytes the tensors ``run()`` creates hold at once (its output included while it lives), under
+    ``torch.no_grad`` and, with ``autocast``, :class:`MetaAutocast`; and the op at the peak. Run it on ``meta``
+    tensors to measure a full-size computation without its memory."""
+    tracker = LiveBytes()
+    casting = MetaAutocast(autocast) if autocast is not None else contextlib.nullcontext()
+    with torch.no_grad(), tracker, casting:
+        out = run()
+        del out
+    return tracker.peak, tracker.peak_op
+
+
+@contextlib.contextmanager
+def flash_like_attention() -> Iterator[None]:
+    """Make SDPA keep what flash / memory-efficient attention keeps for its backward: q, k, v, out, log-sum-exp."""
+
+    class _SDPA(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
+            lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+            ctx.save_for_backward(q, k, v, out, lse)
+            return out
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            q, k, v, _, _ = ctx.saved_tensors
+            return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    original = torch.nn.functional.scaled_dot_product_attention
+
+    def sdpa(*args: Any, **kwargs: Any) -> torch.Tensor:
+        q, k, v = (list(args) + [kwargs.get(n) for n in ("query", "key", "value")[len(args) :]])[:3]
+        return _SDPA.apply(q, k, v)
+
+    torch.nn.functional.scaled_dot_product_attention = sdpa
+    try:
+        yield
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = original
+
+
+class _FusedRMSNorm(torch.autograd.Function):
+    """``rms_norm`` keeping what the GPU's fused kernel keeps for its backward: the input, a float32 rstd per row
+    (``rows``) and the weight."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, rows: tuple[int, ...]) -> torch.Tensor:
+        ctx.save_for_backward(x, torch.empty(*rows, dtype=torch.float32, device=x.device), weight)
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        weight = ctx.saved_tensors[-1]
+        return torch.empty_like(grad), None if weight is None else torch.empty_like(weight), None
+
+
+@contextlib.contextmanager
+def fused_like_rms_norm() -> Iterator[None]:
+    """Make ``F.rms_norm`` (``torch.nn.RMSNorm``: FLUX.1's and FLUX.2's q/k norms) keep what it keeps on a CUDA / ROCm
+    GPU: the fused kernel's input and float32 rstd (measured on an H200, torch 2.11, with and without autocast:
+    ``dev/benchmarks/2026-12-01/norms33e.txt``). On the CPU and the meta device torch decomposes it,
+    and autograd keeps float32 copies of the input instead. A weight whose dtype differs from the input's (NF4's float32
+    norms) takes the decomposed path on the GPU too, and is left alone here."""
+    rms = torch.nn.functional.rms_norm
+
+    def rms_norm(
+        input: torch.Tensor,
+        normalized_shape: Sequence[int],
+        weight: torch.Tensor | None = None,
+        eps: float | None = None,
+    ) -> torch.Tensor:
+        if weight is not None and weight.dtype != input.dtype:
+            return rms(input, normalized_shape, weight, eps)
+        n = 1 if isinstance(normalized_shape, int) else len(normalized_shape)
+        rows = (*input.shape[: input.dim() - n], *[1] * n)
+        out: torch.Tensor = _FusedRMSNorm.apply(input, weight, rows)
+        return out
+
+    torch.nn.functional.rms_norm = rms_norm
+    try:
+        yield
+    finally:
+        torch.nn.functional.rms_norm = rms
+
+
+def saved_activation_bytes(
+    model: nn.Module,
+    inputs: dict[str, Any],
+    attention: Literal["flash_like", "as_run"] = "flash_like",
+    autocast: torch.dtype | None = None,
+    fused_rms_norm: bool = True,
+) -> tuple[float, float, float]:
+    """Bytes autograd keeps from one forward pass of ``model`` (on the meta device), the largest single tensor, and
+    the bytes the model's :class:`~lightning_lora.model.recompute.InputOffloader` (if any) moves off the device.
+
+    ``attention``: ``flash_like`` counts SDPA as the GPU's fused kernels keep it (on the meta device PyTorch would run
+    its math backend, which keeps the attention matrix), and ``F.rms_norm`` as the GPU's fused kernel keeps it
+    (:func:`fused_like_rms_norm`; ``fused_rms_norm`` false: decomposed, as NF4's float32 norm weights run it);
+    ``as_run`` leaves SDPA and ``rms_norm`` alone (real tensors on a device whose kernel is the fused one, as
+    ``dev/probes/saved_share.py`` measures compiled blocks on the CPU). ``autocast``: the forward runs under
+    :class:`MetaAutocast` to this dtype, as training runs under CUDA autocast: the norms keep
+    float32 copies of their inputs and return float32, and each linear layer keeps its own low-precision copy of a
+    float32 input (a FLUX.2 klein block at 1024² within 0.4% of what it kept on an H200).
+
+    Parameters and buffers are not counted (they are static memory); tensors sharing storage are counted once, and
+    a moved input whose storage something else keeps on the device counts as kept (moving it frees nothing).
+    """
+    static = {p.untyped_storage()._cdata for p in model.parameters()}
+    static |= {b.untyped_storage()._cdata for b in model.buffers()}
+    seen: set[int] = set()
+    sizes: list[int] = []
+    moved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = t.untyped_storage()._cdata
+        if key not in static and key not in seen:
+            seen.add(key)
+            sizes.append(t.untyped_storage().nbytes())
+        return t
+
+    def pack_moved(t: torch.Tensor) -> torch.Tensor:
+        moved[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+        return t
+
+    offloader = getattr(model, "_lora_input_offloader", None)  # its hooks hide the checkpoints' inputs from ours
+    observed = offloader.observed(pack, pack_moved) if offloader is not None else contextlib.nullcontext()
+    counted_attention = flash_like_attention() if attention == "flash_like" else contextlib.nullcontext()
+    fused = attention == "flash_like" and fused_rms_norm
+    counted_norm = fused_like_rms_norm() if fused else contextlib.nullcontext()
+    casting = MetaAutocast(autocast) if autocast is not None else contextlib.nullcontext()
+    with (
+        observed,
+        counted_attention,
+        counted_norm,
+        casting,
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+    ):
+        model(**inputs)
+    offloaded = sum(n for key, n in moved.items() if key not in seen)
+    return float(sum(sizes)), float(max(sizes, default=0)), float(offloaded)

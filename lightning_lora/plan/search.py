@@ -1,0 +1,351 @@
+"""The search over changes: the ways to run the same training in a card's memory, each planned as a new recipe by
+:func:`~lightning_lora.plan.estimate.plan_for` (the estimate), fastest first.
+
+A change is a set of command-line options with the recipe fields and data options they set (:data:`Changes`): less
+checkpointing or offloading than configured where the memory allows it (:func:`choose_for_memory`, ``model.memory``),
+checkpointing, inputs in CPU memory, a smaller base format and offloaded blocks where it does not
+(:func:`fitting_changes`), the same images per step in fewer, larger batches (:func:`larger_batches`), and the table of
+common cards (:func:`cards_table`). A combination the recipe or the strategy refuses is never suggested.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+from lightning_lora.errors import ConfigError
+from lightning_lora.model.parallel import LoraFSDPStrategy, check_strategy
+from lightning_lora.model.recipe import ModelRecipe
+from lightning_lora.plan.estimate import FIXED_OVERHEAD_GIB, HEADROOM, plan_for
+from lightning_lora.precision import FP8, NF4
+
+__all__ = [
+    "CARDS",
+    "CARD_SIZES",
+    "OFFLOAD_TRIES",
+    "OUTSIDE_ALLOCATOR_GIB",
+    "Changes",
+    "Fit",
+    "card_memory",
+    "cards_of",
+    "cards_table",
+    "choose_for_memory",
+    "fitting_changes",
+    "larger_batches",
+    "merged_batches",
+    "smaller_batches",
+]
+
+OFFLOAD_TRIES = (3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48)  # 1-2 save nothing: two are on the GPU at once
+
+
+Changes = tuple[str, dict[str, Any], dict[str, Any]]
+"""An alternative: (command-line options, the recipe fields they change, the data options they change)."""
+
+
+def _candidates(recipe: ModelRecipe, datamodule: Any) -> list[Changes]:
+    """Alternatives to try, fastest first (offloading, tried last, is :data:`OFFLOAD_TRIES`): ways to run the same
+    training with less memory, then smaller batches and images (a different training: only when nothing else fits)."""
+    checkpointing = {"gradient_checkpointing": True, "checkpoint_every": 1}
+    tries: list[Changes] = []
+    if not recipe.gradient_checkpointing:
+        # Fastest first: checkpointing one block in 3 or 2 recomputes less than checkpointing every block.
+        for every in (3, 2):
+            flag = f"--model.gradient_checkpointing true --model.checkpoint_every {every}"
+            tries.append((flag, {"gradient_checkpointing": True, "checkpoint_every": every}, {}))
+        tries.append(("--model.gradient_checkpointing true", checkpointing, {}))
+    elif recipe.checkpoint_every > 1:
+        tries.append(("--model.checkpoint_every 1", {"checkpoint_every": 1}, {}))
+    gc_flags = "--model.gradient_checkpointing true --model.checkpoint_every 1 "
+    needs_gc = not recipe.gradient_checkpointing or recipe.checkpoint_every > 1
+    if not recipe.offload_activations:
+        flag = (gc_flags if needs_gc else "") + "--model.offload_activations true"
+        tries.append((flag, {**checkpointing, "offload_activations": True}, {}))
+    smallest: tuple[str, dict[str, Any]] = ("", {})
+    for fmt in (FP8, NF4):  # FP8Compute is an FP8: the same memory
+        if not isinstance(recipe.precision, fmt):
+            base = {"precision": recipe.precision.as_format(fmt.__name__)}  # the same dtype: a plain replace
+            plugin = f"--trainer.plugins lightning_lora.precision.{fmt.__name__}"
+            tries.append((plugin, base, {}))
+            tries.append((f"{plugin} --model.gradient_checkpointing true", {**base, **checkpointing}, {}))
+            smallest = (f"{plugin} ", base)
+    # The least memory without changing the training: the smallest base, every block checkpointed, inputs in CPU.
+    least_flags = smallest[0] + gc_flags + "--model.offload_activations true"
+    least = {**smallest[1], **checkpointing, "offload_activations": True}
+    if smallest[1] or not recipe.offload_activations:
+        tries.append((least_flags, least, {}))
+    batch = int(getattr(datamodule, "batch_size", 1))
+    resolution = getattr(datamodule, "resolution", 512)
+    side = max(resolution) if isinstance(resolution, list | tuple) else int(resolution)
+    if batch > 1:
+        tries.append((f"{least_flags} --data.batch_size 1", least, {"batch_size": 1}))
+    for smaller in (768, 512):
+        if smaller < side:
+            data = {"batch_size": 1, "resolution": smaller}
+            tries.append((f"{least_flags} --data.batch_size 1 --data.resolution {smaller}", least, data))
+    return tries
+
+
+def _faster(recipe: ModelRecipe) -> list[Changes]:
+    """Ways to run the same training faster than as configured, fastest first: no gradient checkpointing, then one
+    block in 3 or 2 checkpointed (less recomputation than configured), each without the configured copies to and from
+    CPU memory (checkpointed inputs, offloaded blocks); then only without those copies. Empty when nothing is saving
+    memory."""
+    copies: dict[str, Any] = {}
+    flags: list[str] = []
+    if recipe.offload_activations:
+        copies["offload_activations"] = False
+        flags.append("--model.offload_activations false")
+    if recipe.offload_blocks:
+        copies["offload_blocks"] = 0
+        flags.append("--model.offload_blocks 0")
+    tries: list[Changes] = []
+    if recipe.gradient_checkpointing:
+        tries.append(
+            (
+                " ".join(["--model.gradient_checkpointing false", *flags]),
+                {"gradient_checkpointing": False, **copies},
+                {},
+            )
+        )
+        for every in (3, 2):
+            if every > recipe.checkpoint_every:
+                tries.append(
+                    (" ".join([f"--model.checkpoint_every {every}", *flags]), {"checkpoint_every": every, **copies}, {})
+                )
+    if copies:
+        tries.append((" ".join(flags), copies, {}))
+    return tries
+
+
+@dataclass(frozen=True)
+class Fit:
+    """A way to run that fits: the command-line options that make it (empty: as configured), its planned peak, and
+    the recipe fields (``changes``) and data options (``data``) those options set."""
+
+    flags: str
+    peak_gib: float
+    offload: bool = False
+    changes: dict[str, Any] = field(default_factory=dict)
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def line(self) -> str:
+        slower = "; slower by the blocks' copies" if self.offload else ""
+        return f"{self.flags or 'as configured'}   (~{self.peak_gib:.1f} GiB{slower})"
+
+
+class _Planner:
+    """Plans of a recipe and its alternatives for one data module, each planned once."""
+
+    def __init__(self, recipe: ModelRecipe, datamodule: Any, optimizer: str, shards: int = 1) -> None:
+        self.recipe, self.datamodule, self.optimizer, self.shards = recipe, datamodule, optimizer, shards
+        self._peaks: dict[str, float | None] = {}
+        # A sharded run takes only what its strategy takes (a bf16 base, not offloaded): the strategy's own check.
+        self._strategy = LoraFSDPStrategy() if shards > 1 else None
+
+    def peak(self, flags: str, changes: dict[str, Any], data: dict[str, Any] | None = None) -> float | None:
+        """The planned peak with ``changes`` (and data options ``data``), or None when the recipe refuses them."""
+        if flags not in self._peaks:
+            datamodule = self.datamodule
+            if data:
+                datamodule = SimpleNamespace(
+                    resolution=data.get("resolution", getattr(datamodule, "resolution", 512)),
+                    batch_size=data.get("batch_size", datamodule.batch_size),
+                )
+            try:
+                changed = self.recipe.replace(**changes)
+                if self._strategy is not None:
+                    check_strategy(self._strategy, changed)
+                plan = plan_for(changed, datamodule, self.optimizer, shards=self.shards)
+                self._peaks[flags] = plan.run_peak  # the samples must fit too
+            except ConfigError:  # a change the other settings refuse (e.g. NF4 with model.offload_blocks): not a fix
+                self._peaks[flags] = None
+        return self._peaks[flags]
+
+    def fastest(self, vram: float) -> Fit | None:
+        """The fastest way to run the same training in ``vram`` GiB (5% kept free): a faster change than configured
+        (:func:`_faster`) when one fits, else as configured when it fits, else the first memory-saving change that
+        fits without changing the data; None when none does."""
+        limit = vram * HEADROOM
+        for flags, changes, _ in _faster(self.recipe):
+            peak = self.peak(flags, changes)
+            if peak is not None and peak <= limit:
+                return Fit(flags, peak, changes=changes)
+        configured = self.peak("", {})
+        if configured is not None and configured <= limit:
+            return Fit("", configured)
+        same = [fit for fit in self.fits(vram, first=True) if not fit.data]
+        return same[0] if same else None
+
+    def fits(self, vram: float, first: bool = False) -> list[Fit]:
+        """The alternatives that fit in ``vram`` GiB (5% kept free), fastest first (only the fastest with ``first``);
+        offloading with the fewest blocks that fit (it costs PCIe copies per block and step), before changes of the
+        data."""
+        limit = vram * HEADROOM
+        found: list[Fit] = []
+        if limit <= FIXED_OVERHEAD_GIB:  # not even the CUDA context fits
+            return found
+        tries = _candidates(self.recipe, self.datamodule)
+        same = [t for t in tries if not t[2]]
+        for flags, changes, data in same:
+            peak = self.peak(flags, changes, data)
+            if peak is not None and peak <= limit:
+                found.append(Fit(flags, peak, changes=changes))
+                if first:
+                    return found
+        for count in OFFLOAD_TRIES:
+            peak = self.peak(f"--model.offload_blocks {count}", {"offload_blocks": count})
+            if peak is None:  # more blocks than the model has, or a setting offloading refuses (NF4, compile_blocks)
+                break
+            if peak <= limit:
+                found.append(
+                    Fit(f"--model.offload_blocks {count}", peak, offload=True, changes={"offload_blocks": count})
+                )
+                if first:
+                    return found
+                break
+        if not found:  # a smaller batch or smaller images change the training: only when nothing else fits
+            for flags, changes, data in (t for t in tries if t[2]):
+                peak = self.peak(flags, changes, data)
+                if peak is not None and peak <= limit:
+                    found.append(Fit(flags, peak, changes=changes, data=data))
+                    break
+        return found
+
+
+OUTSIDE_ALLOCATOR_GIB = 0.67
+"""GPU memory a training process holds outside PyTorch's caching allocator (the CUDA context, the loaded kernels, the
+libraries' handles), which the planned peaks (PyTorch's allocated peaks) leave out: 0.67 GiB on an H200 (CUDA 13); with
+the allocator capped at 7.5 GiB the process held 8.17 (dev/LOG.md, 2026-12-02). The fit verdicts do not count it yet
+(their 0.35 GiB allowance and 5% headroom stand in for it); :func:`larger_batches` does."""
+
+
+def smaller_batches(batch_size: int, accumulate: int) -> tuple[int, int] | None:
+    """The same images per optimizer step in smaller batches: ``(data.batch_size, trainer.accumulate_grad_batches)``
+    with the batch halved (an odd batch: one image at a time) and the accumulation raised to match; None for a batch
+    of one."""
+    if batch_size <= 1:
+        return None
+    smaller = batch_size // 2 if batch_size % 2 == 0 else 1
+    return smaller, accumulate * batch_size // smaller
+
+
+def merged_batches(batch_size: int, accumulate: int) -> tuple[int, int] | None:
+    """The same images per optimizer step in fewer, larger batches: the accumulation divided by its smallest factor
+    (halved when even) and the batch multiplied by it; None without accumulation."""
+    if accumulate <= 1:
+        return None
+    factor = next(f for f in range(2, accumulate + 1) if accumulate % f == 0)
+    return batch_size * factor, accumulate // factor
+
+
+def larger_batches(
+    recipe: ModelRecipe, datamodule: Any, vram: float, accumulate: int, optimizer: str = "AdamW", shards: int = 1
+) -> Fit | None:
+    """The same images per optimizer step as fewer, larger batches (:func:`merged_batches`), when that fits ``vram``
+    GiB with :data:`OUTSIDE_ALLOCATOR_GIB` kept for the process and 5% of the rest free; None otherwise. A step that
+    launches many small kernels (NF4, checkpointed blocks, 512px) pays its launches per batch: FLUX at rank 4 with NF4
+    and every block checkpointed trained 4 images in 1.10 s as 2 x 2 against 2.01-2.14 as 4 x 1 (torch's AdamW at
+    both) on an H200, and needed 7.34 GiB for it, which an 8 GB card does not have (out of memory under a
+    7.5 GiB cap)."""
+    merged = merged_batches(datamodule.batch_size, accumulate)
+    if merged is None:
+        return None
+    batch, steps = merged
+    flags = f"--data.batch_size {batch} --trainer.accumulate_grad_batches {steps}"
+    peak = _Planner(recipe, datamodule, optimizer, shards).peak(flags, {}, {"batch_size": batch})
+    if peak is None or peak > (vram - OUTSIDE_ALLOCATOR_GIB) * HEADROOM:
+        return None
+    return Fit(flags, peak, data={"batch_size": batch})
+
+
+def choose_for_memory(
+    recipe: ModelRecipe, datamodule: Any, vram: float, optimizer: str = "AdamW", shards: int = 1
+) -> Fit | None:
+    """The fastest way to run the same training in ``vram`` GiB (``model.memory``, :meth:`_Planner.fastest`): less
+    checkpointing or offloading than configured when that fits, as configured when it fits, else the first
+    alternative that fits without changing the data (batch, resolution); None when none does. ``shards``:
+    :func:`~lightning_lora.plan.estimate.plan_training`'s (a sharded base takes no quantized or offloaded
+    alternative)."""
+    return _Planner(recipe, datamodule, optimizer, shards).fastest(vram)
+
+
+def fitting_changes(
+    recipe: ModelRecipe, datamodule: Any, vram: float, optimizer: str = "AdamW", shards: int = 1
+) -> list[str]:
+    """Changes (as command-line options, with the planned peak) that bring the plan under ``vram`` GiB, fastest first;
+    each is tried as a new recipe (``recipe.replace``), so a combination the recipe refuses is never suggested."""
+    return [fit.line() for fit in _Planner(recipe, datamodule, optimizer, shards).fits(vram)]
+
+
+CARDS: dict[str, float] = {
+    "RTX 3060": 12,
+    "RTX 3070": 8,
+    "RTX 3080": 10,
+    "RTX 3090": 24,
+    "RTX 4060": 8,
+    "RTX 4060 Ti": 16,
+    "RTX 4070": 12,
+    "RTX 4080": 16,
+    "RTX 4090": 24,
+    "RTX 5080": 16,
+    "RTX 5090": 32,
+    "L4": 24,
+    "A10": 24,
+    "RTX A6000": 48,
+    "L40S": 48,
+    "A100": 80,
+    "H100": 80,
+    "H200": 141,
+    "RX 7900 XTX": 24,
+    "MI300X": 192,
+}
+"""Common cards and their memory in GiB (the 16 GB RTX 4060 Ti; write ``"RTX 4060 Ti 8GB"`` for the other)."""
+
+CARD_SIZES = (8, 12, 16, 24, 32, 48, 80)
+"""The memory sizes ``lightning-lora plan --cards`` tabulates."""
+
+
+def card_memory(name: str) -> float:
+    """GiB of the card ``name`` (``"RTX 4090"``, ``"4090"``, ``"nvidia h100"``, ``"RTX 3060 12GB"``: a size in the
+    name wins); :class:`ConfigError` listing the known cards otherwise."""
+    size = re.search(r"(\d+)\s*GB?\b", name, re.IGNORECASE)
+    if size:
+        return float(size.group(1))
+    wanted = re.sub(r"[^a-z0-9]", "", name.lower().replace("nvidia", "").replace("geforce", "").replace("amd", ""))
+    for card, gib in CARDS.items():
+        plain = re.sub(r"[^a-z0-9]", "", card.lower())
+        if wanted in (plain, plain.removeprefix("rtx").removeprefix("rx")):
+            return gib
+    raise ConfigError(
+        f"--gpu: {name!r} is not a card lightning-lora knows ({', '.join(CARDS)}). Give --vram in GiB, or write the "
+        "memory in the name (e.g. 'RTX 3060 12GB')."
+    )
+
+
+def cards_table(
+    recipe: ModelRecipe,
+    datamodule: Any,
+    optimizer: str = "AdamW",
+    sizes: tuple[int, ...] = CARD_SIZES,
+    shards: int = 1,
+) -> list[tuple[int, Fit | None]]:
+    """For each card size (GiB): the fastest way to run the same training that fits (:meth:`_Planner.fastest`: less
+    checkpointing than configured on a larger card, as configured, or a memory-saving change), else the first change
+    of the data that fits, or None; with ``shards`` > 1, on each of that many cards of the size."""
+    planner = _Planner(recipe, datamodule, optimizer, shards)
+    rows: list[tuple[int, Fit | None]] = []
+    for size in sizes:
+        fit = planner.fastest(size)
+        if fit is None:
+            fits = planner.fits(size, first=True)
+            fit = fits[0] if fits else None
+        rows.append((size, fit))
+    return rows
+
+
+def cards_of(size: float) -> list[str]:
+    """The :data:`CARDS` with this much memory."""
+    return [card for card, gib in CARDS.items() if gib == size]
