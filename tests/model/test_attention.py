@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 from helpers import build_model, count_compiled_graphs, graph_count, nonzero_lora_b, on_device, random_inputs
 
-from lightning_lora.model import attention
 from lightning_lora.families.base import ModelSource
 from lightning_lora.families.flux import Flux
 from lightning_lora.lora import LoraOptions, trainable_parameters
+from lightning_lora.model import attention
 from lightning_lora.model.assembly import compile_repeated_blocks
 
 
