@@ -3,14 +3,23 @@
 * Every third-party module the package imports is declared in pyproject.toml: one imported when a module of the package
   is imported, as a dependency; one imported only inside a function (an optional feature), in the extra that names it
   (:data:`OPTIONAL`). Import names map to distributions through ``importlib.metadata.packages_distributions()``.
+* The Makefile's two installs: ``make demo`` installs the package with the demo extra only, ``make test`` the dev
+  extras, in either order in one clone, with TORCH=cpu / keep / TORCH_INDEX as the Makefile's header says. The targets
+  run for real with stub tools (a ``python`` that makes a venv of stubs and logs every call), so the stamps' logic
+  is what is tested, in a second.
 """
 
 from __future__ import annotations
 
 import ast
 import importlib.metadata
+import os
 import re
+import shutil
+import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -123,3 +132,98 @@ def test_type_checking_and_relative_imports_are_not_runtime_imports() -> None:
         "if TYPE_CHECKING:\n    import numpy\nelse:\n    import PIL\n"
     )
     assert third_party_imports(source) == {"numpy": False, "PIL": True}
+
+
+# ------------------------------------------------------------------------------------------------ make demo / make test
+
+#: ``python`` for the Makefile: logs its call; as ``python -m venv DIR`` it makes DIR/bin with itself as every tool.
+STUB = """#!/bin/sh
+echo "$(basename "$0") $*" >> "$MAKE_LOG"
+if [ "$1" = "-m" ] && [ "$2" = "venv" ]; then
+    eval "venv=\\${$#}"
+    mkdir -p "$venv/bin"
+    for tool in python lightning-lora ruff mypy; do cp "$0" "$venv/bin/$tool"; done
+fi
+"""
+
+
+@pytest.fixture
+def make(tmp_path: Path) -> Callable[..., list[str]]:
+    """``make(target, *variables)``: run ``make`` on a copy of the Makefile with the stub tools, return the calls."""
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    for name in ("Makefile", "pyproject.toml", "constraints-cpu.txt"):
+        shutil.copy(ROOT / name, tmp_path / name)
+    python = tmp_path / "stub" / "python3"
+    python.parent.mkdir()
+    python.write_text(STUB)
+    python.chmod(0o755)
+    log = tmp_path / "calls.log"
+
+    def run(target: str, *variables: str) -> list[str]:
+        log.write_text("")
+        done = subprocess.run(
+            ["make", "-s", target, f"PYTHON={python}", *variables],
+            cwd=tmp_path,
+            env={**os.environ, "MAKE_LOG": str(log)},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        return log.read_text().splitlines()
+
+    return run
+
+
+def _installs(calls: list[str]) -> list[str]:
+    return [call for call in calls if " pip install " in call]
+
+
+TOOLS = ("ruff ", "mypy", "python -m pytest")
+
+
+@pytest.mark.subprocess
+def test_make_demo_installs_the_demo_extra_and_make_test_then_adds_the_dev_extras(
+    make: Callable[..., list[str]], tmp_path: Path
+) -> None:
+    calls = make("demo")
+    assert calls[0] == "python3 -m venv .venv"
+    assert _installs(calls) == [
+        "python -m pip install --disable-pip-version-check -q -c constraints-cpu.txt torch -e .[demo]"
+    ]
+    assert any(call.startswith("lightning-lora fit --config configs/tiny_cpu.yaml") for call in calls)
+    assert not any(call.startswith(TOOLS) for call in calls), calls
+    calls = make("test")
+    assert not any("venv" in call for call in calls)
+    assert [call.split()[-1] for call in _installs(calls)] == [".[dev]"]
+    assert all(any(call.startswith(tool) for call in calls) for tool in TOOLS), calls
+    assert _installs(make("demo")) == [] and _installs(make("test")) == []
+    # a changed pyproject.toml installs again, each target its own extras
+    later = time.time() + 10
+    os.utime(tmp_path / "pyproject.toml", (later, later))
+    assert [call.split()[-1] for call in _installs(make("demo"))] == [".[demo]"]
+    assert [call.split()[-1] for call in _installs(make("test"))] == [".[dev]"]
+
+
+@pytest.mark.subprocess
+def test_make_test_alone_installs_the_dev_extras_which_cover_the_demo(make: Callable[..., list[str]]) -> None:
+    calls = make("test")
+    assert calls[0] == "python3 -m venv .venv"
+    assert [call.split()[-1] for call in _installs(calls)] == [".[dev]"]
+    calls = make("demo")
+    assert _installs(calls) == [] and any(call.startswith("lightning-lora fit") for call in calls), calls
+
+
+@pytest.mark.subprocess
+def test_make_keeps_the_torch_options(make: Callable[..., list[str]]) -> None:
+    """TORCH=keep: a venv that sees the system's torch and no constraint on it; TORCH_INDEX: pip also reads that
+    index. (Each run starts a new venv: the stamps live in it.)"""
+    calls = make("demo", "TORCH=keep", "VENV=keep")
+    assert calls[0] == "python3 -m venv --system-site-packages keep"
+    assert _installs(calls) == ["python -m pip install --disable-pip-version-check -q -e .[demo]"]
+    calls = make("test", "TORCH_INDEX=https://download.pytorch.org/whl/cpu", "VENV=index")
+    assert _installs(calls) == [
+        "python -m pip install --disable-pip-version-check -q -c constraints-cpu.txt torch "
+        "--extra-index-url https://download.pytorch.org/whl/cpu -e .[dev]"
+    ]
