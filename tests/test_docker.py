@@ -86,6 +86,21 @@ def test_dockerfile_installs_like_the_makefile_and_keeps_the_image_torch(kind: s
 
 
 @pytest.mark.parametrize("kind", DOCKERFILES)
+def test_the_image_torch_is_one_the_gpu_runs_measured(kind: str) -> None:
+    """The base image's torch is a release BENCHMARKS.md's GPU runs were measured on ("torch 2.11.0+cu130"), the CUDA
+    image with the same CUDA: when the GPU machine moves to another torch, the images follow."""
+    measured = set(re.findall(r"torch (\d+\.\d+\.\d+)\+cu(\d+)", (ROOT / "BENCHMARKS.md").read_text()))
+    assert measured, "BENCHMARKS.md no longer names the torch of its GPU runs"
+    (base,) = [args for instr, args in instructions(DOCKERFILES[kind]) if instr == "FROM"]
+    if kind == "cuda":
+        release = re.fullmatch(r"pytorch/pytorch:(\d+\.\d+\.\d+)-cuda(\d+)\.(\d+)-cudnn\d+-runtime", base)
+        assert release and (release[1], release[2] + release[3]) in measured, (base, measured)
+    else:
+        release = re.fullmatch(r"rocm/pytorch:rocm[\d.]+_ubuntu[\d.]+_py[\d.]+_pytorch_release_(\d+\.\d+\.\d+)", base)
+        assert release and release[1] in {version for version, _ in measured}, (base, measured)
+
+
+@pytest.mark.parametrize("kind", DOCKERFILES)
 def test_dockerfile_layout(kind: str) -> None:
     steps = instructions(DOCKERFILES[kind])
     froms = [args for instr, args in steps if instr == "FROM"]
