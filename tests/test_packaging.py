@@ -7,6 +7,7 @@
   extras, in either order in one clone, with TORCH=cpu / keep / TORCH_INDEX as the Makefile's header says. The targets
   run for real with stub tools (a ``python`` that makes a venv of stubs and logs every call), so the stamps' logic
   is what is tested, in a second.
+* The README's one-line installs per hardware name the torch releases the project tests.
 """
 
 from __future__ import annotations
@@ -227,3 +228,30 @@ def test_make_keeps_the_torch_options(make: Callable[..., list[str]]) -> None:
         "python -m pip install --disable-pip-version-check -q -c constraints-cpu.txt torch "
         "--extra-index-url https://download.pytorch.org/whl/cpu -e .[dev]"
     ]
+
+
+def test_the_install_lines_name_the_torch_the_project_tests() -> None:
+    """The README's one-line installs (wherever the docs move them) install a torch the project tests, from an index
+    pytorch.org names after its CUDA / ROCm / CPU build, then the project with extras that exist: 2.13.0 from the CPU
+    index, as CI pins it (constraints-cpu.txt), and the GPU machine's torch from the CUDA index of its build
+    (BENCHMARKS.md: "torch 2.11.0+cu130")."""
+    pattern = (
+        r"pip install torch==(\S+) --index-url https://download\.pytorch\.org/whl/(cpu|cu\d+|rocm[\d.]+) "
+        r"&& pip install -e '\.\[([a-z,]+)\]'"
+    )
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("**/*.md"))]
+    lines = [m.groups() for doc in docs for m in re.finditer(pattern, doc.read_text())]
+    assert {index.rstrip("0123456789.") for _, index, _ in lines} == {"cpu", "cu", "rocm"}, lines
+    ci = re.fullmatch(r"torch==(\S+)\+cpu", (ROOT / "constraints-cpu.txt").read_text().strip())
+    gpu = set(re.findall(r"torch (\d+\.\d+\.\d+)\+(cu\d+)", (ROOT / "BENCHMARKS.md").read_text()))
+    assert ci and gpu
+    floor = re.fullmatch(r"torch>=(\d+)\.(\d+)", next(r for r in pyproject()["dependencies"] if r.startswith("torch")))
+    assert floor
+    extras = pyproject()["optional-dependencies"]
+    for version, index, wanted in lines:
+        if index == "cpu":
+            assert version == ci[1], (version, index)
+        else:
+            assert version in {v for v, _ in gpu} and (index.startswith("rocm") or (version, index) in gpu), index
+        assert tuple(int(part) for part in version.split(".")[:2]) >= (int(floor[1]), int(floor[2]))
+        assert set(wanted.split(",")) <= set(extras), wanted
