@@ -179,7 +179,8 @@ class LoraModule(LightningModule):
         """The class name of the optimizer this module builds (the memory planner sizes its state by it)."""
         from lightning_lora.plan import optimizer_name
 
-        return optimizer_name(self._optimizer_factory)
+        default = self._optimizer_factory is _default_optimizer
+        return optimizer_name(torch.optim.AdamW if default else self._optimizer_factory)
 
     # -- model -------------------------------------------------------------------------------------------------
     @override

@@ -49,6 +49,7 @@ from lightning_lora.callbacks.monitor import ConfigSummary, StartSummary, StepPr
 from lightning_lora.callbacks.resume import GracefulStop, RNGState, RunFolder
 from lightning_lora.callbacks.samples import SampleImages
 from lightning_lora.checkpoint import STAMP, AtomicCheckpointIO, check_compatible, read_checkpoint, resolve_resume
+from lightning_lora.cli.class_paths import ConfigParser, apply_import_policy, check_class_paths
 from lightning_lora.cli.console import Console
 from lightning_lora.cli.peek import config_files, read_config_file
 from lightning_lora.data.datamodule import LatentDataModule
@@ -58,7 +59,7 @@ from lightning_lora.module import LoraModule, primitive_hparams
 from lightning_lora.parallel import check_strategy, resolve_strategy, shards_of
 from lightning_lora.precision import BasePrecision, check_trainer_precision, for_trainer_precision, precision_of
 
-__all__ = ["LoraCLI", "main", "run_summary", "write_error"]
+__all__ = ["UNBUILT", "LoraCLI", "main", "run_summary", "write_error"]
 
 DEFAULT_RUN_DIR = "runs/lora"
 CONSOLE: Console | None = None
@@ -66,6 +67,8 @@ CONSOLE: Console | None = None
 MEMORY_ENV = "LIGHTNING_LORA_MEMORY_SETTINGS"
 """How the DDP ranks Lightning starts (as new processes of the same command) get rank 0's ``model.memory`` choice."""
 DEFAULT_CHECKPOINT_EVERY = 250
+UNBUILT: dict[str, Any] = {"trainer.callbacks": None, "trainer.logger": False, "trainer.profiler": None}
+"""What the verbs that do not train (``plan``, ``cache``) leave out of the trainer config (:attr:`LoraCLI.unbuilt`)."""
 
 
 class LoraCLI(LightningCLI):
@@ -73,11 +76,16 @@ class LoraCLI(LightningCLI):
 
     data_class: ClassVar[type[LatentDataModule]] = LatentDataModule
     """What the ``data:`` section builds (``lightning-lora plan`` reads the options without listing any image)."""
+    unbuilt: ClassVar[dict[str, Any]] = {}
+    """Trainer options this command leaves out, with the value they get instead (``plan`` and ``cache`` build no
+    callback, logger or profiler of the config: they need none)."""
 
     def __init__(self, args: list[str] | None = None, run: bool = True) -> None:
+        apply_import_policy()  # a config names classes of trusted modules only (lightning_lora.cli.class_paths)
         super().__init__(
             LoraModule,
             self.data_class,
+            parser_class=ConfigParser,
             save_config_kwargs={"overwrite": True},
             # Our bucket sampler shards batches across ranks itself; Lightning must not replace it.
             # The start summary says the trainable parameters; Lightning's model table is one more screen of output.
@@ -103,8 +111,12 @@ class LoraCLI(LightningCLI):
         )
 
     def before_instantiate_classes(self) -> None:
-        """The config's ``allocator`` was applied before parsing (:func:`lightning_lora.cli.main`); say so when an
-        environment variable overrides it."""
+        """Every ``class_path`` of the config names a class of its option's kind, checked before anything is
+        instantiated (:func:`~lightning_lora.cli.class_paths.check_class_paths`). The config's ``allocator`` was applied
+        before parsing (:func:`lightning_lora.cli.main`); say so when an environment variable overrides it."""
+        check_class_paths(self.config[self.subcommand] if self.subcommand else self.config)
+        for option, value in self.unbuilt.items():
+            self.config[option] = value
         conflict = allocator_conflict(self._get(self.config, "allocator"))
         if conflict:
             rank_zero_warn(conflict)

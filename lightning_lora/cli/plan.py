@@ -12,9 +12,9 @@ library's (:mod:`lightning_lora.plan`); this module reads the config and prints.
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import Any, ClassVar
 
-from lightning_lora.cli.fit import LoraCLI, resolve_precision
+from lightning_lora.cli.fit import UNBUILT, LoraCLI, resolve_precision
 from lightning_lora.data.datamodule import DataOptions
 from lightning_lora.errors import ConfigError
 from lightning_lora.parallel import shard_count
@@ -24,9 +24,12 @@ __all__ = ["PlanCLI", "main"]
 
 
 class PlanCLI(LoraCLI):
-    """The ``fit`` config read for planning: the model (its recipe) and the data options; no trainer, no images."""
+    """The ``fit`` config read for planning: the model (its recipe), the data options and the trainer's precision and
+    strategy; no Trainer, no images, no callback or logger, and the optimizer is never called (its class sizes its
+    state)."""
 
     data_class = DataOptions
+    unbuilt: ClassVar[dict[str, Any]] = UNBUILT
 
     def _set_seed(self) -> None:
         """Nothing: a plan draws no random numbers (and prints no "Seed set" line)."""
