@@ -20,6 +20,7 @@ Lifecycle (during ``fit`` Lightning calls these in this order):
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Literal
 
 import torch
@@ -125,7 +126,7 @@ class LoraModule(LightningModule):
             offload_activations=offload_activations,
         )
         self.hparams["precision"] = self.recipe.precision.spec()
-        if not isinstance(memory, str) and memory <= 0:
+        if not isinstance(memory, str) and not (math.isfinite(memory) and memory > 0):
             raise ConfigError(f"model.memory: {memory} GiB must be positive (or auto, or as_configured).")
         self.memory = memory
         self.memory_settings: dict[str, Any] | None = None

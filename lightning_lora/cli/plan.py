@@ -12,6 +12,7 @@ library's (:mod:`lightning_lora.plan`); this module reads the config and prints.
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Any, ClassVar
 
 from lightning_lora.cli.fit import UNBUILT, LoraCLI, resolve_precision
@@ -20,7 +21,7 @@ from lightning_lora.errors import ConfigError
 from lightning_lora.parallel import shard_count
 from lightning_lora.precision import BasePrecision
 
-__all__ = ["PlanCLI", "main"]
+__all__ = ["PlanCLI", "card_size", "main"]
 
 
 class PlanCLI(LoraCLI):
@@ -48,6 +49,14 @@ class PlanCLI(LoraCLI):
         self.trainer = None  # type: ignore[assignment]  # planning builds no Trainer (it would need the accelerator)
 
 
+def card_size(gib: float | None, option: str) -> float | None:
+    """``gib`` (a card's memory), or a :class:`ConfigError` naming ``option`` when it is not a positive, finite number
+    of GiB (``-3``, ``0``, ``nan``, ``inf`` would get a verdict that means nothing)."""
+    if gib is None or (math.isfinite(gib) and gib > 0):
+        return gib
+    raise ConfigError(f"{option}: {gib:g} GiB is not a card's memory; give the GPU memory in GiB, e.g. --vram 24.")
+
+
 def main(argv: list[str]) -> int:
     """Run ``lightning-lora plan`` with ``argv`` (the arguments after ``plan``); return the exit status."""
     parser = argparse.ArgumentParser(prog="lightning-lora plan", description=__doc__)
@@ -68,7 +77,7 @@ def main(argv: list[str]) -> int:
     )
 
     try:
-        vram = card_memory(args.gpu) if args.gpu else args.vram
+        vram = card_size(card_memory(args.gpu), f"--gpu {args.gpu!r}") if args.gpu else card_size(args.vram, "--vram")
         cli: Any = PlanCLI(args=rest, run=False)
         recipe, optimizer = cli.model.recipe, cli.model.optimizer_name
         trainer = cli.trainer_config
