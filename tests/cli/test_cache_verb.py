@@ -71,3 +71,14 @@ def test_ctrl_c_during_cache_keeps_what_was_written(
     assert not list((tmp_path / "cache").rglob("*.tmp"))
     assert cache_main(["--config", str(config)]) == 0
     assert "latents:         2 encoded, 2 reused" in capsys.readouterr().out
+
+
+def test_a_bad_folder_entry_on_the_command_line_names_the_field(
+    tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path, capsys
+) -> None:
+    """``--data.images '[{path: x, repeats: many}]'`` was "folder '[{path: x, repeats: many}]' does not exist"."""
+    config = write_config(tmp_path, tiny_flux_dir, photos_dir)
+    assert cache_main(["--config", str(config), "--data.images", f"[{{path: {photos_dir}, repeats: many}}]"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("lightning-lora")]
+    assert err == ["lightning-lora cache: error: data.images[0].repeats must be an integer (1 or more), got 'many'."]
+    assert not (tmp_path / "cache").exists()
