@@ -51,7 +51,7 @@ from lightning_lora.callbacks.samples import SampleImages
 from lightning_lora.checkpoint import STAMP, AtomicCheckpointIO, check_compatible, read_checkpoint, resolve_resume
 from lightning_lora.cli.class_paths import ConfigParser, apply_import_policy, check_class_paths
 from lightning_lora.cli.console import Console
-from lightning_lora.cli.peek import check_config_text, config_files, read_config_file
+from lightning_lora.cli.peek import check_config_files, config_files, read_config_file
 from lightning_lora.data.datamodule import LatentDataModule
 from lightning_lora.errors import ConfigError, first_line
 from lightning_lora.hardware import Allocator, allocator_conflict
@@ -122,9 +122,9 @@ class LoraCLI(LightningCLI):
             rank_zero_warn(conflict)
 
     def parse_arguments(self, parser: Any, args: Any) -> None:
-        """LightningCLI's parsing, after a one-line error for a config file that is not UTF-8
-        (:func:`check_config_text`) or an option that moved (:func:`check_moved_options`)."""
-        check_config_text(sys.argv[1:] if args is None else args)
+        """LightningCLI's parsing, after a one-line error for a config file that is not UTF-8 or has a bad folder entry
+        (:func:`check_config_files`) or an option that moved (:func:`check_moved_options`)."""
+        check_config_files(sys.argv[1:] if args is None else args)
         check_moved_options(sys.argv[1:] if args is None else args)
         super().parse_arguments(parser, args)
 

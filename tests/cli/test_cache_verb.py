@@ -73,12 +73,17 @@ def test_ctrl_c_during_cache_keeps_what_was_written(
     assert "latents:         2 encoded, 2 reused" in capsys.readouterr().out
 
 
-def test_a_bad_folder_entry_on_the_command_line_names_the_field(
-    tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path, capsys
+@pytest.mark.parametrize("where", ["flag", "file"])
+def test_a_bad_folder_entry_names_the_field(
+    tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path, capsys, where: str
 ) -> None:
-    """``--data.images '[{path: x, repeats: many}]'`` was "folder '[{path: x, repeats: many}]' does not exist"."""
-    config = write_config(tmp_path, tiny_flux_dir, photos_dir)
-    assert cache_main(["--config", str(config), "--data.images", f"[{{path: {photos_dir}, repeats: many}}]"]) == 2
-    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("lightning-lora")]
-    assert err == ["lightning-lora cache: error: data.images[0].repeats must be an integer (1 or more), got 'many'."]
+    """``--data.images '[{path: x, repeats: many}]'`` was "folder '[{path: x, repeats: many}]' does not exist"; in a
+    config file, a screen of usage and every type the parser tried."""
+    entry = {"path": str(photos_dir), "repeats": "many"}
+    config = write_config(tmp_path, tiny_flux_dir, photos_dir, **({"data.images": [entry]} if where == "file" else {}))
+    flag = ["--data.images", f"[{{path: {photos_dir}, repeats: many}}]"] if where == "flag" else []
+    assert cache_main(["--config", str(config), *flag]) == 2
+    captured = capsys.readouterr()
+    lines = [line for line in (captured.out + captured.err).splitlines() if line and "LightningCLI's args" not in line]
+    assert lines == ["lightning-lora cache: error: data.images[0].repeats must be an integer (1 or more), got 'many'."]
     assert not (tmp_path / "cache").exists()
