@@ -114,18 +114,13 @@ def test_the_64_alias_is_refused_for_what_it_does() -> None:
     assert "bf16" not in str(refused.value).split("Use ")[0]
 
 
-def test_a_precision_alias_on_the_command_line_plans(
-    tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_a_precision_alias_on_the_command_line_plans(tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path) -> None:
     """``--trainer.precision 32`` (a full-fp32 request) plans a float32 base instead of being refused."""
-    from lightning_lora.cli import main
+    from lightning_lora.cli.plan import PlanCLI
 
     config = write_config(tmp_path, tiny_flux_dir, photos_dir)
-    with pytest.raises(SystemExit) as exit_info:
-        main(["plan", "--config", str(config), "--trainer.precision", "32"])
-    out = capsys.readouterr().out
-    assert exit_info.value.code == 0, out
-    assert "training peak" in out
+    cli = PlanCLI(args=["--config", str(config), "--trainer.precision", "32"], run=False)
+    assert cli.model.recipe.precision == BF16(dtype="fp32")
 
 
 def test_autocast_follows_the_dtype_on_the_bound_device() -> None:
