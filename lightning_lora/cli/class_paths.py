@@ -11,10 +11,14 @@ the config names is instantiated or called:
 * **What may be imported** (:func:`apply_import_policy`, while the config is parsed, before each import): only paths
   under :data:`TRUSTED_MODULES` (where the optimizers, learning-rate schedules, callbacks, loggers, Lightning plugins,
   strategies, accelerators, profilers and model families are defined) and the modules the user lists in the environment
-  variable ``LIGHTNING_LORA_ALLOW_IMPORTS`` (comma-separated, e.g. ``my_lab.optim``; a config cannot set it). This is
-  jsonargparse's import-path policy (``*`` denied, these allowed), which also checks the module an object is defined in:
-  ``torch.optim.adamw.torch.load`` names ``torch.serialization.load`` and is refused. A ``class_path`` under a
-  parameter typed ``Any`` is kept as data, never instantiated (``instantiate_subclass_spec_in_any=False``).
+  variable ``LIGHTNING_LORA_ALLOW_IMPORTS`` (comma-separated, e.g. ``my_lab.optim``; a config cannot set it), and the
+  names directly in the packages above them (``transformers.Adafactor``: jsonargparse's own spelling of a class), never
+  another module of those packages. This is jsonargparse's import-path policy (``*`` denied, these allowed), which also
+  checks the module an object is defined in: ``torch.optim.optimizer.torch.load`` names ``torch.serialization.load``
+  and is refused. A ``class_path`` under a parameter typed ``Any`` is kept as data, never instantiated
+  (``instantiate_subclass_spec_in_any=False``). What remains nameable where a trusted class takes a callable (such as
+  Lightning's ``LambdaCallback``) is a function defined in a trusted module or in the top module of a package above one
+  (``torch.set_default_device``), which Lightning calls with its own arguments: no command, no file to load.
 * **What may be instantiated** (:func:`check_class_paths`, after parsing): every ``class_path`` names a class, never a
   function (jsonargparse would call a function named as the ``class_path`` of a callable option such as
   ``model.optimizer``), of the kind its option takes (:func:`kinds`): a ``torch.optim.Optimizer`` subclass for

@@ -16,6 +16,8 @@
   ``hyper_parameters`` into the config before anything runs (so ``--model.lora.rank 4`` with a rank-8 checkpoint
   trained at rank 8, and a crafted file could name any installed class to import); here the config is the user's,
   and the file goes through the same compatibility check as ``last``.
+* A config names only classes of each option's kind from trusted modules, checked before anything it names is imported
+  or built (:mod:`lightning_lora.cli.class_paths`): a config cannot run a command.
 * A :class:`~lightning_lora.errors.ConfigError` (wrong path, typo, impossible combination) is printed as one line
   naming the option, with exit status 2; so is a file that cannot be written (full disk, no permission), naming the
   file. Files already written stay intact (every write is atomic).
