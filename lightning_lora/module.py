@@ -22,6 +22,7 @@ Lifecycle (during ``fit`` Lightning calls these in this order):
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Literal
 
 import torch
@@ -127,7 +128,7 @@ class LoraModule(LightningModule):
             offload_activations=offload_activations,
         )
         self.hparams["precision"] = self.recipe.precision.spec()
-        if not isinstance(memory, str) and memory <= 0:
+        if not isinstance(memory, str) and not (math.isfinite(memory) and memory > 0):
             raise ConfigError(f"model.memory: {memory} GiB must be positive (or auto, or as_configured).")
         self.memory = memory
         self.memory_settings: dict[str, Any] | None = None
@@ -189,7 +190,8 @@ class LoraModule(LightningModule):
         """The class name of the optimizer this module builds (the memory planner sizes its state by it)."""
         from lightning_lora.plan import optimizer_name
 
-        return optimizer_name(self._optimizer_factory)
+        default = self._optimizer_factory is _default_optimizer
+        return optimizer_name(torch.optim.AdamW if default else self._optimizer_factory)
 
     # -- model -------------------------------------------------------------------------------------------------
     @override

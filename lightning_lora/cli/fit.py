@@ -20,6 +20,8 @@
   ``hyper_parameters`` into the config before anything runs (so ``--model.lora.rank 4`` with a rank-8 checkpoint
   trained at rank 8, and a crafted file could name any installed class to import); here the config is the user's,
   and the file goes through the same compatibility check as ``last``.
+* A config names only classes of each option's kind from trusted modules, checked before anything it names is imported
+  or built (:mod:`lightning_lora.cli.class_paths`): a config cannot run a command.
 * A :class:`~lightning_lora.errors.ConfigError` (wrong path, typo, impossible combination) is printed as one line
   naming the option, with exit status 2; so is a file that cannot be written (full disk, no permission), naming the
   file. Files already written stay intact (every write is atomic).
@@ -60,8 +62,9 @@ from lightning_lora.checkpoint import (
     read_checkpoint,
     resolve_resume,
 )
+from lightning_lora.cli.class_paths import ConfigParser, apply_import_policy, check_class_paths
 from lightning_lora.cli.console import Console
-from lightning_lora.cli.peek import config_files, read_config_file
+from lightning_lora.cli.peek import check_config_files, config_files, read_config_file
 from lightning_lora.data.datamodule import LatentDataModule
 from lightning_lora.errors import ConfigError, first_line
 from lightning_lora.hardware import Allocator, allocator_conflict
@@ -70,7 +73,7 @@ from lightning_lora.model.parallel import check_strategy, resolve_strategy, shar
 from lightning_lora.module import LoraModule, primitive_hparams
 from lightning_lora.precision import BasePrecision, check_trainer_precision, for_trainer_precision, precision_of
 
-__all__ = ["LoraCLI", "main", "run_summary", "write_error"]
+__all__ = ["UNBUILT", "LoraCLI", "main", "run_summary", "write_error"]
 
 DEFAULT_RUN_DIR = "runs/lora"
 CONSOLE: Console | None = None
@@ -78,6 +81,8 @@ CONSOLE: Console | None = None
 MEMORY_ENV = "LIGHTNING_LORA_MEMORY_SETTINGS"
 """How the DDP ranks Lightning starts (as new processes of the same command) get rank 0's ``model.memory`` choice."""
 DEFAULT_CHECKPOINT_EVERY = 250
+UNBUILT: dict[str, Any] = {"trainer.callbacks": None, "trainer.logger": False, "trainer.profiler": None}
+"""What the verbs that do not train (``plan``, ``cache``) leave out of the trainer config (:attr:`LoraCLI.unbuilt`)."""
 
 
 class LoraCLI(LightningCLI):
@@ -85,12 +90,17 @@ class LoraCLI(LightningCLI):
 
     data_class: ClassVar[type[LatentDataModule]] = LatentDataModule
     """What the ``data:`` section builds (``lightning-lora plan`` reads the options without listing any image)."""
+    unbuilt: ClassVar[dict[str, Any]] = {}
+    """Trainer options this command leaves out, with the value they get instead (``plan`` and ``cache`` build no
+    callback, logger or profiler of the config: they need none)."""
 
     def __init__(self, args: list[str] | None = None, run: bool = True) -> None:
         self._lock: RunLock | None = None
+        apply_import_policy()  # a config names classes of trusted modules only (lightning_lora.cli.class_paths)
         super().__init__(
             LoraModule,
             self.data_class,
+            parser_class=ConfigParser,
             save_config_kwargs={"overwrite": True},
             # Our bucket sampler shards batches across ranks itself; Lightning must not replace it.
             # The start summary says the trainable parameters; Lightning's model table is one more screen of output.
@@ -116,14 +126,20 @@ class LoraCLI(LightningCLI):
         )
 
     def before_instantiate_classes(self) -> None:
-        """The config's ``allocator`` was applied before parsing (:func:`lightning_lora.cli.main`); say so when an
-        environment variable overrides it."""
+        """Every ``class_path`` of the config names a class of its option's kind, checked before anything is
+        instantiated (:func:`~lightning_lora.cli.class_paths.check_class_paths`). The config's ``allocator`` was applied
+        before parsing (:func:`lightning_lora.cli.main`); say so when an environment variable overrides it."""
+        check_class_paths(self.config[self.subcommand] if self.subcommand else self.config)
+        for option, value in self.unbuilt.items():
+            self.config[option] = value
         conflict = allocator_conflict(self._get(self.config, "allocator"))
         if conflict:
             rank_zero_warn(conflict)
 
     def parse_arguments(self, parser: Any, args: Any) -> None:
-        """LightningCLI's parsing, after :func:`check_moved_options` (a one-line error for an option that moved)."""
+        """LightningCLI's parsing, after a one-line error for a config file that is not UTF-8 or has a bad folder entry
+        (:func:`check_config_files`) or an option that moved (:func:`check_moved_options`)."""
+        check_config_files(sys.argv[1:] if args is None else args)
         check_moved_options(sys.argv[1:] if args is None else args)
         super().parse_arguments(parser, args)
 

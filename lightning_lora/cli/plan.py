@@ -12,21 +12,25 @@ library's (:mod:`lightning_lora.plan`); this module reads the config and prints.
 from __future__ import annotations
 
 import argparse
-from typing import Any
+import math
+from typing import Any, ClassVar
 
-from lightning_lora.cli.fit import LoraCLI, resolve_precision
+from lightning_lora.cli.fit import UNBUILT, LoraCLI, resolve_precision
 from lightning_lora.data.datamodule import DataOptions
 from lightning_lora.errors import ConfigError
 from lightning_lora.model.parallel import shard_count
 from lightning_lora.precision import BasePrecision
 
-__all__ = ["PlanCLI", "main"]
+__all__ = ["PlanCLI", "card_size", "main"]
 
 
 class PlanCLI(LoraCLI):
-    """The ``fit`` config read for planning: the model (its recipe) and the data options; no trainer, no images."""
+    """The ``fit`` config read for planning: the model (its recipe), the data options and the trainer's precision and
+    strategy; no Trainer, no images, no callback or logger, and the optimizer is never called (its class sizes its
+    state)."""
 
     data_class = DataOptions
+    unbuilt: ClassVar[dict[str, Any]] = UNBUILT
 
     def _set_seed(self) -> None:
         """Nothing: a plan draws no random numbers (and prints no "Seed set" line)."""
@@ -43,6 +47,14 @@ class PlanCLI(LoraCLI):
         plugins, _ = resolve_precision(trainer.get("precision"), plugins if isinstance(plugins, list) else [plugins])
         self.model.use_precision(next(p for p in plugins if isinstance(p, BasePrecision)))  # the base format to plan
         self.trainer = None  # type: ignore[assignment]  # planning builds no Trainer (it would need the accelerator)
+
+
+def card_size(gib: float | None, option: str) -> float | None:
+    """``gib`` (a card's memory), or a :class:`ConfigError` naming ``option`` when it is not a positive, finite number
+    of GiB (``-3``, ``0``, ``nan``, ``inf`` would get a verdict that means nothing)."""
+    if gib is None or (math.isfinite(gib) and gib > 0):
+        return gib
+    raise ConfigError(f"{option}: {gib:g} GiB is not a card's memory; give the GPU memory in GiB, e.g. --vram 24.")
 
 
 def main(argv: list[str]) -> int:
@@ -65,7 +77,7 @@ def main(argv: list[str]) -> int:
     )
 
     try:
-        vram = card_memory(args.gpu) if args.gpu else args.vram
+        vram = card_size(card_memory(args.gpu), f"--gpu {args.gpu!r}") if args.gpu else card_size(args.vram, "--vram")
         cli: Any = PlanCLI(args=rest, run=False)
         recipe, optimizer = cli.model.recipe, cli.model.optimizer_name
         trainer = cli.trainer_config

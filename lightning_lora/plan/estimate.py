@@ -391,13 +391,15 @@ def caching_peaks(
 
 
 def optimizer_name(factory: Any) -> str:
-    """The class name of the optimizer ``factory`` (an injected ``OptimizerCallable``) builds, probed on a dummy
-    parameter."""
-    probe = torch.nn.Parameter(torch.zeros(64, 64))
-    try:
-        return type(factory([probe])).__name__
-    except Exception:  # noqa: BLE001 - an optimizer that cannot run here (e.g. needs CUDA): assume AdamW
-        return "AdamW"
+    """The class name of the optimizer ``factory`` (an injected ``OptimizerCallable``) builds, read without calling it
+    (a factory is code; planning runs none): an optimizer class itself, or a ``functools.partial`` of one (what
+    jsonargparse makes of a config's ``model.optimizer``, and ``partial(AdamW8bit, lr=1e-4)`` in Python). AdamW, the
+    default, for any other callable."""
+    candidates = (factory, getattr(factory, "func", None), *getattr(factory, "args", ()))
+    for candidate in candidates:
+        if isinstance(candidate, type) and issubclass(candidate, torch.optim.Optimizer):
+            return candidate.__name__
+    return "AdamW"
 
 
 def plan_for(

@@ -79,3 +79,12 @@ def test_nothing_that_fits_is_one_clear_line(
     err = capsys.readouterr().err
     assert "model.memory: 4.0: no setting that keeps this training fits in 4 GiB" in err and "plan" in err, err
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("gib", [0.0, -3.0, float("nan"), float("inf")])
+def test_a_memory_that_is_no_card_size_is_refused(tiny_flux_dir: Path, gib: float) -> None:
+    from lightning_lora.errors import ConfigError
+    from lightning_lora.module import LoraModule
+
+    with pytest.raises(ConfigError, match="model.memory: .* GiB must be positive"):
+        LoraModule(pretrained=str(tiny_flux_dir), memory=gib)

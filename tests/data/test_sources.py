@@ -77,6 +77,42 @@ def test_default_caption_folder_options_and_repeats(tmp_path: Path) -> None:
         as_folders([ImageFolder("x", repeats=0)], "data.images")
 
 
+@pytest.mark.parametrize(
+    ("value", "named"),
+    [
+        ("[{path: x, repeats: many}]", "data.images[0].repeats must be an integer (1 or more), got 'many'"),
+        ("[{path: x, repeats: 1.5}]", "data.images[0].repeats must be an integer (1 or more), got 1.5"),
+        ("[x, {path: y, repeats: 0}]", "data.images[1]: repeats of 'y' is 0"),
+        ("[{path: x, repeat: 2}]", "data.images[0]: unknown field 'repeat'; a folder entry has path, repeats"),
+        ("[{repeats: 2}]", "data.images[0]: a folder entry needs path"),
+        ("[{path: 2024}]", "data.images[0].path must be a folder, got 2024 (a folder named 2024 is written path: "),
+        ("[{path: x, default_caption: [a]}]", "data.images[0].default_caption must be text (or null), got ['a']"),
+        ("[{path: x, trigger: 3}]", "data.images[0].trigger must be text (or null), got 3"),
+        ("{path: x, repeats: many}", "data.images.repeats must be an integer"),
+        ("[{path: x, repeats: 2]", "data.images: '[{path: x, repeats: 2]' is written as a list of folders but is not"),
+        ("[3]", "data.images[0]: 3 is not a folder"),
+    ],
+)
+def test_a_bad_folder_entry_names_its_field(value: str, named: str) -> None:
+    """A list written on the command line (``--data.images '[{path: x, repeats: many}]'``) reaches the data module as
+    one string when an entry does not fit: the message names the field, not a missing folder named by the whole
+    value."""
+    with pytest.raises(ConfigError) as refused:
+        as_folders(value, "data.images")
+    assert named in str(refused.value)
+
+
+def test_a_list_the_parser_passes_as_one_string_in_a_list_is_read_too() -> None:
+    with pytest.raises(ConfigError, match=r"data.images\[0\].repeats must be an integer"):
+        as_folders(["[{path: x, repeats: many}]"], "data.images")
+
+
+def test_a_folder_whose_name_looks_like_a_list_is_a_folder(tmp_path: Path) -> None:
+    folder = tmp_path / "[draft]"
+    folder.mkdir()
+    assert as_folders(str(folder), "data.images") == [ImageFolder(str(folder))]
+
+
 def test_bad_captions_are_skipped_with_a_reason(tmp_path: Path) -> None:
     _touch(tmp_path, "latin1.png", "empty.png", "none.png", "tag.png", "ok.png")
     (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait".encode("latin-1"))

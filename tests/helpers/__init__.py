@@ -12,6 +12,7 @@ No test module imports another test module: what two of them need lives here, on
   gives it: :func:`fit_on_nodes`);
 * :mod:`helpers.crash`: callbacks that kill or interrupt a run, loaded by class path (``helpers.crash.KillAt``) in a
   config, in-process or in a subprocess (:func:`fit_in_subprocess` puts tests/ on its ``PYTHONPATH``);
+* :mod:`helpers.counted`: an optimizer and a callback that count their instances (what a verb builds);
 * :mod:`helpers.graphs`: what dynamo compiles, counted per module class with a recording backend (no code
   generation);
 * :mod:`helpers.diffusers_quirks`: the two places where diffusers' converters hard-code FLUX.1's widths, made to read

@@ -97,6 +97,32 @@ def test_a_plain_trainer_precision_is_the_bf16_plugin_or_refused(precision: str)
     assert (plugin.scaler is not None) is (precision == "16-mixed")  # fp16 autocast needs a gradient scaler
 
 
+@pytest.mark.filterwarnings(FP16_ON_CPU)
+@pytest.mark.parametrize(
+    ("alias", "dtype"), [("32", "fp32"), (32, "fp32"), ("16", "fp16"), (16, "fp16"), ("bf16", "bf16")]
+)
+def test_lightnings_precision_aliases_are_what_they_stand_for(alias: object, dtype: str) -> None:
+    """Lightning documents ``32``, ``16`` and ``bf16`` as ``32-true``, ``16-mixed`` and ``bf16-mixed`` (a YAML
+    ``precision: 32`` is the number): each is the same plugin as its full name."""
+    assert for_trainer_precision(alias) == BF16(dtype=dtype)  # type: ignore[arg-type]
+
+
+def test_the_64_alias_is_refused_for_what_it_does() -> None:
+    """``64`` means ``64-true``: refused for casting the base to float64, not with the 16-bit LoRA's reason."""
+    with pytest.raises(ConfigError, match=r"trainer.precision: 64 \(64-true\) is not supported.*float64") as refused:
+        for_trainer_precision("64")
+    assert "bf16" not in str(refused.value).split("Use ")[0]
+
+
+def test_a_precision_alias_on_the_command_line_plans(tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path) -> None:
+    """``--trainer.precision 32`` (a full-fp32 request) plans a float32 base instead of being refused."""
+    from lightning_lora.cli.plan import PlanCLI
+
+    config = write_config(tmp_path, tiny_flux_dir, photos_dir)
+    cli = PlanCLI(args=["--config", str(config), "--trainer.precision", "32"], run=False)
+    assert cli.model.recipe.precision == BF16(dtype="fp32")
+
+
 def test_autocast_follows_the_dtype_on_the_bound_device() -> None:
     bf16, fp32 = BF16(), BF16(dtype="fp32")
     for plugin in (bf16, fp32):
