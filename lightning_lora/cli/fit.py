@@ -52,6 +52,7 @@ from lightning_lora.checkpoint import STAMP, AtomicCheckpointIO, check_compatibl
 from lightning_lora.cli.console import Console
 from lightning_lora.cli.peek import config_files, read_config_file
 from lightning_lora.data.datamodule import LatentDataModule
+from lightning_lora.data.recipe import DataRecipe
 from lightning_lora.errors import ConfigError, first_line
 from lightning_lora.hardware import Allocator, allocator_conflict
 from lightning_lora.model.parallel import check_strategy, resolve_strategy, shards_of
@@ -169,7 +170,7 @@ class LoraCLI(LightningCLI):
     def before_fit(self) -> None:
         # Cross-object checks, before any weights load: the data resolution must suit the model family.
         # Every resolution and bucket option against the model family (raises ConfigError naming the option).
-        self.datamodule.spec(self.model.family)
+        self.datamodule.recipe.spec(self.model.family)
         check_writable(Path(self.trainer.default_root_dir), "trainer.default_root_dir")
         check_writable(self._checkpoint_dir(), "ModelCheckpoint dirpath")
         check_strategy(self.trainer.strategy, self.model.recipe)
@@ -205,7 +206,7 @@ class LoraCLI(LightningCLI):
         try:
             self.trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, **kwargs)
         except torch.OutOfMemoryError as e:
-            batch = datamodule.batch_size if datamodule is not None else 1
+            batch = _data(datamodule).batch_size
             raise ConfigError(
                 out_of_memory_message(e, self.trainer, batch, self._checkpoint_dir() / "last.ckpt")
             ) from None
@@ -233,7 +234,7 @@ class LoraCLI(LightningCLI):
                 return
             where = f"{budget:.1f} GiB free on {device}" if model.memory == "auto" else f"{budget:g} GiB"
             shards = shards_of(self.trainer)
-            fit = choose_for_memory(model.recipe, datamodule, budget, model.optimizer_name, shards)
+            fit = choose_for_memory(model.recipe, _data(datamodule), budget, model.optimizer_name, shards)
             if fit is None:
                 raise ConfigError(
                     f"model.memory: {model.memory}: no setting that keeps this training fits in {where}. Run "
@@ -274,6 +275,11 @@ class LoraCLI(LightningCLI):
             line = CONSOLE.summary() if CONSOLE is not None else None
             if line:
                 print(line, flush=True)
+
+
+def _data(datamodule: LatentDataModule | None) -> DataRecipe:
+    """The data recipe of ``fit``'s data module (the options' defaults without one: a Trainer fed other data)."""
+    return datamodule.recipe if datamodule is not None else DataRecipe()
 
 
 MOVED_OPTIONS = {
@@ -419,7 +425,7 @@ def warn_if_too_big(model: LoraModule, datamodule: LatentDataModule, trainer: Tr
 
     device = trainer.strategy.root_device
     try:
-        plan = plan_for(model.recipe, datamodule, model.optimizer_name, shards=shards_of(trainer))
+        plan = plan_for(model.recipe, datamodule.recipe, model.optimizer_name, shards=shards_of(trainer))
     except (ConfigError, NotImplementedError, OSError) as e:
         rank_zero_info(f"memory planner skipped: {e}")
         return None
