@@ -83,6 +83,7 @@ from lightning_lora.callbacks import LoraExport, RNGState, RunFolder, SampleImag
 from lightning_lora.checkpoint import AtomicCheckpointIO
 from lightning_lora.cli.fit import default_checkpoint
 from lightning_lora.cli.peek import config_allocator
+from lightning_lora.data.recipe import DataRecipe
 from lightning_lora.families import SD15, SDXL, DiffusionFamily, Flux, Flux2, QwenImage, ZImage
 from lightning_lora.families.base import ModelSource, build_from_config
 from lightning_lora.families.flux import FLUX1_VAE
@@ -389,8 +390,8 @@ class Synthetic(Dataset):
 
 class SyntheticData(LightningDataModule):
     """The synthetic batches as the data module of ``fit`` serves them, with what the callbacks ask of it: the
-    ``resolution`` (samples without a size of their own are drawn at it) and ``cache()`` (the prompts' embeddings:
-    :meth:`Synthetic.text_embeddings`)."""
+    ``recipe`` (its resolution: samples without a size of their own are drawn at it) and ``cache()`` (the prompts'
+    embeddings: :meth:`Synthetic.text_embeddings`)."""
 
     def __init__(
         self,
@@ -402,7 +403,8 @@ class SyntheticData(LightningDataModule):
         worker_start: str | None = None,
     ) -> None:
         super().__init__()
-        self.dataset, self.batch_size, self.resolution, self.workers = dataset, batch_size, resolution, workers
+        self.dataset, self.batch_size, self.workers = dataset, batch_size, workers
+        self.recipe = DataRecipe(resolutions=(resolution,), batch_size=batch_size, num_workers=workers)
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.worker_start = worker_start  # the workers' multiprocessing start method (None: torch's, fork on Linux)
 
@@ -1199,7 +1201,7 @@ def measure(a: argparse.Namespace, outputs: Path | None) -> dict[str, Any]:
         family_any.vae_config = VAES[a.family][1 if a.tiny else 0]
         family_any.sampling_folder = write_sampling_files(family, a.denoiser, outputs / "model")
         if sampler is not None:
-            sample_size = (sampler.height or data.resolution, sampler.width or data.resolution)
+            sample_size = (sampler.height or data.recipe.resolution, sampler.width or data.recipe.resolution)
             out.update(sample_size=list(sample_size), sample_steps=sampler.steps, sample_prompts=len(sampler.prompts))
             out["sample_compiled"] = sampler.compiled
     if getattr(a, "cpp_wrapper", 0):  # experiment: inductor's C++ wrapper launches kernels without Python
