@@ -51,6 +51,7 @@ from lightning_lora.callbacks.samples import SampleImages
 from lightning_lora.checkpoint import STAMP, AtomicCheckpointIO, check_compatible, read_checkpoint, resolve_resume
 from lightning_lora.cli.console import Console
 from lightning_lora.cli.peek import config_files, read_config_file
+from lightning_lora.cli.status import interrupted, user_error
 from lightning_lora.data.datamodule import LatentDataModule
 from lightning_lora.data.recipe import DataRecipe
 from lightning_lora.errors import ConfigError, first_line
@@ -59,7 +60,7 @@ from lightning_lora.model.parallel import check_strategy, resolve_strategy, shar
 from lightning_lora.module import LoraModule, primitive_hparams
 from lightning_lora.precision import BasePrecision, check_trainer_precision, for_trainer_precision, precision_of
 
-__all__ = ["LoraCLI", "main", "run_summary", "write_error"]
+__all__ = ["LoraCLI", "main", "run_summary"]
 
 DEFAULT_RUN_DIR = "runs/lora"
 CONSOLE: Console | None = None
@@ -384,26 +385,6 @@ def check_writable(folder: Path, option: str) -> None:
         ) from None
 
 
-def write_error(e: OSError) -> str | None:
-    """The one-line message for a file that cannot be written (full disk, no permission); None for other errors."""
-    hints = {
-        errno.ENOSPC: "the disk is full: free some space, or put trainer.default_root_dir / data.cache_dir on another "
-        "disk",
-        errno.EDQUOT: "the disk quota is used up: free some space, or put trainer.default_root_dir / data.cache_dir "
-        "elsewhere",
-        errno.EACCES: "no permission: fix the permissions, or choose another trainer.default_root_dir / data.cache_dir",
-        errno.EPERM: "no permission: fix the permissions, or choose another trainer.default_root_dir / data.cache_dir",
-        errno.EROFS: "the file system is read-only: choose another trainer.default_root_dir / data.cache_dir",
-    }
-    if e.errno not in hints:
-        return None
-    where = e.filename or "a file"
-    return (
-        f"cannot write {where} ({e.strerror or e}); {hints[e.errno]}. Files already written are intact (every write is "
-        "atomic): run the same command again to continue (add --ckpt_path last if training had started)."
-    )
-
-
 def default_checkpoint() -> ModelCheckpoint:
     """The checkpointing of a run whose config has no ``ModelCheckpoint``: every ``DEFAULT_CHECKPOINT_EVERY`` steps,
     ``last.ckpt`` and the three newest."""
@@ -525,15 +506,8 @@ def main(argv: list[str] | None = None) -> int:
 def _run(argv: list[str] | None) -> int:
     try:
         cli = LoraCLI(args=argv)
-    except ConfigError as e:
-        print(f"lightning-lora: error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:
-        message = write_error(e)
-        if message is None:
-            raise
-        print(f"lightning-lora: error: {message}", file=sys.stderr)
-        return 2
+    except (ConfigError, OSError) as e:
+        return user_error("lightning-lora", e)
     except SystemExit as e:
         # Lightning turns a Ctrl-C it did not expect (before training, or a second one) into exit status 1.
         if isinstance(e.__context__, KeyboardInterrupt) and e.code == 1:
@@ -542,7 +516,7 @@ def _run(argv: list[str] | None) -> int:
                 "continue (add --ckpt_path last if training had started).",
                 file=sys.stderr,
             )
-            return 128 + signal.SIGINT
+            return interrupted(signal.SIGINT)
         raise
     status = interrupted_status(cli.trainer) if cli.trainer is not None else None
     return status or 0
@@ -552,5 +526,5 @@ def interrupted_status(trainer: Trainer) -> int | None:
     """128 + the signal when Ctrl-C or SIGTERM stopped the run (after its checkpoint was written), else None."""
     for cb in trainer.callbacks:  # type: ignore[attr-defined]
         if isinstance(cb, GracefulStop) and cb.stopped_by_signal and cb.requested is not None:
-            return 128 + int(cb.requested)
+            return interrupted(cb.requested)
     return None
