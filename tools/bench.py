@@ -487,7 +487,7 @@ def compile_seconds() -> dict[str, float]:
 
     names, totals = compile_times(repr="csv", aggregate=True)
     spent = dict(zip(names, totals, strict=True))
-    return {ours: float(spent.get(name, 0.0)) for name, ours in COMPILE_PHASES.items()}
+    return {ours: float(spent.get(name, 0.0)) for name, ours in COMPILE_PHASES.items()}  # type: ignore[arg-type]
 
 
 def sync() -> None:
@@ -745,7 +745,7 @@ def make_optimizer(name: str, options: dict[str, Any] | None = None):
             if name == "adafactor":
                 from lightning_lora.optimizers import Adafactor
             else:
-                from transformers.optimization import Adafactor
+                from transformers.optimization import Adafactor  # type: ignore[assignment]
 
             fixed = {"scale_parameter": False, "relative_step": False, "warmup_init": False}
             return Adafactor(params, **{**fixed, **kwargs})
@@ -849,7 +849,7 @@ def write_sampling_files(family: DiffusionFamily, denoiser: str | None, folder: 
         "_class_name": family.pipeline_classes[0],
         "force_zeros_for_empty_prompt": True,
         # klein's step-distilled ids (a known hub id: answered without the hub); every other model: not distilled
-        "is_distilled": isinstance(family, Flux2) and bool(denoiser) and family.is_distilled(ModelSource(denoiser)),
+        "is_distilled": bool(isinstance(family, Flux2) and denoiser and family.is_distilled(ModelSource(denoiser))),
     }
     (folder / "model_index.json").write_text(json.dumps(index))
     return str(folder)
