@@ -28,8 +28,9 @@ config with ``--tiny``; the batches have exactly the keys and shapes its ``loss`
 
 A shipped config, as ``fit`` would use it (:func:`config_defaults`): ``--config configs/flux_4090.yaml`` takes every
 setting this tool has a flag for from the YAML (family, quantization, checkpointing, compile, offloading, attention,
-LoRA, optimizer, resolution, batch, text length, gradient accumulation); flags on the command line override it. What
-the YAML's model section sets that this tool cannot reproduce is listed in the output's ``not_reproduced``.
+LoRA, optimizer, resolution, batch, text length, gradient accumulation, gradient clipping); flags on the command line
+override it. What the YAML's model section sets that this tool cannot reproduce is listed in the output's
+``not_reproduced``.
 ``--memory-limit GIB`` caps this process's CUDA memory (``torch.cuda.set_per_process_memory_fraction``) to a card's
 size from the first training step (:class:`MemoryLimit`: the random-weight build is not a real load), so a config that
 does not fit its card ends as an out-of-memory error row:
@@ -77,6 +78,7 @@ from lightning.pytorch import Callback, LightningDataModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import Logger
 from torch.utils.data import DataLoader, Dataset
+from typing_extensions import override
 
 from lightning_lora import objectives
 from lightning_lora.callbacks import LoraExport, RNGState, RunFolder, SampleImages
@@ -98,7 +100,8 @@ from lightning_lora.lora import LoraOptions, set_lora_input_casts
 from lightning_lora.model.parallel import resolve_strategy, shard_count
 from lightning_lora.model.sharding import local_parameter_bytes
 from lightning_lora.module import LoraModule
-from lightning_lora.precision import PRECISIONS, BasePrecision
+from lightning_lora.precision import FP8, PRECISIONS, BasePrecision
+from lightning_lora.precision.layers import linear_layers
 
 FLUX_DEV = dict(Flux.known_denoisers["black-forest-labs/FLUX.1-dev"])
 FLUX_TINY = dict(
@@ -733,7 +736,8 @@ OPTIMIZERS = {
 
 
 def make_optimizer(name: str, options: dict[str, Any] | None = None):
-    """The optimizer ``name`` (``--opt``) with lr 1e-4, or with ``options`` (a config's ``init_args``) over that."""
+    """The optimizer ``name`` (``--opt``) with lr 1e-4, or with ``options`` (a config's ``init_args``) over that;
+    ``adamw-fused`` is torch's AdamW with ``fused=True`` (one kernel for every LoRA tensor)."""
     kwargs = {"lr": 1e-4, **(options or {})}
 
     def build(params: Any) -> torch.optim.Optimizer:
@@ -749,6 +753,8 @@ def make_optimizer(name: str, options: dict[str, Any] | None = None):
 
             fixed = {"scale_parameter": False, "relative_step": False, "warmup_init": False}
             return Adafactor(params, **{**fixed, **kwargs})
+        if name == "adamw-fused":
+            return torch.optim.AdamW(params, **{"fused": True, **kwargs})
         return torch.optim.AdamW(params, **kwargs)
 
     return build
@@ -776,6 +782,8 @@ def bare_loop(module: LoraModule, dataset: Dataset, a: argparse.Namespace, devic
         with torch.autocast(device, dtype=torch.bfloat16):
             loss = module.family.loss(denoiser, batch, batch["noise"], batch["timesteps"]).mean()
         loss.backward()
+        if a.clip:
+            torch.nn.utils.clip_grad_norm_([p for p in denoiser.parameters() if p.requires_grad], a.clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     if device == "cuda":
@@ -1068,13 +1076,35 @@ def bench_strategy(name: str, devices: int) -> Any:
     return resolve_strategy(name, devices)
 
 
-QUANT_PLUGINS = {"none": "BF16", "nf4": "NF4", "fp8": "FP8", "fp8_compute": "FP8Compute"}
-"""``--quant`` values and the precision plugins (``lightning_lora.precision``) they name."""
+class TorchaoFP8(FP8):
+    """torchao's frozen-weight FP8 in place of ours (``--quant torchao_fp8``), for the row that compares the two: the
+    layers :class:`~lightning_lora.precision.FP8` would replace get ``torchao.quantization.quantize_`` with
+    ``Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())`` (e4m3 weights with a scale per output channel,
+    as ours; each matmul quantizes its activation per row and multiplies with ``torch._scaled_mm``), then peft's LoRA
+    goes on top (peft wraps torchao's weights in its ``TorchaoLoraLinear``). The planner counts it as ours (one byte
+    per weight and a float32 scale per row). REFERENCE.md found torchao 0.17's path unable to backpropagate (no
+    derivative for ``aten::_scaled_mm``): the row then records that error."""
+
+    @override
+    def quantize(self, model: torch.nn.Module, device: torch.device, on_cpu: frozenset[int] = frozenset()) -> int:
+        from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+
+        if on_cpu:
+            raise ValueError("--quant torchao_fp8 quantizes the base on the GPU: give --offload 0")
+        layers = {id(layer) for *_, layer in linear_layers(model, self.skip)}
+        config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())
+        quantize_(model.to(device), config, filter_fn=lambda module, name: id(module) in layers)
+        return len(layers)
+
+
+QUANT_PLUGINS = {"none": "BF16", "nf4": "NF4", "fp8": "FP8", "fp8_compute": "FP8Compute", "torchao_fp8": "TorchaoFP8"}
+"""``--quant`` values and the precision plugins (``lightning_lora.precision``, and :class:`TorchaoFP8`) they name."""
 
 
 def bench_precision(quant: str, options: dict[str, Any]) -> BasePrecision:
     """The bf16 precision plugin of ``--quant`` with a config's other init_args (``options``)."""
-    return PRECISIONS[QUANT_PLUGINS[quant]](**{**options, "dtype": "bf16"})
+    plugins: dict[str, type[BasePrecision]] = {**PRECISIONS, "TorchaoFP8": TorchaoFP8}
+    return plugins[QUANT_PLUGINS[quant]](**{**options, "dtype": "bf16"})
 
 
 def quant_options(items: list[str]) -> dict[str, Any]:
@@ -1163,6 +1193,7 @@ def measure(a: argparse.Namespace, outputs: Path | None) -> dict[str, Any]:
             "offload_act": a.offload_act,
             "variant": a.variant,
             "accumulate": a.accumulate,
+            "clip": a.clip,
         }
     )
     given = quant_options(a.quant_option or [])
@@ -1250,6 +1281,7 @@ def measure(a: argparse.Namespace, outputs: Path | None) -> dict[str, Any]:
             default_root_dir=None if outputs is None else str(outputs),
             max_steps=a.warm + a.steps + extra_steps(a),
             accumulate_grad_batches=a.accumulate,
+            gradient_clip_val=a.clip or None,
             logger=False,
             enable_checkpointing=False,
             enable_progress_bar=False,
@@ -1285,6 +1317,7 @@ def measure(a: argparse.Namespace, outputs: Path | None) -> dict[str, Any]:
         from lightning_lora.plan import plan_training
 
         names = {"adamw8bit": "AdamW8bit", "adafactor": "Adafactor", "adafactor-hf": "Adafactor", "adamw": "AdamW"}
+        names["adamw-fused"] = "AdamW"
         text_len, optimizer = text_length(a.family, a.tlen), names[a.opt]
         shards = shard_count(a.strategy, a.devices)  # --strategy fsdp: each GPU's share of the sharded base
         height, width = max(dataset.sizes, key=lambda size: size[0] * size[1])  # --buckets: the largest batch
@@ -1409,8 +1442,9 @@ def config_defaults(path: str | Path) -> dict[str, Any]:
     if "num_workers" in data:
         out["workers"] = int(data["num_workers"])
     out["accumulate"] = int(trainer.get("accumulate_grad_batches") or 1)
-    if trainer.get("gradient_clip_val"):
-        skipped.append(f"trainer.gradient_clip_val: {trainer['gradient_clip_val']}")
+    out["clip"] = float(trainer.get("gradient_clip_val") or 0.0)
+    if out["clip"] and trainer.get("gradient_clip_algorithm", "norm") != "norm":
+        skipped.append(f"trainer.gradient_clip_algorithm: {trainer['gradient_clip_algorithm']} (this tool: norm)")
     sections = trainer.get("callbacks") or []
     out["config_callbacks"] = [
         (_class_name(c, "trainer.callbacks"), dict((c.get("init_args") if isinstance(c, dict) else None) or {}))
@@ -1491,7 +1525,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--denoiser", default=None, help="a hub id the family knows the config of (default: the family's first row)"
     )
-    p.add_argument("--quant", default="none", choices=["none", "nf4", "fp8", "fp8_compute"])
+    p.add_argument(
+        "--quant",
+        default="none",
+        choices=list(QUANT_PLUGINS),
+        help="the base's format (a precision plugin); torchao_fp8: torchao's FP8 weights and activations (TorchaoFP8)",
+    )
     p.add_argument(
         "--quant-option",
         action="append",
@@ -1533,9 +1572,21 @@ def parser() -> argparse.ArgumentParser:
         "buckets do (give --warm enough steps to meet each twice: compiling finishes before the timed steps)",
     )
     p.add_argument("--accumulate", type=int, default=1, help="trainer.accumulate_grad_batches (a step: N batches)")
+    p.add_argument(
+        "--clip",
+        type=float,
+        default=0.0,
+        help="trainer.gradient_clip_val: the gradients' norm clipped to this before each optimizer step (a --config's "
+        "value by default; 0: off)",
+    )
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warm", type=int, default=3)
-    p.add_argument("--opt", default="adamw8bit", choices=["adamw8bit", "adamw", "adafactor", "adafactor-hf"])
+    p.add_argument(
+        "--opt",
+        default="adamw8bit",
+        choices=["adamw8bit", "adamw", "adamw-fused", "adafactor", "adafactor-hf"],
+        help="the optimizer (a --config's model.optimizer by default); adamw-fused: torch's AdamW with fused=True",
+    )
     p.add_argument("--compile", type=int, default=0)
     p.add_argument(
         "--cuda-graphs", type=int, default=0, help="model.cuda_graphs: the compiled blocks as CUDA graphs (--compile 1)"

@@ -10,6 +10,10 @@
   :class:`FixedEvalLoss` likewise.
 * The optimizer and scheduler are injected into the module and built over the LoRA parameters only
   (``auto_configure_optimizers=False``).
+* **One run per folder.** A run that starts from step 0 (no ``--ckpt_path``) in a folder that holds checkpoints is
+  refused (the same command run again would train over the finished run and replace its LoRA): continue it with
+  ``--ckpt_path last``, or choose another ``trainer.default_root_dir``. While a run trains, its folder is locked
+  (:class:`~lightning_lora.callbacks.resume.RunLock`): a second ``fit`` into it is refused naming the first.
 * ``config.yaml`` is overwritten on resume (Lightning refuses by default, LT#17115); the seed defaults to 42 so a
   resumed run reuses it.
 * ``--ckpt_path FILE`` never configures anything from the file. LightningCLI would merge the checkpoint's
@@ -46,9 +50,16 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning_lora.callbacks.evaluation import FixedEvalLoss
 from lightning_lora.callbacks.lora_export import LoraExport
 from lightning_lora.callbacks.monitor import ConfigSummary, StartSummary, StepProgressBar, Throughput, VRAMMonitor
-from lightning_lora.callbacks.resume import GracefulStop, RNGState, RunFolder
+from lightning_lora.callbacks.resume import GracefulStop, RNGState, RunFolder, RunLock
 from lightning_lora.callbacks.samples import SampleImages
-from lightning_lora.checkpoint import STAMP, AtomicCheckpointIO, check_compatible, read_checkpoint, resolve_resume
+from lightning_lora.checkpoint import (
+    STAMP,
+    AtomicCheckpointIO,
+    check_compatible,
+    check_fresh_start,
+    read_checkpoint,
+    resolve_resume,
+)
 from lightning_lora.cli.console import Console
 from lightning_lora.cli.peek import config_files, read_config_file
 from lightning_lora.cli.status import interrupted, user_error
@@ -77,6 +88,7 @@ class LoraCLI(LightningCLI):
     """What the ``data:`` section builds (``lightning-lora plan`` reads the options without listing any image)."""
 
     def __init__(self, args: list[str] | None = None, run: bool = True) -> None:
+        self._lock: RunLock | None = None
         super().__init__(
             LoraModule,
             self.data_class,
@@ -142,8 +154,6 @@ class LoraCLI(LightningCLI):
             isinstance(c, ProgressBar) for c in callbacks
         ):
             callbacks.insert(0, StepProgressBar())  # first: it closes its line before the others print at the end
-        if CONSOLE is not None:
-            CONSOLE.attach(root)
         for required in (RNGState, RunFolder, GracefulStop, VRAMMonitor, Throughput, ConfigSummary, StartSummary):
             if not any(isinstance(c, required) for c in callbacks):
                 callbacks.append(required())
@@ -166,13 +176,43 @@ class LoraCLI(LightningCLI):
         # The base format joins the model's recipe now, before anything is cached (the text encoders load in its
         # dtype, and the `cache` verb builds no more than this), and a model option it cannot go with stops here.
         self.model.use_precision(precision_of(trainer))
+        if self.subcommand == "fit":
+            self._claim_run_folder(trainer, root)
+        if CONSOLE is not None:
+            CONSOLE.attach(root)  # after the claim: a fit refused the folder writes nothing into it
         return trainer
+
+    def _claim_run_folder(self, trainer: Trainer, root: Path) -> None:
+        """Before anything is written: lock the run folder (the process of global rank 0 only: the other ranks of a
+        DDP run are new processes of this command, see :class:`RunLock`), and refuse a run from step 0 into a folder
+        that holds checkpoints (:func:`~lightning_lora.checkpoint.check_fresh_start`)."""
+        check_writable(root, "trainer.default_root_dir")
+        if trainer.global_rank == 0:
+            self._lock = RunLock(root)
+            self._lock.acquire()
+        try:
+            if self._get(self.config, "ckpt_path") is None:
+                check_fresh_start(checkpoint_dir(trainer), root)
+        except BaseException:
+            self._release_run_folder()
+            raise
+
+    def _release_run_folder(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        """LightningCLI's, then the run folder's lock is released (also when the run fails)."""
+        try:
+            super()._run_subcommand(subcommand)
+        finally:
+            self._release_run_folder()
 
     def before_fit(self) -> None:
         # Cross-object checks, before any weights load: the data resolution must suit the model family.
         # Every resolution and bucket option against the model family (raises ConfigError naming the option).
         self.datamodule.recipe.spec(self.model.family)
-        check_writable(Path(self.trainer.default_root_dir), "trainer.default_root_dir")
         check_writable(self._checkpoint_dir(), "ModelCheckpoint dirpath")
         check_strategy(self.trainer.strategy, self.model.recipe)
         if torch.cuda.is_available() and self.trainer.strategy.root_device.type == "cuda":
@@ -192,8 +232,13 @@ class LoraCLI(LightningCLI):
         elif ckpt_path is not None:
             checkpoint = read_checkpoint(ckpt_path)
         if checkpoint is not None:
+            saved_model = (checkpoint.get(STAMP) or {}).get("model")  # None: a checkpoint from before identities
             check_compatible(
-                checkpoint.get("hyper_parameters", {}), primitive_hparams(dict(model.hparams)), ckpt_path or ""
+                checkpoint.get("hyper_parameters", {}),
+                primitive_hparams(dict(model.hparams)),
+                ckpt_path or "",
+                saved_model,
+                model.model_identity() if saved_model is not None else None,
             )
             step, end = checkpoint.get("global_step", 0), self.trainer.max_steps
             if end and 0 < end <= step:
@@ -265,10 +310,7 @@ class LoraCLI(LightningCLI):
         rank_zero_info(f"model.memory: {model.memory}: {why}")
 
     def _checkpoint_dir(self) -> Path:
-        for cb in self.trainer.checkpoint_callbacks:
-            if isinstance(cb, ModelCheckpoint) and cb.dirpath:
-                return Path(cb.dirpath)
-        return Path(self.trainer.default_root_dir) / "checkpoints"
+        return checkpoint_dir(self.trainer)
 
     def after_fit(self) -> None:
         if self.trainer.is_global_zero:
@@ -383,6 +425,14 @@ def check_writable(folder: Path, option: str) -> None:
             f"{option}: cannot write to {folder} ({e.strerror or e}). Choose a folder you can write to, or fix its "
             "permissions."
         ) from None
+
+
+def checkpoint_dir(trainer: Trainer) -> Path:
+    """Where the run's checkpoints go: the first ``ModelCheckpoint``'s folder, else ``<run folder>/checkpoints``."""
+    for cb in trainer.checkpoint_callbacks:
+        if isinstance(cb, ModelCheckpoint) and cb.dirpath:
+            return Path(cb.dirpath)
+    return Path(trainer.default_root_dir) / "checkpoints"
 
 
 def default_checkpoint() -> ModelCheckpoint:

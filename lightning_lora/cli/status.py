@@ -8,10 +8,10 @@ else is a bug in lightning-lora or a library, and keeps its traceback.
 
 from __future__ import annotations
 
-import errno
 import sys
 
 from lightning_lora.errors import ConfigError
+from lightning_lora.io import write_failure
 
 __all__ = ["USER_ERROR", "interrupted", "user_error", "write_error"]
 
@@ -26,22 +26,14 @@ def interrupted(signum: int) -> int:
 
 
 def write_error(e: OSError) -> str | None:
-    """The one-line message for a file that cannot be written (full disk, no permission); None for other errors."""
-    hints = {
-        errno.ENOSPC: "the disk is full: free some space, or put trainer.default_root_dir / data.cache_dir on another "
-        "disk",
-        errno.EDQUOT: "the disk quota is used up: free some space, or put trainer.default_root_dir / data.cache_dir "
-        "elsewhere",
-        errno.EACCES: "no permission: fix the permissions, or choose another trainer.default_root_dir / data.cache_dir",
-        errno.EPERM: "no permission: fix the permissions, or choose another trainer.default_root_dir / data.cache_dir",
-        errno.EROFS: "the file system is read-only: choose another trainer.default_root_dir / data.cache_dir",
-    }
-    if e.errno not in hints:
+    """The one-line message for a file that cannot be written (full disk, no permission, a file-size limit:
+    :func:`~lightning_lora.io.write_failure`), with what to do next; None for other errors."""
+    message = write_failure(e, "trainer.default_root_dir / data.cache_dir")
+    if message is None:
         return None
-    where = e.filename or "a file"
     return (
-        f"cannot write {where} ({e.strerror or e}); {hints[e.errno]}. Files already written are intact (every write is "
-        "atomic): run the same command again to continue (add --ckpt_path last if training had started)."
+        f"{message}. Files already written are intact (every write is atomic): run the same command again to continue "
+        "(add --ckpt_path last if training had started)."
     )
 
 

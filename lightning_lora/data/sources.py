@@ -14,7 +14,8 @@ without a word; a symbolic link to an image is an image.
 Some findings do not drop an image; they are *notes* (:data:`NOTE_KINDS`, :attr:`Skip.note`), listed in the cache
 summary but never counted as skipped and never fatal under ``data.on_bad_file: error``: a caption read as Windows-1252,
 a caption cut to :data:`~lightning_lora.data.captions.MAX_CAPTION_CHARS`, a metadata record that is unusable or names
-no image of the folder, and (from the cache build) captions longer than the text encoder reads.
+no image of the folder, a caption file that holds no text (a binary file) where the default caption or the trigger word
+stands in for it, and (from the cache build) captions longer than the text encoder reads.
 
 Fatal, because they are configuration mistakes rather than bad files: a folder that does not exist, and data in
 which no folder holds any image. A folder without images among others is a skip.
@@ -42,6 +43,7 @@ from lightning_lora.data.captions import (
     TRIGGER,
     CaptionError,
     MetadataCaption,
+    NotText,
     read_caption_file,
     read_metadata,
 )
@@ -63,7 +65,7 @@ __all__ = [
 IMAGE_EXTENSIONS: tuple[str, ...] = tuple(sorted(readable_extensions()))
 """The extensions (lower case, with the dot) of the image files :func:`scan` uses: every format Pillow reads here."""
 
-NOTE_KINDS = frozenset({"metadata", "not UTF-8", "long caption", "over token limit"})
+NOTE_KINDS = frozenset({"metadata", "not UTF-8", "long caption", "over token limit", "not text"})
 """Kinds of :class:`Skip` that are notes: reported, but the image (if any) is used."""
 
 _COMMON = (".jpg", ".png", ".webp", ".gif", ".tif", ".bmp", ".avif")
@@ -220,11 +222,15 @@ def scan(
         word = folder.trigger if folder.trigger is not None else trigger
         for image in images:
             caption_file = image.with_suffix(caption_ext)
+            binary: str | None = None  # a caption file that holds no text: as if there were none
             try:
                 if caption_file.is_file():
-                    caption, caption_notes = read_caption_file(caption_file)
+                    try:
+                        caption, caption_notes = read_caption_file(caption_file)
+                    except NotText as e:
+                        caption, caption_notes, binary = "", [], str(e)
                     skips.extend(Skip(caption_file, kind, message) for kind, message in caption_notes)
-                    origin = f"caption file {caption_file.name} is empty"
+                    origin = binary or f"caption file {caption_file.name} is empty"
                 else:
                     entry = metadata.get(image.name)
                     caption = entry.caption if entry is not None else ""
@@ -237,8 +243,12 @@ def scan(
             if not caption:
                 if default is not None:
                     caption = default
+                    if binary:
+                        skips.append(Skip(caption_file, "not text", f"{binary}; the default caption is used"))
                 elif word:
                     caption = ""  # the trigger word alone
+                    if binary:
+                        skips.append(Skip(caption_file, "not text", f"{binary}; the trigger word alone is used"))
                 else:
                     fix = "write a caption, or set data.default_caption or data.trigger"
                     skips.append(Skip(image, "caption", f"{origin}; {fix}"))

@@ -37,7 +37,8 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 import torch
-from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import nn
 from typing_extensions import override
 
@@ -134,6 +135,23 @@ class BasePrecision(MixedPrecision):
             return
         with self.autocast_context_manager():
             yield
+
+    @override
+    def clip_gradients(
+        self,
+        optimizer: torch.optim.Optimizer,
+        clip_val: int | float = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+    ) -> None:
+        """``trainer.gradient_clip_val`` with any optimizer, torch's fused ones too (``torch.optim.AdamW`` with
+        ``fused: true``, one kernel for every LoRA tensor). Lightning's mixed precision refuses to clip for an optimizer
+        that can unscale gradients itself, since with a gradient scaler (fp16) the gradients it would clip are still
+        scaled; without one (bf16, fp32) there is nothing to unscale and the gradients are the true ones. With fp16
+        Lightning's refusal stands."""
+        if self.scaler is not None:
+            super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
+            return
+        Precision.clip_gradients(self, optimizer, clip_val, gradient_clip_algorithm)
 
     # -- the model's side ----------------------------------------------------------------------------------------
     @property

@@ -51,6 +51,42 @@ def test_every_shipped_gpu_config_plans_here(config: str, tmp_path: Path, monkey
     assert "training peak" in out and "sample images peak" in out
 
 
+def _plan_rows(out: str) -> dict[str, float]:
+    """The GiB of each component row of ``plan``'s report."""
+    rows = {}
+    for line in out.splitlines():
+        name, _, value = line.strip().rpartition("  ")
+        if value.endswith(" GiB") and name:
+            rows[name.strip()] = float(value.split()[0])
+    return rows
+
+
+def test_the_plan_counts_the_optimizer_state_the_config_names(tmp_path: Path, monkeypatch, capsys) -> None:
+    """``sdxl_12gb`` as shipped (bitsandbytes' 8-bit AdamW: two 8-bit moments, about half the LoRA's own float32
+    bytes) and with torch's fused AdamW (two float32 moments: twice the LoRA's bytes)."""
+    import yaml
+
+    monkeypatch.chdir(tmp_path)
+    shipped = yaml.safe_load((CONFIGS / "sdxl_12gb.yaml").read_text())
+    assert shipped["model"]["optimizer"]["class_path"] == "bitsandbytes.optim.AdamW8bit"
+    fused = dict(shipped, model={**shipped["model"], "optimizer": {"class_path": "torch.optim.AdamW"}})
+    fused["model"]["optimizer"]["init_args"] = {"lr": 1e-4, "fused": True}
+    rows = {}
+    for name, config in (("8bit", shipped), ("fused", fused)):
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(config))
+        with pytest.raises(SystemExit) as exit_info:
+            main(["plan", "--config", str(path)])
+        out = capsys.readouterr().out
+        assert exit_info.value.code == 0, out
+        rows[name] = _plan_rows(out)
+    lora = rows["fused"]["LoRA parameters (fp32)"]
+    assert lora == rows["8bit"]["LoRA parameters (fp32)"] > 0.05
+    assert rows["fused"]["optimizer state"] == pytest.approx(2 * lora, abs=0.015)
+    assert rows["8bit"]["optimizer state"] == pytest.approx(2.05 / 4 * lora, abs=0.015)
+    assert rows["fused"]["training peak"] > rows["8bit"]["training peak"]
+
+
 def _local_copy(tmp_path: Path, family: type, hub_id: str) -> Path:
     """A local pipeline folder that holds only the configs of ``hub_id``'s architecture (no weights)."""
     folder = tmp_path / "local"

@@ -314,3 +314,37 @@ def test_links_and_metadata_rows_that_match_no_image_are_named(tmp_path: Path) -
         "metadata.jsonl:5: names sub/y.png, which is not an image in this folder (subfolders are not searched)",
     ]
     assert all(s.kind == "metadata" and s.path == tmp_path for s in skips if s.note)
+
+
+def test_a_binary_file_named_like_a_caption_is_no_caption(tmp_path: Path) -> None:
+    """A PNG saved as ``photo.txt`` (NUL bytes) or a file of control characters is no caption, in any encoding: it is
+    named, and the image takes the default caption or the trigger word alone, as without a caption file; without
+    either the image is skipped. Text with a few control characters (an escape sequence pasted in) stays a caption.
+    """
+    import io
+
+    from PIL import Image
+
+    png = io.BytesIO()
+    Image.new("RGB", (8, 8), (200, 10, 10)).save(png, format="PNG")
+    _touch(tmp_path, "photo.png", "noise.png", "escape.png")
+    (tmp_path / "photo.txt").write_bytes(png.getvalue())
+    (tmp_path / "noise.txt").write_bytes(bytes(range(1, 32)) * 4)  # control characters, no NUL
+    (tmp_path / "escape.txt").write_bytes(b"\x1b[1ma red hat\x1b[0m on a beach")
+    items, skips = _scan(tmp_path)
+    assert [(i.image.name, i.caption) for i in items] == [("escape.png", "\x1b[1ma red hat\x1b[0m on a beach")]
+    assert "photo.txt is not a caption" in skips["photo.png"] and "NUL bytes" in skips["photo.png"]
+    assert "noise.txt is not a caption" in skips["noise.png"] and "control characters" in skips["noise.png"]
+    assert "data.default_caption" in skips["photo.png"] and "\x89PNG" not in str(items)
+    items, all_skips = scan([ImageFolder(str(tmp_path))], default_caption="a photo")
+    assert {i.image.name: i.caption for i in items} == {
+        "escape.png": "\x1b[1ma red hat\x1b[0m on a beach",
+        "noise.png": "a photo",
+        "photo.png": "a photo",
+    }
+    notes = {s.path.name: s for s in all_skips}
+    assert notes.keys() == {"photo.txt", "noise.txt"} and all(s.note and s.kind == "not text" for s in all_skips)
+    assert "the default caption is used" in notes["photo.txt"].reason
+    items, all_skips = scan([ImageFolder(str(tmp_path))], trigger="sks")
+    assert {i.image.name: i.caption for i in items}["photo.png"] == ""  # the trigger word alone
+    assert all("the trigger word alone is used" in s.reason for s in all_skips)

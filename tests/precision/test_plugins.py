@@ -147,5 +147,34 @@ def test_memory_auto_switches_the_trainers_plugin_and_the_written_config(
     assert saved["precision"] is None
     assert saved["plugins"][-1] == {"class_path": "lightning_lora.precision.FP8", "init_args": precision.options()}
     monkeypatch.setattr(hardware, "free_memory_gib", lambda device: 80.0)  # the written config is the choice itself
-    again = run_cli(["fit", "--config", str(tmp_path / "run" / "config.yaml"), "--model.memory", "as_configured"])
+    written = str(tmp_path / "run" / "config.yaml")
+    again = run_cli(
+        ["fit", "--config", written, "--model.memory", "as_configured", "--trainer.default_root_dir", str(tmp_path)]
+    )
     assert again.model.recipe.precision == FP8(dtype="fp32")
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_gradients_of_a_fused_optimizer_are_clipped_without_a_gradient_scaler(dtype: str) -> None:
+    """``torch.optim.AdamW(fused=True)`` steps every LoRA tensor in one kernel, and it may unscale gradients itself:
+    Lightning's mixed precision then refused ``trainer.gradient_clip_val`` outright. Without a gradient scaler (bf16,
+    fp32) the gradients are the true ones: clipped by their norm as for any optimizer."""
+    params = [torch.nn.Parameter(torch.zeros(3, 4)), torch.nn.Parameter(torch.zeros(5))]
+    for p in params:
+        p.grad = torch.full_like(p, 3.0)
+    optimizer = torch.optim.AdamW(params, lr=1e-3, fused=True)
+    assert optimizer._step_supports_amp_scaling  # what Lightning's refusal reads
+    BF16(dtype=dtype).clip_gradients(optimizer, 1.0)  # type: ignore[arg-type]
+    norm = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in params]))  # type: ignore[union-attr]
+    assert norm.item() == pytest.approx(1.0, rel=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:torch.cuda.amp.GradScaler is enabled, but CUDA is not available")
+def test_a_fused_optimizer_with_a_gradient_scaler_is_still_refused_clipping() -> None:
+    """With fp16's gradient scaler the gradients would be clipped while still scaled: Lightning's refusal stands."""
+    plugin = BF16(dtype="fp16")
+    assert plugin.scaler is not None
+    param = torch.nn.Parameter(torch.zeros(4))
+    param.grad = torch.ones(4)
+    with pytest.raises(RuntimeError, match="fused"):
+        plugin.clip_gradients(torch.optim.AdamW([param], fused=True), 1.0)
