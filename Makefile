@@ -59,11 +59,11 @@ demo: $(VENV)/.installed-demo
 	$(BIN)/lightning-lora fit --config configs/tiny_cpu.yaml \
 		--trainer.default_root_dir runs/demo/$$(date +%Y%m%d-%H%M%S)
 
-# Test processes (pytest-xdist): one per core of a 2-core CI machine, tests handed out one by one (a fresh clone here:
-# 7m32 for 758 tests; whole files per process left one core idle, 15m19), but the tests of one xdist_group go to one
-# process together (the 2-process DDP run that tests/test_fsdp.py and tests/test_multinode.py compare with is made once,
-# and so are each family's runs in tests/families/test_contract.py; tests/test_suite.py checks it). PYTEST_WORKERS=0 runs
-# them in this process.
+# Test processes (pytest-xdist): one per core of a 2-core CI machine, tests handed out one by one (whole files per
+# process left one core idle: 15m19 against 7m32 for the same tests from a fresh clone), but the tests of one
+# xdist_group go to one process together (the 2-process DDP run that tests/test_fsdp.py and tests/test_multinode.py
+# compare with is made once, and so are each family's runs in tests/families/test_contract.py; tests/test_suite.py
+# checks it). PYTEST_WORKERS=0 runs them in this process.
 # The 20 slowest tests are listed at the end: CI has to stay well under 15 minutes on 2 cores.
 PYTEST_WORKERS ?= 2
 

@@ -42,7 +42,7 @@ from lightning_lora.model.parallel import prepare_model
 from lightning_lora.model.recipe import AttentionBackend, ModelRecipe
 from lightning_lora.precision import BasePrecision, precision_of
 
-__all__ = ["LoraModule", "primitive_hparams"]
+__all__ = ["LoraModule", "lora_module", "primitive_hparams"]
 
 
 def _default_optimizer(params: Any) -> torch.optim.Optimizer:
@@ -380,6 +380,14 @@ class LoraModule(LightningModule):
                 "It was written with other model.lora.rank / model.lora.targets / model.pretrained settings: "
                 "resume with the settings of that run, or start a new run folder."
             )
+
+
+def lora_module(pl_module: LightningModule, user: str) -> LoraModule:
+    """``pl_module`` as the :class:`LoraModule` that ``user`` (a callback) reads; a :class:`TypeError` for another
+    module."""
+    if not isinstance(pl_module, LoraModule):
+        raise TypeError(f"{user} works with a lightning_lora LoraModule, not a {type(pl_module).__name__}")
+    return pl_module
 
 
 def _build(option: str, factory: Any, argument: Any) -> Any:

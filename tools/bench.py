@@ -85,6 +85,7 @@ from lightning_lora.callbacks import LoraExport, RNGState, RunFolder, SampleImag
 from lightning_lora.checkpoint import AtomicCheckpointIO
 from lightning_lora.cli.fit import default_checkpoint
 from lightning_lora.cli.peek import config_allocator
+from lightning_lora.data.recipe import DataRecipe
 from lightning_lora.families import SD15, SDXL, DiffusionFamily, Flux, Flux2, QwenImage, ZImage
 from lightning_lora.families.base import ModelSource, build_from_config
 from lightning_lora.families.flux import FLUX1_VAE
@@ -392,8 +393,8 @@ class Synthetic(Dataset):
 
 class SyntheticData(LightningDataModule):
     """The synthetic batches as the data module of ``fit`` serves them, with what the callbacks ask of it: the
-    ``resolution`` (samples without a size of their own are drawn at it) and ``cache()`` (the prompts' embeddings:
-    :meth:`Synthetic.text_embeddings`)."""
+    ``recipe`` (its resolution: samples without a size of their own are drawn at it) and ``cache()`` (the prompts'
+    embeddings: :meth:`Synthetic.text_embeddings`)."""
 
     def __init__(
         self,
@@ -405,7 +406,8 @@ class SyntheticData(LightningDataModule):
         worker_start: str | None = None,
     ) -> None:
         super().__init__()
-        self.dataset, self.batch_size, self.resolution, self.workers = dataset, batch_size, resolution, workers
+        self.dataset, self.batch_size, self.workers = dataset, batch_size, workers
+        self.recipe = DataRecipe(resolutions=(resolution,), batch_size=batch_size, num_workers=workers)
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.worker_start = worker_start  # the workers' multiprocessing start method (None: torch's, fork on Linux)
 
@@ -488,7 +490,7 @@ def compile_seconds() -> dict[str, float]:
 
     names, totals = compile_times(repr="csv", aggregate=True)
     spent = dict(zip(names, totals, strict=True))
-    return {ours: float(spent.get(name, 0.0)) for name, ours in COMPILE_PHASES.items()}
+    return {ours: float(spent.get(name, 0.0)) for name, ours in COMPILE_PHASES.items()}  # type: ignore[arg-type]
 
 
 def sync() -> None:
@@ -747,7 +749,7 @@ def make_optimizer(name: str, options: dict[str, Any] | None = None):
             if name == "adafactor":
                 from lightning_lora.optimizers import Adafactor
             else:
-                from transformers.optimization import Adafactor
+                from transformers.optimization import Adafactor  # type: ignore[assignment]
 
             fixed = {"scale_parameter": False, "relative_step": False, "warmup_init": False}
             return Adafactor(params, **{**fixed, **kwargs})
@@ -855,7 +857,7 @@ def write_sampling_files(family: DiffusionFamily, denoiser: str | None, folder: 
         "_class_name": family.pipeline_classes[0],
         "force_zeros_for_empty_prompt": True,
         # klein's step-distilled ids (a known hub id: answered without the hub); every other model: not distilled
-        "is_distilled": isinstance(family, Flux2) and bool(denoiser) and family.is_distilled(ModelSource(denoiser)),
+        "is_distilled": bool(isinstance(family, Flux2) and denoiser and family.is_distilled(ModelSource(denoiser))),
     }
     (folder / "model_index.json").write_text(json.dumps(index))
     return str(folder)
@@ -1230,7 +1232,7 @@ def measure(a: argparse.Namespace, outputs: Path | None) -> dict[str, Any]:
         family_any.vae_config = VAES[a.family][1 if a.tiny else 0]
         family_any.sampling_folder = write_sampling_files(family, a.denoiser, outputs / "model")
         if sampler is not None:
-            sample_size = (sampler.height or data.resolution, sampler.width or data.resolution)
+            sample_size = (sampler.height or data.recipe.resolution, sampler.width or data.recipe.resolution)
             out.update(sample_size=list(sample_size), sample_steps=sampler.steps, sample_prompts=len(sampler.prompts))
             out["sample_compiled"] = sampler.compiled
     if getattr(a, "cpp_wrapper", 0):  # experiment: inductor's C++ wrapper launches kernels without Python

@@ -42,7 +42,8 @@ def main(argv: list[str]) -> int:
     if not args or args[0] in ("-h", "--help"):
         print(_USAGE)
         return 0 if args else 2
-    from lightning_lora.cli.fit import UNBUILT, LoraCLI, write_error
+    from lightning_lora.cli.fit import UNBUILT, LoraCLI
+    from lightning_lora.cli.status import interrupted, user_error
     from lightning_lora.errors import ConfigError
 
     class CacheCLI(LoraCLI):
@@ -60,22 +61,15 @@ def main(argv: list[str]) -> int:
             default_root_dir=cli.trainer.default_root_dir,
             progress=True,
         )
-    except ConfigError as e:
-        print(f"lightning-lora cache: error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:
-        message = write_error(e)
-        if message is None:
-            raise
-        print(f"lightning-lora cache: error: {message}", file=sys.stderr)
-        return 2
+    except (ConfigError, OSError) as e:
+        return user_error("lightning-lora cache", e)
     except KeyboardInterrupt:
         print(
             "\nlightning-lora cache: interrupted. Every entry finished so far is kept; run the same command again to "
             "continue (it encodes only what is missing).",
             file=sys.stderr,
         )
-        return 128 + signal.SIGINT
+        return interrupted(signal.SIGINT)
     print(report.format(), flush=True)
     return 0
 

@@ -65,15 +65,16 @@ from lightning_lora.checkpoint import (
 from lightning_lora.cli.class_paths import ConfigParser, apply_import_policy, check_class_paths
 from lightning_lora.cli.console import Console
 from lightning_lora.cli.peek import check_config_files, config_files, read_config_file
+from lightning_lora.cli.status import interrupted, user_error
 from lightning_lora.data.datamodule import LatentDataModule
+from lightning_lora.data.recipe import DataRecipe
 from lightning_lora.errors import ConfigError, first_line
 from lightning_lora.hardware import Allocator, allocator_conflict
-from lightning_lora.io import write_failure
 from lightning_lora.model.parallel import check_strategy, resolve_strategy, shards_of
 from lightning_lora.module import LoraModule, primitive_hparams
 from lightning_lora.precision import BasePrecision, check_trainer_precision, for_trainer_precision, precision_of
 
-__all__ = ["UNBUILT", "LoraCLI", "main", "run_summary", "write_error"]
+__all__ = ["UNBUILT", "LoraCLI", "main", "run_summary"]
 
 DEFAULT_RUN_DIR = "runs/lora"
 CONSOLE: Console | None = None
@@ -227,7 +228,7 @@ class LoraCLI(LightningCLI):
     def before_fit(self) -> None:
         # Cross-object checks, before any weights load: the data resolution must suit the model family.
         # Every resolution and bucket option against the model family (raises ConfigError naming the option).
-        self.datamodule.spec(self.model.family)
+        self.datamodule.recipe.spec(self.model.family)
         check_writable(self._checkpoint_dir(), "ModelCheckpoint dirpath")
         check_strategy(self.trainer.strategy, self.model.recipe)
         if torch.cuda.is_available() and self.trainer.strategy.root_device.type == "cuda":
@@ -267,7 +268,7 @@ class LoraCLI(LightningCLI):
         try:
             self.trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, **kwargs)
         except torch.OutOfMemoryError as e:
-            batch = datamodule.batch_size if datamodule is not None else 1
+            batch = _data(datamodule).batch_size
             raise ConfigError(
                 out_of_memory_message(e, self.trainer, batch, self._checkpoint_dir() / "last.ckpt")
             ) from None
@@ -295,7 +296,7 @@ class LoraCLI(LightningCLI):
                 return
             where = f"{budget:.1f} GiB free on {device}" if model.memory == "auto" else f"{budget:g} GiB"
             shards = shards_of(self.trainer)
-            fit = choose_for_memory(model.recipe, datamodule, budget, model.optimizer_name, shards)
+            fit = choose_for_memory(model.recipe, _data(datamodule), budget, model.optimizer_name, shards)
             if fit is None:
                 raise ConfigError(
                     f"model.memory: {model.memory}: no setting that keeps this training fits in {where}. Run "
@@ -333,6 +334,11 @@ class LoraCLI(LightningCLI):
             line = CONSOLE.summary() if CONSOLE is not None else None
             if line:
                 print(line, flush=True)
+
+
+def _data(datamodule: LatentDataModule | None) -> DataRecipe:
+    """The data recipe of ``fit``'s data module (the options' defaults without one: a Trainer fed other data)."""
+    return datamodule.recipe if datamodule is not None else DataRecipe()
 
 
 MOVED_OPTIONS = {
@@ -437,18 +443,6 @@ def check_writable(folder: Path, option: str) -> None:
         ) from None
 
 
-def write_error(e: OSError) -> str | None:
-    """The one-line message for a file that cannot be written (full disk, no permission, a file-size limit); None for
-    other errors."""
-    message = write_failure(e, "trainer.default_root_dir / data.cache_dir")
-    if message is None:
-        return None
-    return (
-        f"{message}. Files already written are intact (every write is atomic): run the same command again to continue "
-        "(add --ckpt_path last if training had started)."
-    )
-
-
 def checkpoint_dir(trainer: Trainer) -> Path:
     """Where the run's checkpoints go: the first ``ModelCheckpoint``'s folder, else ``<run folder>/checkpoints``."""
     for cb in trainer.checkpoint_callbacks:
@@ -478,7 +472,7 @@ def warn_if_too_big(model: LoraModule, datamodule: LatentDataModule, trainer: Tr
 
     device = trainer.strategy.root_device
     try:
-        plan = plan_for(model.recipe, datamodule, model.optimizer_name, shards=shards_of(trainer))
+        plan = plan_for(model.recipe, datamodule.recipe, model.optimizer_name, shards=shards_of(trainer))
     except (ConfigError, NotImplementedError, OSError) as e:
         rank_zero_info(f"memory planner skipped: {e}")
         return None
@@ -578,15 +572,8 @@ def main(argv: list[str] | None = None) -> int:
 def _run(argv: list[str] | None) -> int:
     try:
         cli = LoraCLI(args=argv)
-    except ConfigError as e:
-        print(f"lightning-lora: error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:
-        message = write_error(e)
-        if message is None:
-            raise
-        print(f"lightning-lora: error: {message}", file=sys.stderr)
-        return 2
+    except (ConfigError, OSError) as e:
+        return user_error("lightning-lora", e)
     except SystemExit as e:
         # Lightning turns a Ctrl-C it did not expect (before training, or a second one) into exit status 1.
         if isinstance(e.__context__, KeyboardInterrupt) and e.code == 1:
@@ -595,7 +582,7 @@ def _run(argv: list[str] | None) -> int:
                 "continue (add --ckpt_path last if training had started).",
                 file=sys.stderr,
             )
-            return 128 + signal.SIGINT
+            return interrupted(signal.SIGINT)
         raise
     status = interrupted_status(cli.trainer) if cli.trainer is not None else None
     return status or 0
@@ -605,5 +592,5 @@ def interrupted_status(trainer: Trainer) -> int | None:
     """128 + the signal when Ctrl-C or SIGTERM stopped the run (after its checkpoint was written), else None."""
     for cb in trainer.callbacks:  # type: ignore[attr-defined]
         if isinstance(cb, GracefulStop) and cb.stopped_by_signal and cb.requested is not None:
-            return 128 + int(cb.requested)
+            return interrupted(cb.requested)
     return None

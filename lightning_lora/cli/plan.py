@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 
 from lightning_lora.cli.fit import UNBUILT, LoraCLI, resolve_precision
 from lightning_lora.data.datamodule import DataOptions
+from lightning_lora.data.recipe import DataRecipe
 from lightning_lora.errors import ConfigError
 from lightning_lora.model.parallel import shard_count
 from lightning_lora.precision import BasePrecision
@@ -82,31 +83,32 @@ def main(argv: list[str]) -> int:
         recipe, optimizer = cli.model.recipe, cli.model.optimizer_name
         trainer = cli.trainer_config
         shards = shard_count(trainer.get("strategy"), trainer.get("devices", "auto"), trainer.get("num_nodes", 1))
-        plan = plan_for(recipe, cli.datamodule, optimizer, shards=shards)
+        data: DataRecipe = cli.datamodule.recipe
+        plan = plan_for(recipe, data, optimizer, shards=shards)
         print("Predicted GPU memory (lightning-lora plan):")
         print(plan.report(vram))
         if vram is not None and plan.run_peak > vram * HEADROOM:
-            options = fitting_changes(recipe, cli.datamodule, vram, optimizer, shards)
+            options = fitting_changes(recipe, data, vram, optimizer, shards)
             if options:
                 print("  these changes would fit:")
                 print("\n".join(f"    {o}" for o in options))
             else:
                 print("  lower data.resolution or data.batch_size, or use a GPU with more memory")
         elif vram is not None:
-            fastest = choose_for_memory(recipe, cli.datamodule, vram, optimizer, shards)
+            fastest = choose_for_memory(recipe, data, vram, optimizer, shards)
             if fastest is not None and fastest.flags:
                 print(f"  faster, and it still fits: {fastest.line()}")
             accumulate = int(trainer.get("accumulate_grad_batches") or 1)
-            larger = larger_batches(recipe, cli.datamodule, vram, accumulate, optimizer, shards)
+            larger = larger_batches(recipe, data, vram, accumulate, optimizer, shards)
             if larger is not None:
-                images = cli.datamodule.batch_size * accumulate
+                images = data.batch_size * accumulate
                 print(
                     f"  or the same {images} images a step in larger batches (faster where launches bound the step: "
                     f"NF4, checkpointing, small images): {larger.line()}"
                 )
         if args.cards:
             print("The fastest way to run on each card size (5% kept free):")
-            for gib, fit in cards_table(recipe, cli.datamodule, optimizer, shards=shards):
+            for gib, fit in cards_table(recipe, data, optimizer, shards=shards):
                 names = ", ".join(cards_of(gib)[:3])
                 what = fit.line() if fit else "nothing fits: lower data.resolution or data.batch_size"
                 print(f"  {gib:>4} GiB  {names:<30} {what}")

@@ -10,6 +10,7 @@ import pytest
 import yaml
 from helpers import run_cli, write_config
 
+from lightning_lora.data.recipe import DataRecipe
 from lightning_lora.families import Flux
 from lightning_lora.families.base import ModelSource
 from lightning_lora.lora import LoraOptions
@@ -22,7 +23,7 @@ def test_the_fastest_settings_that_fit_each_card(gib: int) -> None:
     """FLUX.1-dev in bf16 at 512x512, rank 16 (as flux_4090.yaml without its memory options): each card gets settings
     the planner says fit, and nothing faster fits (the settings are tried fastest first)."""
     recipe = ModelRecipe(Flux(), ModelSource("black-forest-labs/FLUX.1-dev"), LoraOptions(rank=16))
-    data = SimpleNamespace(resolution=512, batch_size=1)
+    data = DataRecipe(resolutions=(512,), batch_size=1)
     fit = choose_for_memory(recipe, data, gib)
     assert fit is not None and fit.peak_gib <= 0.95 * gib
     chosen = recipe.replace(**fit.changes)

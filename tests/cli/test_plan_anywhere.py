@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 
 from lightning_lora.cli import main
+from lightning_lora.data.recipe import DataRecipe
 from lightning_lora.errors import ConfigError
 from lightning_lora.families import SD15, SDXL, Flux
 from lightning_lora.families.base import ModelSource
@@ -113,7 +114,7 @@ def _local_copy(tmp_path: Path, family: type, hub_id: str) -> Path:
     ],
 )
 def test_the_shipped_architecture_plans_like_a_local_folder(tmp_path: Path, family: type, hub_id: str) -> None:
-    data = SimpleNamespace(resolution=256, batch_size=1)
+    data = DataRecipe(resolutions=(256,), batch_size=1)
     lora = LoraOptions(rank=8)
     from_hub = plan_for(ModelRecipe(family(), ModelSource(hub_id), lora), data)
     from_folder = plan_for(ModelRecipe(family(), ModelSource(str(_local_copy(tmp_path, family, hub_id))), lora), data)
@@ -164,7 +165,7 @@ def test_the_cards_table_gives_the_fastest_fit_per_size(tiny_flux_dir: Path, mon
 
     monkeypatch.setattr(search, "plan_for", fake_plan)
     recipe = ModelRecipe(Flux(), ModelSource(str(tiny_flux_dir)))
-    rows = dict(cards_table(recipe, SimpleNamespace(resolution=1024, batch_size=2), sizes=(8, 12, 24, 48)))
+    rows = dict(cards_table(recipe, DataRecipe(resolutions=(1024,), batch_size=2), sizes=(8, 12, 24, 48)))
     assert rows[48] is not None and rows[48].flags == "" and rows[48].peak_gib == 40.0  # as configured
     fp8, nf4 = ("--trainer.plugins lightning_lora.precision." + name for name in ("FP8", "NF4"))
     assert rows[24] is not None and rows[24].flags == f"{fp8} --model.gradient_checkpointing true"
@@ -190,7 +191,7 @@ def test_a_larger_card_is_told_to_checkpoint_less(tiny_flux_dir: Path, monkeypat
     saving = ModelRecipe(Flux(), ModelSource(str(tiny_flux_dir))).replace(
         gradient_checkpointing=True, offload_activations=True
     )
-    data = SimpleNamespace(resolution=512, batch_size=1)
+    data = DataRecipe(resolutions=(512,), batch_size=1)
     rows = dict(cards_table(saving, data, sizes=(12, 16, 24, 48)))
     copies = " --model.offload_activations false"
     assert rows[48] is not None and rows[48].flags == "--model.gradient_checkpointing false" + copies
@@ -268,7 +269,7 @@ def test_plan_names_larger_batches_where_a_card_has_room_for_them(tmp_path: Path
         ),
     )
     recipe = ModelRecipe(Flux(), ModelSource("black-forest-labs/FLUX.1-dev"))
-    data = SimpleNamespace(resolution=512, batch_size=1)
+    data = DataRecipe(resolutions=(512,), batch_size=1)
     assert search.larger_batches(recipe, data, 8, 4) is None  # (8 - 0.67) x 0.95 = 6.96 < 7.26
     fit = search.larger_batches(recipe, data, 8.5, 4)  # 7.44
     assert fit is not None and fit.data == {"batch_size": 2} and fit.peak_gib == 7.26

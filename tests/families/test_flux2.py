@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -668,6 +667,7 @@ def test_dev_tiny_pipeline_is_deterministic_and_reads_the_real_layers() -> None:
 def test_the_hub_model_plans_with_nothing_downloaded_like_its_local_configs(tmp_path: Path) -> None:
     """``plan`` on the hub id needs no file (the real configs ship with the family) and gives the same plan as a local
     folder holding those configs; the sizes are the real model's: 3.88 B transformer, 4.02 B Qwen3-4B encoder."""
+    from lightning_lora.data.recipe import DataRecipe
     from lightning_lora.families.encoders import QWEN3_4B_LM
     from lightning_lora.model.recipe import ModelRecipe
     from lightning_lora.plan import caching_peaks, plan_for
@@ -679,7 +679,7 @@ def test_the_hub_model_plans_with_nothing_downloaded_like_its_local_configs(tmp_
     (folder / "transformer" / "config.json").write_text(json.dumps(Flux2.known_denoisers[HUB_ID]))
     encoder = {"architectures": [QWEN3_4B_LM["_class"]], **{k: v for k, v in QWEN3_4B_LM.items() if k != "_class"}}
     (folder / "text_encoder" / "config.json").write_text(json.dumps(encoder))
-    data = SimpleNamespace(resolution=512, batch_size=1)
+    data = DataRecipe(resolutions=(512,), batch_size=1)
     hub = ModelRecipe(Flux2(), ModelSource(HUB_ID), LoraOptions(rank=8), gradient_checkpointing=True)
     from_hub = plan_for(hub, data)
     assert from_hub == plan_for(hub.replace(source=ModelSource(str(folder))), data)

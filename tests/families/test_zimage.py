@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -415,6 +414,7 @@ def test_hub_id_offline_fails_with_a_clear_message(monkeypatch: pytest.MonkeyPat
 def test_the_hub_model_plans_with_nothing_downloaded_like_its_local_configs(tmp_path: Path) -> None:
     """``plan`` on the hub id needs no file (the real configs ship with the family) and gives the same plan as a local
     folder holding those configs; the sizes are the real model's: 6.15 B transformer, 4.02 B Qwen3-4B encoder."""
+    from lightning_lora.data.recipe import DataRecipe
     from lightning_lora.families.encoders import QWEN3_4B
     from lightning_lora.model.recipe import ModelRecipe
     from lightning_lora.plan import caching_peaks, plan_for
@@ -426,7 +426,7 @@ def test_the_hub_model_plans_with_nothing_downloaded_like_its_local_configs(tmp_
     (folder / "transformer" / "config.json").write_text(json.dumps(ZImage.known_denoisers[HUB_ID]))
     encoder = {"architectures": [QWEN3_4B["_class"]], **{k: v for k, v in QWEN3_4B.items() if k != "_class"}}
     (folder / "text_encoder" / "config.json").write_text(json.dumps(encoder))
-    data = SimpleNamespace(resolution=512, batch_size=1)
+    data = DataRecipe(resolutions=(512,), batch_size=1)
     lora = LoraOptions(rank=8)
     hub = ModelRecipe(ZImage(), ModelSource(HUB_ID), lora, gradient_checkpointing=True)
     from_hub = plan_for(hub, data)

@@ -160,7 +160,7 @@ def two_step_grads(model: nn.Module, family: DiffusionFamily | None = None) -> l
     for seed in (1, 3):
         model.zero_grad()
         model(**random_inputs(family or Flux(), model, seed=seed))[0].square().mean().backward()
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})  # type: ignore[union-attr]
     return grads
 
 

@@ -489,7 +489,7 @@ def test_cuda_graphed_blocks_train_through_fit_as_the_default_compiled_blocks(
     """On a GPU, through ``fit``: the layouts that failed in their first step with CUDA graphs (an accumulated step's
     second micro-batch, a block recomputed in the backward pass, each starting a new generation of the graphs' memory
     while the last one's tensors were in use) train the same LoRA as the default compiled blocks."""
-    from lightning_lora.tiny import save_tiny_flux
+    from lightning_lora.tiny.flux import save_tiny_flux
 
     options: dict[str, object] = {
         "trainer.accelerator": "gpu",
