@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -53,10 +53,11 @@ _VARIANT = {"lora": "LoRA", "dora": "DoRA", "lokr": "LoKr", "loha": "LoHa"}
 _TOOL = {"diffusers": "diffusers", "ComfyUI": "ComfyUI", "kohya": "kohya's sd-scripts"}
 
 
-@runtime_checkable
 class LoraModel(Protocol):
     """What the export reads of the trained module: a :class:`~lightning_lora.module.LoraModule` (tests drive the
-    callback with stand-ins that have just these)."""
+    callback with stand-ins that have just these). Told apart by :func:`as_lora_model`, not ``isinstance``: from Python
+    3.12 a runtime protocol looks its members up statically, and ``denoiser``, once a registered submodule, lives in the
+    module's ``_modules``, where a static lookup does not see it."""
 
     denoiser: torch.nn.Module | None
 
@@ -68,6 +69,13 @@ class LoraModel(Protocol):
 
     @property
     def lora(self) -> LoraOptions: ...
+
+
+def as_lora_model(module: object) -> LoraModel | None:
+    """``module`` as the export reads it, or None when it lacks a member of :class:`LoraModel` (``hasattr``, which sees
+    a ``torch.nn.Module``'s submodules on every Python)."""
+    members = ("denoiser", "family", "source", "lora")
+    return cast(LoraModel, module) if all(hasattr(module, name) for name in members) else None
 
 
 class LoraExport(Callback):
@@ -139,9 +147,10 @@ class LoraExport(Callback):
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Try every chosen format on the LoRA's shapes (nothing computed or written) and say which tool loads what."""
-        if not isinstance(pl_module, LoraModel) or pl_module.denoiser is None:
+        model = as_lora_model(pl_module)
+        if model is None or model.denoiser is None:
             return
-        denoiser, family = pl_module.denoiser, pl_module.family
+        denoiser, family = model.denoiser, model.family
         from peft.utils import get_peft_model_state_dict
 
         state = get_peft_model_state_dict(denoiser, unwrap_compiled=True)
@@ -200,9 +209,9 @@ class LoraExport(Callback):
 
         from lightning_lora.model.sharding import full_state
 
-        module = pl_module
-        if not isinstance(module, LoraModel):
-            raise TypeError(f"LoraExport exports a LoraModule's adapter, not a {type(module).__name__}'s")
+        module = as_lora_model(pl_module)
+        if module is None:
+            raise TypeError(f"LoraExport exports a LoraModule's adapter, not a {type(pl_module).__name__}'s")
         state = full_state(get_peft_model_state_dict(module.denoiser, unwrap_compiled=True))
         if trainer.is_global_zero:
             data = data_recipe(trainer)
