@@ -17,9 +17,10 @@ The file is written atomically, so an interrupted export never leaves a half fil
 
 Who decides what
 ----------------
-The *family* decides which formats it writes (:attr:`~lightning_lora.families.base.DiffusionFamily.lora_formats`), how
-its modules are named in the kohya layout (:meth:`~lightning_lora.families.base.DiffusionFamily.kohya_lora`) and what
-each loader makes of its files (:meth:`~lightning_lora.families.base.DiffusionFamily.lora_coverage`); the *format*
+The *family* decides which formats it writes (``lora_files.formats`` of
+:class:`~lightning_lora.families.base.DiffusionFamily`), how its modules are named in the kohya layout
+(:meth:`~lightning_lora.families.base.DiffusionFamily.kohya_lora`) and what each loader makes of its files
+(:meth:`~lightning_lora.families.base.DiffusionFamily.lora_coverage`); the *format*
 decides which adapter variants a file can hold (:data:`lightning_lora.formats.VARIANTS`). A request outside either is
 refused with the reason (a family without a kohya layout, a LoKr adapter for the diffusers format, a LoKr on FLUX's
 fused q/k/v), never answered with a file that holds less than was trained. :func:`check_export` asks the same
@@ -121,7 +122,7 @@ def export_lora(
             module names of the denoiser without prefix or adapter name (what :func:`checkpoint_lora` returns).
         path: the ``.safetensors`` file to write (replaced atomically if it exists: callers decide about overwriting).
         format: ``diffusers`` (:mod:`lightning_lora.formats.diffusers`) or ``kohya``
-            (:mod:`lightning_lora.formats.kohya`). It must be one of the family's ``lora_formats``.
+            (:mod:`lightning_lora.formats.kohya`). It must be one of the family's ``lora_files.formats``.
         lora: the LoRA options the state was trained with (rank, alpha, targets, init, variant); every update is
             scaled by ``alpha / rank`` as peft did in training.
         family: the model family the LoRA belongs to; it names the modules in its formats.
@@ -189,7 +190,9 @@ def write_lora(
     if targets is not None:
         metadata["lightning_lora.targets"] = json.dumps(targets)
     if format == "diffusers":
-        tensors, header = to_diffusers(state, family.denoiser_subfolder, scale=scale, init=init, dtype=dtype)
+        tensors, header = to_diffusers(
+            state, family.architecture.denoiser_subfolder, scale=scale, init=init, dtype=dtype
+        )
     else:  # kohya: the family names its modules
         tensors = family.kohya_lora(state, scale, dtype=dtype)
         header = family.kohya_metadata(network_summary(tensors, state, rank, alpha, output_name=title))
@@ -204,10 +207,10 @@ def modelspec(family: DiffusionFamily, title: str, info: Mapping[str, Any]) -> d
     """The ModelSpec entries of a LoRA file of ``family`` (Stability AI's spec, as kohya's sd-scripts writes it,
     ``library/sai_model_spec.py``): architecture and implementation from the family, the title, the training
     resolution (``info["resolution"]``: a side or ``(height, width)``), today's date, the trigger phrase."""
-    if not family.lora_modelspec:
+    if not family.lora_files.modelspec:
         return {}
     meta = {"modelspec.sai_model_spec": "1.0.1"}
-    meta.update({f"modelspec.{k}": v for k, v in family.lora_modelspec.items()})
+    meta.update({f"modelspec.{k}": v for k, v in family.lora_files.modelspec.items()})
     meta["modelspec.title"] = title
     resolution = info.get("resolution")
     if isinstance(resolution, int | float) and resolution > 0:
@@ -234,7 +237,7 @@ def check_export(state: Mapping[str, torch.Tensor], family: DiffusionFamily, for
     _check_format(meta, format, family)
     try:
         if format == "diffusers":
-            to_diffusers(meta, family.denoiser_subfolder, scale=0.5)
+            to_diffusers(meta, family.architecture.denoiser_subfolder, scale=0.5)
         else:
             family.kohya_lora(meta, 0.5)
     except ValueError as e:
@@ -248,12 +251,12 @@ def _check_format(state: Mapping[str, torch.Tensor], format: str, family: Diffus
     cannot hold, naming it and the format."""
     if format not in FORMATS:
         raise ConfigError(f"--format: {format!r} is not one of {', '.join(FORMATS)}")
-    if format not in family.lora_formats:
+    if format not in family.lora_files.formats:
         raise family.format_refused(format)
     for variant in sorted(variants_of(state)):
         if variant in VARIANTS[format]:
             continue
-        holds = [f for f in family.lora_formats if variant in VARIANTS[f]]
+        holds = [f for f in family.lora_files.formats if variant in VARIANTS[f]]
         instead = (
             f"Export it with --format {holds[0]}." if holds else f"No format lightning-lora writes holds {variant} yet."
         )
@@ -317,10 +320,10 @@ def read_lora_file(path: str | Path, family: DiffusionFamily | None = None) -> L
     family = family or _family_of(tensors, metadata, path)
     if is_diffusers_file(tensors):
         prefix, state = from_diffusers(tensors, metadata)
-        if prefix != family.denoiser_subfolder:
+        if prefix != family.architecture.denoiser_subfolder:
             raise ConfigError(
                 f"{path}: holds a {prefix} LoRA, but the {family.name} family's denoiser is the "
-                f"{family.denoiser_subfolder}."
+                f"{family.architecture.denoiser_subfolder}."
             )
         return LoraFile(state, family, "diffusers", metadata)
     if tensors and all(k.startswith((KOHYA_PREFIX, LYCORIS_PREFIX)) for k in tensors):

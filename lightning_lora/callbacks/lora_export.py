@@ -88,14 +88,14 @@ class LoraExport(Callback):
         family = getattr(pl_module, "family", None)
         if family is None:
             return
-        missing = [f for f in self.requested or [] if f not in family.lora_formats]
+        missing = [f for f in self.requested or [] if f not in family.lora_files.formats]
         if missing:
             raise ConfigError(
                 f"LoraExport.formats: there is no {missing[0]} layout for the {family.name!r} family yet; choose from "
-                f"{', '.join(family.lora_formats)}."
+                f"{', '.join(family.lora_files.formats)}."
             )
         variant = _VARIANT.get(str(getattr(getattr(pl_module, "lora", None), "variant", "lora")), "LoRA")
-        holds = [f for f in family.lora_formats if variant in VARIANTS.get(f, ())]
+        holds = [f for f in family.lora_files.formats if variant in VARIANTS.get(f, ())]
         if self.requested is None:
             self.formats = holds
         else:
@@ -140,7 +140,7 @@ class LoraExport(Callback):
         coverages = {fmt: file_coverage(state, family, fmt) for fmt in self.formats}
         self.loads_in = {fmt: c.loads_in for fmt, c in coverages.items()}
         for tool in TOOLS:  # layers no written file gets into this tool: say it now, not after training
-            if tool not in family.lora_tools:  # a fact of the family, not a warning about this run
+            if tool not in family.lora_files.tools:  # a fact of the family, not a warning about this run
                 log.info("LoraExport: %s does not load %s LoRAs.", _TOOL[tool], family.name)
                 continue
             missed = [{**c.skipped[tool], **c.approximate[tool]} for c in coverages.values()]

@@ -41,6 +41,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from lightning_lora.errors import ConfigError, first_line
+from lightning_lora.families.facts import Architecture, Compiling, LoraFiles, Planning
 
 if TYPE_CHECKING:
     from lightning_lora.formats.clients import Coverage
@@ -238,78 +239,15 @@ class DiffusionFamily(ABC):
     """
 
     name: ClassVar[str]
-    pipeline_classes: ClassVar[tuple[str, ...]]
-    """``_class_name`` values of ``model_index.json`` this family can load."""
-    denoiser_subfolder: ClassVar[str]
-    denoiser_class: ClassVar[str]
-    """The denoiser's diffusers class, by name (``FluxTransformer2DModel``): loading, single files, the planner."""
-    latent_divisor: ClassVar[int]
-    """Image sides must be multiples of this many pixels (VAE downscale x latent patch size)."""
-    lora_presets: ClassVar[dict[str, str]]
-    """Named LoRA target sets: preset name -> regular expression over module names (peft ``target_modules``)."""
-    cudnn_attention_in_auto: ClassVar[bool] = True
-    """Whether ``model.attention: auto`` may use PyTorch's cuDNN SDPA backend with this family's model."""
-    known_denoisers: ClassVar[dict[str, dict[str, Any]]] = {}
-    """The denoiser's ``config.json`` (the fields that decide its shapes) for the hub ids the shipped configs use: the
-    memory planner needs no download for them (:meth:`denoiser_config`)."""
-    known_text_encoders: ClassVar[dict[str, dict[str, dict[str, Any]]]] = {}
-    """The text encoders' configs (:mod:`lightning_lora.families.encoders`) for the same hub ids, by component."""
-    vae_architecture: ClassVar[dict[str, Any] | None] = None
-    """The ``vae/config.json`` of the family's models (the fields that decide shapes: fine-tunes keep the VAE's
-    architecture): the planner measures the sample images' decode from it (:meth:`vae_config_for`); a family without it
-    plans sampling with :meth:`sampling_bytes` alone."""
-    sampling_batch: ClassVar[int] = 1
-    """The denoiser's batch per sample image: 2 where the pipeline runs classifier-free guidance as one batch (the
-    prompt and the negative, SDXL and SD1.5); 1 for guidance-distilled models (FLUX.1-dev)."""
-    compiled_saved_fraction: ClassVar[float] = 0.72
-    """The share of the eager forward's saved tensors that blocks compiled by ``model.compile_blocks`` keep for the
-    backward (inductor fuses elementwise chains and recomputes them): the planner scales the eager count it makes on
-    the meta device by it, for blocks that are not checkpointed. 0.72: calibrated on the two compiled FLUX rank-16 rows
-    without checkpointing (bf16 and NF4, on an H200: 0.78 of the eager count as it was then made, without autocast
-    and with rms_norm decomposed; 0.72 of the count made as the GPU runs)."""
-    compiled_regions: ClassVar[tuple[str, ...]] = ()
-    """Module classes ``model.compile_blocks`` compiles besides the model's repeated blocks (``_repeated_blocks``)."""
-    stream_sources: ClassVar[tuple[str, ...]] = ()
-    """The modules whose outputs feed the first repeated block (a container: each module in it), e.g. FLUX's image and
-    text embedders, or the UNets' first attention's ``proj_in``. Under ``model.compile_blocks`` their outputs are made
-    to require gradients while training, as every later block's inputs do, so that dynamo compiles one graph for the
-    first block and the rest, not two (it guards on ``requires_grad``): a quarter of FLUX's graphs and a third of the
-    UNets' (with the ``attention`` preset) less to compile and to trace again at each start (BENCHMARKS.md). The
-    price is the first block's input gradient, one block's worth of input-gradient matmuls. Where the module is itself
-    trained (a LoRA on ``proj_in``), its output has a gradient already and nothing changes."""
-    joined_streams: ClassVar[tuple[str, ...]] = ()
-    """Containers of repeated blocks whose last block hands its two streams ``(text, image)`` to blocks that pass
-    them to each other as slices of one tensor (FLUX's double-stream blocks, before its single-stream ones). Under
-    ``model.compile_blocks`` that last block's outputs come in the same layout, so that dynamo, which guards on
-    strides, compiles one graph for the first single-stream block and the rest, not two."""
-    checkpoints_only_repeated_blocks: ClassVar[bool] = True
-    """Whether diffusers' gradient checkpointing of the denoiser recomputes exactly its repeated blocks
-    (``_repeated_blocks``: FLUX's double and single blocks, Z-Image's refiners and layers), so that checkpointing
-    inside each of those blocks is the same checkpointing. Compiled blocks are checkpointed that way
-    (:func:`lightning_lora.model.assembly.apply_gradient_checkpointing`); the UNets' checkpointing also recomputes their
-    ResNets, which are no repeated blocks."""
-    text_encoders: ClassVar[tuple[str, ...]]
-    """The pipeline components (subfolders) whose weights the prompt embeddings depend on: every one the family's
-    :meth:`encode_prompts` runs. The text cache key is made from their identities, so a changed encoder never serves
-    stale embeddings; a family that forgets one would."""
-
-    @property
-    def tokenizers(self) -> tuple[str, ...]:
-        """The tokenizer components beside :attr:`text_encoders` (``text_encoder_2`` -> ``tokenizer_2``, diffusers'
-        layout): their files (vocabulary, chat template) shape the embeddings too, so the text cache key covers them."""
-        return tuple(c.replace("text_encoder", "tokenizer", 1) for c in self.text_encoders)
-
-    lora_formats: ClassVar[tuple[str, ...]] = ("diffusers",)
-    lora_tools: ClassVar[tuple[str, ...]] = ("diffusers", "ComfyUI", "kohya")
-    """The tools (:data:`lightning_lora.formats.clients.TOOLS`) that load LoRAs of this family at all. A run warns about
-    trained layers a listed tool will not apply; a tool left out (kohya's sd-scripts has no network for the newer
-    families) is said once in the log instead of warning on every run."""
-    """The LoRA file formats (:data:`lightning_lora.formats.FORMATS`) this family writes, in the order a training run
-    writes them by default. ``diffusers`` (peft keys under ``denoiser_subfolder``) needs nothing of the family; a
-    family listing ``kohya`` implements :meth:`kohya_lora` and :meth:`kohya_metadata`."""
-    lora_modelspec: ClassVar[dict[str, str]] = {}
-    """``modelspec.*`` entries every LoRA file of this family carries (``architecture``, ``implementation``: the IDs
-    kohya's sd-scripts writes, ``library/sai_model_spec.py``); empty: no ModelSpec."""
+    """The family's name in the registry (:data:`FAMILIES`), in messages and in ``--family``."""
+    architecture: ClassVar[Architecture]
+    """The model as the hub ships it: pipeline classes, denoiser, text encoders, image sides, LoRA presets."""
+    compiling: ClassVar[Compiling] = Compiling()
+    """How ``model.compile_blocks``, checkpointing and ``model.attention: auto`` treat the denoiser."""
+    planning: ClassVar[Planning] = Planning()
+    """What the memory planner knows of the family's models without a download."""
+    lora_files: ClassVar[LoraFiles] = LoraFiles()
+    """The LoRA files the family writes and who loads them."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -318,17 +256,18 @@ class DiffusionFamily(ABC):
 
     # -- loading -----------------------------------------------------------------------------------------------
     def check_source(self, source: ModelSource) -> None:
-        check_source(source, self.pipeline_classes)
+        check_source(source, self.architecture.pipeline_classes)
 
     def denoiser_cls(self) -> Any:
-        """The diffusers class of the denoiser (:attr:`denoiser_class`, imported now)."""
+        """The diffusers class of the denoiser (``architecture.denoiser_class``, imported now)."""
         import diffusers
 
-        return getattr(diffusers, self.denoiser_class)
+        return getattr(diffusers, self.architecture.denoiser_class)
 
     def load_denoiser(self, source: ModelSource) -> nn.Module:
         """The trainable backbone (transformer or UNet) in ``source.dtype``, frozen, in eval mode (by default
-        :meth:`load_denoiser_weights` of :attr:`denoiser_class`; families whose single files need more override it)."""
+        :meth:`load_denoiser_weights` of ``architecture.denoiser_class``; families whose single files need more override
+        it)."""
         return self.load_denoiser_weights(self.denoiser_cls(), source)
 
     def load_vae(self, source: ModelSource) -> nn.Module:
@@ -346,12 +285,14 @@ class DiffusionFamily(ABC):
             model = cls.from_single_file(
                 source.denoiser_file,
                 config=source.local_path,
-                subfolder=self.denoiser_subfolder,
+                subfolder=self.architecture.denoiser_subfolder,
                 torch_dtype=source.dtype,
                 local_files_only=source.is_local,
             )
         else:
-            model = load_weights(cls.from_pretrained, source, self.denoiser_subfolder, torch_dtype=source.dtype)
+            model = load_weights(
+                cls.from_pretrained, source, self.architecture.denoiser_subfolder, torch_dtype=source.dtype
+            )
         return model.requires_grad_(False).eval()
 
     @abstractmethod
@@ -463,7 +404,7 @@ class DiffusionFamily(ABC):
 
     def format_refused(self, format: str) -> ConfigError:
         """The error for a LoRA file ``format`` this family does not write; it names the formats it does write."""
-        instead = " or ".join(f"--format {f}" for f in self.lora_formats)
+        instead = " or ".join(f"--format {f}" for f in self.lora_files.formats)
         return ConfigError(
             f"--format {format}: there is no {format} layout for the {self.name!r} family yet; use {instead}."
         )
@@ -479,12 +420,12 @@ class DiffusionFamily(ABC):
     # -- memory planning (lightning_lora.plan) -------------------------------------------------------------------
     def denoiser_config(self, source: ModelSource, load_config: Callable[..., Any]) -> dict[str, Any]:
         """The denoiser's config, with no weights read: a local folder's ``<denoiser_subfolder>/config.json``; for a hub
-        id the shipped facts (:attr:`known_denoisers`) when it is a known model, else the hub's file (downloaded or
+        id the shipped facts (``planning.known_denoisers``) when it is a known model, else the hub's file (downloaded or
         cached). Offline without it: a :class:`ConfigError` saying which few-KB files to download."""
-        if not source.is_local and source.pretrained in self.known_denoisers:
-            return dict(self.known_denoisers[source.pretrained])
+        if not source.is_local and source.pretrained in self.planning.known_denoisers:
+            return dict(self.planning.known_denoisers[source.pretrained])
         try:
-            return dict(load_component(load_config, source, self.denoiser_subfolder))
+            return dict(load_component(load_config, source, self.architecture.denoiser_subfolder))
         except ConfigError:
             if source.is_local:
                 raise
@@ -495,11 +436,11 @@ class DiffusionFamily(ABC):
             ) from None
 
     def text_encoder_configs(self, source: ModelSource) -> dict[str, dict[str, Any]] | None:
-        """The configs of the text encoders the cache loads (:attr:`text_encoders`), with no weights read: a local
-        folder's ``<component>/config.json``, else the shipped facts of a known hub id; None when unknown."""
+        """The configs of the text encoders the cache loads (``architecture.text_encoders``), with no weights read: a
+        local folder's ``<component>/config.json``, else the shipped facts of a known hub id; None when unknown."""
         if source.is_local:
             configs = {}
-            for component in self.text_encoders:
+            for component in self.architecture.text_encoders:
                 path = Path(source.local_path) / component / "config.json"
                 try:
                     config = json.loads(path.read_text())
@@ -507,17 +448,18 @@ class DiffusionFamily(ABC):
                     return None
                 configs[component] = {"_class": (config.get("architectures") or [""])[0], **config}
             return configs
-        return self.known_text_encoders.get(source.pretrained)
+        known = self.planning.known_text_encoders.get(source.pretrained)
+        return None if known is None else {component: dict(config) for component, config in known.items()}
 
     def vae_config_for(self, source: ModelSource) -> dict[str, Any] | None:
         """The VAE's config, with no weights read and no download: a local folder's ``vae/config.json``, else the
-        family's :attr:`vae_architecture`; None for a family that declares no VAE architecture."""
-        if self.vae_architecture is None:
+        family's ``planning.vae_architecture``; None for a family that declares no VAE architecture."""
+        if self.planning.vae_architecture is None:
             return None
         if source.is_local:
             with contextlib.suppress(OSError, json.JSONDecodeError):
                 return dict(json.loads((Path(source.local_path) / "vae" / "config.json").read_text()))
-        return dict(self.vae_architecture)
+        return dict(self.planning.vae_architecture)
 
     def sampling_vae_dtype(self, vae_config: dict[str, Any], dtype: torch.dtype) -> torch.dtype:
         """The dtype the family's pipeline decodes in, for a VAE loaded in ``dtype`` (the load dtype; SDXL's pipeline
@@ -548,13 +490,13 @@ class DiffusionFamily(ABC):
 
     def sampling_bytes(self, model: DiffusersModel, height: int, width: int, text_len: int) -> float:
         """Activation bytes of one inference forward pass (plus the VAE decode) at this size: a hand estimate, used
-        by the planner only for a family without :attr:`vae_architecture` (else both are measured on the meta device:
-        :func:`lightning_lora.plan.sampling.sampling_pieces`)."""
+        by the planner only for a family without ``planning.vae_architecture`` (else both are measured on the meta
+        device: :func:`lightning_lora.plan.sampling.sampling_pieces`)."""
         raise NotImplementedError(f"the memory planner does not support the {self.name} family yet")
 
     # -- shared helpers ----------------------------------------------------------------------------------------
     def check_resolution(self, height: int, width: int, option: str) -> None:
-        d = self.latent_divisor
+        d = self.architecture.latent_divisor
         if height % d or width % d or height <= 0 or width <= 0:
             h, w = max(d, round(height / d) * d), max(d, round(width / d) * d)
             raise ConfigError(

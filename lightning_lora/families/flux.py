@@ -36,6 +36,7 @@ from lightning_lora.families.base import (
     load_weights,
 )
 from lightning_lora.families.encoders import CLIP_L, T5_XXL
+from lightning_lora.families.facts import Architecture, Compiling, LoraFiles, Planning
 from lightning_lora.formats import kohya, kohya_read
 from lightning_lora.formats.clients import Coverage, flux_coverage
 from lightning_lora.objectives import TimestepSampling
@@ -123,37 +124,41 @@ class Flux(DiffusionFamily):
     """
 
     name: ClassVar[str] = "flux"
-    denoiser_class: ClassVar[str] = "FluxTransformer2DModel"
-    pipeline_classes: ClassVar[tuple[str, ...]] = ("FluxPipeline",)
-    denoiser_subfolder: ClassVar[str] = "transformer"
-    latent_divisor: ClassVar[int] = 16
-    known_denoisers: ClassVar[dict[str, dict[str, Any]]] = {
-        "black-forest-labs/FLUX.1-dev": FLUX1_TRANSFORMER,
-        "black-forest-labs/FLUX.1-schnell": {**FLUX1_TRANSFORMER, "guidance_embeds": False},
-    }
-    known_text_encoders: ClassVar[dict[str, dict[str, dict[str, Any]]]] = dict.fromkeys(
-        ("black-forest-labs/FLUX.1-dev", "black-forest-labs/FLUX.1-schnell"),
-        {"text_encoder": CLIP_L, "text_encoder_2": T5_XXL},
+    architecture: ClassVar[Architecture] = Architecture(
+        pipeline_classes=("FluxPipeline",),
+        denoiser_class="FluxTransformer2DModel",
+        denoiser_subfolder="transformer",
+        text_encoders=("text_encoder", "text_encoder_2"),  # CLIP-L (pooled), T5-XXL
+        latent_divisor=16,
+        lora_presets={
+            # The set the public FLUX LoRA recipes (and our reference benchmark) use.
+            "attention": rf".*transformer_blocks\.\d+\.{_ATTENTION}",
+            # Plus the text stream's projections in the double blocks.
+            "attention_all": rf".*transformer_blocks\.\d+\.({_ATTENTION}|{_TEXT_ATTENTION})",
+            # Every linear layer inside the blocks (attention, feed-forward, single-block MLP and output).
+            "all_linear": rf".*(transformer_blocks\.\d+\.({_ATTENTION}|{_TEXT_ATTENTION}|{_MLP}|{_SINGLE}))",
+        },
     )
-    vae_architecture: ClassVar[dict[str, Any] | None] = FLUX1_VAE
-    text_encoders: ClassVar[tuple[str, ...]] = ("text_encoder", "text_encoder_2")  # CLIP-L (pooled), T5-XXL
-    stream_sources: ClassVar[tuple[str, ...]] = ("x_embedder", "context_embedder")
-    joined_streams: ClassVar[tuple[str, ...]] = ("transformer_blocks",)
+    compiling: ClassVar[Compiling] = Compiling(
+        stream_sources=("x_embedder", "context_embedder"), joined_streams=("transformer_blocks",)
+    )
+    planning: ClassVar[Planning] = Planning(
+        known_denoisers={
+            "black-forest-labs/FLUX.1-dev": FLUX1_TRANSFORMER,
+            "black-forest-labs/FLUX.1-schnell": {**FLUX1_TRANSFORMER, "guidance_embeds": False},
+        },
+        known_text_encoders=dict.fromkeys(
+            ("black-forest-labs/FLUX.1-dev", "black-forest-labs/FLUX.1-schnell"),
+            {"text_encoder": CLIP_L, "text_encoder_2": T5_XXL},
+        ),
+        vae_architecture=FLUX1_VAE,
+    )
     # diffusers: compact, loads in diffusers and (part by part) in ComfyUI; kohya: BFL module names, q/k/v (and the
     # single blocks' MLP input) fused, as sd-scripts needs them.
-    lora_formats: ClassVar[tuple[str, ...]] = ("diffusers", "kohya")
-    lora_modelspec: ClassVar[dict[str, str]] = {
-        "architecture": "flux-1-dev/lora",
-        "implementation": "https://github.com/black-forest-labs/flux",
-    }
-    lora_presets: ClassVar[dict[str, str]] = {
-        # The set the public FLUX LoRA recipes (and our reference benchmark) use.
-        "attention": rf".*transformer_blocks\.\d+\.{_ATTENTION}",
-        # Plus the text stream's projections in the double blocks.
-        "attention_all": rf".*transformer_blocks\.\d+\.({_ATTENTION}|{_TEXT_ATTENTION})",
-        # Every linear layer inside the blocks (attention, feed-forward, single-block MLP and output).
-        "all_linear": rf".*(transformer_blocks\.\d+\.({_ATTENTION}|{_TEXT_ATTENTION}|{_MLP}|{_SINGLE}))",
-    }
+    lora_files: ClassVar[LoraFiles] = LoraFiles(
+        formats=("diffusers", "kohya"),
+        modelspec={"architecture": "flux-1-dev/lora", "implementation": "https://github.com/black-forest-labs/flux"},
+    )
 
     def __init__(
         self,

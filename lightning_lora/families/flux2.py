@@ -8,7 +8,7 @@ Shapes, for an image of ``H x W`` pixels and a batch ``B``:
   ``(i, j)`` of the patch of channel ``c``), ``[B, 32, H/8, W/8] -> [B, 128, H/16, W/16]``, then normalised per channel
   by the VAE's own batch-norm statistics: ``(z - running_mean) / sqrt(running_var + eps)`` (the pipeline decodes
   ``x * std + mean``, then unpatchifies). The cache stores exactly that: ``[B, 128, H/16, W/16]``, so image sides are
-  multiples of 16 (:attr:`Flux2.latent_divisor`).
+  multiples of 16 (:attr:`Flux2.architecture.latent_divisor`).
 * The transformer sees one token per latent position (``patch_size`` 1): ``[B, (H/16)(W/16), 128]``, row-major. Its
   rotary positions have *four* axes ``(t, h, w, l)``: image token ``(r, c)`` is ``(0, r, c, 0)``, text token ``l`` is
   ``(0, 0, 0, l)`` (:func:`image_ids`, :func:`text_ids`).
@@ -70,6 +70,7 @@ from lightning_lora.families.base import (
     load_weights,
 )
 from lightning_lora.families.encoders import MISTRAL_SMALL_31, QWEN3_4B_LM, QWEN3_8B_LM
+from lightning_lora.families.facts import Architecture, Compiling, LoraFiles, Planning
 from lightning_lora.formats import kohya
 from lightning_lora.formats.clients import Coverage
 from lightning_lora.formats.flux2 import FLUX2_NETWORK, flux2_coverage, flux2_from_kohya, flux2_to_kohya
@@ -244,46 +245,49 @@ class Flux2(DiffusionFamily):
     """
 
     name: ClassVar[str] = "flux2"
-    denoiser_class: ClassVar[str] = "Flux2Transformer2DModel"
-    pipeline_classes: ClassVar[tuple[str, ...]] = tuple(_PIPELINES.values())
-    denoiser_subfolder: ClassVar[str] = "transformer"
-    latent_divisor: ClassVar[int] = 16
-    # Compiled by inductor, full-width klein 4B blocks at 1024x1024 with 512-token captions kept 0.75 (double-stream)
-    # and 0.72 (single-stream) of what their eager forward saves, 0.73 of the whole model (dev/probes/saved_share.py on
-    # the CPU; FLUX.1's measured 0.86 there against the 0.78 calibrated on the GPU, so this errs high, the safe side).
-    # That was a share of the eager count as the CPU runs it; of the count made as the GPU runs (autocast, the fused
-    # rms_norm) the same compiled bytes are 0.80.
-    compiled_saved_fraction: ClassVar[float] = 0.80
-    known_denoisers: ClassVar[dict[str, dict[str, Any]]] = {
-        **dict.fromkeys(_KLEIN_4B, FLUX2_KLEIN_4B_TRANSFORMER),
-        **dict.fromkeys(_KLEIN_9B, FLUX2_KLEIN_9B_TRANSFORMER),
-        _DEV: FLUX2_DEV_TRANSFORMER,
-    }
-    known_text_encoders: ClassVar[dict[str, dict[str, dict[str, Any]]]] = {
-        **dict.fromkeys(_KLEIN_4B, {"text_encoder": QWEN3_4B_LM}),
-        **dict.fromkeys(_KLEIN_9B, {"text_encoder": QWEN3_8B_LM}),
-        _DEV: {"text_encoder": MISTRAL_SMALL_31},
-    }
-    vae_architecture: ClassVar[dict[str, Any] | None] = FLUX2_VAE
-    text_encoders: ClassVar[tuple[str, ...]] = ("text_encoder",)  # Qwen3 (klein) / Mistral-Small-3.1 (dev)
-    stream_sources: ClassVar[tuple[str, ...]] = ("x_embedder", "context_embedder")
-    lora_formats: ClassVar[tuple[str, ...]] = ("diffusers", "kohya")
-    lora_tools: ClassVar[tuple[str, ...]] = ("diffusers", "ComfyUI")  # sd-scripts has no FLUX.2 network
-    lora_modelspec: ClassVar[dict[str, str]] = {
-        "architecture": "flux-2/lora",
-        "implementation": "https://github.com/black-forest-labs/flux2",
-    }
-    lora_presets: ClassVar[dict[str, str]] = {
-        # The image attention of the double blocks, and the single blocks' two projections (FLUX.2 fuses q, k, v
-        # with the MLP input, and the attention output with the MLP output: there is no attention-only layer there).
-        "attention": rf".*(transformer_blocks\.\d+\.{_ATTENTION}|single_transformer_blocks\.\d+\.{_SINGLE})",
-        # Plus the text stream's attention projections in the double blocks.
-        "attention_all": rf".*(transformer_blocks\.\d+\.({_ATTENTION}|{_TEXT_ATTENTION})"
-        rf"|single_transformer_blocks\.\d+\.{_SINGLE})",
-        # Plus the double blocks' SwiGLU MLPs: every linear layer inside the blocks.
-        "all_linear": rf".*(transformer_blocks\.\d+\.({_ATTENTION}|{_TEXT_ATTENTION}|{_MLP})"
-        rf"|single_transformer_blocks\.\d+\.{_SINGLE})",
-    }
+    architecture: ClassVar[Architecture] = Architecture(
+        pipeline_classes=tuple(_PIPELINES.values()),
+        denoiser_class="Flux2Transformer2DModel",
+        denoiser_subfolder="transformer",
+        text_encoders=("text_encoder",),  # Qwen3 (klein) / Mistral-Small-3.1 (dev)
+        latent_divisor=16,
+        lora_presets={
+            # The image attention of the double blocks, and the single blocks' two projections (FLUX.2 fuses q, k, v
+            # with the MLP input, and the attention output with the MLP output: there is no attention-only layer there).
+            "attention": rf".*(transformer_blocks\.\d+\.{_ATTENTION}|single_transformer_blocks\.\d+\.{_SINGLE})",
+            # Plus the text stream's attention projections in the double blocks.
+            "attention_all": rf".*(transformer_blocks\.\d+\.({_ATTENTION}|{_TEXT_ATTENTION})"
+            rf"|single_transformer_blocks\.\d+\.{_SINGLE})",
+            # Plus the double blocks' SwiGLU MLPs: every linear layer inside the blocks.
+            "all_linear": rf".*(transformer_blocks\.\d+\.({_ATTENTION}|{_TEXT_ATTENTION}|{_MLP})"
+            rf"|single_transformer_blocks\.\d+\.{_SINGLE})",
+        },
+    )
+    compiling: ClassVar[Compiling] = Compiling(stream_sources=("x_embedder", "context_embedder"))
+    planning: ClassVar[Planning] = Planning(
+        known_denoisers={
+            **dict.fromkeys(_KLEIN_4B, FLUX2_KLEIN_4B_TRANSFORMER),
+            **dict.fromkeys(_KLEIN_9B, FLUX2_KLEIN_9B_TRANSFORMER),
+            _DEV: FLUX2_DEV_TRANSFORMER,
+        },
+        known_text_encoders={
+            **dict.fromkeys(_KLEIN_4B, {"text_encoder": QWEN3_4B_LM}),
+            **dict.fromkeys(_KLEIN_9B, {"text_encoder": QWEN3_8B_LM}),
+            _DEV: {"text_encoder": MISTRAL_SMALL_31},
+        },
+        vae_architecture=FLUX2_VAE,
+        # Compiled by inductor, full-width klein 4B blocks at 1024x1024 with 512-token captions kept 0.75
+        # (double-stream) and 0.72 (single-stream) of what their eager forward saves, 0.73 of the whole model
+        # (dev/probes/saved_share.py on the CPU; FLUX.1's measured 0.86 there against the 0.78 calibrated on the GPU, so
+        # this errs high, the safe side). That was a share of the eager count as the CPU runs it; of the count made as
+        # the GPU runs (autocast, the fused rms_norm) the same compiled bytes are 0.80.
+        compiled_saved_fraction=0.80,
+    )
+    lora_files: ClassVar[LoraFiles] = LoraFiles(
+        formats=("diffusers", "kohya"),
+        tools=("diffusers", "ComfyUI"),  # sd-scripts has no FLUX.2 network
+        modelspec={"architecture": "flux-2/lora", "implementation": "https://github.com/black-forest-labs/flux2"},
+    )
 
     def __init__(
         self,
@@ -330,7 +334,7 @@ class Flux2(DiffusionFamily):
             raise ConfigError(
                 f"{e} FLUX.2 {other} is model.family.init_args.variant: {other} (it is {self.variant})."
             ) from None
-        known = self.known_denoisers.get(source.pretrained)
+        known = self.planning.known_denoisers.get(source.pretrained)
         if not source.is_local and known is not None and known["guidance_embeds"] != (self.variant == "dev"):
             raise ConfigError(
                 f"model.family.init_args.variant: {source.pretrained} is FLUX.2 {other}, not {self.variant}; "
@@ -357,7 +361,7 @@ class Flux2(DiffusionFamily):
                 model = Flux2Transformer2DModel.from_single_file(
                     weights,
                     config=source.local_path,
-                    subfolder=self.denoiser_subfolder,
+                    subfolder=self.architecture.denoiser_subfolder,
                     torch_dtype=source.dtype,
                     local_files_only=source.is_local,
                 )

@@ -76,6 +76,7 @@ from lightning_lora.families.base import (
     load_weights,
 )
 from lightning_lora.families.encoders import QWEN25_VL_7B
+from lightning_lora.families.facts import Architecture, Compiling, LoraFiles, Planning
 from lightning_lora.families.flux import pack_latents, unpack_latents
 from lightning_lora.formats import kohya
 from lightning_lora.formats.clients import Coverage, qwenimage_coverage
@@ -176,37 +177,39 @@ class QwenImage(DiffusionFamily):
     """
 
     name: ClassVar[str] = "qwenimage"
-    denoiser_class: ClassVar[str] = "QwenImageTransformer2DModel"
-    pipeline_classes: ClassVar[tuple[str, ...]] = ("QwenImagePipeline",)
-    denoiser_subfolder: ClassVar[str] = "transformer"
-    latent_divisor: ClassVar[int] = 16
-    # Not measured for Qwen-Image: FLUX's 0.78 of the eager count as it was first made, rebased to the count made
-    # as the GPU runs, under autocast (21% larger), so the compiled plan stays as measured (+4.8%, on an H200).
-    compiled_saved_fraction: ClassVar[float] = 0.64
-    known_denoisers: ClassVar[dict[str, dict[str, Any]]] = {"Qwen/Qwen-Image": QWEN_IMAGE_TRANSFORMER}
-    known_text_encoders: ClassVar[dict[str, dict[str, dict[str, Any]]]] = {
-        "Qwen/Qwen-Image": {"text_encoder": QWEN25_VL_7B}
-    }
-    vae_architecture: ClassVar[dict[str, Any] | None] = QWEN_IMAGE_VAE
-    text_encoders: ClassVar[tuple[str, ...]] = ("text_encoder",)  # Qwen2.5-VL-7B
-    stream_sources: ClassVar[tuple[str, ...]] = ("img_in", "txt_in")
-    lora_formats: ClassVar[tuple[str, ...]] = ("diffusers", "kohya")
-    lora_tools: ClassVar[tuple[str, ...]] = ("diffusers", "ComfyUI")  # sd-scripts has no network for it
-    lora_modelspec: ClassVar[dict[str, str]] = {  # as musubi-tuner writes them (utils/sai_model_spec.py)
-        "architecture": "Qwen-Image/lora",
-        "implementation": "https://github.com/QwenLM/Qwen-Image",
-    }
-    # Only layers that reach the image in every block. The last block's text output is discarded (the transformer's
-    # output is its image tokens), so a LoRA on its text query (add_q_proj), text output (to_add_out) or text MLP
-    # would never train; a targets pattern of your own can add those layers (they train in the other blocks).
-    lora_presets: ClassVar[dict[str, str]] = {
-        # The image stream's attention: the default targets of diffusers' Qwen-Image LoRA script.
-        "attention": rf".*transformer_blocks\.\d+\.{_ATTENTION}",
-        # Plus the text keys and values the image attends to in the joint attention.
-        "attention_all": rf".*transformer_blocks\.\d+\.({_ATTENTION}|{_TEXT_KV})",
-        # Plus the image stream's MLP (the modulation layers img_mod / txt_mod stay frozen, as in musubi-tuner).
-        "all_linear": rf".*transformer_blocks\.\d+\.({_ATTENTION}|{_TEXT_KV}|{_IMAGE_MLP})",
-    }
+    architecture: ClassVar[Architecture] = Architecture(
+        pipeline_classes=("QwenImagePipeline",),
+        denoiser_class="QwenImageTransformer2DModel",
+        denoiser_subfolder="transformer",
+        text_encoders=("text_encoder",),  # Qwen2.5-VL-7B
+        latent_divisor=16,
+        # Only layers that reach the image in every block. The last block's text output is discarded (the transformer's
+        # output is its image tokens), so a LoRA on its text query (add_q_proj), text output (to_add_out) or text MLP
+        # would never train; a targets pattern of your own can add those layers (they train in the other blocks).
+        lora_presets={
+            # The image stream's attention: the default targets of diffusers' Qwen-Image LoRA script.
+            "attention": rf".*transformer_blocks\.\d+\.{_ATTENTION}",
+            # Plus the text keys and values the image attends to in the joint attention.
+            "attention_all": rf".*transformer_blocks\.\d+\.({_ATTENTION}|{_TEXT_KV})",
+            # Plus the image stream's MLP (the modulation layers img_mod / txt_mod stay frozen, as in musubi-tuner).
+            "all_linear": rf".*transformer_blocks\.\d+\.({_ATTENTION}|{_TEXT_KV}|{_IMAGE_MLP})",
+        },
+    )
+    compiling: ClassVar[Compiling] = Compiling(stream_sources=("img_in", "txt_in"))
+    planning: ClassVar[Planning] = Planning(
+        known_denoisers={"Qwen/Qwen-Image": QWEN_IMAGE_TRANSFORMER},
+        known_text_encoders={"Qwen/Qwen-Image": {"text_encoder": QWEN25_VL_7B}},
+        vae_architecture=QWEN_IMAGE_VAE,
+        # Not measured for Qwen-Image: FLUX's 0.78 of the eager count as it was first made, rebased to the count made
+        # as the GPU runs, under autocast (21% larger), so the compiled plan stays as measured (+4.8%, on an H200).
+        compiled_saved_fraction=0.64,
+    )
+    lora_files: ClassVar[LoraFiles] = LoraFiles(
+        formats=("diffusers", "kohya"),
+        tools=("diffusers", "ComfyUI"),  # sd-scripts has no network for it
+        # as musubi-tuner writes them (utils/sai_model_spec.py)
+        modelspec={"architecture": "Qwen-Image/lora", "implementation": "https://github.com/QwenLM/Qwen-Image"},
+    )
 
     def __init__(
         self,
@@ -246,7 +249,7 @@ class QwenImage(DiffusionFamily):
         model = QwenImageTransformer2DModel.from_single_file(
             weights,
             config=source.local_path,
-            subfolder=self.denoiser_subfolder,
+            subfolder=self.architecture.denoiser_subfolder,
             torch_dtype=source.dtype,
             local_files_only=source.is_local,
         )

@@ -12,6 +12,7 @@ Classifier-free guidance at sampling time uses the embedding of the empty prompt
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -20,6 +21,7 @@ from typing_extensions import override
 
 from lightning_lora.families.base import DiffusersModel, ModelSource, load_component, load_weights
 from lightning_lora.families.encoders import CLIP_L
+from lightning_lora.families.facts import Architecture, Compiling, LoraFiles, Planning
 from lightning_lora.families.sdxl import SDXL_VAE
 from lightning_lora.families.unet import UNetFamily
 from lightning_lora.formats import kohya, kohya_read
@@ -41,6 +43,8 @@ SD15_UNET: dict[str, Any] = {
 }
 """Stable Diffusion 1.5's ``unet/config.json`` (the fields that decide shapes; 860 M parameters)."""
 
+_HUB_IDS = ("stable-diffusion-v1-5/stable-diffusion-v1-5", "runwayml/stable-diffusion-v1-5")
+
 SD15_VAE: dict[str, Any] = {**SDXL_VAE, "sample_size": 512, "scaling_factor": 0.18215}
 """Stable Diffusion 1.5's ``vae/config.json``: SDXL's VAE architecture (SDXL's VAE is a retrained SD VAE)."""
 
@@ -53,28 +57,32 @@ class SD15(UNetFamily):
     """
 
     name: ClassVar[str] = "sd15"
-    pipeline_classes: ClassVar[tuple[str, ...]] = ("StableDiffusionPipeline",)
-    text_encoders: ClassVar[tuple[str, ...]] = ("text_encoder",)  # CLIP-L (OpenCLIP-H for SD2)
-    # kohya: diffusers' module names with "_", as sd-scripts trains SD1.x.
-    lora_formats: ClassVar[tuple[str, ...]] = ("diffusers", "kohya")
-    lora_modelspec: ClassVar[dict[str, str]] = {
-        "architecture": "stable-diffusion-v1/lora",
-        "implementation": "diffusers",  # what sd-scripts writes for an SD1.x LoRA (library/sai_model_spec.py)
-    }
-    known_denoisers: ClassVar[dict[str, dict[str, Any]]] = {
-        "stable-diffusion-v1-5/stable-diffusion-v1-5": SD15_UNET,
-        "runwayml/stable-diffusion-v1-5": SD15_UNET,
-    }
-    known_text_encoders: ClassVar[dict[str, dict[str, dict[str, Any]]]] = dict.fromkeys(
-        ("stable-diffusion-v1-5/stable-diffusion-v1-5", "runwayml/stable-diffusion-v1-5"),
-        {"text_encoder": CLIP_L},
+    architecture: ClassVar[Architecture] = replace(
+        UNetFamily.architecture,
+        pipeline_classes=("StableDiffusionPipeline",),
+        text_encoders=("text_encoder",),  # CLIP-L (OpenCLIP-H for SD2)
     )
-    vae_architecture: ClassVar[dict[str, Any] | None] = SD15_VAE
     # The first transformer block's input: the first level's first attention.
-    stream_sources: ClassVar[tuple[str, ...]] = ("down_blocks.0.attentions.0.proj_in",)
-    # The whole forward's share of the eager count with the transformer blocks compiled and the ResNets eager (the
-    # UNets' compiled regions): calibrated on an H100's 3.72 / 9.73 GiB at batch 2 / 8 (planned 3.86 / 9.36).
-    compiled_saved_fraction: ClassVar[float] = 0.70
+    compiling: ClassVar[Compiling] = replace(
+        UNetFamily.compiling, stream_sources=("down_blocks.0.attentions.0.proj_in",)
+    )
+    planning: ClassVar[Planning] = replace(
+        UNetFamily.planning,
+        known_denoisers=dict.fromkeys(_HUB_IDS, SD15_UNET),
+        known_text_encoders=dict.fromkeys(_HUB_IDS, {"text_encoder": CLIP_L}),
+        vae_architecture=SD15_VAE,
+        # The whole forward's share of the eager count with the transformer blocks compiled and the ResNets eager (the
+        # UNets' compiled regions): calibrated on an H100's 3.72 / 9.73 GiB at batch 2 / 8 (planned 3.86 / 9.36).
+        compiled_saved_fraction=0.70,
+    )
+    # kohya: diffusers' module names with "_", as sd-scripts trains SD1.x.
+    lora_files: ClassVar[LoraFiles] = LoraFiles(
+        formats=("diffusers", "kohya"),
+        modelspec={
+            "architecture": "stable-diffusion-v1/lora",
+            "implementation": "diffusers",  # what sd-scripts writes for an SD1.x LoRA (library/sai_model_spec.py)
+        },
+    )
 
     # -- loading -----------------------------------------------------------------------------------------------
     def load_text_encoders(self, source: ModelSource) -> Any:

@@ -22,6 +22,7 @@ The objective and LoRA presets are in :mod:`lightning_lora.families.unet`.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -30,6 +31,7 @@ from typing_extensions import override
 
 from lightning_lora.families.base import DiffusersModel, ModelSource, load_component, load_weights
 from lightning_lora.families.encoders import CLIP_L, OPENCLIP_BIGG
+from lightning_lora.families.facts import Architecture, Compiling, LoraFiles, Planning
 from lightning_lora.families.flux import FLUX1_VAE
 from lightning_lora.families.unet import UNetFamily
 from lightning_lora.formats import kohya, kohya_read
@@ -93,25 +95,32 @@ class SDXL(UNetFamily):
     """
 
     name: ClassVar[str] = "sdxl"
-    pipeline_classes: ClassVar[tuple[str, ...]] = ("StableDiffusionXLPipeline",)
-    text_encoders: ClassVar[tuple[str, ...]] = ("text_encoder", "text_encoder_2")  # CLIP-L, OpenCLIP-G
-    # kohya: the original SGM UNet's module names, as sd-scripts trains SDXL.
-    lora_formats: ClassVar[tuple[str, ...]] = ("diffusers", "kohya")
-    lora_modelspec: ClassVar[dict[str, str]] = {
-        "architecture": "stable-diffusion-xl-v1-base/lora",
-        # what sd-scripts writes for an SDXL LoRA (library/sai_model_spec.py)
-        "implementation": "https://github.com/Stability-AI/generative-models",
-    }
-    known_denoisers: ClassVar[dict[str, dict[str, Any]]] = {"stabilityai/stable-diffusion-xl-base-1.0": SDXL_BASE_UNET}
-    known_text_encoders: ClassVar[dict[str, dict[str, dict[str, Any]]]] = {
-        "stabilityai/stable-diffusion-xl-base-1.0": {
-            "text_encoder": CLIP_L,
-            "text_encoder_2": OPENCLIP_BIGG,
-        }
-    }
-    vae_architecture: ClassVar[dict[str, Any] | None] = SDXL_VAE
+    architecture: ClassVar[Architecture] = replace(
+        UNetFamily.architecture,
+        pipeline_classes=("StableDiffusionXLPipeline",),
+        text_encoders=("text_encoder", "text_encoder_2"),  # CLIP-L, OpenCLIP-G
+    )
     # The first transformer block's input: SDXL's first level has ResNets alone, its second the first attention.
-    stream_sources: ClassVar[tuple[str, ...]] = ("down_blocks.1.attentions.0.proj_in",)
+    compiling: ClassVar[Compiling] = replace(
+        UNetFamily.compiling, stream_sources=("down_blocks.1.attentions.0.proj_in",)
+    )
+    planning: ClassVar[Planning] = replace(
+        UNetFamily.planning,
+        known_denoisers={"stabilityai/stable-diffusion-xl-base-1.0": SDXL_BASE_UNET},
+        known_text_encoders={
+            "stabilityai/stable-diffusion-xl-base-1.0": {"text_encoder": CLIP_L, "text_encoder_2": OPENCLIP_BIGG}
+        },
+        vae_architecture=SDXL_VAE,
+    )
+    # kohya: the original SGM UNet's module names, as sd-scripts trains SDXL.
+    lora_files: ClassVar[LoraFiles] = LoraFiles(
+        formats=("diffusers", "kohya"),
+        modelspec={
+            "architecture": "stable-diffusion-xl-v1-base/lora",
+            # what sd-scripts writes for an SDXL LoRA (library/sai_model_spec.py)
+            "implementation": "https://github.com/Stability-AI/generative-models",
+        },
+    )
 
     # -- loading -----------------------------------------------------------------------------------------------
     def load_text_encoders(self, source: ModelSource) -> Any:

@@ -48,6 +48,7 @@ from lightning_lora.families.base import (
     compute_dtype,
     load_component,
 )
+from lightning_lora.families.facts import Architecture, Compiling, Planning
 from lightning_lora.formats.clients import Coverage, unet_coverage
 from lightning_lora.objectives import PredictionType
 
@@ -99,30 +100,38 @@ class UNetFamily(DiffusionFamily):
             for anime SD1.5 models). Changes the cached embeddings; pass the same ``clip_skip`` at inference.
     """
 
-    denoiser_subfolder: ClassVar[str] = "unet"
-    denoiser_class: ClassVar[str] = "UNet2DConditionModel"
-    # ``model.compile_blocks`` compiles the transformer blocks alone (``compiled_regions`` stays the base's empty
-    # tuple): compiled, the ResNets add 12-14 graphs to the blocks' 3, each traced again at every start, and they did
-    # not make the step faster where it was measured. On an H100, transformer blocks alone
-    # against ResNets compiled too: SD1.5 (sd15_8gb, 512²) 0.118 against 0.129 s a step, first step 28.6 against 91.5 s
-    # cold; SDXL (sdxl_24gb, 1024²) 0.209 against 0.210-0.218 s, first step 15.8 against 61.5 s cold, a second start
-    # 20.0 against 24.5 s to the first step (eager: 16.8). The ResNets compiled kept less memory: 0.4 GiB (SD1.5) and
-    # 0.7 GiB (SDXL, 9.65 against 10.34) less. Both steps were the host's; on a smaller GPU, where the GPU is the
-    # limit, fusing the ResNets' norms saves an estimated 1-2% of an SDXL step (their elementwise traffic).
-    # ``tools/bench.py --compile-regions ResnetBlock2D`` measures them compiled (BENCHMARKS.md, "What each option
-    # measured").
-    checkpoints_only_repeated_blocks: ClassVar[bool] = False  # diffusers also checkpoints the ResNets
-    latent_divisor: ClassVar[int] = 8
+    # ``model.compile_blocks`` compiles the transformer blocks alone (``compiling.regions`` stays empty): compiled,
+    # the ResNets add 12-14 graphs to the blocks' 3, each traced again at every start, and they did not make the step
+    # faster where it was measured. On an H100, transformer blocks alone against ResNets compiled too: SD1.5
+    # (sd15_8gb, 512²) 0.118 against 0.129 s a step, first step 28.6 against 91.5 s cold; SDXL (sdxl_24gb, 1024²) 0.209
+    # against 0.210-0.218 s, first step 15.8 against 61.5 s cold, a second start 20.0 against 24.5 s to the first step
+    # (eager: 16.8). The ResNets compiled kept less memory: 0.4 GiB (SD1.5) and 0.7 GiB (SDXL, 9.65 against 10.34)
+    # less. Both steps were the host's; on a smaller GPU, where the GPU is the limit, fusing the ResNets' norms saves an
+    # estimated 1-2% of an SDXL step (their elementwise traffic). ``tools/bench.py --compile-regions ResnetBlock2D``
+    # measures them compiled (BENCHMARKS.md, "What each option measured"). diffusers' checkpointing of a UNet also
+    # recomputes its ResNets, which are no repeated blocks. Each UNet family adds its ``stream_sources``.
+    compiling: ClassVar[Compiling] = Compiling(checkpoints_only_repeated_blocks=False)
+    architecture: ClassVar[Architecture] = Architecture(
+        pipeline_classes=(),  # each UNet family names its pipeline and text encoders
+        denoiser_class="UNet2DConditionModel",
+        denoiser_subfolder="unet",
+        text_encoders=(),
+        latent_divisor=8,
+        lora_presets={
+            "attention": rf".*attentions\.\d+\.transformer_blocks\.\d+\.{_ATTENTION}",
+            "attention_ff": rf".*{_TRANSFORMER}",
+            "locon": rf".*({_TRANSFORMER}|{_CONV})",
+        },
+    )
     # The whole forward's share of the eager count with the transformer blocks compiled and the ResNets eager, for SDXL:
-    # sdxl_24gb (rank 32, 1024², batch 1) planned 10.31 GiB against 10.34 measured (an H100). SD1.5 has its own.
-    compiled_saved_fraction: ClassVar[float] = 0.60
+    # sdxl_24gb (rank 32, 1024², batch 1) planned 10.31 GiB against 10.34 measured (an H100). SD1.5 has its own. Each
+    # UNet family adds its known models and VAE.
+    planning: ClassVar[Planning] = Planning(
+        sampling_batch=2,  # classifier-free guidance: the prompt and the negative in one batch
+        compiled_saved_fraction=0.60,
+    )
     vae_scale_factor: ClassVar[int] = 8
-    sampling_batch: ClassVar[int] = 2  # classifier-free guidance: the prompt and the negative in one batch
-    lora_presets: ClassVar[dict[str, str]] = {
-        "attention": rf".*attentions\.\d+\.transformer_blocks\.\d+\.{_ATTENTION}",
-        "attention_ff": rf".*{_TRANSFORMER}",
-        "locon": rf".*({_TRANSFORMER}|{_CONV})",
-    }
+    """The VAE's downscale: latents are ``[B, 4, H/8, W/8]``."""
 
     def __init__(
         self,

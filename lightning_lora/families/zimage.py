@@ -64,6 +64,7 @@ from lightning_lora.families.base import (
     load_weights,
 )
 from lightning_lora.families.encoders import QWEN3_4B
+from lightning_lora.families.facts import Architecture, Compiling, LoraFiles, Planning
 from lightning_lora.families.flux import FLUX1_VAE
 from lightning_lora.formats.clients import Coverage
 from lightning_lora.formats.zimage import zimage_coverage
@@ -74,6 +75,8 @@ __all__ = ["ZIMAGE_TRANSFORMER", "ZImage", "caption_features"]
 _BLOCK = r"(layers|noise_refiner|context_refiner)\.\d+"
 _ATTENTION = r"attention\.(to_q|to_k|to_v|to_out\.0)"
 _FEED_FORWARD = r"feed_forward\.(w1|w2|w3)"
+
+_HUB_IDS = ("Tongyi-MAI/Z-Image-Turbo", "Tongyi-MAI/Z-Image")
 
 ZIMAGE_TRANSFORMER: dict[str, Any] = {
     "_class_name": "ZImageTransformer2DModel",
@@ -122,40 +125,38 @@ class ZImage(DiffusionFamily):
     """
 
     name: ClassVar[str] = "zimage"
-    denoiser_class: ClassVar[str] = "ZImageTransformer2DModel"
-    pipeline_classes: ClassVar[tuple[str, ...]] = ("ZImagePipeline",)
-    denoiser_subfolder: ClassVar[str] = "transformer"
-    latent_divisor: ClassVar[int] = 16
-    known_denoisers: ClassVar[dict[str, dict[str, Any]]] = {
-        "Tongyi-MAI/Z-Image-Turbo": ZIMAGE_TRANSFORMER,
-        "Tongyi-MAI/Z-Image": ZIMAGE_TRANSFORMER,
-    }
-    known_text_encoders: ClassVar[dict[str, dict[str, dict[str, Any]]]] = dict.fromkeys(
-        ("Tongyi-MAI/Z-Image-Turbo", "Tongyi-MAI/Z-Image"), {"text_encoder": QWEN3_4B}
+    architecture: ClassVar[Architecture] = Architecture(
+        pipeline_classes=("ZImagePipeline",),
+        denoiser_class="ZImageTransformer2DModel",
+        denoiser_subfolder="transformer",
+        text_encoders=("text_encoder",),  # Qwen3-4B
+        latent_divisor=16,
+        lora_presets={
+            # q, k, v and the output projection of every block (refiners and main blocks).
+            "attention": rf".*{_BLOCK}\.{_ATTENTION}",
+            # Plus each block's SwiGLU feed-forward (w1, w3 in, w2 out): every linear layer that mixes tokens' features.
+            "attention_ff": rf".*{_BLOCK}\.({_ATTENTION}|{_FEED_FORWARD})",
+            # Plus each block's timestep modulation (adaLN_modulation.0; the context refiners have none).
+            "all_linear": rf".*{_BLOCK}\.({_ATTENTION}|{_FEED_FORWARD}|adaLN_modulation\.0)",
+        },
     )
-    text_encoders: ClassVar[tuple[str, ...]] = ("text_encoder",)  # Qwen3-4B
-    stream_sources: ClassVar[tuple[str, ...]] = ("all_x_embedder", "cap_embedder")
-    vae_architecture: ClassVar[dict[str, Any] | None] = FLUX1_VAE  # Z-Image decodes with FLUX.1's VAE
-    # Its six RMSNorms per block (four full-width "sandwich" norms, q and k) each keep a float32 copy of their input in
-    # the eager forward, 37% of what a block saves; compiled, those fuse away. A full-width block (3840, 4608 tokens)
-    # compiled by inductor on the CPU kept 15.5 of the 31.1 units of one activation the eager forward keeps.
-    compiled_saved_fraction: ClassVar[float] = 0.5
+    compiling: ClassVar[Compiling] = Compiling(stream_sources=("all_x_embedder", "cap_embedder"))
+    planning: ClassVar[Planning] = Planning(
+        known_denoisers=dict.fromkeys(_HUB_IDS, ZIMAGE_TRANSFORMER),
+        known_text_encoders=dict.fromkeys(_HUB_IDS, {"text_encoder": QWEN3_4B}),
+        vae_architecture=FLUX1_VAE,  # Z-Image decodes with FLUX.1's VAE
+        # Its six RMSNorms per block (four full-width "sandwich" norms, q and k) each keep a float32 copy of their input
+        # in the eager forward, 37% of what a block saves; compiled, those fuse away. A full-width block (3840, 4608
+        # tokens) compiled by inductor on the CPU kept 15.5 of the 31.1 units of one activation the eager forward keeps.
+        compiled_saved_fraction=0.5,
+    )
     # Only diffusers: ComfyUI maps the diffusers names itself (see the module docstring).
-    lora_formats: ClassVar[tuple[str, ...]] = ("diffusers",)
-    lora_tools: ClassVar[tuple[str, ...]] = ("diffusers", "ComfyUI")  # sd-scripts has no network for it
-    # The IDs kohya-ss/musubi-tuner writes for Z-Image LoRAs (src/musubi_tuner/utils/sai_model_spec.py).
-    lora_modelspec: ClassVar[dict[str, str]] = {
-        "architecture": "Z-Image/lora",
-        "implementation": "https://github.com/Tongyi-MAI/Z-Image",
-    }
-    lora_presets: ClassVar[dict[str, str]] = {
-        # q, k, v and the output projection of every block (refiners and main blocks).
-        "attention": rf".*{_BLOCK}\.{_ATTENTION}",
-        # Plus each block's SwiGLU feed-forward (w1, w3 in, w2 out): every linear layer that mixes tokens' features.
-        "attention_ff": rf".*{_BLOCK}\.({_ATTENTION}|{_FEED_FORWARD})",
-        # Plus each block's timestep modulation (adaLN_modulation.0; the context refiners have none).
-        "all_linear": rf".*{_BLOCK}\.({_ATTENTION}|{_FEED_FORWARD}|adaLN_modulation\.0)",
-    }
+    lora_files: ClassVar[LoraFiles] = LoraFiles(
+        formats=("diffusers",),
+        tools=("diffusers", "ComfyUI"),  # sd-scripts has no network for it
+        # The IDs kohya-ss/musubi-tuner writes for Z-Image LoRAs (src/musubi_tuner/utils/sai_model_spec.py).
+        modelspec={"architecture": "Z-Image/lora", "implementation": "https://github.com/Tongyi-MAI/Z-Image"},
+    )
 
     def __init__(
         self,

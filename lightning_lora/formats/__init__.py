@@ -37,9 +37,9 @@ The modules
 
 Which family writes which format
 --------------------------------
-A family declares the LoRA formats it can write (:attr:`~lightning_lora.families.base.DiffusionFamily.lora_formats`)
-and provides the kohya conversion itself (:meth:`~lightning_lora.families.base.DiffusionFamily.kohya_lora`), so a new
-family is one module and needs nothing here unless it brings a new layout:
+A family declares the LoRA formats it can write (``lora_files.formats``) and provides the kohya conversion itself
+(:meth:`~lightning_lora.families.base.DiffusionFamily.kohya_lora`), so a new family is one module and needs nothing
+here unless it brings a new layout:
 
 =========  ============================================  ======================================================
 family     diffusers                                     kohya

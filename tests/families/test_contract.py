@@ -7,9 +7,10 @@ puts it in :data:`~lightning_lora.families.base.FAMILIES`) and giving it a tiny 
 family object for what differs between families, never the family's name:
 
 * the class path that chooses it in a config (its module and class name);
-* the image side (32 pixels, rounded up to a multiple of its ``latent_divisor``);
-* the LoRA targets: every layer of every one of its presets (``lora_presets``), the convolutions of a LoCon preset too;
-* the LoRA file formats it writes (``lora_formats``);
+* the image side (32 pixels, rounded up to a multiple of its ``architecture.latent_divisor``);
+* the LoRA targets: every layer of every one of its presets (``architecture.lora_presets``), the convolutions of a LoCon
+  preset too;
+* the LoRA file formats it writes (``lora_files.formats``);
 * the denoiser's inputs (``example_inputs``, the planner's) and its pipeline (``model_index.json``'s class, loaded by
   ``DiffusionPipeline.from_pretrained``).
 
@@ -60,12 +61,12 @@ PROMPT = "a photo of sks cat"
 
 def resolution(family: DiffusionFamily) -> int:
     """The image side of the contract's runs: 32 pixels, rounded up to what the family's latents need."""
-    return math.ceil(32 / family.latent_divisor) * family.latent_divisor
+    return math.ceil(32 / family.architecture.latent_divisor) * family.architecture.latent_divisor
 
 
 def every_preset(family: DiffusionFamily) -> str:
     """LoRA targets: the layers of all the family's presets (one regular expression)."""
-    return "|".join(f"(?:{pattern})" for pattern in family.lora_presets.values())
+    return "|".join(f"(?:{pattern})" for pattern in family.architecture.lora_presets.values())
 
 
 @dataclass
@@ -117,7 +118,10 @@ def runs(
     case: str, family: DiffusionFamily, model_dir: Path, photos_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Runs:
     root = tmp_path_factory.mktemp(f"contract-{case}")
-    export = {"class_path": "lightning_lora.callbacks.LoraExport", "init_args": {"formats": list(family.lora_formats)}}
+    export = {
+        "class_path": "lightning_lora.callbacks.LoraExport",
+        "init_args": {"formats": list(family.lora_files.formats)},
+    }
     options = {
         "model.family": {"class_path": family_class_path(family), "init_args": CASES[case][1]},
         "model.lora.targets": every_preset(family),
@@ -153,7 +157,9 @@ def test_training_loss_is_finite_and_reaches_every_lora_tensor(family: Diffusion
     source = ModelSource(str(model_dir), dtype=torch.float32)
     side = resolution(family)
     g = torch.Generator().manual_seed(0)
-    pixels = torch.rand(2, 3, side, side + family.latent_divisor, generator=g) * 2 - 1  # not square: no transposes
+    pixels = (
+        torch.rand(2, 3, side, side + family.architecture.latent_divisor, generator=g) * 2 - 1
+    )  # not square: no transposes
     latents = family.encode_images(family.load_vae(source), pixels)
     batch = {"latents": latents, **family.encode_prompts(family.load_text_encoders(source), [PROMPT, ""])}
     model = lora_model(family, model_dir, every_preset(family), train=True)
@@ -171,10 +177,10 @@ def test_training_loss_is_finite_and_reaches_every_lora_tensor(family: Diffusion
 def test_checkpointing_recomputes_the_repeated_blocks_as_the_family_says(
     family: DiffusionFamily, model_dir: Path
 ) -> None:
-    """``checkpoints_only_repeated_blocks``: compiled blocks are checkpointed inside each repeated block rather than by
-    diffusers (``assembly.apply_gradient_checkpointing``), the same checkpointing only where diffusers recomputes the
-    repeated blocks that run and nothing else. Recorded: the modules diffusers hands its checkpointing function, and
-    the repeated blocks that ran (a family's optional blocks, Z-Image's SigLIP refiner, may not run)."""
+    """``compiling.checkpoints_only_repeated_blocks``: compiled blocks are checkpointed inside each repeated block
+    rather than by diffusers (``assembly.apply_gradient_checkpointing``), the same checkpointing only where diffusers
+    recomputes the repeated blocks that run and nothing else. Recorded: the modules diffusers hands its checkpointing
+    function, and the repeated blocks that ran (a family's optional blocks, Z-Image's SigLIP refiner, may not run)."""
     from lightning_lora.model.offload import repeated_blocks
 
     model = family.load_denoiser(ModelSource(str(model_dir), dtype=torch.float32)).train()
@@ -190,7 +196,7 @@ def test_checkpointing_recomputes_the_repeated_blocks_as_the_family_says(
         block.register_forward_pre_hook(lambda module, args: ran.append(id(module)))
     model(**random_inputs(family, model, 1))
     assert handed and ran
-    assert (sorted(handed) == sorted(ran)) is family.checkpoints_only_repeated_blocks
+    assert (sorted(handed) == sorted(ran)) is family.compiling.checkpoints_only_repeated_blocks
 
 
 def test_fit_lowers_the_fixed_eval_loss(runs: Runs) -> None:
@@ -213,7 +219,7 @@ def test_exported_files_load_into_a_fresh_pipeline(runs: Runs, monkeypatch: pyte
     family, trained = runs.family, runs.cli_a.model.denoiser.eval()
     export = next(cb for cb in runs.cli_a.trainer.callbacks if isinstance(cb, LoraExport))
     files = export.paths(runs.cli_a.trainer, export.name)
-    assert sorted(files) == sorted(family.lora_formats) and all(f.is_file() for f in files.values())
+    assert sorted(files) == sorted(family.lora_files.formats) and all(f.is_file() for f in files.values())
     inputs = random_inputs(family, trained, 1)
     expected = denoiser_output(trained, inputs)
     side = resolution(family)
@@ -225,14 +231,14 @@ def test_exported_files_load_into_a_fresh_pipeline(runs: Runs, monkeypatch: pyte
         return pipe
 
     base = fresh()
-    base_output = denoiser_output(getattr(base, family.denoiser_subfolder), inputs)
+    base_output = denoiser_output(getattr(base, family.architecture.denoiser_subfolder), inputs)
     base_image = base(generator=torch.Generator().manual_seed(0), **draw).images
     assert (expected - base_output).abs().max() > 1e-3, "the trained LoRA does not change the output"
     diffusers_kohya_reads_flux_widths(monkeypatch)  # the tiny FLUX is narrower than FLUX.1 (no effect on the others)
     for fmt, path in files.items():
         pipe = fresh()
         pipe.load_lora_weights(path)  # as a user does: no .eval() (the run trained with lora dropout 0.1)
-        loaded = denoiser_output(getattr(pipe, family.denoiser_subfolder), inputs)
+        loaded = denoiser_output(getattr(pipe, family.architecture.denoiser_subfolder), inputs)
         torch.testing.assert_close(loaded, expected, atol=1e-5, rtol=1e-4, msg=lambda m, f=fmt: f"{f} file: {m}")
         image = pipe(generator=torch.Generator().manual_seed(0), **draw).images
         assert not torch.allclose(base_image, image, atol=1e-4), f"{fmt}: the LoRA did not change the image"

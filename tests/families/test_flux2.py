@@ -192,7 +192,9 @@ def test_text_encoder_in_fp8_and_nf4_for_caching(tiny_flux2_dir: Path, tmp_path:
         cache = LatentCache(tmp_path, family, source, text_encoder_quantization=mode)
         assert cache.text_key(PROMPT) != plain.text_key(PROMPT)
         encoders = family.load_text_encoders(source)
-        swapped = quantize_text_encoders(encoders, family.text_encoders, mode, torch.device("cpu"), torch.float32)
+        swapped = quantize_text_encoders(
+            encoders, family.architecture.text_encoders, mode, torch.device("cpu"), torch.float32
+        )
         linears = [m for m in encoders.text_encoder.modules() if isinstance(m, kind)]
         assert swapped == len(linears) >= 7 * encoders.text_encoder.config.num_hidden_layers
         cache.encode_texts([PROMPT], torch.device("cpu"))
@@ -219,7 +221,7 @@ def test_lora_presets(pipe: Flux2KleinPipeline) -> None:
     names = _linear_names(pipe.transformer)
 
     def matches(preset: str) -> set[str]:
-        return {n for n in names if re.fullmatch(Flux2.lora_presets[preset], n)}
+        return {n for n in names if re.fullmatch(Flux2.architecture.lora_presets[preset], n)}
 
     double = [f"transformer_blocks.{i}" for i in range(2)]
     single = {f"single_transformer_blocks.{i}.attn.{p}" for i in range(2) for p in ("to_qkv_mlp_proj", "to_out")}
@@ -597,7 +599,9 @@ def test_dev_text_encoder_in_fp8_and_nf4_for_caching(tiny_flux2_dev_dir: Path, t
         cache = LatentCache(tmp_path, family, source, text_encoder_quantization=mode)
         assert cache.text_key(PROMPT) != plain.text_key(PROMPT)
         encoders = family.load_text_encoders(source)
-        swapped = quantize_text_encoders(encoders, family.text_encoders, mode, torch.device("cpu"), torch.float32)
+        swapped = quantize_text_encoders(
+            encoders, family.architecture.text_encoders, mode, torch.device("cpu"), torch.float32
+        )
         language_model = encoders.text_encoder.model.language_model
         assert sum(isinstance(m, kind) for m in language_model.modules()) == layers and swapped >= layers
         cache.encode_texts([PROMPT], torch.device("cpu"))
@@ -676,7 +680,7 @@ def test_the_hub_model_plans_with_nothing_downloaded_like_its_local_configs(tmp_
     (folder / "transformer").mkdir(parents=True)
     (folder / "text_encoder").mkdir()
     (folder / "model_index.json").write_text(json.dumps({"_class_name": "Flux2KleinPipeline"}))
-    (folder / "transformer" / "config.json").write_text(json.dumps(Flux2.known_denoisers[HUB_ID]))
+    (folder / "transformer" / "config.json").write_text(json.dumps(Flux2.planning.known_denoisers[HUB_ID]))
     encoder = {"architectures": [QWEN3_4B_LM["_class"]], **{k: v for k, v in QWEN3_4B_LM.items() if k != "_class"}}
     (folder / "text_encoder" / "config.json").write_text(json.dumps(encoder))
     data = SimpleNamespace(resolution=512, batch_size=1)

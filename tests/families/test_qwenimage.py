@@ -168,7 +168,7 @@ def test_the_text_encoder_in_fp8_or_nf4_for_caching(source: ModelSource, tmp_pat
     family, source = QwenImage(max_sequence_length=MAX_LEN), ModelSource(source.pretrained, dtype=dtype)
     plain = family.encode_prompts(family.load_text_encoders(source), PROMPTS)
     encoders = family.load_text_encoders(source)
-    swapped = quantize_text_encoders(encoders, QwenImage.text_encoders, mode, torch.device("cpu"), dtype)
+    swapped = quantize_text_encoders(encoders, QwenImage.architecture.text_encoders, mode, torch.device("cpu"), dtype)
     layers = [type(m).__name__ for m in encoders.text_encoder.model.language_model.modules()]
     assert swapped > 0 and any(name in ("FP8Linear", "AutocastLinear4bit") for name in layers)
     quantized = family.encode_prompts(encoders, PROMPTS)
@@ -317,7 +317,7 @@ def test_samples_are_the_pipelines_images(
 
 
 def _matches(preset: str, model: torch.nn.Module) -> set[str]:
-    regex = re.compile(QwenImage.lora_presets[preset])
+    regex = re.compile(QwenImage.architecture.lora_presets[preset])
     return {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and regex.fullmatch(n)}
 
 
@@ -495,8 +495,8 @@ def test_the_shipped_architecture_plans_like_a_local_folder(tmp_path: Path) -> N
     (folder / "transformer").mkdir(parents=True)
     (folder / "text_encoder").mkdir()
     (folder / "model_index.json").write_text(json.dumps({"_class_name": "QwenImagePipeline"}))
-    (folder / "transformer" / "config.json").write_text(json.dumps(QwenImage.known_denoisers[hub_id]))
-    encoder = QwenImage.known_text_encoders[hub_id]["text_encoder"]
+    (folder / "transformer" / "config.json").write_text(json.dumps(QwenImage.planning.known_denoisers[hub_id]))
+    encoder = QwenImage.planning.known_text_encoders[hub_id]["text_encoder"]
     config = {"architectures": [encoder["_class"]], **{k: v for k, v in encoder.items() if k != "_class"}}
     (folder / "text_encoder" / "config.json").write_text(json.dumps(config))
     hub, local = ModelSource(hub_id), ModelSource(str(folder))

@@ -171,7 +171,9 @@ def test_text_encoder_in_fp8_and_nf4_for_caching(tiny_zimage_dir: Path, tmp_path
         cache = LatentCache(tmp_path, family, source, text_encoder_quantization=mode)
         assert cache.text_key(PROMPT) != plain.text_key(PROMPT)
         encoders = family.load_text_encoders(source)
-        swapped = quantize_text_encoders(encoders, family.text_encoders, mode, torch.device("cpu"), torch.float32)
+        swapped = quantize_text_encoders(
+            encoders, family.architecture.text_encoders, mode, torch.device("cpu"), torch.float32
+        )
         linears = [m for m in encoders.text_encoder.modules() if isinstance(m, kind)]
         assert swapped == len(linears) == 7 * encoders.text_encoder.config.num_hidden_layers
         cache.encode_texts([PROMPT], torch.device("cpu"))
@@ -201,7 +203,7 @@ def test_lora_presets(pipe: ZImagePipeline) -> None:
     names = _linear_names(t)
 
     def matches(preset: str) -> set[str]:
-        return {n for n in names if re.fullmatch(ZImage.lora_presets[preset], n)}
+        return {n for n in names if re.fullmatch(ZImage.architecture.lora_presets[preset], n)}
 
     blocks = ["noise_refiner.0", "context_refiner.0", "layers.0", "layers.1"]
     attention = {f"{b}.attention.{p}" for b in blocks for p in ("to_q", "to_k", "to_v", "to_out.0")}
@@ -213,7 +215,7 @@ def test_lora_presets(pipe: ZImagePipeline) -> None:
     assert matches("all_linear") == attention | ff | modulation
     assert not any("embedder" in n or "final_layer" in n for n in matches("all_linear"))
     t = ZImageTransformer2DModel.from_config(t.config)
-    t.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=ZImage.lora_presets["all_linear"]))
+    t.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=ZImage.architecture.lora_presets["all_linear"]))
     assert {n for n, m in t.named_modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")} == matches(
         "all_linear"
     )
@@ -423,7 +425,7 @@ def test_the_hub_model_plans_with_nothing_downloaded_like_its_local_configs(tmp_
     (folder / "transformer").mkdir(parents=True)
     (folder / "text_encoder").mkdir()
     (folder / "model_index.json").write_text(json.dumps({"_class_name": "ZImagePipeline"}))
-    (folder / "transformer" / "config.json").write_text(json.dumps(ZImage.known_denoisers[HUB_ID]))
+    (folder / "transformer" / "config.json").write_text(json.dumps(ZImage.planning.known_denoisers[HUB_ID]))
     encoder = {"architectures": [QWEN3_4B["_class"]], **{k: v for k, v in QWEN3_4B.items() if k != "_class"}}
     (folder / "text_encoder" / "config.json").write_text(json.dumps(encoder))
     data = SimpleNamespace(resolution=512, batch_size=1)

@@ -7,6 +7,7 @@ Everything here runs on small random tensors and crafted checkpoints: no model i
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -43,7 +44,7 @@ class NoKohya(Flux):
     """A family with no kohya layout: the defaults of :class:`DiffusionFamily` (not registered: ``name`` is set after
     the class is made)."""
 
-    lora_formats = ("diffusers",)
+    lora_files = replace(Flux.lora_files, formats=("diffusers",))
     kohya_lora = DiffusionFamily.kohya_lora
     kohya_metadata = DiffusionFamily.kohya_metadata
     lora_from_kohya = DiffusionFamily.lora_from_kohya
@@ -58,13 +59,13 @@ NoKohya.name = "nokohya"
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_every_family_declares_its_formats_and_text_encoders(name: str) -> None:
     cls = FAMILIES[name]
-    assert "diffusers" in cls.lora_formats and set(cls.lora_formats) <= set(FORMATS)
-    writes_kohya = "kohya" in cls.lora_formats
+    assert "diffusers" in cls.lora_files.formats and set(cls.lora_files.formats) <= set(FORMATS)
+    writes_kohya = "kohya" in cls.lora_files.formats
     assert (cls.kohya_lora is not DiffusionFamily.kohya_lora) == writes_kohya, "kohya listed iff implemented"
     assert (cls.kohya_metadata is not DiffusionFamily.kohya_metadata) == writes_kohya
     assert (cls.lora_from_kohya is not DiffusionFamily.lora_from_kohya) == writes_kohya
-    assert cls.lora_modelspec and set(cls.lora_modelspec) == {"architecture", "implementation"}
-    assert cls.text_encoders and all(e.startswith("text_encoder") for e in cls.text_encoders)
+    assert cls.lora_files.modelspec and set(cls.lora_files.modelspec) == {"architecture", "implementation"}
+    assert cls.architecture.text_encoders and all(e.startswith("text_encoder") for e in cls.architecture.text_encoders)
 
 
 @pytest.mark.parametrize(
@@ -151,7 +152,7 @@ def test_export_takes_the_options_and_the_family(tmp_path: Path, family: Diffusi
     state = _state(FLUX_STATE if isinstance(family, Flux) else UNET_STATE)
     lora = LoraOptions(rank=RANK, alpha=None, targets=["to_q"], dropout=0.25, init="kaiming")  # alpha null: rank
     path = export_lora(state, tmp_path / "d.safetensors", format="diffusers", lora=lora, family=family, info={"a": 1})
-    prefix = family.denoiser_subfolder
+    prefix = family.architecture.denoiser_subfolder
     assert set(load_file(path)) == {f"{prefix}.{k}" for k in state}
     meta = read_metadata(path)
     assert (meta["lightning_lora.rank"], meta["lightning_lora.alpha"]) == ("4", "4.0")

@@ -398,7 +398,7 @@ def test_bench_builds_the_denoiser_a_config_names() -> None:
     dev = bench.parse_args(["--config", str(REPO / "configs" / "flux2_dev_24gb.yaml")])
     assert dev.denoiser == "black-forest-labs/FLUX.2-dev" and bench.header(dev)["denoiser"] == dev.denoiser
     assert not any(s.startswith("model.pretrained") for s in dev.not_reproduced)
-    assert Flux2.known_denoisers[dev.denoiser] != bench.CONFIGS["flux2"][0]  # a different (32 B) transformer
+    assert Flux2.planning.known_denoisers[dev.denoiser] != bench.CONFIGS["flux2"][0]  # a different (32 B) transformer
     assert bench.parse_args(["--family", "flux2"]).denoiser is None  # flags alone: the family's default
 
 
