@@ -41,7 +41,6 @@ from __future__ import annotations
 import datetime
 import inspect
 import json
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -312,10 +311,10 @@ def read_lora_file(path: str | Path, family: DiffusionFamily | None = None) -> L
     except (SafetensorError, OSError) as e:
         raise ConfigError(f"{path}: is not a readable safetensors file ({first_line(e)}).") from None
     guessed = _family_from_keys(tensors)
-    if family is not None and guessed is not None and guessed != family.name:
+    if family is not None and guessed is not None and guessed.name != family.name:
         raise ConfigError(
-            f"--family {family.name}: {path} holds a {guessed} LoRA (by its module names); pass --family {guessed} or "
-            "leave it out."
+            f"--family {family.name}: {path} holds a {guessed.name} LoRA (by its module names); pass --family "
+            f"{guessed.name} or leave it out."
         )
     family = family or _family_of(tensors, metadata, path)
     if is_diffusers_file(tensors):
@@ -390,72 +389,31 @@ def _json_or_text(value: str) -> Any:
 
 
 def _family_of(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str], path: Path) -> DiffusionFamily:
-    """The family a LoRA file names in its metadata, or the only one its keys fit."""
+    """The family a LoRA file names in its metadata, or the only one its keys fit: each registered family is asked."""
     named = metadata.get("lightning_lora.family")
     if named in FAMILIES:
         return FAMILIES[named]()
-    base = metadata.get("ss_base_model_version", "") + " " + metadata.get("modelspec.architecture", "")
-    markers: tuple[tuple[str, str], ...] = (
-        ("flux2", "flux2"),  # before FLUX.1's marker, which it contains (kohya's; ModelSpec's next)
-        ("flux-2", "flux2"),
-        ("flux", "flux"),
-        ("sdxl", "sdxl"),
-        ("stable-diffusion-xl", "sdxl"),
-        ("sd_v1", "sd15"),
-        ("v1/", "sd15"),
-    )
-    markers += (("qwen_image", "qwenimage"), ("Qwen-Image/", "qwenimage"))  # kohya's, ModelSpec's (musubi-tuner)
-    markers += (("Z-Image/", "zimage"),)  # ModelSpec's (musubi-tuner's, ours)
-    for marker, name in markers:
-        if marker in base and name in FAMILIES:
-            return FAMILIES[name]()
-    guessed = _family_from_keys(tensors)
-    if guessed is None:
+    family = _claimed({cls: cls.claims_lora_metadata(metadata) for cls in FAMILIES.values()})
+    family = family or _family_from_keys(tensors)
+    if family is None:
         raise ConfigError(
             f"{path}: cannot tell which model family it is for; pass --family ({', '.join(sorted(FAMILIES))})."
         )
-    return FAMILIES[guessed]()
+    return family()
 
 
-_ZIMAGE_MODULES = re.compile(  # its blocks ("attention", not FLUX's "attn") and its own embedders and final layer
-    r"(^|[._])((layers|noise_refiner|context_refiner)[._]\d+[._](attention|feed_forward|adaLN_modulation)"
-    r"|all_x_embedder|all_final_layer|cap_embedder|t_embedder[._]mlp)[._]"
-)
-_FLUX2_MODULES = re.compile(  # FLUX.2's fused single-block projections, SwiGLU MLPs and shared modulation
-    r"(single_transformer_blocks\.\d+\.attn\.(to_qkv_mlp_proj|to_out)\.|\.(ff|ff_context)\.linear_(in|out)\."
-    r"|stream_modulation|time_guidance_embed)"
-)
-_QWEN_IMAGE_STREAMS = re.compile(r"transformer_blocks[._]\d+[._](img|txt)_(mlp|mod)[._]")
-_JOINT_ATTENTION = re.compile(
-    r"transformer\.transformer_blocks\.\d+\.attn\.(to_[qkv]|to_out\.0|add_[qkv]_proj|to_add_out)\."
-)
+def _family_from_keys(tensors: Mapping[str, torch.Tensor]) -> type[DiffusionFamily] | None:
+    """The family whose module names (or widths) the file's tensors have, by each family's
+    :meth:`~lightning_lora.families.base.DiffusionFamily.claims_lora_keys`; None when no family, or more than one,
+    claims them most surely."""
+    return _claimed({cls: cls.claims_lora_keys(tensors) for cls in FAMILIES.values()})
 
 
-def _family_from_keys(tensors: Mapping[str, torch.Tensor]) -> str | None:
-    """The family whose module names the keys use (Z-Image's modules; FLUX.2's fused single blocks, MLPs and
-    modulation; Qwen-Image's image/text-stream MLPs and
-    modulation; FLUX's blocks; SDXL's SGM blocks or its 2048-wide cross-attention; SD1.x's 768/1024-wide one), or None
-    (also for joint-attention layers alone, which FLUX and Qwen-Image name alike)."""
-    keys = list(tensors)
-    if any(_ZIMAGE_MODULES.search(k) for k in keys):
-        return "zimage"
-    if any(_FLUX2_MODULES.search(k) for k in keys):  # diffusers names only: its kohya names are FLUX.1's
-        return "flux2"
-    if any(_QWEN_IMAGE_STREAMS.search(k) for k in keys):  # Qwen-Image's own image/text-stream MLPs and modulation
-        return "qwenimage"
-    if any(k.startswith("transformer.") or "double_blocks" in k or "single_blocks" in k for k in keys):
-        # FLUX's and Qwen-Image's joint-attention layers have the same diffusers names: those alone name neither.
-        return None if all(_JOINT_ATTENTION.match(k) for k in keys) else "flux"
-    if any(
-        s in k for k in keys for s in ("input_blocks", "output_blocks", "middle_block", "label_emb", "add_embedding")
-    ):
-        return "sdxl"
-    widths = {
-        int(t.shape[1])
-        for k, t in tensors.items()
-        if "attn2" in k and "to_k" in k and k.endswith(("lora_A.weight", "lora_down.weight"))
-    }
-    return "sdxl" if 2048 in widths else "sd15" if widths & {768, 1024} else None
+def _claimed(claims: Mapping[type[DiffusionFamily], int]) -> type[DiffusionFamily] | None:
+    """The one family with the highest claim above 0, or None (no claim, or a tie)."""
+    best = max(claims.values(), default=0)
+    winners = [cls for cls, claim in claims.items() if claim == best]
+    return winners[0] if best > 0 and len(winners) == 1 else None
 
 
 # --------------------------------------------------------------------------------------------- from a checkpoint
@@ -515,13 +473,17 @@ def checkpoint_lora(path: str | Path) -> CheckpointLora:
     return CheckpointLora(state, lora, family, info)
 
 
+_UNSAVED_FAMILY = "flux"
+"""The family of a checkpoint that saved none: ``LoraModule``'s default family (the only one of the first versions)."""
+
+
 def _family(saved: Any, path: Path) -> DiffusionFamily:
-    """The family saved as ``{"class_path": ..., "init_args": ...}`` (none saved: FLUX), looked up in the registry by
-    its class path and built with its saved options when they are plain values and still valid, else with defaults:
-    export needs the family's identity and layouts, which its training options do not change."""
+    """The family saved as ``{"class_path": ..., "init_args": ...}`` (none saved: :data:`_UNSAVED_FAMILY`), looked up in
+    the registry by its class path and built with its saved options when they are plain values and still valid, else
+    with defaults: export needs the family's identity and layouts, which its training options do not change."""
     class_path = saved.get("class_path") if isinstance(saved, dict) else None
     if not class_path:
-        return FAMILIES["flux"]()
+        return FAMILIES[_UNSAVED_FAMILY]()
     qualname = str(class_path).rsplit(".", 1)[-1]
     exact = [c for c in FAMILIES.values() if f"{c.__module__}.{c.__qualname__}" == class_path]
     matches = exact or [c for c in FAMILIES.values() if c.__qualname__ == qualname]

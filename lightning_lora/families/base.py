@@ -409,6 +409,22 @@ class DiffusionFamily(ABC):
             f"--format {format}: there is no {format} layout for the {self.name!r} family yet; use {instead}."
         )
 
+    # -- recognising LoRA files made elsewhere (lightning_lora.export.read_lora_file) ----------------------------------
+    @classmethod
+    def claims_lora_metadata(cls, metadata: Mapping[str, str]) -> int:
+        """How specifically the header of a LoRA file names this family: the length of the longest of its
+        ``lora_files.markers`` found in kohya's ``ss_base_model_version`` or ModelSpec's ``modelspec.architecture``, 0
+        for none. The longest wins, so FLUX.2's ``flux-2`` outranks FLUX.1's ``flux``, which it contains."""
+        named = metadata.get("ss_base_model_version", "") + " " + metadata.get("modelspec.architecture", "")
+        return max((len(marker) for marker in cls.lora_files.markers if marker in named), default=0)
+
+    @classmethod
+    def claims_lora_keys(cls, tensors: Mapping[str, torch.Tensor]) -> int:
+        """How surely the tensors of a LoRA file (their module names in any layout, their shapes) are this family's: 2
+        for names or widths only this family's model has, 1 for names it shares with another family's (taken when no
+        family claims 2), 0 for none of its own. Default 0: such files are known by their metadata or ``--family``."""
+        return 0
+
     # -- tests and the demo ----------------------------------------------------------------------------------------
     @classmethod
     def save_tiny(cls, folder: Path, seed: int = 0) -> Path:

@@ -122,3 +122,6 @@ class LoraFiles:
     modelspec: Mapping[str, str] = field(default_factory=dict)
     """``modelspec.*`` entries every LoRA file of this family carries (``architecture``, ``implementation``: the IDs
     kohya's sd-scripts writes, ``library/sai_model_spec.py``); empty: no ModelSpec."""
+    markers: tuple[str, ...] = ()
+    """Text that names this family in the header of a LoRA file made elsewhere: in kohya's ``ss_base_model_version``
+    or ModelSpec's ``modelspec.architecture`` (``DiffusionFamily.claims_lora_metadata``)."""

@@ -18,6 +18,7 @@ The objective (rectified flow, timestep sampling) is in :mod:`lightning_lora.obj
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
@@ -47,6 +48,10 @@ _ATTENTION = r"attn\.(to_q|to_k|to_v|to_out\.0)"
 _TEXT_ATTENTION = r"attn\.(add_q_proj|add_k_proj|add_v_proj|to_add_out)"
 _MLP = r"(ff|ff_context)\.net\.(0\.proj|2)"
 _SINGLE = r"(proj_mlp|proj_out)"
+# The joint attention's layers of a diffusers file (Qwen-Image's blocks name theirs alike).
+_JOINT_ATTENTION = re.compile(
+    r"transformer\.transformer_blocks\.\d+\.attn\.(to_[qkv]|to_out\.0|add_[qkv]_proj|to_add_out)\."
+)
 
 
 FLUX1_TRANSFORMER: dict[str, Any] = {
@@ -158,6 +163,7 @@ class Flux(DiffusionFamily):
     lora_files: ClassVar[LoraFiles] = LoraFiles(
         formats=("diffusers", "kohya"),
         modelspec={"architecture": "flux-1-dev/lora", "implementation": "https://github.com/black-forest-labs/flux"},
+        markers=("flux",),  # kohya's flux1, ModelSpec's flux-1-dev/lora and flux-1-schnell/lora
     )
 
     def __init__(
@@ -330,6 +336,17 @@ class Flux(DiffusionFamily):
     @override
     def lora_coverage(self, format: str, variants: Mapping[str, str]) -> Coverage:
         return flux_coverage(format, variants)
+
+    @classmethod
+    @override
+    def claims_lora_keys(cls, tensors: Mapping[str, torch.Tensor]) -> int:
+        """1 for FLUX's module names (diffusers' under ``transformer.``, BFL's ``double_blocks`` / ``single_blocks``),
+        which the other transformer families' files share in part; 0 for joint-attention layers alone, which
+        Qwen-Image names alike."""
+        keys = list(tensors)
+        if not any(k.startswith("transformer.") or "double_blocks" in k or "single_blocks" in k for k in keys):
+            return 0
+        return 0 if all(_JOINT_ATTENTION.match(k) for k in keys) else 1
 
     # -- memory planning ---------------------------------------------------------------------------------------
     def example_inputs(

@@ -49,6 +49,7 @@ import hashlib
 import inspect
 import json
 import math
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -158,6 +159,11 @@ _ATTENTION = r"attn\.(to_q|to_k|to_v|to_out\.0)"
 _TEXT_ATTENTION = r"attn\.(add_q_proj|add_k_proj|add_v_proj|to_add_out)"
 _SINGLE = r"attn\.(to_qkv_mlp_proj|to_out)"
 _MLP = r"(ff|ff_context)\.(linear_in|linear_out)"
+# Names only FLUX.2's transformer has (diffusers names: its BFL names are FLUX.1's).
+_OWN_MODULES = re.compile(
+    r"(single_transformer_blocks\.\d+\.attn\.(to_qkv_mlp_proj|to_out)\.|\.(ff|ff_context)\.linear_(in|out)\."
+    r"|stream_modulation|time_guidance_embed)"
+)
 
 # compute_empirical_mu's fit (FLUX.2's sampling code): mu = A2 tokens + B2 at 200 steps (and above 4300 tokens for any
 # step count), mu = A1 tokens + B1 at 10 steps, linear in the step count between those two.
@@ -287,6 +293,7 @@ class Flux2(DiffusionFamily):
         formats=("diffusers", "kohya"),
         tools=("diffusers", "ComfyUI"),  # sd-scripts has no FLUX.2 network
         modelspec={"architecture": "flux-2/lora", "implementation": "https://github.com/black-forest-labs/flux2"},
+        markers=("flux2", "flux-2"),  # kohya's, ModelSpec's
     )
 
     def __init__(
@@ -596,6 +603,13 @@ class Flux2(DiffusionFamily):
     @override
     def lora_coverage(self, format: str, variants: Mapping[str, str]) -> Coverage:
         return flux2_coverage(format, variants)
+
+    @classmethod
+    @override
+    def claims_lora_keys(cls, tensors: Mapping[str, torch.Tensor]) -> int:
+        """2 for FLUX.2's own diffusers names (its fused single-block projections, SwiGLU MLPs, shared modulation); its
+        BFL names are FLUX.1's."""
+        return 2 if any(_OWN_MODULES.search(k) for k in tensors) else 0
 
     # -- memory planning ---------------------------------------------------------------------------------------
     def example_inputs(

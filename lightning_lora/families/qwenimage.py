@@ -55,6 +55,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -98,6 +99,7 @@ QwenTimestepSampling = Literal["qwen_shift", "logit_normal", "uniform"]
 _ATTENTION = r"attn\.(to_q|to_k|to_v|to_out\.0)"
 _TEXT_KV = r"attn\.(add_k_proj|add_v_proj)"
 _IMAGE_MLP = r"img_mlp\.net\.(0\.proj|2)"
+_OWN_MODULES = re.compile(r"transformer_blocks[._]\d+[._](img|txt)_(mlp|mod)[._]")
 
 QWEN_IMAGE_TRANSFORMER: dict[str, Any] = {
     "_class_name": "QwenImageTransformer2DModel",
@@ -209,6 +211,7 @@ class QwenImage(DiffusionFamily):
         tools=("diffusers", "ComfyUI"),  # sd-scripts has no network for it
         # as musubi-tuner writes them (utils/sai_model_spec.py)
         modelspec={"architecture": "Qwen-Image/lora", "implementation": "https://github.com/QwenLM/Qwen-Image"},
+        markers=("qwen_image", "Qwen-Image/"),  # kohya's, ModelSpec's (musubi-tuner)
     )
 
     def __init__(
@@ -480,6 +483,13 @@ class QwenImage(DiffusionFamily):
     @override
     def lora_coverage(self, format: str, variants: Mapping[str, str]) -> Coverage:
         return qwenimage_coverage(format, variants)
+
+    @classmethod
+    @override
+    def claims_lora_keys(cls, tensors: Mapping[str, torch.Tensor]) -> int:
+        """2 for Qwen-Image's own image/text-stream MLPs and modulation (in diffusers' or musubi-tuner's names); its
+        joint-attention layers alone are named as FLUX's are."""
+        return 2 if any(_OWN_MODULES.search(k) for k in tensors) else 0
 
     # -- memory planning ---------------------------------------------------------------------------------------
     def example_inputs(

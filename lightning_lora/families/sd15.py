@@ -23,7 +23,7 @@ from lightning_lora.families.base import DiffusersModel, ModelSource, load_compo
 from lightning_lora.families.encoders import CLIP_L
 from lightning_lora.families.facts import Architecture, Compiling, LoraFiles, Planning
 from lightning_lora.families.sdxl import SDXL_VAE
-from lightning_lora.families.unet import UNetFamily
+from lightning_lora.families.unet import UNetFamily, cross_attention_widths
 from lightning_lora.formats import kohya, kohya_read
 
 __all__ = ["SD15", "SD15_VAE"]
@@ -82,6 +82,7 @@ class SD15(UNetFamily):
             "architecture": "stable-diffusion-v1/lora",
             "implementation": "diffusers",  # what sd-scripts writes for an SD1.x LoRA (library/sai_model_spec.py)
         },
+        markers=("sd_v1", "v1/"),  # kohya's sd_v1, ModelSpec's stable-diffusion-v1/lora
     )
 
     # -- loading -----------------------------------------------------------------------------------------------
@@ -144,6 +145,12 @@ class SD15(UNetFamily):
     @override
     def kohya_metadata(self, summary: kohya.NetworkSummary) -> dict[str, str]:
         return kohya.kohya_metadata(summary, kohya.SD15_NETWORK)
+
+    @classmethod
+    @override
+    def claims_lora_keys(cls, tensors: Mapping[str, torch.Tensor]) -> int:
+        """2 for a cross attention as wide as CLIP-L (768, SD1.x) or OpenCLIP-H (1024, SD2.x)."""
+        return 2 if cross_attention_widths(tensors) & {768, 1024} else 0
 
     # -- training ----------------------------------------------------------------------------------------------
     def unet_conditions(

@@ -33,7 +33,7 @@ from lightning_lora.families.base import DiffusersModel, ModelSource, load_compo
 from lightning_lora.families.encoders import CLIP_L, OPENCLIP_BIGG
 from lightning_lora.families.facts import Architecture, Compiling, LoraFiles, Planning
 from lightning_lora.families.flux import FLUX1_VAE
-from lightning_lora.families.unet import UNetFamily
+from lightning_lora.families.unet import UNetFamily, cross_attention_widths
 from lightning_lora.formats import kohya, kohya_read
 from lightning_lora.formats.ldm import SDXL_LAYOUT
 
@@ -120,6 +120,7 @@ class SDXL(UNetFamily):
             # what sd-scripts writes for an SDXL LoRA (library/sai_model_spec.py)
             "implementation": "https://github.com/Stability-AI/generative-models",
         },
+        markers=("sdxl", "stable-diffusion-xl"),  # kohya's sdxl_base_v1-0, ModelSpec's
     )
 
     # -- loading -----------------------------------------------------------------------------------------------
@@ -179,6 +180,16 @@ class SDXL(UNetFamily):
     @override
     def kohya_metadata(self, summary: kohya.NetworkSummary) -> dict[str, str]:
         return kohya.kohya_metadata(summary, kohya.SDXL_NETWORK)
+
+    @classmethod
+    @override
+    def claims_lora_keys(cls, tensors: Mapping[str, torch.Tensor]) -> int:
+        """2 for the original SGM UNet's names (``input_blocks``..., its size embedding) or a 2048-wide cross
+        attention (CLIP-L and OpenCLIP-G side by side)."""
+        sgm = ("input_blocks", "output_blocks", "middle_block", "label_emb", "add_embedding")
+        if any(s in k for k in tensors for s in sgm):
+            return 2
+        return 2 if 2048 in cross_attention_widths(tensors) else 0
 
     # -- training ----------------------------------------------------------------------------------------------
     def unet_conditions(

@@ -52,7 +52,7 @@ from lightning_lora.families.facts import Architecture, Compiling, Planning
 from lightning_lora.formats.clients import Coverage, unet_coverage
 from lightning_lora.objectives import PredictionType
 
-__all__ = ["NoiseSchedule", "UNetFamily", "noise_schedule_of"]
+__all__ = ["NoiseSchedule", "UNetFamily", "cross_attention_widths", "noise_schedule_of"]
 
 _ATTENTION = r"attn[12]\.(to_q|to_k|to_v|to_out\.0)"
 _TRANSFORMER = rf"attentions\.\d+\.(proj_in|proj_out|transformer_blocks\.\d+\.({_ATTENTION}|ff\.net\.(0\.proj|2)))"
@@ -70,6 +70,16 @@ class NoiseSchedule:
     @property
     def num_train_timesteps(self) -> int:
         return int(self.alphas_cumprod.shape[0])
+
+
+def cross_attention_widths(tensors: Mapping[str, torch.Tensor]) -> set[int]:
+    """The input widths of the cross-attention keys (``attn2.to_k``) adapted in a LoRA file: the text encoder's width,
+    which tells the UNet families apart (SD1.x 768, SD2.x 1024, SDXL 2048)."""
+    return {
+        int(t.shape[1])
+        for k, t in tensors.items()
+        if "attn2" in k and "to_k" in k and k.endswith(("lora_A.weight", "lora_down.weight"))
+    }
 
 
 def noise_schedule_of(denoiser: DiffusersModel) -> NoiseSchedule:

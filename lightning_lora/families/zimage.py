@@ -45,6 +45,7 @@ file format for this family.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
@@ -75,6 +76,10 @@ __all__ = ["ZIMAGE_TRANSFORMER", "ZImage", "caption_features"]
 _BLOCK = r"(layers|noise_refiner|context_refiner)\.\d+"
 _ATTENTION = r"attention\.(to_q|to_k|to_v|to_out\.0)"
 _FEED_FORWARD = r"feed_forward\.(w1|w2|w3)"
+_OWN_MODULES = re.compile(  # its blocks ("attention", not FLUX's "attn") and its own embedders and final layer
+    r"(^|[._])((layers|noise_refiner|context_refiner)[._]\d+[._](attention|feed_forward|adaLN_modulation)"
+    r"|all_x_embedder|all_final_layer|cap_embedder|t_embedder[._]mlp)[._]"
+)
 
 _HUB_IDS = ("Tongyi-MAI/Z-Image-Turbo", "Tongyi-MAI/Z-Image")
 
@@ -156,6 +161,7 @@ class ZImage(DiffusionFamily):
         tools=("diffusers", "ComfyUI"),  # sd-scripts has no network for it
         # The IDs kohya-ss/musubi-tuner writes for Z-Image LoRAs (src/musubi_tuner/utils/sai_model_spec.py).
         modelspec={"architecture": "Z-Image/lora", "implementation": "https://github.com/Tongyi-MAI/Z-Image"},
+        markers=("Z-Image/",),  # ModelSpec's (musubi-tuner's, ours)
     )
 
     def __init__(
@@ -326,6 +332,13 @@ class ZImage(DiffusionFamily):
     @override
     def lora_coverage(self, format: str, variants: Mapping[str, str]) -> Coverage:
         return zimage_coverage(format, variants)
+
+    @classmethod
+    @override
+    def claims_lora_keys(cls, tensors: Mapping[str, torch.Tensor]) -> int:
+        """2 for Z-Image's own names: its blocks (``attention``, not FLUX's ``attn``) and its embedders and final
+        layer, in any layout."""
+        return 2 if any(_OWN_MODULES.search(k) for k in tensors) else 0
 
     # -- memory planning ---------------------------------------------------------------------------------------
     def example_inputs(

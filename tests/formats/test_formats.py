@@ -68,6 +68,18 @@ def test_every_family_declares_its_formats_and_text_encoders(name: str) -> None:
     assert cls.architecture.text_encoders and all(e.startswith("text_encoder") for e in cls.architecture.text_encoders)
 
 
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_every_family_is_recognised_by_the_header_it_writes(name: str) -> None:
+    """A LoRA file made elsewhere is read as the family whose markers its header holds: the ModelSpec architecture
+    every family writes picks that family, and no other (each family is asked, :func:`export._family_of`)."""
+    from lightning_lora.export import _claimed
+
+    cls = FAMILIES[name]
+    header = {"modelspec.architecture": cls.lora_files.modelspec["architecture"]}
+    assert _claimed({c: c.claims_lora_metadata(header) for c in FAMILIES.values()}) is cls
+    assert cls.claims_lora_metadata({"modelspec.architecture": "some-other-model/lora"}) == 0
+
+
 @pytest.mark.parametrize(
     ("family", "modules", "convert", "network"),
     [
