@@ -17,14 +17,15 @@ The file is written atomically, so an interrupted export never leaves a half fil
 
 Who decides what
 ----------------
-The *family* decides which formats it writes (``lora_files.formats`` of
-:class:`~lightning_lora.families.base.DiffusionFamily`), how its modules are named in the kohya layout
-(:meth:`~lightning_lora.families.base.DiffusionFamily.kohya_lora`) and what each loader makes of its files
-(:meth:`~lightning_lora.families.base.DiffusionFamily.lora_coverage`); the *format*
-decides which adapter variants a file can hold (:data:`lightning_lora.formats.VARIANTS`). A request outside either is
-refused with the reason (a family without a kohya layout, a LoKr adapter for the diffusers format, a LoKr on FLUX's
-fused q/k/v), never answered with a file that holds less than was trained. :func:`check_export` asks the same
-question before training starts, on shapes alone.
+The *family* decides which layouts it writes and how its modules are named in each (``lora_files.layouts`` of
+:class:`~lightning_lora.families.base.DiffusionFamily`: each a :class:`~lightning_lora.formats.LoraLayout`, a layout
+module's code bound to the family's names), what each loader makes of its files
+(:meth:`~lightning_lora.families.base.DiffusionFamily.lora_coverage`) and whether a file made elsewhere is its own
+(:meth:`~lightning_lora.families.base.DiffusionFamily.claims_lora_metadata`, ``claims_lora_keys``); the *format*
+decides which adapter variants a file can hold (:data:`lightning_lora.formats.VARIANTS`). This module names neither a
+family nor a family's names. A request outside either is refused with the reason (a family without a kohya layout, a
+LoKr adapter for the diffusers format, a LoKr on FLUX's fused q/k/v), never answered with a file that holds less than
+was trained. :func:`check_export` asks the same question before training starts, on shapes alone.
 
 Three ways in, one way out
 --------------------------
@@ -41,7 +42,7 @@ from __future__ import annotations
 import datetime
 import inspect
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -54,8 +55,8 @@ from lightning_lora.families import FAMILIES, DiffusionFamily
 from lightning_lora.formats import FORMATS, VARIANTS, LoraFormat
 from lightning_lora.formats.adapters import adapters_from_peft, common_rank, variants_of
 from lightning_lora.formats.clients import Coverage
-from lightning_lora.formats.diffusers import from_diffusers, is_diffusers_file, to_diffusers
-from lightning_lora.formats.kohya import KOHYA_PREFIX, LYCORIS_PREFIX, network_summary
+from lightning_lora.formats.diffusers import is_diffusers_file
+from lightning_lora.formats.kohya import is_kohya_file
 from lightning_lora.io import save_safetensors
 from lightning_lora.lora import LoraOptions, adapter_state
 
@@ -188,13 +189,8 @@ def write_lora(
     }
     if targets is not None:
         metadata["lightning_lora.targets"] = json.dumps(targets)
-    if format == "diffusers":
-        tensors, header = to_diffusers(
-            state, family.architecture.denoiser_subfolder, scale=scale, init=init, dtype=dtype
-        )
-    else:  # kohya: the family names its modules
-        tensors = family.kohya_lora(state, scale, dtype=dtype)
-        header = family.kohya_metadata(network_summary(tensors, state, rank, alpha, output_name=title))
+    layout = family.lora_layout(format)  # the layout's code with the family's names
+    tensors, header = layout.write(state, scale=scale, rank=rank, alpha=alpha, title=title, init=init, dtype=dtype)
     metadata.update(header)
     metadata.update(modelspec(family, title, info))
     metadata["lightning_lora.loads_in"] = json.dumps(family.lora_coverage(format, variants).loads_in)
@@ -235,10 +231,7 @@ def check_export(state: Mapping[str, torch.Tensor], family: DiffusionFamily, for
     meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in state.items()}
     _check_format(meta, format, family)
     try:
-        if format == "diffusers":
-            to_diffusers(meta, family.architecture.denoiser_subfolder, scale=0.5)
-        else:
-            family.kohya_lora(meta, 0.5)
+        family.lora_layout(format).write(meta, scale=0.5, rank=1, alpha=1.0, title="")
     except ValueError as e:
         if isinstance(e, ConfigError):
             raise
@@ -293,10 +286,11 @@ class LoraFile(NamedTuple):
 def read_lora_file(path: str | Path, family: DiffusionFamily | None = None) -> LoraFile:
     """Read a diffusers- or kohya-layout LoRA file into a peft state dict with the scale folded in.
 
-    The family is ``family`` when given, else the one the file names (``lightning_lora.family``, kohya's
-    ``ss_base_model_version``, ModelSpec's architecture), else the one its keys can only belong to. A diffusers file is
-    read by its own config (:func:`~lightning_lora.formats.diffusers.from_diffusers`); a kohya file by diffusers' own
-    converter, through the family (:meth:`~lightning_lora.families.base.DiffusionFamily.lora_from_kohya`). Raises
+    The family is ``family`` when given, else the one the file names (``lightning_lora.family``, or each family asked
+    whether kohya's ``ss_base_model_version`` or ModelSpec's architecture name it), else the one its keys can only
+    belong to (each family asked). The file's keys say its layout, which the family's layout of that name reads: a
+    diffusers file by its own config (:func:`~lightning_lora.formats.diffusers.from_diffusers`), a kohya file by
+    diffusers' own converter for the family (:class:`~lightning_lora.formats.kohya.KohyaLayout`). Raises
     :class:`ConfigError` naming the file and the fix.
     """
     from safetensors import SafetensorError
@@ -317,34 +311,26 @@ def read_lora_file(path: str | Path, family: DiffusionFamily | None = None) -> L
             f"{guessed.name} or leave it out."
         )
     family = family or _family_of(tensors, metadata, path)
-    if is_diffusers_file(tensors):
-        prefix, state = from_diffusers(tensors, metadata)
-        if prefix != family.architecture.denoiser_subfolder:
-            raise ConfigError(
-                f"{path}: holds a {prefix} LoRA, but the {family.name} family's denoiser is the "
-                f"{family.architecture.denoiser_subfolder}."
-            )
-        return LoraFile(state, family, "diffusers", metadata)
-    if tensors and all(k.startswith((KOHYA_PREFIX, LYCORIS_PREFIX)) for k in tensors):
-        variants = sorted(
-            {k.split(".", 1)[1] for k in tensors if not k.endswith(("lora_down.weight", "lora_up.weight", ".alpha"))}
+    format = next((f for f, holds in _HOLDS.items() if holds(tensors)), None)
+    if format is None:
+        raise ConfigError(
+            f"{path}: is neither a diffusers LoRA file (transformer.* / unet.* keys) nor a kohya one (lora_unet_* "
+            f"keys); its keys start with {sorted({k.split('.')[0] for k in tensors})[:3]}. Text-encoder LoRAs are not "
+            "converted."
         )
-        if variants:
-            raise ConfigError(
-                f"{path}: has {', '.join(variants[:3])} tensors (DoRA, LoKr or LoHa); lightning-lora converts kohya "
-                "files of plain LoRA (diffusers' converter reads lora_down / lora_up / alpha only)."
-            )
-        try:
-            state = family.lora_from_kohya(tensors)
-        except (ValueError, KeyError, AssertionError) as e:
-            raise ConfigError(
-                f"{path}: diffusers' converter could not read it as a {family.name} kohya LoRA ({first_line(e)})."
-            ) from None
-        return LoraFile(state, family, "kohya", metadata)
-    raise ConfigError(
-        f"{path}: is neither a diffusers LoRA file (transformer.* / unet.* keys) nor a kohya one (lora_unet_* keys); "
-        f"its keys start with {sorted({k.split('.')[0] for k in tensors})[:3]}. Text-encoder LoRAs are not converted."
-    )
+    layout = family.lora_layout(format)  # a family without this layout refuses it, naming the ones it has
+    try:
+        state = layout.read(tensors, metadata)
+    except ValueError as e:
+        raise ConfigError(f"{path}: {first_line(e)}") from None
+    return LoraFile(state, family, format, metadata)
+
+
+_HOLDS: dict[str, Callable[[Mapping[str, torch.Tensor]], bool]] = {
+    "diffusers": is_diffusers_file,
+    "kohya": is_kohya_file,
+}
+"""Each layout (:data:`lightning_lora.formats.FORMATS`) -> whether a file's keys are of that layout."""
 
 
 def convert_lora_file(

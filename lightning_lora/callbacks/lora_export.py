@@ -34,7 +34,7 @@ from typing_extensions import override
 from lightning_lora.errors import ConfigError, first_line
 from lightning_lora.export import check_export, export_lora, file_coverage
 from lightning_lora.formats import VARIANTS, LoraFormat
-from lightning_lora.formats.clients import TOOLS
+from lightning_lora.formats.clients import TOOL_NAMES, TOOLS
 from lightning_lora.precision import DTYPES
 
 __all__ = ["LoraExport"]
@@ -43,7 +43,6 @@ log = logging.getLogger(__name__)
 
 _SUFFIX = {"diffusers": ".safetensors", "kohya": ".kohya.safetensors"}
 _VARIANT = {"lora": "LoRA", "dora": "DoRA", "lokr": "LoKr", "loha": "LoHa"}
-_TOOL = {"diffusers": "diffusers", "ComfyUI": "ComfyUI", "kohya": "kohya's sd-scripts"}
 
 
 class LoraExport(Callback):
@@ -141,15 +140,15 @@ class LoraExport(Callback):
         self.loads_in = {fmt: c.loads_in for fmt, c in coverages.items()}
         for tool in TOOLS:  # layers no written file gets into this tool: say it now, not after training
             if tool not in family.lora_files.tools:  # a fact of the family, not a warning about this run
-                log.info("LoraExport: %s does not load %s LoRAs.", _TOOL[tool], family.name)
+                log.info("LoraExport: %s does not load %s LoRAs.", TOOL_NAMES[tool], family.name)
                 continue
             missed = [{**c.skipped[tool], **c.approximate[tool]} for c in coverages.values()]
             nowhere = [m for m in missed[0] if all(m in other for other in missed[1:])]
             if nowhere:
                 names = ", ".join(nowhere[:3]) + (", ..." if len(nowhere) > 3 else "")
                 rank_zero_warn(
-                    f"LoraExport: {_TOOL[tool]} will not apply {len(nowhere)} trained layer(s) as trained from any "
-                    f"of the files ({names}): {missed[0][nowhere[0]]}."
+                    f"LoraExport: {TOOL_NAMES[tool]} will not apply {len(nowhere)} trained layer(s) as trained from "
+                    f"any of the files ({names}): {missed[0][nowhere[0]]}."
                 )
 
     def paths(self, trainer: Trainer, stem: str) -> dict[str, Path]:
@@ -159,7 +158,7 @@ class LoraExport(Callback):
     def describe(self, fmt: str) -> str:
         """The tools that apply every layer of this run's ``fmt`` file (``"diffusers, ComfyUI"``)."""
         tools = self.loads_in.get(fmt)
-        return ", ".join(_TOOL[t] for t in tools) if tools else fmt
+        return ", ".join(TOOL_NAMES[t] for t in tools) if tools else fmt
 
     def last_files(self) -> list[tuple[str, Path]]:
         """(format, path) of each file of the last export."""

@@ -17,8 +17,12 @@ from __future__ import annotations
 import argparse
 import functools
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from lightning_lora.families import DiffusionFamily
 
 __all__ = ["PHOTOS", "prepare", "tiny_models"]
 
@@ -26,7 +30,7 @@ DEMO_FAMILY = "flux"
 """The family ``make demo`` trains (``configs/tiny_cpu.yaml``): its folder is the one the demo names first."""
 
 
-def tiny_models() -> dict[str, type]:
+def tiny_models() -> dict[str, type[DiffusionFamily]]:
     """Folder name under the demo folder -> the family whose tiny pipeline it holds: every registered family."""
     from lightning_lora.families import FAMILIES
 

@@ -1,15 +1,17 @@
 """What a model family must provide, and where the model comes from.
 
-A *family* (FLUX, SDXL, SD1.5) is everything that differs between diffusion models from the trainer's point of view:
-which classes to load from which subfolder, how prompts and images become tensors, how a noisy latent and a timestep
-become a prediction and a loss, which layers LoRA targets, and which diffusers pipeline draws sample images. The rest
-of lightning-lora (assembly, cache, module, callbacks, export) talks to a family only through :class:`DiffusionFamily`,
-so no code outside ``families/`` asks "is this FLUX?".
+A *family* (FLUX.1, SDXL, Z-Image...) is everything that differs between diffusion models from the trainer's point of
+view: which classes to load from which subfolder, how prompts and images become tensors, how a noisy latent and a
+timestep become a prediction and a loss, which layers LoRA targets, and which diffusers pipeline draws sample images.
+The rest of lightning-lora (assembly, cache, module, callbacks, export) talks to a family only through
+:class:`DiffusionFamily`, so no code outside ``families/`` asks "is this FLUX?".
 
-A family also owns its identity and interop: the text encoders its cached embeddings depend on
-(:attr:`DiffusionFamily.text_encoders`, part of every text cache key) and the LoRA file formats it writes
-(:attr:`DiffusionFamily.lora_formats`; the kohya/ComfyUI layout through :meth:`DiffusionFamily.kohya_lora` and
-:meth:`DiffusionFamily.kohya_metadata`, which call the key maps of :mod:`lightning_lora.formats`).
+A family declares its *facts* in four frozen dataclasses (:mod:`lightning_lora.families.facts`): ``architecture`` (the
+hub's pipeline classes, denoiser and text encoders, whose identities key the text cache; image sides; LoRA presets),
+``compiling``, ``planning`` and ``lora_files`` (the LoRA file layouts it writes, each a layout of
+:mod:`lightning_lora.formats` bound to its names; who loads them; what names it in a file made elsewhere). The class
+keeps the *behaviour*: loading, encoding, the loss, the sampling pipeline, the planner's inputs, and the interop that is
+code (:meth:`DiffusionFamily.lora_coverage`, :meth:`DiffusionFamily.claims_lora_keys`).
 
 Families are chosen in the YAML by class path, with their own typed options::
 
@@ -44,14 +46,15 @@ from lightning_lora.errors import ConfigError, first_line
 from lightning_lora.families.facts import Architecture, Compiling, LoraFiles, Planning
 
 if TYPE_CHECKING:
+    from lightning_lora.formats import LoraLayout
     from lightning_lora.formats.clients import Coverage
-    from lightning_lora.formats.kohya import NetworkSummary
 
 __all__ = [
     "DiffusersModel",
     "DiffusionFamily",
     "ModelSource",
     "PromptLimit",
+    "SampleSettings",
     "build_from_config",
     "check_source",
     "compute_dtype",
@@ -113,6 +116,21 @@ class ModelSource:
                 stat = f.stat()
                 parts.append(f"{f.name}:{stat.st_size}:{int(stat.st_mtime)}")
         return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class SampleSettings:
+    """How one sample image is drawn besides its prompt, for every family (``SampleImages``'s options)."""
+
+    seed: int
+    """The seed of the starting noise (drawn on the CPU: the same on any device)."""
+    height: int
+    width: int
+    steps: int
+    """Denoising steps."""
+    guidance_scale: float
+    """The guidance as the family's pipeline reads it: classifier-free guidance's scale, or a guidance-distilled
+    model's guidance input (FLUX.1-dev)."""
 
 
 class PromptLimit(NamedTuple):
@@ -234,8 +252,9 @@ def build_from_config(cls: Any, config: dict[str, Any], dtype: torch.dtype, devi
 class DiffusionFamily(ABC):
     """The seam between lightning-lora and one kind of diffusion model. See the module docstring.
 
-    Subclasses are registered by ``name``. Batches are dicts of tensors: ``latents`` (normalized VAE latents,
-    ``[B, C, h, w]``) plus whatever :meth:`encode_prompts` returns per prompt.
+    Subclasses are registered by ``name`` and declare their facts (:mod:`lightning_lora.families.facts`). Batches are
+    dicts of tensors: ``latents`` (normalized VAE latents, ``[B, C, h, w]``) plus whatever :meth:`encode_prompts`
+    returns per prompt.
     """
 
     name: ClassVar[str]
@@ -342,65 +361,96 @@ class DiffusionFamily(ABC):
         """The per-sample training loss ``[B]`` for given noise and timesteps."""
 
     # -- sampling ----------------------------------------------------------------------------------------------
-    @abstractmethod
     def pipeline(self, denoiser: DiffusersModel, vae: DiffusersModel, source: ModelSource) -> Any:
-        """A diffusers pipeline around the (LoRA-carrying) denoiser that generates from prompt embeddings."""
+        """A diffusers pipeline around the (LoRA-carrying) denoiser that generates from prompt embeddings: the family's
+        :attr:`pipeline_class` with ``vae``, the :meth:`sampling_scheduler`, no text encoders or tokenizers (the
+        prompts come cached), whatever else the class needs (:meth:`pipeline_options`), its progress bar off."""
+        import diffusers
 
-    @abstractmethod
+        text = self.architecture.text_encoders + self.architecture.tokenizers
+        parts: dict[str, Any] = dict.fromkeys(text)
+        parts.update(vae=vae, scheduler=self.sampling_scheduler(source), **self.pipeline_options(source))
+        parts[self.architecture.denoiser_subfolder] = denoiser
+        pipe: Any = getattr(diffusers, self.pipeline_class)(**parts)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    @property
+    def pipeline_class(self) -> str:
+        """The diffusers pipeline class samples are drawn with (the first of ``architecture.pipeline_classes``)."""
+        return self.architecture.pipeline_classes[0]
+
+    def pipeline_options(self, source: ModelSource) -> dict[str, Any]:
+        """What :attr:`pipeline_class` needs besides its denoiser, VAE, scheduler and text components (none by
+        default)."""
+        return {}
+
+    def sampling_scheduler(self, source: ModelSource) -> Any:
+        """The scheduler samples are drawn with. Default: the model's own ``scheduler/`` as diffusers' flow-matching
+        Euler scheduler (what the flow-matching pipelines load)."""
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        return load_component(FlowMatchEulerDiscreteScheduler.from_pretrained, source, "scheduler")
+
     def generate(
         self,
         pipeline: Any,
         embeddings: dict[str, torch.Tensor],
-        *,
-        seed: int,
-        height: int,
-        width: int,
-        steps: int,
-        guidance_scale: float,
+        settings: SampleSettings,
         negative: dict[str, torch.Tensor] | None = None,
     ) -> Any:
-        """One image (PIL) for one prompt's embeddings (batch of 1), reproducible from ``seed``.
+        """One image (PIL) for one prompt's embeddings (batch of 1), drawn by ``pipeline`` (:meth:`pipeline`) as
+        ``settings`` say, reproducible from its seed: a CPU generator draws the same starting noise on any device.
 
         ``negative`` holds the empty prompt's embeddings (same keys), the negative side of classifier-free guidance
-        for the families that use it; a family without CFG (FLUX.1-dev) ignores it.
+        for the families that use it; a family without CFG (FLUX.1-dev) ignores it. The family turns the embeddings
+        and the guidance into the pipeline's arguments (:meth:`sampling_inputs`).
         """
+        denoiser = getattr(pipeline, self.architecture.denoiser_subfolder)
+        inputs = self.sampling_inputs(
+            pipeline, embeddings, negative, settings, denoiser.device, compute_dtype(denoiser)
+        )
+        generator = torch.Generator(device="cpu").manual_seed(settings.seed)
+        return pipeline(
+            **inputs,
+            height=settings.height,
+            width=settings.width,
+            num_inference_steps=settings.steps,
+            generator=generator,
+            output_type="pil",
+        ).images[0]
 
-    # -- interop: LoRA file formats (lightning_lora.formats) -------------------------------------------------------
-    def kohya_lora(
-        self, state: Mapping[str, torch.Tensor], scale: float, *, dtype: torch.dtype | None = None
-    ) -> dict[str, torch.Tensor]:
-        """The LoRA ``state`` (a peft state dict without prefix or adapter name; DoRA, LoKr and LoHa tensors too) in
-        the kohya / ComfyUI layout of this family (``lora_unet_<module>.lora_down.weight`` / ``.lora_up.weight`` /
-        ``.alpha``, LyCORIS tensors for variants; see :mod:`lightning_lora.formats.kohya`), every update multiplied by
-        ``scale`` (peft's ``alpha / r``), weights cast to ``dtype`` when given. Raises ``ValueError`` naming a module
-        that has no kohya name or form. Default: the family has no kohya layout (:class:`ConfigError`)."""
-        raise self.format_refused("kohya")
+    @abstractmethod
+    def sampling_inputs(
+        self,
+        pipeline: Any,
+        embeddings: dict[str, torch.Tensor],
+        negative: dict[str, torch.Tensor] | None,
+        settings: SampleSettings,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> dict[str, Any]:
+        """The pipeline's arguments for one prompt besides the image size, the steps and the seed: the prompt's (and
+        the negative's, where the family guides with one) cached embeddings as the pipeline takes them, on ``device``
+        in ``dtype``, and the guidance as the pipeline takes it (``guidance_scale``...). Raises for a guidance that
+        needs a ``negative`` it did not get."""
 
-    def kohya_metadata(self, summary: NetworkSummary) -> dict[str, str]:
-        """kohya sd-scripts' header entries (``ss_*``) of a kohya file of this family, from the file's
-        :class:`~lightning_lora.formats.kohya.NetworkSummary`. Default: the family has no kohya layout
-        (:class:`ConfigError`)."""
-        raise self.format_refused("kohya")
-
-    def lora_from_kohya(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """A kohya-layout LoRA file of this family (plain LoRA) as a peft state dict, every module's ``alpha / rank``
-        folded into its weights (for ``lightning-lora export`` of files made elsewhere). Default: the family has no
-        kohya layout (:class:`ConfigError`)."""
-        raise self.format_refused("kohya")
+    # -- interop: LoRA files (lightning_lora.formats, lightning_lora.export) ------------------------------------------
+    def lora_layout(self, format: str) -> LoraLayout:
+        """The layout of ``format`` this family writes (one of ``lora_files.layouts``: a layout module's code bound to
+        the family's names); :meth:`format_refused` for a format it does not write."""
+        for layout in self.lora_files.layouts:
+            if layout.format == format:
+                return layout
+        raise self.format_refused(format)
 
     def lora_coverage(self, format: str, variants: Mapping[str, str]) -> Coverage:
         """Which layers of a LoRA file of ``format`` each loader (diffusers, ComfyUI, kohya's sd-scripts) applies, for
-        a file whose layers (diffusers names) have these ``variants`` (:mod:`lightning_lora.formats.clients`). Default:
-        diffusers loads its own layout; the other tools' rules are not known for this family (reported as not
-        loaded)."""
-        from lightning_lora.formats.clients import Coverage
+        a file whose layers (diffusers names) have these ``variants``: the loaders' rules for this family's files
+        (:mod:`lightning_lora.formats.clients`). Default: none known but diffusers' for its own layout."""
+        from lightning_lora.formats.clients import rules_unknown
 
-        coverage = Coverage()
-        for tool in ("ComfyUI", "kohya"):
-            coverage.skip(tool, variants, f"lightning-lora knows no {tool} key rules for the {self.name} family")
-        if format != "diffusers":
-            coverage.skip("diffusers", variants, f"lightning-lora knows no diffusers rules for {format} files")
-        return coverage
+        return rules_unknown(self.name, format, variants)
 
     def format_refused(self, format: str) -> ConfigError:
         """The error for a LoRA file ``format`` this family does not write; it names the formats it does write."""
@@ -519,24 +569,3 @@ class DiffusionFamily(ABC):
                 f"{option}: {height}x{width} is not a multiple of {d} pixels, which {self.name} needs "
                 f"(VAE downscale x latent packing). Use {h}x{w}."
             )
-
-    @staticmethod
-    def seed_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
-        g = torch.Generator(device=device)
-        g.manual_seed(seed)
-        return g
-
-    def run_pipeline(
-        self, pipeline: Any, *, seed: int, height: int, width: int, steps: int, guidance_scale: float, **embeddings: Any
-    ) -> Any:
-        """One PIL image from ``pipeline`` with the given prompt embeddings (the families' :meth:`generate` passes
-        theirs). A CPU generator draws the same starting noise on any device."""
-        return pipeline(
-            **embeddings,
-            height=height,
-            width=width,
-            num_inference_steps=steps,
-            guidance_scale=guidance_scale,
-            generator=self.seed_generator(seed),
-            output_type="pil",
-        ).images[0]

@@ -8,13 +8,14 @@ one per part of lightning-lora that reads them::
         architecture = Architecture(pipeline_classes=("FluxPipeline",), denoiser_class="FluxTransformer2DModel", ...)
         compiling = Compiling(stream_sources=("x_embedder", "context_embedder"), ...)
         planning = Planning(known_denoisers={...}, vae_architecture=FLUX1_VAE)
-        lora_files = LoraFiles(formats=("diffusers", "kohya"), modelspec={...})
+        lora_files = LoraFiles(layouts=(DiffusersLayout("transformer"), KohyaLayout(...)), modelspec={...})
 
 * :class:`Architecture`: the hub's facts (which pipeline folders it loads, the denoiser's class and subfolder, the text
   encoders) and what follows from the model's shapes (image sides, LoRA target presets): loading, the cache, the data;
 * :class:`Compiling`: how ``model.compile_blocks`` and the attention backend treat the model (:mod:`.model.assembly`);
 * :class:`Planning`: what the memory planner needs without a download (:mod:`lightning_lora.plan`);
-* :class:`LoraFiles`: the LoRA files the family writes and who loads them (:mod:`lightning_lora.export`).
+* :class:`LoraFiles`: the LoRA files the family writes (the layouts of :mod:`lightning_lora.formats` it serves, bound to
+  its names), who loads them, and how a file made elsewhere names the family (:mod:`lightning_lora.export`).
 
 A subclass that shares most of its parent's facts replaces what differs (``dataclasses.replace(UNetFamily.compiling,
 stream_sources=...)``). This module imports nothing heavy.
@@ -24,7 +25,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lightning_lora.formats import LoraFormat, LoraLayout
 
 __all__ = ["Architecture", "Compiling", "LoraFiles", "Planning"]
 
@@ -112,9 +116,10 @@ class Planning:
 class LoraFiles:
     """The LoRA files of the family: the layouts it writes, who loads them, what they say about the model."""
 
-    formats: tuple[str, ...] = ("diffusers",)
-    """The LoRA file formats (:data:`lightning_lora.formats.FORMATS`) this family writes, in the order a training run
-    writes them by default."""
+    layouts: tuple[LoraLayout, ...] = ()
+    """The LoRA file layouts this family writes, in the order a training run writes them by default: each a layout
+    module's object bound to the family's names (``DiffusersLayout("transformer")``, a ``KohyaLayout`` with the
+    family's kohya names, network and reader: :mod:`lightning_lora.formats`)."""
     tools: tuple[str, ...] = ("diffusers", "ComfyUI", "kohya")
     """The tools (:data:`lightning_lora.formats.clients.TOOLS`) that load LoRAs of this family at all. A run warns about
     trained layers a listed tool will not apply; a tool left out (kohya's sd-scripts has no network for the newer
@@ -125,3 +130,8 @@ class LoraFiles:
     markers: tuple[str, ...] = ()
     """Text that names this family in the header of a LoRA file made elsewhere: in kohya's ``ss_base_model_version``
     or ModelSpec's ``modelspec.architecture`` (``DiffusionFamily.claims_lora_metadata``)."""
+
+    @property
+    def formats(self) -> tuple[LoraFormat, ...]:
+        """The names of :attr:`layouts` (:data:`lightning_lora.formats.FORMATS`), in their order."""
+        return tuple(layout.format for layout in self.layouts)

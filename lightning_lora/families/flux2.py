@@ -36,10 +36,21 @@ dev's ``tokenizer`` folder is Mistral-Small-3.1's ``PixtralProcessor``, which tr
 torchvision; the pipeline only applies its chat template to text, so the tokenizer is loaded alone (``AutoTokenizer``:
 the same tokens, since the template starts with ``<s>`` and neither adds special tokens).
 
-LoRA files: the diffusers layout (``transformer.<module>``), which ``Flux2KleinPipeline.load_lora_weights`` and
-``Flux2Pipeline.load_lora_weights`` load; and
-the ComfyUI layout (``--format kohya``): ComfyUI builds FLUX.2 with Black Forest Labs' module names, and its loader
-maps ``lora_unet_<BFL module>`` keys onto every weight of the model. See :mod:`lightning_lora.formats.flux2`.
+LoRA files
+----------
+The diffusers layout (``transformer.<module>``), which ``Flux2KleinPipeline.load_lora_weights`` and
+``Flux2Pipeline.load_lora_weights`` load; and the ComfyUI layout (``--format kohya``): ComfyUI builds FLUX.2 with Black
+Forest Labs' module names (:mod:`lightning_lora.formats.bfl`), and its loader (``comfy/lora.py``
+``model_lora_keys_unet``) maps ``lora_unet_<BFL module with _>`` onto every weight of the model it built. The file
+holds ``lora_down`` / ``lora_up`` / ``alpha`` per BFL module (LyCORIS tensors for DoRA and LoHa), the separate q/k/v
+LoRAs fused exactly into one block-diagonal LoRA of rank ``3r`` (:mod:`lightning_lora.formats.kohya` explains the
+algebra). diffusers reads the same file (``Flux2LoraLoaderMixin``: ``_convert_kohya_flux2_lora_to_diffusers``, which
+splits a block-diagonal qkv back into rank-``r`` parts) except the modulation layers, dev's guidance embedder and the
+final modulation, which it drops. A LoKr on q/k/v has no fused form: those parts are written one by one under
+``lycoris_<diffusers name>``, which neither ComfyUI (as far as lightning-lora knows its FLUX.2 rules) nor diffusers
+applies; export says so. kohya's sd-scripts has no FLUX.2 network. Whether ComfyUI also maps diffusers-named FLUX.2
+LoRAs is not known to lightning-lora, so :meth:`Flux2.lora_coverage` reports the diffusers file as not loaded there:
+the kohya file is the one for ComfyUI.
 """
 
 from __future__ import annotations
@@ -65,6 +76,7 @@ from lightning_lora.families.base import (
     DiffusionFamily,
     ModelSource,
     PromptLimit,
+    SampleSettings,
     check_source,
     compute_dtype,
     load_component,
@@ -72,9 +84,10 @@ from lightning_lora.families.base import (
 )
 from lightning_lora.families.encoders import MISTRAL_SMALL_31, QWEN3_4B_LM, QWEN3_8B_LM
 from lightning_lora.families.facts import Architecture, Compiling, LoraFiles, Planning
-from lightning_lora.formats import kohya
+from lightning_lora.formats.bfl import flux2_lora_slices, flux2_slices_of
 from lightning_lora.formats.clients import Coverage
-from lightning_lora.formats.flux2 import FLUX2_NETWORK, flux2_coverage, flux2_from_kohya, flux2_to_kohya
+from lightning_lora.formats.diffusers import DiffusersLayout
+from lightning_lora.formats.kohya import KohyaLayout, KohyaNetwork, from_kohya_by, fused_to_kohya, separate_parts
 
 __all__ = [
     "FLUX2_DEV_TRANSFORMER",
@@ -159,6 +172,17 @@ _ATTENTION = r"attn\.(to_q|to_k|to_v|to_out\.0)"
 _TEXT_ATTENTION = r"attn\.(add_q_proj|add_k_proj|add_v_proj|to_add_out)"
 _SINGLE = r"attn\.(to_qkv_mlp_proj|to_out)"
 _MLP = r"(ff|ff_context)\.(linear_in|linear_out)"
+# The modules diffusers' kohya FLUX.2 converter reads (the rest it drops with a warning).
+_DIFFUSERS_KOHYA = re.compile(
+    r"^(transformer_blocks\.\d+\.(attn\.(to_[qkv]|add_[qkv]_proj|to_out\.0|to_add_out)|(ff|ff_context)\.linear_(in|out))"
+    r"|single_transformer_blocks\.\d+\.attn\.(to_qkv_mlp_proj|to_out)"
+    r"|x_embedder|context_embedder|time_guidance_embed\.timestep_embedder\.linear_[12]|proj_out)$"
+)
+_COMFY_DORA = (
+    "ComfyUI divides dora_scale by the row norms of the base weight, not of the patched one (ComfyUI PR #15458): close "
+    "to the trained DoRA, not equal"
+)
+_DIFFUSERS_DORA = "diffusers drops dora_scale (the layer loads as a plain LoRA)"
 # Names only FLUX.2's transformer has (diffusers names: its BFL names are FLUX.1's).
 _OWN_MODULES = re.compile(
     r"(single_transformer_blocks\.\d+\.attn\.(to_qkv_mlp_proj|to_out)\.|\.(ff|ff_context)\.linear_(in|out)\."
@@ -290,7 +314,14 @@ class Flux2(DiffusionFamily):
         compiled_saved_fraction=0.80,
     )
     lora_files: ClassVar[LoraFiles] = LoraFiles(
-        formats=("diffusers", "kohya"),
+        layouts=(
+            DiffusersLayout("transformer"),
+            KohyaLayout(  # ComfyUI's layout: BFL's names, q/k/v fused (module docstring)
+                KohyaNetwork("networks.lora_flux2", "flux2"),  # sd-scripts has none: its FLUX.1 names, for FLUX.2
+                to_kohya=functools.partial(fused_to_kohya, slices=flux2_lora_slices),
+                from_kohya=functools.partial(from_kohya_by, loader="Flux2LoraLoaderMixin"),
+            ),
+        ),
         tools=("diffusers", "ComfyUI"),  # sd-scripts has no FLUX.2 network
         modelspec={"architecture": "flux-2/lora", "implementation": "https://github.com/black-forest-labs/flux2"},
         markers=("flux2", "flux-2"),  # kohya's, ModelSpec's
@@ -536,73 +567,70 @@ class Flux2(DiffusionFamily):
             return False
         return bool(config.get("is_distilled", False))
 
-    def pipeline(self, denoiser: DiffusersModel, vae: DiffusersModel, source: ModelSource) -> Any:
-        import diffusers
-        from diffusers import FlowMatchEulerDiscreteScheduler
+    @property
+    @override
+    def pipeline_class(self) -> str:
+        return _PIPELINES[self.variant]
 
-        scheduler = load_component(FlowMatchEulerDiscreteScheduler.from_pretrained, source, "scheduler")
-        parts: dict[str, Any] = {"scheduler": scheduler, "vae": vae, "transformer": denoiser}
-        if self.variant == "klein":
-            parts["is_distilled"] = self.is_distilled(source)
-        pipe: Any = getattr(diffusers, _PIPELINES[self.variant])(text_encoder=None, tokenizer=None, **parts)
-        pipe.set_progress_bar_config(disable=True)
-        return pipe
+    @override
+    def pipeline_options(self, source: ModelSource) -> dict[str, Any]:
+        return {"is_distilled": self.is_distilled(source)} if self.variant == "klein" else {}
 
-    def generate(
+    @override
+    def sampling_inputs(
         self,
         pipeline: Any,
         embeddings: dict[str, torch.Tensor],
-        *,
-        seed: int,
-        height: int,
-        width: int,
-        steps: int,
-        guidance_scale: float,
-        negative: dict[str, torch.Tensor] | None = None,
-    ) -> Any:
-        """One image as ``pipe(prompt, guidance_scale=...)`` draws it: klein base models with classifier-free guidance
-        above 1 (the cached empty prompt as the negative), distilled klein without, dev with ``guidance_scale`` as its
-        guidance input."""
-        dtype = compute_dtype(pipeline.transformer)
-        device = pipeline.transformer.device
+        negative: dict[str, torch.Tensor] | None,
+        settings: SampleSettings,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> dict[str, Any]:
+        """As ``pipe(prompt, guidance_scale=...)`` draws it: klein base models with classifier-free guidance above 1
+        (the cached empty prompt as the negative), distilled klein without, dev with ``guidance_scale`` as its guidance
+        input."""
         extra: dict[str, Any] = {}
-        guided = self.variant == "klein" and guidance_scale > 1 and not pipeline.config.is_distilled
+        guided = self.variant == "klein" and settings.guidance_scale > 1 and not pipeline.config.is_distilled
         if guided:
             if negative is None:
                 raise ConfigError(
-                    f"SampleImages guidance_scale: {guidance_scale} needs the empty prompt's embeddings; use 1.0 "
-                    "(no classifier-free guidance)."
+                    f"SampleImages guidance_scale: {settings.guidance_scale} needs the empty prompt's embeddings; use "
+                    "1.0 (no classifier-free guidance)."
                 )
             extra["negative_prompt_embeds"] = negative["prompt_embeds"].to(device=device, dtype=dtype)
-        return self.run_pipeline(
-            pipeline,
-            seed=seed,
-            height=height,
-            width=width,
-            steps=steps,
-            guidance_scale=guidance_scale,
-            prompt_embeds=embeddings["prompt_embeds"].to(device=device, dtype=dtype),
+        return {
+            "prompt_embeds": embeddings["prompt_embeds"].to(device=device, dtype=dtype),
+            "guidance_scale": settings.guidance_scale,
             **extra,
-        )
+        }
 
-    # -- interop -----------------------------------------------------------------------------------------------
-    @override
-    def kohya_lora(
-        self, state: Mapping[str, torch.Tensor], scale: float, *, dtype: torch.dtype | None = None
-    ) -> dict[str, torch.Tensor]:
-        return flux2_to_kohya(state, scale, dtype=dtype)
-
-    @override
-    def lora_from_kohya(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return flux2_from_kohya(tensors)
-
-    @override
-    def kohya_metadata(self, summary: kohya.NetworkSummary) -> dict[str, str]:
-        return kohya.kohya_metadata(summary, FLUX2_NETWORK)
-
+    # -- interop: what diffusers, ComfyUI and sd-scripts make of a FLUX.2 LoRA file (module docstring) ---------------
     @override
     def lora_coverage(self, format: str, variants: Mapping[str, str]) -> Coverage:
-        return flux2_coverage(format, variants)
+        c = Coverage()
+        modules = list(variants)
+        c.skip("kohya", modules, "kohya's sd-scripts has no FLUX.2 network")
+        if format == "diffusers":
+            c.skip(
+                "ComfyUI",
+                modules,
+                "lightning-lora knows no ComfyUI rules for diffusers-named FLUX.2 LoRAs; the kohya-format file (BFL "
+                "names) is ComfyUI's",
+            )
+            return c
+        separate = sorted(separate_parts(variants, flux2_slices_of(variants)))
+        dora = [m for m, v in variants.items() if v == "DoRA" and m not in separate]
+        lycoris = [m for m, v in variants.items() if v in ("LoKr", "LoHa")]
+        c.skip("ComfyUI", separate, "no fused form (LoKr, or DoRA on part of q/k/v): written under per-part names")
+        c.approx("ComfyUI", dora, _COMFY_DORA)
+        c.skip("diffusers", lycoris, "diffusers' FLUX.2 kohya converter reads lora_down/lora_up only")
+        c.skip("diffusers", [m for m in separate if m not in lycoris], "written under per-part names")
+        outside = [m for m in modules if not _DIFFUSERS_KOHYA.match(m) and m not in lycoris]
+        c.skip(
+            "diffusers", outside, "diffusers' kohya FLUX.2 converter drops it (modulation, guidance, final modulation)"
+        )
+        c.approx("diffusers", [m for m in dora if m not in outside], _DIFFUSERS_DORA)
+        return c
 
     @classmethod
     @override

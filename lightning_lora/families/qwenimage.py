@@ -47,7 +47,7 @@ checkpoints unconverted), and ``comfy/lora.py`` maps a Qwen-Image LoRA's ``trans
 diffusers file is ComfyUI's file too. The ``kohya`` layout is musubi-tuner's (``networks.lora_qwen_image``):
 ``lora_unet_<module with _>`` with one ``.alpha`` per module, which ComfyUI maps for every model and diffusers'
 Qwen-Image converter reads (plain LoRA); it also holds LoKr and LoHa (LyCORIS tensors), which only ComfyUI applies.
-See :func:`lightning_lora.formats.clients.qwenimage_coverage`.
+See :meth:`QwenImage.lora_coverage`.
 """
 
 from __future__ import annotations
@@ -72,6 +72,7 @@ from lightning_lora.families.base import (
     DiffusionFamily,
     ModelSource,
     PromptLimit,
+    SampleSettings,
     compute_dtype,
     load_component,
     load_weights,
@@ -79,8 +80,9 @@ from lightning_lora.families.base import (
 from lightning_lora.families.encoders import QWEN25_VL_7B
 from lightning_lora.families.facts import Architecture, Compiling, LoraFiles, Planning
 from lightning_lora.families.flux import pack_latents, unpack_latents
-from lightning_lora.formats import kohya
-from lightning_lora.formats.clients import Coverage, qwenimage_coverage
+from lightning_lora.formats.clients import COMFY_DORA, COMFY_PEFT_DORA, DIFFUSERS_DORA, Coverage
+from lightning_lora.formats.diffusers import DiffusersLayout
+from lightning_lora.formats.kohya import KohyaLayout, KohyaNetwork, from_kohya_by, unet_to_kohya
 
 __all__ = [
     "QWEN_IMAGE_NETWORK",
@@ -128,7 +130,7 @@ QWEN_IMAGE_VAE: dict[str, Any] = {
 down (2x per level after the first of ``dim_mult``) into ``z_dim`` channels, one frame per image; the decode's input
 is :meth:`QwenImage.sampling_latent_shape`."""
 
-QWEN_IMAGE_NETWORK = kohya.KohyaNetwork("networks.lora_qwen_image", "qwen_image")
+QWEN_IMAGE_NETWORK = KohyaNetwork("networks.lora_qwen_image", "qwen_image")
 """kohya metadata of a Qwen-Image file: musubi-tuner's network module (sd-scripts has no Qwen-Image network)."""
 
 # Qwen/Qwen-Image's scheduler_config.json: the dynamic shift's mu is linear from base_shift (0.5) at
@@ -207,7 +209,17 @@ class QwenImage(DiffusionFamily):
         compiled_saved_fraction=0.64,
     )
     lora_files: ClassVar[LoraFiles] = LoraFiles(
-        formats=("diffusers", "kohya"),
+        layouts=(
+            DiffusersLayout("transformer"),
+            # musubi-tuner's names are the diffusers modules with "_", like sd-scripts' SD1.x names.
+            KohyaLayout(
+                QWEN_IMAGE_NETWORK,
+                to_kohya=unet_to_kohya,
+                from_kohya=functools.partial(
+                    from_kohya_by, loader="QwenImageLoraLoaderMixin"
+                ),  # alpha / rank folded in
+            ),
+        ),
         tools=("diffusers", "ComfyUI"),  # sd-scripts has no network for it
         # as musubi-tuner writes them (utils/sai_model_spec.py)
         modelspec={"architecture": "Qwen-Image/lora", "implementation": "https://github.com/QwenLM/Qwen-Image"},
@@ -401,36 +413,18 @@ class QwenImage(DiffusionFamily):
         return objectives.per_sample_mse(prediction, target)
 
     # -- sampling ----------------------------------------------------------------------------------------------
-    def pipeline(self, denoiser: DiffusersModel, vae: DiffusersModel, source: ModelSource) -> Any:
-        from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
-
-        scheduler = load_component(FlowMatchEulerDiscreteScheduler.from_pretrained, source, "scheduler")
-        pipe: Any = QwenImagePipeline(
-            scheduler=scheduler,
-            vae=vae,
-            text_encoder=None,  # type: ignore[arg-type]
-            tokenizer=None,  # type: ignore[arg-type]
-            transformer=denoiser,
-        )
-        pipe.set_progress_bar_config(disable=True)
-        return pipe
-
-    def generate(
+    @override
+    def sampling_inputs(
         self,
         pipeline: Any,
         embeddings: dict[str, torch.Tensor],
-        *,
-        seed: int,
-        height: int,
-        width: int,
-        steps: int,
-        guidance_scale: float,
-        negative: dict[str, torch.Tensor] | None = None,
-    ) -> Any:
-        """One image with classifier-free guidance ``true_cfg_scale = guidance_scale`` (none at 1 or below), the
-        empty prompt as the negative, as ``pipe(prompt, negative_prompt="", true_cfg_scale=...)`` draws it."""
-        dtype = compute_dtype(pipeline.transformer)
-        device = pipeline.transformer.device
+        negative: dict[str, torch.Tensor] | None,
+        settings: SampleSettings,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> dict[str, Any]:
+        """Classifier-free guidance ``true_cfg_scale = guidance_scale`` (none at 1 or below), the empty prompt as the
+        negative, as ``pipe(prompt, negative_prompt="", true_cfg_scale=...)`` draws it."""
 
         def text(cached: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             n = max(int(cached["prompt_embeds_mask"].sum(dim=1).max()), 1)  # a batch of one: its own length
@@ -441,48 +435,40 @@ class QwenImage(DiffusionFamily):
 
         prompt = text(embeddings)
         guided: dict[str, Any] = {}
-        if guidance_scale > 1:
+        if settings.guidance_scale > 1:
             if negative is None:
                 raise ValueError(
                     "classifier-free guidance (guidance_scale > 1) needs the empty prompt's embeddings as `negative`"
                 )
             neg = text(negative)
             guided = {"negative_prompt_embeds": neg["embeds"], "negative_prompt_embeds_mask": neg["mask"]}
-        return pipeline(
-            prompt_embeds=prompt["embeds"],
-            prompt_embeds_mask=prompt["mask"],
-            true_cfg_scale=guidance_scale,
-            height=height,
-            width=width,
-            num_inference_steps=steps,
-            max_sequence_length=self.max_sequence_length,
-            generator=self.seed_generator(seed),
-            output_type="pil",
+        return {
+            "prompt_embeds": prompt["embeds"],
+            "prompt_embeds_mask": prompt["mask"],
+            "true_cfg_scale": settings.guidance_scale,
+            "max_sequence_length": self.max_sequence_length,
             **guided,
-        ).images[0]
+        }
 
-    # -- interop -----------------------------------------------------------------------------------------------
-    @override
-    def kohya_lora(
-        self, state: Mapping[str, torch.Tensor], scale: float, *, dtype: torch.dtype | None = None
-    ) -> dict[str, torch.Tensor]:
-        # musubi-tuner's names are the diffusers modules with "_", like sd-scripts' SD1.x names.
-        return kohya.unet_to_kohya(state, scale, None, dtype=dtype)
-
-    @override
-    def lora_from_kohya(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        from diffusers.loaders import QwenImageLoraLoaderMixin
-
-        converted: Any = QwenImageLoraLoaderMixin.lora_state_dict(dict(tensors))  # alpha / rank folded in
-        return {k.removeprefix("transformer."): v for k, v in converted.items()}
-
-    @override
-    def kohya_metadata(self, summary: kohya.NetworkSummary) -> dict[str, str]:
-        return kohya.kohya_metadata(summary, QWEN_IMAGE_NETWORK)
-
+    # -- interop: what diffusers, ComfyUI and sd-scripts make of a Qwen-Image LoRA file (formats.clients) ------------
     @override
     def lora_coverage(self, format: str, variants: Mapping[str, str]) -> Coverage:
-        return qwenimage_coverage(format, variants)
+        """ComfyUI maps both layouts onto its own (diffusers-named) modules, diffusers reads both (a kohya file as plain
+        LoRA), kohya's sd-scripts reads neither."""
+        c = Coverage()
+        modules = list(variants)
+        dora = [m for m, v in variants.items() if v == "DoRA"]
+        lycoris = [m for m, v in variants.items() if v in ("LoKr", "LoHa")]
+        c.skip("kohya", modules, "kohya's sd-scripts has no Qwen-Image network (musubi-tuner trains Qwen-Image LoRAs)")
+        if format == "diffusers":
+            c.approx("ComfyUI", dora, COMFY_PEFT_DORA)
+            return c
+        c.skip(
+            "diffusers", lycoris, "diffusers' Qwen-Image converter reads lora_down/lora_up only (it refuses the file)"
+        )
+        c.approx("diffusers", dora, DIFFUSERS_DORA)
+        c.approx("ComfyUI", dora, COMFY_DORA)
+        return c
 
     @classmethod
     @override

@@ -19,12 +19,13 @@ from typing import Any, ClassVar
 import torch
 from typing_extensions import override
 
-from lightning_lora.families.base import DiffusersModel, ModelSource, load_component, load_weights
+from lightning_lora.families.base import ModelSource, SampleSettings, load_component, load_weights
 from lightning_lora.families.encoders import CLIP_L
 from lightning_lora.families.facts import Architecture, Compiling, LoraFiles, Planning
 from lightning_lora.families.sdxl import SDXL_VAE
 from lightning_lora.families.unet import UNetFamily, cross_attention_widths
-from lightning_lora.formats import kohya, kohya_read
+from lightning_lora.formats.diffusers import DiffusersLayout
+from lightning_lora.formats.kohya import KohyaLayout, KohyaNetwork, unet_from_kohya, unet_to_kohya
 
 __all__ = ["SD15", "SD15_VAE"]
 
@@ -77,7 +78,10 @@ class SD15(UNetFamily):
     )
     # kohya: diffusers' module names with "_", as sd-scripts trains SD1.x.
     lora_files: ClassVar[LoraFiles] = LoraFiles(
-        formats=("diffusers", "kohya"),
+        layouts=(
+            DiffusersLayout("unet"),
+            KohyaLayout(KohyaNetwork("networks.lora", "sd_v1"), to_kohya=unet_to_kohya, from_kohya=unet_from_kohya),
+        ),
         modelspec={
             "architecture": "stable-diffusion-v1/lora",
             "implementation": "diffusers",  # what sd-scripts writes for an SD1.x LoRA (library/sai_model_spec.py)
@@ -132,20 +136,6 @@ class SD15(UNetFamily):
         return f"sd15-{self._clip_tag()}"
 
     # -- interop -----------------------------------------------------------------------------------------------
-    @override
-    def kohya_lora(
-        self, state: Mapping[str, torch.Tensor], scale: float, *, dtype: torch.dtype | None = None
-    ) -> dict[str, torch.Tensor]:
-        return kohya.sd15_to_kohya(state, scale, dtype=dtype)
-
-    @override
-    def lora_from_kohya(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return kohya_read.unet_from_kohya(tensors, None)
-
-    @override
-    def kohya_metadata(self, summary: kohya.NetworkSummary) -> dict[str, str]:
-        return kohya.kohya_metadata(summary, kohya.SD15_NETWORK)
-
     @classmethod
     @override
     def claims_lora_keys(cls, tensors: Mapping[str, torch.Tensor]) -> int:
@@ -159,44 +149,25 @@ class SD15(UNetFamily):
         return {"encoder_hidden_states": batch["prompt_embeds"].to(dtype)}
 
     # -- sampling ----------------------------------------------------------------------------------------------
-    def pipeline(self, denoiser: DiffusersModel, vae: DiffusersModel, source: ModelSource) -> Any:
-        from diffusers import StableDiffusionPipeline
+    @override
+    def pipeline_options(self, source: ModelSource) -> dict[str, Any]:
+        return {"safety_checker": None, "feature_extractor": None, "requires_safety_checker": False}
 
-        pipe: Any = StableDiffusionPipeline(
-            vae=vae,
-            text_encoder=None,
-            tokenizer=None,
-            unet=denoiser,
-            scheduler=self.sampling_scheduler(source),
-            safety_checker=None,
-            feature_extractor=None,
-            requires_safety_checker=False,
-        )
-        pipe.set_progress_bar_config(disable=True)
-        return pipe
-
-    def generate(
+    @override
+    def sampling_inputs(
         self,
         pipeline: Any,
         embeddings: dict[str, torch.Tensor],
-        *,
-        seed: int,
-        height: int,
-        width: int,
-        steps: int,
-        guidance_scale: float,
-        negative: dict[str, torch.Tensor] | None = None,
-    ) -> Any:
-        self._require_negative(negative, guidance_scale)
-        device, dtype = self._device_dtype(pipeline)
-        negative_embeds = None if negative is None else negative["prompt_embeds"].to(device=device, dtype=dtype)
-        return self.run_pipeline(
-            pipeline,
-            seed=seed,
-            height=height,
-            width=width,
-            steps=steps,
-            guidance_scale=guidance_scale,
-            prompt_embeds=embeddings["prompt_embeds"].to(device=device, dtype=dtype),
-            negative_prompt_embeds=negative_embeds,
-        )
+        negative: dict[str, torch.Tensor] | None,
+        settings: SampleSettings,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> dict[str, Any]:
+        self._require_negative(negative, settings.guidance_scale)
+        return {
+            "prompt_embeds": embeddings["prompt_embeds"].to(device=device, dtype=dtype),
+            "negative_prompt_embeds": None
+            if negative is None
+            else negative["prompt_embeds"].to(device=device, dtype=dtype),
+            "guidance_scale": settings.guidance_scale,
+        }

@@ -23,18 +23,20 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 from typing_extensions import override
 
-from lightning_lora.families.base import DiffusersModel, ModelSource, load_component, load_weights
+from lightning_lora.families.base import ModelSource, SampleSettings, load_component, load_weights
 from lightning_lora.families.encoders import CLIP_L, OPENCLIP_BIGG
 from lightning_lora.families.facts import Architecture, Compiling, LoraFiles, Planning
 from lightning_lora.families.flux import FLUX1_VAE
 from lightning_lora.families.unet import UNetFamily, cross_attention_widths
-from lightning_lora.formats import kohya, kohya_read
+from lightning_lora.formats.diffusers import DiffusersLayout
+from lightning_lora.formats.kohya import KohyaLayout, KohyaNetwork, unet_from_kohya, unet_to_kohya
 from lightning_lora.formats.ldm import SDXL_LAYOUT
 
 __all__ = ["SDXL", "SDXL_VAE", "sdxl_time_ids"]
@@ -114,7 +116,14 @@ class SDXL(UNetFamily):
     )
     # kohya: the original SGM UNet's module names, as sd-scripts trains SDXL.
     lora_files: ClassVar[LoraFiles] = LoraFiles(
-        formats=("diffusers", "kohya"),
+        layouts=(
+            DiffusersLayout("unet"),
+            KohyaLayout(
+                KohyaNetwork("networks.lora", "sdxl_base_v1-0"),
+                to_kohya=partial(unet_to_kohya, layout=SDXL_LAYOUT),
+                from_kohya=partial(unet_from_kohya, layout=SDXL_LAYOUT),
+            ),
+        ),
         modelspec={
             "architecture": "stable-diffusion-xl-v1-base/lora",
             # what sd-scripts writes for an SDXL LoRA (library/sai_model_spec.py)
@@ -167,20 +176,6 @@ class SDXL(UNetFamily):
         return f"sdxl-{self._clip_tag()}"
 
     # -- interop -----------------------------------------------------------------------------------------------
-    @override
-    def kohya_lora(
-        self, state: Mapping[str, torch.Tensor], scale: float, *, dtype: torch.dtype | None = None
-    ) -> dict[str, torch.Tensor]:
-        return kohya.sdxl_to_kohya(state, scale, dtype=dtype)
-
-    @override
-    def lora_from_kohya(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return kohya_read.unet_from_kohya(tensors, SDXL_LAYOUT)
-
-    @override
-    def kohya_metadata(self, summary: kohya.NetworkSummary) -> dict[str, str]:
-        return kohya.kohya_metadata(summary, kohya.SDXL_NETWORK)
-
     @classmethod
     @override
     def claims_lora_keys(cls, tensors: Mapping[str, torch.Tensor]) -> int:
@@ -210,51 +205,34 @@ class SDXL(UNetFamily):
         # StableDiffusionXLPipeline decodes a float16 VAE in float32 when its config says force_upcast (SDXL's does).
         return torch.float32 if dtype == torch.float16 and vae_config.get("force_upcast", True) else dtype
 
-    def pipeline(self, denoiser: DiffusersModel, vae: DiffusersModel, source: ModelSource) -> Any:
+    @override
+    def pipeline_options(self, source: ModelSource) -> dict[str, Any]:
         from diffusers import StableDiffusionXLPipeline
 
         index = load_component(StableDiffusionXLPipeline.load_config, source, "")
-        pipe: Any = StableDiffusionXLPipeline(
-            vae=vae,
-            text_encoder=None,
-            text_encoder_2=None,
-            tokenizer=None,
-            tokenizer_2=None,
-            unet=denoiser,
-            scheduler=self.sampling_scheduler(source),
-            force_zeros_for_empty_prompt=bool(index.get("force_zeros_for_empty_prompt", True)),
-        )
-        pipe.set_progress_bar_config(disable=True)
-        return pipe
+        return {"force_zeros_for_empty_prompt": bool(index.get("force_zeros_for_empty_prompt", True))}
 
-    def generate(
+    @override
+    def sampling_inputs(
         self,
         pipeline: Any,
         embeddings: dict[str, torch.Tensor],
-        *,
-        seed: int,
-        height: int,
-        width: int,
-        steps: int,
-        guidance_scale: float,
-        negative: dict[str, torch.Tensor] | None = None,
-    ) -> Any:
-        device, dtype = self._device_dtype(pipeline)
+        negative: dict[str, torch.Tensor] | None,
+        settings: SampleSettings,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> dict[str, Any]:
+        """The prompt's embeddings and the negative's (zeros when the model's pipeline config says
+        ``force_zeros_for_empty_prompt``: what the pipeline does for "no negative prompt" with it)."""
         prompt = {k: v.to(device=device, dtype=dtype) for k, v in embeddings.items()}
         if pipeline.config.force_zeros_for_empty_prompt:
-            # What the pipeline does for "no negative prompt" with this model.
             negative = {k: torch.zeros_like(v) for k, v in prompt.items()}
-        self._require_negative(negative, guidance_scale)
+        self._require_negative(negative, settings.guidance_scale)
         negative = {k: v.to(device=device, dtype=dtype) for k, v in (negative or {}).items()}
-        return self.run_pipeline(
-            pipeline,
-            seed=seed,
-            height=height,
-            width=width,
-            steps=steps,
-            guidance_scale=guidance_scale,
-            prompt_embeds=prompt["prompt_embeds"],
-            pooled_prompt_embeds=prompt["pooled_prompt_embeds"],
-            negative_prompt_embeds=negative.get("prompt_embeds"),
-            negative_pooled_prompt_embeds=negative.get("pooled_prompt_embeds"),
-        )
+        return {
+            "prompt_embeds": prompt["prompt_embeds"],
+            "pooled_prompt_embeds": prompt["pooled_prompt_embeds"],
+            "negative_prompt_embeds": negative.get("prompt_embeds"),
+            "negative_pooled_prompt_embeds": negative.get("pooled_prompt_embeds"),
+            "guidance_scale": settings.guidance_scale,
+        }

@@ -23,6 +23,11 @@ LoRA targets (``model.lora.targets``) are presets over diffusers module names:
   ``time_emb_proj``) and of the down/upsamplers: kohya's LoRA-C3Lier / LyCORIS LoCon. A 3x3 convolution gets a 3x3
   ``lora_A`` (``[r, in, 3, 3]``) and a 1x1 ``lora_B`` (``[out, r, 1, 1]``), as in kohya's files.
 
+LoRA files: the diffusers layout (``unet.<module>``) loads in diffusers, and in ComfyUI without its attention layers
+(ComfyUI maps diffusers-named attention layers only in an older spelling); the kohya layout (sd-scripts' names: SDXL's
+the original SGM UNet's, :mod:`lightning_lora.formats.ldm`; SD1.x's the diffusers ones with ``_``) loads in ComfyUI,
+Forge/A1111, sd-scripts and diffusers. :meth:`UNetFamily.lora_coverage` says which layers each tool applies.
+
 Only the UNet gets LoRA. Text-encoder LoRA is deliberately not offered: the text embeddings are computed once into
 the cache, so a text-encoder adapter would never see a gradient (kohya's ``network_train_unet_only``).
 """
@@ -30,6 +35,7 @@ the cache, so a text-encoder adapter would never see a gradient (kohya's ``netwo
 from __future__ import annotations
 
 import inspect
+import re
 from abc import abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -49,13 +55,16 @@ from lightning_lora.families.base import (
     load_component,
 )
 from lightning_lora.families.facts import Architecture, Compiling, Planning
-from lightning_lora.formats.clients import Coverage, unet_coverage
+from lightning_lora.formats.clients import COMFY_DORA, COMFY_PEFT_DORA, DIFFUSERS_DORA, Coverage
 from lightning_lora.objectives import PredictionType
 
 __all__ = ["NoiseSchedule", "UNetFamily", "cross_attention_widths", "noise_schedule_of"]
 
 _ATTENTION = r"attn[12]\.(to_q|to_k|to_v|to_out\.0)"
 _TRANSFORMER = rf"attentions\.\d+\.(proj_in|proj_out|transformer_blocks\.\d+\.({_ATTENTION}|ff\.net\.(0\.proj|2)))"
+# What sd-scripts' networks/lora.py makes no LoRA modules for, and ComfyUI's diffusers-named attention layers.
+_OUTSIDE_BLOCKS = re.compile(r"^(conv_in|conv_out|time_embedding\..+|add_embedding\..+|class_embedding\..+)$")
+_ATTENTION_LAYER = re.compile(r"\.to_(q|k|v|out\.0)$")
 _CONV = r"resnets\.\d+\.(conv1|conv2|conv_shortcut|time_emb_proj)|(downsamplers|upsamplers)\.0\.conv"
 
 
@@ -299,7 +308,29 @@ class UNetFamily(DiffusionFamily):
     # -- interop: what ComfyUI, diffusers and sd-scripts make of a UNet LoRA file (lightning_lora.formats.clients) --
     @override
     def lora_coverage(self, format: str, variants: Mapping[str, str]) -> Coverage:
-        return unet_coverage(format, variants)
+        c = Coverage()
+        modules = list(variants)
+        dora = [m for m, v in variants.items() if v == "DoRA"]
+        lycoris = [m for m, v in variants.items() if v in ("LoKr", "LoHa")]
+        if format == "diffusers":
+            c.skip(
+                "ComfyUI",
+                [m for m in modules if _ATTENTION_LAYER.search(m)],
+                "ComfyUI maps diffusers attention layers only in the old '.processor.to_q' spelling",
+            )
+            c.approx("ComfyUI", dora, COMFY_PEFT_DORA)
+            c.skip("kohya", modules, "sd-scripts reads lora_unet_<module> keys, not diffusers/peft keys")
+            return c
+        c.skip("diffusers", lycoris, "diffusers' kohya converter reads lora_down/lora_up only")
+        c.approx("diffusers", dora, DIFFUSERS_DORA)
+        c.approx("ComfyUI", dora, COMFY_DORA)
+        plain = [m for m, v in variants.items() if v == "LoRA"]  # DoRA/LoKr/LoHa load through LyCORIS: every module
+        c.skip(
+            "kohya",
+            [m for m in plain if _OUTSIDE_BLOCKS.match(m)],
+            "networks/lora.py makes LoRA modules inside the transformer, ResNet and resampler blocks only",
+        )
+        return c
 
     # -- memory planning ---------------------------------------------------------------------------------------
     def example_inputs(
@@ -332,10 +363,6 @@ class UNetFamily(DiffusionFamily):
         unet = 2 * latent * model.config.block_out_channels[0] * 2 * 8
         vae = height * width * 128 * 2 * 4
         return float(unet + vae + 84e6 * 2)
-
-    @staticmethod
-    def _device_dtype(pipeline: Any) -> tuple[torch.device, torch.dtype]:
-        return pipeline.unet.device, compute_dtype(pipeline.unet)
 
     @staticmethod
     def _require_negative(negative: dict[str, torch.Tensor] | None, guidance_scale: float) -> None:

@@ -39,7 +39,7 @@ samples with CFG (``pos + scale * (pos - neg)``, the empty prompt as negative), 
 ``guidance_scale > 0``.
 
 LoRA files: the diffusers layout only, because ComfyUI reads that layout itself (q/k/v onto their rows of its fused
-``qkv``; :mod:`lightning_lora.formats.zimage`), so a ComfyUI-specific file would add nothing; LoKr and LoHa have no
+``qkv``; :mod:`lightning_lora.formats.nextdit`), so a ComfyUI-specific file would add nothing; LoKr and LoHa have no
 file format for this family.
 """
 
@@ -60,6 +60,7 @@ from lightning_lora.families.base import (
     DiffusionFamily,
     ModelSource,
     PromptLimit,
+    SampleSettings,
     compute_dtype,
     load_component,
     load_weights,
@@ -67,8 +68,9 @@ from lightning_lora.families.base import (
 from lightning_lora.families.encoders import QWEN3_4B
 from lightning_lora.families.facts import Architecture, Compiling, LoraFiles, Planning
 from lightning_lora.families.flux import FLUX1_VAE
-from lightning_lora.formats.clients import Coverage
-from lightning_lora.formats.zimage import zimage_coverage
+from lightning_lora.formats.clients import COMFY_PEFT_DORA, Coverage
+from lightning_lora.formats.diffusers import DiffusersLayout
+from lightning_lora.formats.nextdit import comfy_target
 from lightning_lora.objectives import TimestepSampling
 
 __all__ = ["ZIMAGE_TRANSFORMER", "ZImage", "caption_features"]
@@ -157,7 +159,7 @@ class ZImage(DiffusionFamily):
     )
     # Only diffusers: ComfyUI maps the diffusers names itself (see the module docstring).
     lora_files: ClassVar[LoraFiles] = LoraFiles(
-        formats=("diffusers",),
+        layouts=(DiffusersLayout("transformer"),),
         tools=("diffusers", "ComfyUI"),  # sd-scripts has no network for it
         # The IDs kohya-ss/musubi-tuner writes for Z-Image LoRAs (src/musubi_tuner/utils/sai_model_spec.py).
         modelspec={"architecture": "Z-Image/lora", "implementation": "https://github.com/Tongyi-MAI/Z-Image"},
@@ -285,53 +287,45 @@ class ZImage(DiffusionFamily):
         return objectives.per_sample_mse(torch.stack(prediction).squeeze(2), target)
 
     # -- sampling ----------------------------------------------------------------------------------------------
-    def pipeline(self, denoiser: DiffusersModel, vae: DiffusersModel, source: ModelSource) -> Any:
-        from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline
-
-        scheduler = load_component(FlowMatchEulerDiscreteScheduler.from_pretrained, source, "scheduler")
-        pipe: Any = ZImagePipeline(
-            scheduler=scheduler, vae=vae, text_encoder=None, tokenizer=None, transformer=denoiser
-        )
-        pipe.set_progress_bar_config(disable=True)
-        return pipe
-
-    def generate(
+    @override
+    def sampling_inputs(
         self,
         pipeline: Any,
         embeddings: dict[str, torch.Tensor],
-        *,
-        seed: int,
-        height: int,
-        width: int,
-        steps: int,
-        guidance_scale: float,
-        negative: dict[str, torch.Tensor] | None = None,
-    ) -> Any:
-        dtype = compute_dtype(pipeline.transformer)
-        device = pipeline.transformer.device
+        negative: dict[str, torch.Tensor] | None,
+        settings: SampleSettings,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> dict[str, Any]:
         negative_embeds = None
-        if guidance_scale > 0:  # ZImagePipeline's CFG: pos + scale * (pos - neg), the empty prompt as negative
+        if settings.guidance_scale > 0:  # ZImagePipeline's CFG: pos + scale * (pos - neg), the empty prompt as negative
             if negative is None:
                 raise ConfigError(
-                    f"SampleImages guidance_scale: {guidance_scale} needs the empty prompt's embeddings; use 0.0 "
-                    "(Z-Image-Turbo samples without guidance)."
+                    f"SampleImages guidance_scale: {settings.guidance_scale} needs the empty prompt's embeddings; use "
+                    "0.0 (Z-Image-Turbo samples without guidance)."
                 )
             negative_embeds = caption_features(negative["prompt_embeds"], negative["prompt_mask"], device, dtype)
-        return self.run_pipeline(
-            pipeline,
-            seed=seed,
-            height=height,
-            width=width,
-            steps=steps,
-            guidance_scale=guidance_scale,
-            prompt_embeds=caption_features(embeddings["prompt_embeds"], embeddings["prompt_mask"], device, dtype),
-            negative_prompt_embeds=negative_embeds,
-        )
+        return {
+            "prompt_embeds": caption_features(embeddings["prompt_embeds"], embeddings["prompt_mask"], device, dtype),
+            "negative_prompt_embeds": negative_embeds,
+            "guidance_scale": settings.guidance_scale,
+        }
 
     # -- interop -----------------------------------------------------------------------------------------------
     @override
     def lora_coverage(self, format: str, variants: Mapping[str, str]) -> Coverage:
-        return zimage_coverage(format, variants)
+        """diffusers loads its layout; ComfyUI every layer its key map lists (all linear layers:
+        :func:`~lightning_lora.formats.nextdit.comfy_target`), DoRA as a plain LoRA; sd-scripts nothing."""
+        c = Coverage()
+        modules = list(variants)
+        if format != "diffusers":
+            c.skip("diffusers", modules, f"lightning-lora knows no diffusers rules for Z-Image {format} files")
+            c.skip("ComfyUI", modules, f"lightning-lora knows no ComfyUI rules for Z-Image {format} files")
+        else:
+            c.skip("ComfyUI", [m for m in modules if comfy_target(m, 1) is None], "ComfyUI's Z-Image key map lacks it")
+            c.approx("ComfyUI", [m for m, v in variants.items() if v == "DoRA"], COMFY_PEFT_DORA)
+        c.skip("kohya", modules, "sd-scripts reads lora_unet_<module> keys, not diffusers/peft keys")
+        return c
 
     @classmethod
     @override

@@ -29,7 +29,7 @@ from lightning_lora.errors import ConfigError
 from lightning_lora.export import export_lora, read_lora_file, read_metadata
 from lightning_lora.families import Flux2, ModelSource
 from lightning_lora.families.flux2 import empirical_mu
-from lightning_lora.formats.flux2 import diffusers_to_bfl
+from lightning_lora.formats.bfl import flux2_diffusers_to_bfl as diffusers_to_bfl
 from lightning_lora.lora import LoraOptions, peft_config, resolve_targets
 
 PROMPT = "a photo of sks cat"

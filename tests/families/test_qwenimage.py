@@ -30,7 +30,7 @@ from torch.utils.data import default_collate
 from lightning_lora.errors import ConfigError
 from lightning_lora.export import export_lora, read_lora_file
 from lightning_lora.families import QwenImage
-from lightning_lora.families.base import ModelSource
+from lightning_lora.families.base import ModelSource, SampleSettings
 from lightning_lora.families.qwenimage import QWEN_IMAGE_TRANSFORMER, pack_latents, unpack_latents
 from lightning_lora.lora import LoraOptions
 
@@ -296,9 +296,7 @@ def test_samples_are_the_pipelines_images(
     prompt = {k: v[:1] for k, v in encoded.items()}
     draw = {"height": 32, "width": 32, "num_inference_steps": 2}
     for scale in (1.0, 4.0):
-        ours = family.generate(
-            sampler, prompt, seed=3, height=32, width=32, steps=2, guidance_scale=scale, negative=negative
-        )
+        ours = family.generate(sampler, prompt, SampleSettings(3, 32, 32, 2, scale), negative=negative)
         theirs = pipe(
             PROMPTS[0],
             negative_prompt="" if scale > 1 else None,
@@ -310,7 +308,7 @@ def test_samples_are_the_pipelines_images(
         difference = np.abs(np.asarray(ours, dtype=np.int16) - np.asarray(theirs, dtype=np.int16))
         assert difference.max() <= 1, scale
     with pytest.raises(ValueError, match="negative"):
-        family.generate(sampler, prompt, seed=3, height=32, width=32, steps=2, guidance_scale=4.0)
+        family.generate(sampler, prompt, SampleSettings(3, 32, 32, 2, 4.0))
 
 
 # -- LoRA ----------------------------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from safetensors.torch import load_file, save_file
 from lightning_lora.errors import ConfigError
 from lightning_lora.export import save_lora
 from lightning_lora.families import SD15
-from lightning_lora.families.base import ModelSource
+from lightning_lora.families.base import ModelSource, SampleSettings
 from lightning_lora.families.unet import noise_schedule_of
 from lightning_lora.formats.ldm import UNetLayout, unet_state_dict_to_ldm
 from lightning_lora.lora import LoraOptions
@@ -112,8 +112,8 @@ def test_guidance_needs_the_negative_embedding(source: ModelSource) -> None:
     pipe = family.pipeline(family.load_denoiser(source), family.load_vae(source), source)
     embeddings = {"prompt_embeds": torch.zeros(1, 77, 32)}
     with pytest.raises(ValueError, match="negative"):
-        family.generate(pipe, embeddings, seed=0, height=32, width=32, steps=2, guidance_scale=5.0)
-    image = family.generate(pipe, embeddings, seed=0, height=32, width=16, steps=2, guidance_scale=1.0)
+        family.generate(pipe, embeddings, SampleSettings(seed=0, height=32, width=32, steps=2, guidance_scale=5.0))
+    image = family.generate(pipe, embeddings, SampleSettings(seed=0, height=32, width=16, steps=2, guidance_scale=1.0))
     assert image.size == (16, 32)
 
 

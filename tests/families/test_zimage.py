@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 from lightning_lora.errors import ConfigError
 from lightning_lora.export import export_lora, read_metadata
 from lightning_lora.families import ModelSource, ZImage
-from lightning_lora.formats.zimage import comfy_target, diffusers_to_original
+from lightning_lora.formats.nextdit import comfy_target, diffusers_to_original
 from lightning_lora.lora import LoraOptions, peft_config, resolve_targets
 
 PROMPT = "a photo of sks cat"

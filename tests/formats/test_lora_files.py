@@ -60,10 +60,10 @@ from lightning_lora.formats.bfl import (
     flux_dims_from_state_dict,
     swap_halves,
 )
+from lightning_lora.formats.bfl import flux2_diffusers_to_bfl as flux2_to_bfl
 from lightning_lora.formats.clients import TOOLS
-from lightning_lora.formats.flux2 import diffusers_to_bfl as flux2_to_bfl
 from lightning_lora.formats.ldm import UNetLayout, diffusers_to_ldm
-from lightning_lora.formats.zimage import diffusers_to_original
+from lightning_lora.formats.nextdit import diffusers_to_original
 from lightning_lora.lora import LoraOptions, parse_key, peft_config, resolve_targets
 
 RANK, ALPHA = 4, 2.0  # alpha = rank / 2
