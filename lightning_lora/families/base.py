@@ -55,6 +55,7 @@ __all__ = [
     "ModelSource",
     "PromptLimit",
     "SampleSettings",
+    "SampleText",
     "build_from_config",
     "check_source",
     "compute_dtype",
@@ -131,6 +132,20 @@ class SampleSettings:
     guidance_scale: float
     """The guidance as the family's pipeline reads it: classifier-free guidance's scale, or a guidance-distilled
     model's guidance input (FLUX.1-dev)."""
+
+
+class SampleText(NamedTuple):
+    """One prompt's cached embeddings (a batch of 1) to draw a sample from, the empty prompt's (the negative side of
+    classifier-free guidance; None when not given), and where the pipeline's denoiser runs."""
+
+    embeddings: dict[str, torch.Tensor]
+    negative: dict[str, torch.Tensor] | None
+    device: torch.device
+    dtype: torch.dtype
+
+    def to_denoiser(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` on the denoiser's device, in its compute dtype."""
+        return tensor.to(device=self.device, dtype=self.dtype)
 
 
 class PromptLimit(NamedTuple):
@@ -407,9 +422,8 @@ class DiffusionFamily(ABC):
         and the guidance into the pipeline's arguments (:meth:`sampling_inputs`).
         """
         denoiser = getattr(pipeline, self.architecture.denoiser_subfolder)
-        inputs = self.sampling_inputs(
-            pipeline, embeddings, negative, settings, denoiser.device, compute_dtype(denoiser)
-        )
+        text = SampleText(embeddings, negative, denoiser.device, compute_dtype(denoiser))
+        inputs = self.sampling_inputs(pipeline, text, settings)
         generator = torch.Generator(device="cpu").manual_seed(settings.seed)
         return pipeline(
             **inputs,
@@ -421,19 +435,11 @@ class DiffusionFamily(ABC):
         ).images[0]
 
     @abstractmethod
-    def sampling_inputs(
-        self,
-        pipeline: Any,
-        embeddings: dict[str, torch.Tensor],
-        negative: dict[str, torch.Tensor] | None,
-        settings: SampleSettings,
-        device: torch.device,
-        dtype: torch.dtype,
-    ) -> dict[str, Any]:
-        """The pipeline's arguments for one prompt besides the image size, the steps and the seed: the prompt's (and
-        the negative's, where the family guides with one) cached embeddings as the pipeline takes them, on ``device``
-        in ``dtype``, and the guidance as the pipeline takes it (``guidance_scale``...). Raises for a guidance that
-        needs a ``negative`` it did not get."""
+    def sampling_inputs(self, pipeline: Any, text: SampleText, settings: SampleSettings) -> dict[str, Any]:
+        """The pipeline's arguments for one prompt besides the image size, the steps and the seed: the prompt's (and the
+        negative's, where the family guides with one) cached embeddings as the pipeline takes them, where its denoiser
+        runs (:meth:`SampleText.to_denoiser`), and the guidance as the pipeline takes it (``guidance_scale``...). Raises
+        for a guidance that needs a negative it did not get."""
 
     # -- interop: LoRA files (lightning_lora.formats, lightning_lora.export) ------------------------------------------
     def lora_layout(self, format: str) -> LoraLayout:

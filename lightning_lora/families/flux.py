@@ -40,6 +40,7 @@ from lightning_lora.families.base import (
     ModelSource,
     PromptLimit,
     SampleSettings,
+    SampleText,
     compute_dtype,
     load_component,
     load_weights,
@@ -297,20 +298,12 @@ class Flux(DiffusionFamily):
 
     # -- sampling ----------------------------------------------------------------------------------------------
     @override
-    def sampling_inputs(
-        self,
-        pipeline: Any,
-        embeddings: dict[str, torch.Tensor],
-        negative: dict[str, torch.Tensor] | None,
-        settings: SampleSettings,
-        device: torch.device,
-        dtype: torch.dtype,
-    ) -> dict[str, Any]:
+    def sampling_inputs(self, pipeline: Any, text: SampleText, settings: SampleSettings) -> dict[str, Any]:
         """The prompt's embeddings and ``guidance_scale``, FLUX.1-dev's distilled guidance input (no negative
         prompt)."""
         return {
-            "prompt_embeds": embeddings["prompt_embeds"].to(device=device, dtype=dtype),
-            "pooled_prompt_embeds": embeddings["pooled_prompt_embeds"].to(device=device, dtype=dtype),
+            "prompt_embeds": text.to_denoiser(text.embeddings["prompt_embeds"]),
+            "pooled_prompt_embeds": text.to_denoiser(text.embeddings["pooled_prompt_embeds"]),
             "guidance_scale": settings.guidance_scale,
         }
 

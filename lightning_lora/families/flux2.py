@@ -77,6 +77,7 @@ from lightning_lora.families.base import (
     ModelSource,
     PromptLimit,
     SampleSettings,
+    SampleText,
     check_source,
     compute_dtype,
     load_component,
@@ -577,29 +578,21 @@ class Flux2(DiffusionFamily):
         return {"is_distilled": self.is_distilled(source)} if self.variant == "klein" else {}
 
     @override
-    def sampling_inputs(
-        self,
-        pipeline: Any,
-        embeddings: dict[str, torch.Tensor],
-        negative: dict[str, torch.Tensor] | None,
-        settings: SampleSettings,
-        device: torch.device,
-        dtype: torch.dtype,
-    ) -> dict[str, Any]:
+    def sampling_inputs(self, pipeline: Any, text: SampleText, settings: SampleSettings) -> dict[str, Any]:
         """As ``pipe(prompt, guidance_scale=...)`` draws it: klein base models with classifier-free guidance above 1
         (the cached empty prompt as the negative), distilled klein without, dev with ``guidance_scale`` as its guidance
         input."""
         extra: dict[str, Any] = {}
         guided = self.variant == "klein" and settings.guidance_scale > 1 and not pipeline.config.is_distilled
         if guided:
-            if negative is None:
+            if text.negative is None:
                 raise ConfigError(
                     f"SampleImages guidance_scale: {settings.guidance_scale} needs the empty prompt's embeddings; use "
                     "1.0 (no classifier-free guidance)."
                 )
-            extra["negative_prompt_embeds"] = negative["prompt_embeds"].to(device=device, dtype=dtype)
+            extra["negative_prompt_embeds"] = text.to_denoiser(text.negative["prompt_embeds"])
         return {
-            "prompt_embeds": embeddings["prompt_embeds"].to(device=device, dtype=dtype),
+            "prompt_embeds": text.to_denoiser(text.embeddings["prompt_embeds"]),
             "guidance_scale": settings.guidance_scale,
             **extra,
         }

@@ -73,6 +73,7 @@ from lightning_lora.families.base import (
     ModelSource,
     PromptLimit,
     SampleSettings,
+    SampleText,
     compute_dtype,
     load_component,
     load_weights,
@@ -414,33 +415,25 @@ class QwenImage(DiffusionFamily):
 
     # -- sampling ----------------------------------------------------------------------------------------------
     @override
-    def sampling_inputs(
-        self,
-        pipeline: Any,
-        embeddings: dict[str, torch.Tensor],
-        negative: dict[str, torch.Tensor] | None,
-        settings: SampleSettings,
-        device: torch.device,
-        dtype: torch.dtype,
-    ) -> dict[str, Any]:
+    def sampling_inputs(self, pipeline: Any, text: SampleText, settings: SampleSettings) -> dict[str, Any]:
         """Classifier-free guidance ``true_cfg_scale = guidance_scale`` (none at 1 or below), the empty prompt as the
         negative, as ``pipe(prompt, negative_prompt="", true_cfg_scale=...)`` draws it."""
 
-        def text(cached: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        def trimmed(cached: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             n = max(int(cached["prompt_embeds_mask"].sum(dim=1).max()), 1)  # a batch of one: its own length
             return {
-                "embeds": cached["prompt_embeds"][:, :n].to(device=device, dtype=dtype),
-                "mask": cached["prompt_embeds_mask"][:, :n].to(device=device),
+                "embeds": text.to_denoiser(cached["prompt_embeds"][:, :n]),
+                "mask": cached["prompt_embeds_mask"][:, :n].to(device=text.device),
             }
 
-        prompt = text(embeddings)
+        prompt = trimmed(text.embeddings)
         guided: dict[str, Any] = {}
         if settings.guidance_scale > 1:
-            if negative is None:
+            if text.negative is None:
                 raise ValueError(
                     "classifier-free guidance (guidance_scale > 1) needs the empty prompt's embeddings as `negative`"
                 )
-            neg = text(negative)
+            neg = trimmed(text.negative)
             guided = {"negative_prompt_embeds": neg["embeds"], "negative_prompt_embeds_mask": neg["mask"]}
         return {
             "prompt_embeds": prompt["embeds"],

@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 import torch
 from typing_extensions import override
 
-from lightning_lora.families.base import ModelSource, SampleSettings, load_component, load_weights
+from lightning_lora.families.base import ModelSource, SampleSettings, SampleText, load_component, load_weights
 from lightning_lora.families.encoders import CLIP_L
 from lightning_lora.families.facts import Architecture, Compiling, LoraFiles, Planning
 from lightning_lora.families.sdxl import SDXL_VAE
@@ -154,20 +154,11 @@ class SD15(UNetFamily):
         return {"safety_checker": None, "feature_extractor": None, "requires_safety_checker": False}
 
     @override
-    def sampling_inputs(
-        self,
-        pipeline: Any,
-        embeddings: dict[str, torch.Tensor],
-        negative: dict[str, torch.Tensor] | None,
-        settings: SampleSettings,
-        device: torch.device,
-        dtype: torch.dtype,
-    ) -> dict[str, Any]:
-        self._require_negative(negative, settings.guidance_scale)
+    def sampling_inputs(self, pipeline: Any, text: SampleText, settings: SampleSettings) -> dict[str, Any]:
+        self._require_negative(text.negative, settings.guidance_scale)
+        negative = None if text.negative is None else text.to_denoiser(text.negative["prompt_embeds"])
         return {
-            "prompt_embeds": embeddings["prompt_embeds"].to(device=device, dtype=dtype),
-            "negative_prompt_embeds": None
-            if negative is None
-            else negative["prompt_embeds"].to(device=device, dtype=dtype),
+            "prompt_embeds": text.to_denoiser(text.embeddings["prompt_embeds"]),
+            "negative_prompt_embeds": negative,
             "guidance_scale": settings.guidance_scale,
         }

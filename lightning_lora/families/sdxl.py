@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 import torch
 from typing_extensions import override
 
-from lightning_lora.families.base import ModelSource, SampleSettings, load_component, load_weights
+from lightning_lora.families.base import ModelSource, SampleSettings, SampleText, load_component, load_weights
 from lightning_lora.families.encoders import CLIP_L, OPENCLIP_BIGG
 from lightning_lora.families.facts import Architecture, Compiling, LoraFiles, Planning
 from lightning_lora.families.flux import FLUX1_VAE
@@ -213,22 +213,15 @@ class SDXL(UNetFamily):
         return {"force_zeros_for_empty_prompt": bool(index.get("force_zeros_for_empty_prompt", True))}
 
     @override
-    def sampling_inputs(
-        self,
-        pipeline: Any,
-        embeddings: dict[str, torch.Tensor],
-        negative: dict[str, torch.Tensor] | None,
-        settings: SampleSettings,
-        device: torch.device,
-        dtype: torch.dtype,
-    ) -> dict[str, Any]:
+    def sampling_inputs(self, pipeline: Any, text: SampleText, settings: SampleSettings) -> dict[str, Any]:
         """The prompt's embeddings and the negative's (zeros when the model's pipeline config says
         ``force_zeros_for_empty_prompt``: what the pipeline does for "no negative prompt" with it)."""
-        prompt = {k: v.to(device=device, dtype=dtype) for k, v in embeddings.items()}
+        prompt = {k: text.to_denoiser(v) for k, v in text.embeddings.items()}
+        negative = text.negative
         if pipeline.config.force_zeros_for_empty_prompt:
             negative = {k: torch.zeros_like(v) for k, v in prompt.items()}
         self._require_negative(negative, settings.guidance_scale)
-        negative = {k: v.to(device=device, dtype=dtype) for k, v in (negative or {}).items()}
+        negative = {k: text.to_denoiser(v) for k, v in (negative or {}).items()}
         return {
             "prompt_embeds": prompt["prompt_embeds"],
             "pooled_prompt_embeds": prompt["pooled_prompt_embeds"],

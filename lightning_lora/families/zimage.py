@@ -61,6 +61,7 @@ from lightning_lora.families.base import (
     ModelSource,
     PromptLimit,
     SampleSettings,
+    SampleText,
     compute_dtype,
     load_component,
     load_weights,
@@ -288,25 +289,21 @@ class ZImage(DiffusionFamily):
 
     # -- sampling ----------------------------------------------------------------------------------------------
     @override
-    def sampling_inputs(
-        self,
-        pipeline: Any,
-        embeddings: dict[str, torch.Tensor],
-        negative: dict[str, torch.Tensor] | None,
-        settings: SampleSettings,
-        device: torch.device,
-        dtype: torch.dtype,
-    ) -> dict[str, Any]:
+    def sampling_inputs(self, pipeline: Any, text: SampleText, settings: SampleSettings) -> dict[str, Any]:
         negative_embeds = None
         if settings.guidance_scale > 0:  # ZImagePipeline's CFG: pos + scale * (pos - neg), the empty prompt as negative
-            if negative is None:
+            if text.negative is None:
                 raise ConfigError(
                     f"SampleImages guidance_scale: {settings.guidance_scale} needs the empty prompt's embeddings; use "
                     "0.0 (Z-Image-Turbo samples without guidance)."
                 )
-            negative_embeds = caption_features(negative["prompt_embeds"], negative["prompt_mask"], device, dtype)
+            negative_embeds = caption_features(
+                text.negative["prompt_embeds"], text.negative["prompt_mask"], text.device, text.dtype
+            )
         return {
-            "prompt_embeds": caption_features(embeddings["prompt_embeds"], embeddings["prompt_mask"], device, dtype),
+            "prompt_embeds": caption_features(
+                text.embeddings["prompt_embeds"], text.embeddings["prompt_mask"], text.device, text.dtype
+            ),
             "negative_prompt_embeds": negative_embeds,
             "guidance_scale": settings.guidance_scale,
         }
