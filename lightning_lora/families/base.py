@@ -550,6 +550,48 @@ class DiffusionFamily(ABC):
         cls = self.denoiser_cls()
         return build_from_config(cls, self.denoiser_config(source, cls.load_config), source.dtype)
 
+    # -- cached batches without data (tools/bench.py) -------------------------------------------------------------
+    def example_batch(
+        self,
+        config: Mapping[str, Any],
+        batch: int,
+        height: int,
+        width: int,
+        text_len: int,
+        generator: torch.Generator | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """A batch as the latent cache serves it to the training step, random values of the cached shapes and dtypes:
+        ``batch`` images of ``height x width`` pixels (``latents`` as :meth:`encode_images` returns them, float32, and
+        their size conditioning) and prompts of ``text_len`` tokens (:meth:`example_text`), for the denoiser of
+        ``config`` (its ``config.json``). What the benchmark trains on with no data and no encoders."""
+        latents = torch.randn(batch, *self.cached_latent_shape(config, height, width), generator=generator)
+        size = torch.tensor([height, width]).expand(batch, 2)
+        return {
+            "latents": latents,
+            **self.example_text(config, batch, text_len, generator),
+            "original_size": size,
+            "crop_top_left": torch.zeros(batch, 2, dtype=torch.int64),
+            "target_size": size,
+        }
+
+    def cached_latent_shape(self, config: Mapping[str, Any], height: int, width: int) -> tuple[int, int, int]:
+        """The shape of one image's cached latents (:meth:`encode_images`), ``[C, h, w]``, for the denoiser of
+        ``config``. Default: its ``in_channels`` at an eighth of the image's sides (the VAE's downscale)."""
+        return (config["in_channels"], height // 8, width // 8)
+
+    def example_text(
+        self, config: Mapping[str, Any], batch: int, text_len: int, generator: torch.Generator | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Random cached prompt embeddings of ``batch`` prompts of ``text_len`` tokens, as :meth:`encode_prompts` gives
+        them to the text cache (bf16), for the denoiser of ``config``."""
+        raise NotImplementedError(f"the {self.name} family describes no cached text")
+
+    @classmethod
+    def text_length_options(cls, text_len: int) -> tuple[dict[str, Any], int]:
+        """The family's options for prompts of ``text_len`` tokens, and the text length the denoiser then sees.
+        Default: a fixed length, CLIP's 77 (no option changes it)."""
+        return {}, 77
+
     def example_inputs(
         self, model: DiffusersModel, batch: int, height: int, width: int, text_len: int, device: str, dtype: torch.dtype
     ) -> dict[str, Any]:

@@ -366,6 +366,24 @@ class Flux(DiffusionFamily):
     def block_count(self, model: DiffusersModel) -> int:
         return model.config.num_layers + model.config.num_single_layers
 
+    @override
+    def cached_latent_shape(self, config: Mapping[str, Any], height: int, width: int) -> tuple[int, int, int]:
+        return (config["in_channels"] // 4, height // 8, width // 8)  # 2x2 patches of 16 channels packed
+
+    @override
+    def example_text(
+        self, config: Mapping[str, Any], batch: int, text_len: int, generator: torch.Generator | None = None
+    ) -> dict[str, torch.Tensor]:
+        """T5 padded to ``text_len`` (the denoiser attends over every position), CLIP's pooled vector."""
+        embeds = torch.randn(batch, text_len, config["joint_attention_dim"], generator=generator)
+        pooled = torch.randn(batch, config["pooled_projection_dim"], generator=generator)
+        return {"prompt_embeds": embeds.bfloat16(), "pooled_prompt_embeds": pooled.bfloat16()}
+
+    @classmethod
+    @override
+    def text_length_options(cls, text_len: int) -> tuple[dict[str, Any], int]:
+        return {"max_sequence_length": text_len}, text_len
+
     def sampling_bytes(self, model: DiffusersModel, height: int, width: int, text_len: int) -> float:
         c = model.config
         tokens = (height // 16) * (width // 16) + text_len

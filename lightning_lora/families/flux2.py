@@ -651,6 +651,23 @@ class Flux2(DiffusionFamily):
     def block_count(self, model: DiffusersModel) -> int:
         return model.config.num_layers + model.config.num_single_layers
 
+    @override
+    def cached_latent_shape(self, config: Mapping[str, Any], height: int, width: int) -> tuple[int, int, int]:
+        return (config["in_channels"], height // 16, width // 16)  # patchified, batch-normalised
+
+    @override
+    def example_text(
+        self, config: Mapping[str, Any], batch: int, text_len: int, generator: torch.Generator | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Three LLM layers side by side, every one of the ``text_len`` positions (no mask)."""
+        embeds = torch.randn(batch, text_len, config["joint_attention_dim"], generator=generator)
+        return {"prompt_embeds": embeds.bfloat16()}
+
+    @classmethod
+    @override
+    def text_length_options(cls, text_len: int) -> tuple[dict[str, Any], int]:
+        return {"max_sequence_length": text_len}, text_len  # the denoiser attends over every padded position
+
     def sampling_bytes(self, model: DiffusersModel, height: int, width: int, text_len: int) -> float:
         c = model.config
         tokens = (height // 16) * (width // 16) + text_len

@@ -497,6 +497,26 @@ class QwenImage(DiffusionFamily):
     def block_count(self, model: DiffusersModel) -> int:
         return model.config.num_layers
 
+    @override
+    def cached_latent_shape(self, config: Mapping[str, Any], height: int, width: int) -> tuple[int, int, int]:
+        return (config["out_channels"], height // 8, width // 8)  # one frame of the video VAE, without its axis
+
+    @override
+    def example_text(
+        self, config: Mapping[str, Any], batch: int, text_len: int, generator: torch.Generator | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Qwen2.5-VL's last hidden state of ``text_len`` tokens, zeros to the cached length, an int64 mask."""
+        embeds = torch.zeros(batch, self.max_sequence_length, config["joint_attention_dim"])
+        embeds[:, :text_len] = torch.randn(batch, text_len, config["joint_attention_dim"], generator=generator)
+        mask = (torch.arange(self.max_sequence_length) < text_len).expand(batch, -1)
+        return {"prompt_embeds": embeds.bfloat16(), "prompt_embeds_mask": mask.long()}
+
+    @classmethod
+    @override
+    def text_length_options(cls, text_len: int) -> tuple[dict[str, Any], int]:
+        # The denoiser sees the caption's tokens alone: the cache keeps its default length (512, the shipped configs').
+        return {"max_sequence_length": max(text_len, 512)}, text_len
+
     def sampling_bytes(self, model: DiffusersModel, height: int, width: int, text_len: int) -> float:
         c = model.config
         tokens = (height // 16) * (width // 16) + text_len

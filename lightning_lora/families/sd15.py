@@ -148,6 +148,13 @@ class SD15(UNetFamily):
     ) -> dict[str, Any]:
         return {"encoder_hidden_states": batch["prompt_embeds"].to(dtype)}
 
+    @override
+    def example_text(
+        self, config: Mapping[str, Any], batch: int, text_len: int, generator: torch.Generator | None = None
+    ) -> dict[str, torch.Tensor]:
+        """CLIP-L's 77 tokens; no pooled vector."""
+        return {"prompt_embeds": torch.randn(batch, 77, config["cross_attention_dim"], generator=generator).bfloat16()}
+
     # -- sampling ----------------------------------------------------------------------------------------------
     @override
     def pipeline_options(self, source: ModelSource) -> dict[str, Any]:

@@ -199,6 +199,19 @@ class SDXL(UNetFamily):
             "added_cond_kwargs": {"text_embeds": pooled, "time_ids": time_ids.to(dtype)},
         }
 
+    @override
+    def example_text(
+        self, config: Mapping[str, Any], batch: int, text_len: int, generator: torch.Generator | None = None
+    ) -> dict[str, torch.Tensor]:
+        """CLIP-L and OpenCLIP-G side by side, 77 tokens; the pooled vector is what the size conditioning leaves of the
+        added embedding's input."""
+        embeds = torch.randn(batch, 77, config["cross_attention_dim"], generator=generator)
+        pooled = config["projection_class_embeddings_input_dim"] - 6 * config["addition_time_embed_dim"]
+        return {
+            "prompt_embeds": embeds.bfloat16(),
+            "pooled_prompt_embeds": torch.randn(batch, pooled, generator=generator).bfloat16(),
+        }
+
     # -- sampling ----------------------------------------------------------------------------------------------
     @override
     def sampling_vae_dtype(self, vae_config: dict[str, Any], dtype: torch.dtype) -> torch.dtype:

@@ -348,6 +348,22 @@ class ZImage(DiffusionFamily):
     def block_count(self, model: DiffusersModel) -> int:
         return model.config.n_layers + 2 * model.config.n_refiner_layers
 
+    @override
+    def example_text(
+        self, config: Mapping[str, Any], batch: int, text_len: int, generator: torch.Generator | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Qwen3 features of ``text_len`` tokens, zeros to the cached length, with a bool mask."""
+        embeds = torch.zeros(batch, self.max_sequence_length, config["cap_feat_dim"])
+        embeds[:, :text_len] = torch.randn(batch, text_len, config["cap_feat_dim"], generator=generator)
+        mask = (torch.arange(self.max_sequence_length) < text_len).expand(batch, -1)
+        return {"prompt_embeds": embeds.bfloat16(), "prompt_mask": mask}
+
+    @classmethod
+    @override
+    def text_length_options(cls, text_len: int) -> tuple[dict[str, Any], int]:
+        # The denoiser sees the caption's tokens alone: the cache keeps its default length (512, the shipped configs').
+        return {"max_sequence_length": max(text_len, 512)}, text_len
+
     def sampling_bytes(self, model: DiffusersModel, height: int, width: int, text_len: int) -> float:
         c = model.config
         tokens = (height // 16) * (width // 16) + text_len

@@ -77,7 +77,7 @@ def test_bench_batches_have_the_caches_layout(family: str) -> None:
     real = FAMILIES[family](max_sequence_length=512)
     cached = {"latents": real.encode_images(pipe.vae, torch.zeros(1, 3, 64, 96))[0]}
     cached.update({k: v[0] for k, v in real.encode_prompts(pipe, ["a photo of a dog"]).items()})
-    random = bench.random_family(family, config, "cpu", **bench.family_options(family, 24))
+    random = bench.random_family(family, config, "cpu", **bench.RANDOM[family].text_length_options(24)[0])
     item = bench.Synthetic(family, config, 64, 96, 24, family_obj=random)[0]
     for key, value in cached.items():
         assert item[key].shape == value.shape and item[key].dtype in (value.dtype, torch.bfloat16), key
