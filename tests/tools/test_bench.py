@@ -492,9 +492,9 @@ def test_bench_compile_seconds_grow_by_phase_when_dynamo_traces() -> None:
 @pytest.mark.parametrize(("flag", "extra"), [([], ()), (["--compile-regions", "ResnetBlock2D"], ("ResnetBlock2D",))])
 def test_bench_compile_regions_replace_the_familys_extra_compiled_classes(monkeypatch, flag, extra) -> None:
     """``--compile-regions`` (an experiment: SDXL's ResNets compiled beside its transformer blocks) reaches the
-    assembly's compile as the family's ``compiled_regions``; without it the family's own. The compile is recorded, not
+    assembly's compile as the family's ``compiling.regions``; without it the family's own. The compile is recorded, not
     run (compiling takes minutes on the CPU)."""
-    from lightning_lora import assembly
+    from lightning_lora.model import assembly
 
     seen: list[tuple[str, ...]] = []
     monkeypatch.setattr(
