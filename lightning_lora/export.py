@@ -52,7 +52,7 @@ from torch import nn
 from lightning_lora import __version__
 from lightning_lora.errors import ConfigError, first_line
 from lightning_lora.families import FAMILIES, DiffusionFamily
-from lightning_lora.formats import FORMATS, VARIANTS, LoraFormat
+from lightning_lora.formats import FORMATS, VARIANTS, FileFacts, LoraFormat
 from lightning_lora.formats.adapters import adapters_from_peft, common_rank, variants_of
 from lightning_lora.formats.clients import Coverage
 from lightning_lora.formats.diffusers import is_diffusers_file
@@ -190,7 +190,7 @@ def write_lora(
     if targets is not None:
         metadata["lightning_lora.targets"] = json.dumps(targets)
     layout = family.lora_layout(format)  # the layout's code with the family's names
-    tensors, header = layout.write(state, scale=scale, rank=rank, alpha=alpha, title=title, init=init, dtype=dtype)
+    tensors, header = layout.write(state, FileFacts(scale, rank, alpha, title, init, dtype))
     metadata.update(header)
     metadata.update(modelspec(family, title, info))
     metadata["lightning_lora.loads_in"] = json.dumps(family.lora_coverage(format, variants).loads_in)
@@ -231,7 +231,7 @@ def check_export(state: Mapping[str, torch.Tensor], family: DiffusionFamily, for
     meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in state.items()}
     _check_format(meta, format, family)
     try:
-        family.lora_layout(format).write(meta, scale=0.5, rank=1, alpha=1.0, title="")
+        family.lora_layout(format).write(meta, FileFacts(scale=0.5, rank=1, alpha=1.0))
     except ValueError as e:
         if isinstance(e, ConfigError):
             raise

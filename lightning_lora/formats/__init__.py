@@ -64,12 +64,13 @@ layer and the format, instead of writing a file that does something else than wh
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol, get_args
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["FORMATS", "VARIANTS", "LoraFormat", "LoraLayout"]
+__all__ = ["FORMATS", "VARIANTS", "FileFacts", "LoraFormat", "LoraLayout"]
 
 LoraFormat = Literal["diffusers", "kohya"]
 """A LoRA file format lightning-lora writes (``lightning-lora export --format``, ``LoraExport(formats=...)``)."""
@@ -79,6 +80,24 @@ FORMATS: tuple[str, ...] = get_args(LoraFormat)
 
 VARIANTS: dict[str, tuple[str, ...]] = {"diffusers": ("LoRA", "DoRA"), "kohya": ("LoRA", "DoRA", "LoKr", "LoHa")}
 """Format -> the adapter variants (:attr:`lightning_lora.lora.AdapterKey.variant`) a file of that format holds."""
+
+
+@dataclass(frozen=True)
+class FileFacts:
+    """What a LoRA file is written with besides its tensors, in any layout."""
+
+    scale: float
+    """Every update is multiplied by this (peft's ``alpha / r`` of a trained LoRA; 1 for a file whose scale is in)."""
+    rank: int
+    """The trained rank the header reports."""
+    alpha: float
+    """The trained alpha the header reports."""
+    title: str = ""
+    """The file's name without suffix (kohya's ``ss_output_name``)."""
+    init: str = "gaussian"
+    """The ``init_lora_weights`` a peft config records."""
+    dtype: torch.dtype | None = None
+    """The weights' dtype in the file (None: as given)."""
 
 
 class LoraLayout(Protocol):
@@ -92,19 +111,10 @@ class LoraLayout(Protocol):
         ...
 
     def write(
-        self,
-        state: Mapping[str, torch.Tensor],
-        *,
-        scale: float,
-        rank: int,
-        alpha: float,
-        title: str,
-        init: str = "gaussian",
-        dtype: torch.dtype | None = None,
+        self, state: Mapping[str, torch.Tensor], file: FileFacts
     ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """A peft state dict (no prefix, no adapter name) as the file's ``(tensors, header entries)``, every update
-        scaled by ``scale``; ``rank``, ``alpha`` and ``title`` are what the header reports. ``ValueError`` naming a
-        module the layout has no name or exact form for."""
+        scaled by ``file.scale``. ``ValueError`` naming a module the layout has no name or exact form for."""
         ...
 
     def read(self, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> dict[str, torch.Tensor]:

@@ -51,7 +51,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from lightning_lora.formats import LoraFormat
+from lightning_lora.formats import FileFacts, LoraFormat
 from lightning_lora.formats.adapters import adapters_from_peft, cast
 from lightning_lora.lora import LoraOptions, parse_key, peft_config
 
@@ -227,20 +227,10 @@ class DiffusersLayout:
     """The family's denoiser subfolder (``transformer``, ``unet``): the keys' prefix, the pipeline component."""
     format: ClassVar[LoraFormat] = "diffusers"
 
-    def write(
-        self,
-        state: Mapping[str, Tensor],
-        *,
-        scale: float,
-        rank: int,
-        alpha: float,
-        title: str,
-        init: str = "gaussian",
-        dtype: torch.dtype | None = None,
-    ) -> tuple[dict[str, Tensor], dict[str, str]]:
+    def write(self, state: Mapping[str, Tensor], file: FileFacts) -> tuple[dict[str, Tensor], dict[str, str]]:
         """The file's tensors and header entries (:func:`to_diffusers`; the rank, alpha and title are not needed: the
         scale is folded into the weights and the config says so)."""
-        return to_diffusers(state, self.prefix, scale=scale, init=init, dtype=dtype)
+        return to_diffusers(state, self.prefix, scale=file.scale, init=file.init, dtype=file.dtype)
 
     def read(self, tensors: Mapping[str, Tensor], metadata: Mapping[str, str]) -> dict[str, Tensor]:
         """A diffusers file as a peft state dict, the scale folded in (:func:`from_diffusers`); ``ValueError`` for a

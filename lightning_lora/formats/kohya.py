@@ -125,7 +125,7 @@ import torch
 from torch import Tensor
 
 from lightning_lora.errors import first_line
-from lightning_lora.formats import LoraFormat
+from lightning_lora.formats import FileFacts, LoraFormat
 from lightning_lora.formats.adapters import Adapter, adapters_from_peft, alpha_rank, cast
 from lightning_lora.formats.bfl import GLOBAL_MODULES, BflSlice, FluxDims, bfl_slice, swap_halves
 from lightning_lora.formats.ldm import UNetLayout, diffusers_to_ldm
@@ -581,20 +581,11 @@ class KohyaLayout:
     family: :func:`flux_from_kohya`, :func:`unet_from_kohya`, :func:`from_kohya_by`)."""
     format: ClassVar[LoraFormat] = "kohya"
 
-    def write(
-        self,
-        state: Mapping[str, Tensor],
-        *,
-        scale: float,
-        rank: int,
-        alpha: float,
-        title: str,
-        init: str = "gaussian",
-        dtype: torch.dtype | None = None,
-    ) -> tuple[dict[str, Tensor], dict[str, str]]:
+    def write(self, state: Mapping[str, Tensor], file: FileFacts) -> tuple[dict[str, Tensor], dict[str, str]]:
         """The file's tensors and its ``ss_*`` header entries (:func:`kohya_metadata`)."""
-        tensors = self.to_kohya(state, scale, dtype)
-        return tensors, kohya_metadata(network_summary(tensors, state, rank, alpha, output_name=title), self.network)
+        tensors = self.to_kohya(state, file.scale, file.dtype)
+        summary = network_summary(tensors, state, file.rank, file.alpha, output_name=file.title)
+        return tensors, kohya_metadata(summary, self.network)
 
     def read(self, tensors: Mapping[str, Tensor], metadata: Mapping[str, str]) -> dict[str, Tensor]:
         """A kohya file made elsewhere (plain LoRA) as a peft state dict; ``ValueError`` naming what it cannot read."""
