@@ -28,8 +28,9 @@ describes them (:func:`cached_item`).
 
 A shipped config, as ``fit`` would use it (:func:`config_defaults`): ``--config configs/flux_4090.yaml`` takes every
 setting this tool has a flag for from the YAML (family, quantization, checkpointing, compile, offloading, attention,
-LoRA, optimizer, resolution, batch, text length, gradient accumulation); flags on the command line override it. What
-the YAML's model section sets that this tool cannot reproduce is listed in the output's ``not_reproduced``.
+LoRA, optimizer, resolution, batch, text length, gradient accumulation, gradient clipping); flags on the command line
+override it. What the YAML's model section sets that this tool cannot reproduce is listed in the output's
+``not_reproduced``.
 ``--memory-limit GIB`` caps this process's CUDA memory (``torch.cuda.set_per_process_memory_fraction``) to a card's
 size from the first training step (:class:`MemoryLimit`: the random-weight build is not a real load), so a config that
 does not fit its card ends as an out-of-memory error row:
@@ -77,12 +78,14 @@ from lightning.pytorch import Callback, LightningDataModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import Logger
 from torch.utils.data import DataLoader, Dataset
+from typing_extensions import override
 
 from lightning_lora import objectives
 from lightning_lora.callbacks import LoraExport, RNGState, RunFolder, SampleImages
 from lightning_lora.checkpoint import AtomicCheckpointIO
 from lightning_lora.cli.fit import default_checkpoint
 from lightning_lora.cli.peek import config_allocator
+from lightning_lora.data.recipe import DataRecipe
 from lightning_lora.families import SD15, SDXL, DiffusionFamily, Flux, Flux2, QwenImage, ZImage
 from lightning_lora.families.base import ModelSource, build_from_config
 from lightning_lora.families.flux import FLUX1_VAE
@@ -97,7 +100,8 @@ from lightning_lora.lora import LoraOptions, set_lora_input_casts
 from lightning_lora.model.parallel import resolve_strategy, shard_count
 from lightning_lora.model.sharding import local_parameter_bytes
 from lightning_lora.module import LoraModule
-from lightning_lora.precision import PRECISIONS, BasePrecision
+from lightning_lora.precision import FP8, PRECISIONS, BasePrecision
+from lightning_lora.precision.layers import linear_layers
 
 FLUX_DEV = dict(Flux.planning.known_denoisers["black-forest-labs/FLUX.1-dev"])
 FLUX_TINY = dict(
@@ -326,8 +330,8 @@ class Synthetic(Dataset):
 
 class SyntheticData(LightningDataModule):
     """The synthetic batches as the data module of ``fit`` serves them, with what the callbacks ask of it: the
-    ``resolution`` (samples without a size of their own are drawn at it) and ``cache()`` (the prompts' embeddings:
-    :meth:`Synthetic.text_embeddings`)."""
+    ``recipe`` (its resolution: samples without a size of their own are drawn at it) and ``cache()`` (the prompts'
+    embeddings: :meth:`Synthetic.text_embeddings`)."""
 
     def __init__(
         self,
@@ -339,7 +343,8 @@ class SyntheticData(LightningDataModule):
         worker_start: str | None = None,
     ) -> None:
         super().__init__()
-        self.dataset, self.batch_size, self.resolution, self.workers = dataset, batch_size, resolution, workers
+        self.dataset, self.batch_size, self.workers = dataset, batch_size, workers
+        self.recipe = DataRecipe(resolutions=(resolution,), batch_size=batch_size, num_workers=workers)
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.worker_start = worker_start  # the workers' multiprocessing start method (None: torch's, fork on Linux)
 
@@ -422,7 +427,7 @@ def compile_seconds() -> dict[str, float]:
 
     names, totals = compile_times(repr="csv", aggregate=True)
     spent = dict(zip(names, totals, strict=True))
-    return {ours: float(spent.get(name, 0.0)) for name, ours in COMPILE_PHASES.items()}
+    return {ours: float(spent.get(name, 0.0)) for name, ours in COMPILE_PHASES.items()}  # type: ignore[arg-type]
 
 
 def sync() -> None:
@@ -668,7 +673,8 @@ OPTIMIZERS = {
 
 
 def make_optimizer(name: str, options: dict[str, Any] | None = None):
-    """The optimizer ``name`` (``--opt``) with lr 1e-4, or with ``options`` (a config's ``init_args``) over that."""
+    """The optimizer ``name`` (``--opt``) with lr 1e-4, or with ``options`` (a config's ``init_args``) over that;
+    ``adamw-fused`` is torch's AdamW with ``fused=True`` (one kernel for every LoRA tensor)."""
     kwargs = {"lr": 1e-4, **(options or {})}
 
     def build(params: Any) -> torch.optim.Optimizer:
@@ -680,10 +686,12 @@ def make_optimizer(name: str, options: dict[str, Any] | None = None):
             if name == "adafactor":
                 from lightning_lora.optimizers import Adafactor
             else:
-                from transformers.optimization import Adafactor
+                from transformers.optimization import Adafactor  # type: ignore[assignment]
 
             fixed = {"scale_parameter": False, "relative_step": False, "warmup_init": False}
             return Adafactor(params, **{**fixed, **kwargs})
+        if name == "adamw-fused":
+            return torch.optim.AdamW(params, **{"fused": True, **kwargs})
         return torch.optim.AdamW(params, **kwargs)
 
     return build
@@ -711,6 +719,8 @@ def bare_loop(module: LoraModule, dataset: Dataset, a: argparse.Namespace, devic
         with torch.autocast(device, dtype=torch.bfloat16):
             loss = module.family.loss(denoiser, batch, batch["noise"], batch["timesteps"]).mean()
         loss.backward()
+        if a.clip:
+            torch.nn.utils.clip_grad_norm_([p for p in denoiser.parameters() if p.requires_grad], a.clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     if device == "cuda":
@@ -784,7 +794,7 @@ def write_sampling_files(family: DiffusionFamily, denoiser: str | None, folder: 
         "_class_name": family.architecture.pipeline_classes[0],
         "force_zeros_for_empty_prompt": True,
         # klein's step-distilled ids (a known hub id: answered without the hub); every other model: not distilled
-        "is_distilled": isinstance(family, Flux2) and bool(denoiser) and family.is_distilled(ModelSource(denoiser)),
+        "is_distilled": bool(isinstance(family, Flux2) and denoiser and family.is_distilled(ModelSource(denoiser))),
     }
     (folder / "model_index.json").write_text(json.dumps(index))
     return str(folder)
@@ -1003,13 +1013,35 @@ def bench_strategy(name: str, devices: int) -> Any:
     return resolve_strategy(name, devices)
 
 
-QUANT_PLUGINS = {"none": "BF16", "nf4": "NF4", "fp8": "FP8", "fp8_compute": "FP8Compute"}
-"""``--quant`` values and the precision plugins (``lightning_lora.precision``) they name."""
+class TorchaoFP8(FP8):
+    """torchao's frozen-weight FP8 in place of ours (``--quant torchao_fp8``), for the row that compares the two: the
+    layers :class:`~lightning_lora.precision.FP8` would replace get ``torchao.quantization.quantize_`` with
+    ``Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())`` (e4m3 weights with a scale per output channel,
+    as ours; each matmul quantizes its activation per row and multiplies with ``torch._scaled_mm``), then peft's LoRA
+    goes on top (peft wraps torchao's weights in its ``TorchaoLoraLinear``). The planner counts it as ours (one byte
+    per weight and a float32 scale per row). REFERENCE.md found torchao 0.17's path unable to backpropagate (no
+    derivative for ``aten::_scaled_mm``): the row then records that error."""
+
+    @override
+    def quantize(self, model: torch.nn.Module, device: torch.device, on_cpu: frozenset[int] = frozenset()) -> int:
+        from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+
+        if on_cpu:
+            raise ValueError("--quant torchao_fp8 quantizes the base on the GPU: give --offload 0")
+        layers = {id(layer) for *_, layer in linear_layers(model, self.skip)}
+        config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())
+        quantize_(model.to(device), config, filter_fn=lambda module, name: id(module) in layers)
+        return len(layers)
+
+
+QUANT_PLUGINS = {"none": "BF16", "nf4": "NF4", "fp8": "FP8", "fp8_compute": "FP8Compute", "torchao_fp8": "TorchaoFP8"}
+"""``--quant`` values and the precision plugins (``lightning_lora.precision``, and :class:`TorchaoFP8`) they name."""
 
 
 def bench_precision(quant: str, options: dict[str, Any]) -> BasePrecision:
     """The bf16 precision plugin of ``--quant`` with a config's other init_args (``options``)."""
-    return PRECISIONS[QUANT_PLUGINS[quant]](**{**options, "dtype": "bf16"})
+    plugins: dict[str, type[BasePrecision]] = {**PRECISIONS, "TorchaoFP8": TorchaoFP8}
+    return plugins[QUANT_PLUGINS[quant]](**{**options, "dtype": "bf16"})
 
 
 def quant_options(items: list[str]) -> dict[str, Any]:
@@ -1100,6 +1132,7 @@ def measure(a: argparse.Namespace, outputs: Path | None) -> dict[str, Any]:
             "offload_act": a.offload_act,
             "variant": a.variant,
             "accumulate": a.accumulate,
+            "clip": a.clip,
         }
     )
     given = quant_options(a.quant_option or [])
@@ -1138,7 +1171,7 @@ def measure(a: argparse.Namespace, outputs: Path | None) -> dict[str, Any]:
         family_any.vae_config = VAES[a.family][1 if a.tiny else 0]
         family_any.sampling_folder = write_sampling_files(family, a.denoiser, outputs / "model")
         if sampler is not None:
-            sample_size = (sampler.height or data.resolution, sampler.width or data.resolution)
+            sample_size = (sampler.height or data.recipe.resolution, sampler.width or data.recipe.resolution)
             out.update(sample_size=list(sample_size), sample_steps=sampler.steps, sample_prompts=len(sampler.prompts))
             out["sample_compiled"] = sampler.compiled
     if getattr(a, "cpp_wrapper", 0):  # experiment: inductor's C++ wrapper launches kernels without Python
@@ -1187,6 +1220,7 @@ def measure(a: argparse.Namespace, outputs: Path | None) -> dict[str, Any]:
             default_root_dir=None if outputs is None else str(outputs),
             max_steps=a.warm + a.steps + extra_steps(a),
             accumulate_grad_batches=a.accumulate,
+            gradient_clip_val=a.clip or None,
             logger=False,
             enable_checkpointing=False,
             enable_progress_bar=False,
@@ -1222,6 +1256,7 @@ def measure(a: argparse.Namespace, outputs: Path | None) -> dict[str, Any]:
         from lightning_lora.plan import plan_training
 
         names = {"adamw8bit": "AdamW8bit", "adafactor": "Adafactor", "adafactor-hf": "Adafactor", "adamw": "AdamW"}
+        names["adamw-fused"] = "AdamW"
         text_len, optimizer = family.text_length_options(a.tlen)[1], names[a.opt]
         shards = shard_count(a.strategy, a.devices)  # --strategy fsdp: each GPU's share of the sharded base
         height, width = max(dataset.sizes, key=lambda size: size[0] * size[1])  # --buckets: the largest batch
@@ -1346,8 +1381,9 @@ def config_defaults(path: str | Path) -> dict[str, Any]:
     if "num_workers" in data:
         out["workers"] = int(data["num_workers"])
     out["accumulate"] = int(trainer.get("accumulate_grad_batches") or 1)
-    if trainer.get("gradient_clip_val"):
-        skipped.append(f"trainer.gradient_clip_val: {trainer['gradient_clip_val']}")
+    out["clip"] = float(trainer.get("gradient_clip_val") or 0.0)
+    if out["clip"] and trainer.get("gradient_clip_algorithm", "norm") != "norm":
+        skipped.append(f"trainer.gradient_clip_algorithm: {trainer['gradient_clip_algorithm']} (this tool: norm)")
     sections = trainer.get("callbacks") or []
     out["config_callbacks"] = [
         (_class_name(c, "trainer.callbacks"), dict((c.get("init_args") if isinstance(c, dict) else None) or {}))
@@ -1428,7 +1464,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--denoiser", default=None, help="a hub id the family knows the config of (default: the family's first row)"
     )
-    p.add_argument("--quant", default="none", choices=["none", "nf4", "fp8", "fp8_compute"])
+    p.add_argument(
+        "--quant",
+        default="none",
+        choices=list(QUANT_PLUGINS),
+        help="the base's format (a precision plugin); torchao_fp8: torchao's FP8 weights and activations (TorchaoFP8)",
+    )
     p.add_argument(
         "--quant-option",
         action="append",
@@ -1470,9 +1511,21 @@ def parser() -> argparse.ArgumentParser:
         "buckets do (give --warm enough steps to meet each twice: compiling finishes before the timed steps)",
     )
     p.add_argument("--accumulate", type=int, default=1, help="trainer.accumulate_grad_batches (a step: N batches)")
+    p.add_argument(
+        "--clip",
+        type=float,
+        default=0.0,
+        help="trainer.gradient_clip_val: the gradients' norm clipped to this before each optimizer step (a --config's "
+        "value by default; 0: off)",
+    )
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warm", type=int, default=3)
-    p.add_argument("--opt", default="adamw8bit", choices=["adamw8bit", "adamw", "adafactor", "adafactor-hf"])
+    p.add_argument(
+        "--opt",
+        default="adamw8bit",
+        choices=["adamw8bit", "adamw", "adamw-fused", "adafactor", "adafactor-hf"],
+        help="the optimizer (a --config's model.optimizer by default); adamw-fused: torch's AdamW with fused=True",
+    )
     p.add_argument("--compile", type=int, default=0)
     p.add_argument(
         "--cuda-graphs", type=int, default=0, help="model.cuda_graphs: the compiled blocks as CUDA graphs (--compile 1)"

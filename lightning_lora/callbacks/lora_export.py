@@ -25,17 +25,24 @@ from __future__ import annotations
 import hashlib
 import logging
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_lora.data.recipe import data_recipe
 from lightning_lora.errors import ConfigError, first_line
 from lightning_lora.export import check_export, export_lora, file_coverage
 from lightning_lora.formats import VARIANTS, LoraFormat
 from lightning_lora.formats.clients import TOOL_NAMES, TOOLS
 from lightning_lora.precision import DTYPES
+
+if TYPE_CHECKING:
+    import torch
+
+    from lightning_lora.families.base import DiffusionFamily, ModelSource
+    from lightning_lora.lora import LoraOptions
 
 __all__ = ["LoraExport"]
 
@@ -43,6 +50,23 @@ log = logging.getLogger(__name__)
 
 _SUFFIX = {"diffusers": ".safetensors", "kohya": ".kohya.safetensors"}
 _VARIANT = {"lora": "LoRA", "dora": "DoRA", "lokr": "LoKr", "loha": "LoHa"}
+
+
+@runtime_checkable
+class LoraModel(Protocol):
+    """What the export reads of the trained module: a :class:`~lightning_lora.module.LoraModule` (tests drive the
+    callback with stand-ins that have just these)."""
+
+    denoiser: torch.nn.Module | None
+
+    @property
+    def family(self) -> DiffusionFamily: ...
+
+    @property
+    def source(self) -> ModelSource: ...
+
+    @property
+    def lora(self) -> LoraOptions: ...
 
 
 class LoraExport(Callback):
@@ -114,10 +138,9 @@ class LoraExport(Callback):
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Try every chosen format on the LoRA's shapes (nothing computed or written) and say which tool loads what."""
-        module: Any = pl_module
-        denoiser, family = getattr(module, "denoiser", None), getattr(module, "family", None)
-        if denoiser is None or family is None:
+        if not isinstance(pl_module, LoraModel) or pl_module.denoiser is None:
             return
+        denoiser, family = pl_module.denoiser, pl_module.family
         from peft.utils import get_peft_model_state_dict
 
         state = get_peft_model_state_dict(denoiser, unwrap_compiled=True)
@@ -176,15 +199,18 @@ class LoraExport(Callback):
 
         from lightning_lora.model.sharding import full_state
 
-        module: Any = pl_module
+        module = pl_module
+        if not isinstance(module, LoraModel):
+            raise TypeError(f"LoraExport exports a LoraModule's adapter, not a {type(module).__name__}'s")
         state = full_state(get_peft_model_state_dict(module.denoiser, unwrap_compiled=True))
         if trainer.is_global_zero:
+            data = data_recipe(trainer)
             info = {
                 "family": module.family.name,
                 "base_model": module.source.pretrained,
                 "denoiser_file": Path(module.source.denoiser_file).name if module.source.denoiser_file else "",
                 "steps": trainer.global_step,
-                "resolution": getattr(trainer.datamodule, "resolution", 0),  # type: ignore[attr-defined]
+                "resolution": data.resolution if data is not None else 0,
                 "trigger": self.trigger or "",
                 "title": stem,
                 "config_sha256": _config_hash(

@@ -24,6 +24,14 @@ Families are chosen in the YAML by class path, with their own typed options::
 optionally with the denoiser replaced by a single ``.safetensors`` file (``from_single_file``, the format people
 download for ComfyUI). :func:`check_source` validates it before any heavy work, so a typo costs a second, not a
 twelve-gigabyte load.
+
+**What a model is, not how its path is spelled.** :meth:`ModelSource.component_digest` is the one home of a model's
+identity: a digest of a component folder's files (:func:`content_digest`: small files whole, weight files by their
+size, header and evenly spaced slices), never of the folder's path. The latent cache keys on it
+(:meth:`ModelSource.identity`, with the load dtype), and a resume compares it (:meth:`ModelSource.model_identity`,
+over every component with weights), so a model folder that moved to another disk, or is named by a relative path from
+another working directory, is the same model, and another model copied to the same path is not. A hub id is its id
+(and revision).
 """
 
 from __future__ import annotations
@@ -59,6 +67,7 @@ __all__ = [
     "build_from_config",
     "check_source",
     "compute_dtype",
+    "content_digest",
     "load_component",
     "load_weights",
     "FAMILIES",
@@ -104,19 +113,65 @@ class ModelSource:
     def local_path(self) -> str:
         return str(Path(self.pretrained).expanduser()) if self.is_local else self.pretrained
 
-    def identity(self, component: str) -> str:
-        """A string that changes when the weights of ``component`` change; cache keys are built from it.
+    def component_digest(self, component: str) -> str:
+        """What the subfolder ``component`` holds (see the module docstring): for a local folder a digest of its files'
+        names and contents (:func:`content_digest`; hidden files left out), wherever the folder is and however its
+        path is spelled; for a hub id, the id and revision."""
+        if not self.is_local:
+            return _digest(self.pretrained, self.revision or "")
+        folder = Path(self.local_path) / component
+        listed = sorted(folder.iterdir()) if folder.is_dir() else []
+        files = [f for f in listed if f.is_file() and not f.name.startswith(".")]
+        return _digest(*(f"{f.name}:{content_digest(f)}" for f in files))
 
-        For a local folder it includes the component's config and the size and modification time of its weight
-        files; for a hub id, the id and revision.
-        """
-        parts: list[str] = [self.pretrained, self.revision or "", str(self.dtype)]
+    def identity(self, component: str) -> str:
+        """A string that changes when the weights of ``component`` or their load dtype change; cache keys are built
+        from it."""
+        return _digest(self.component_digest(component), str(self.dtype))
+
+    def model_identity(self) -> dict[str, str | None]:
+        """What the model is, for a resume to compare with the run's (:func:`lightning_lora.checkpoint.
+        check_compatible`): ``pretrained``, a digest of a local folder's ``model_index.json`` and of every component
+        that holds weights (its configs and weight files), or a hub id as it is written; ``denoiser_file``, the
+        :func:`content_digest` of that file (None without one)."""
+        pretrained: str | None = self.pretrained
         if self.is_local:
-            folder = Path(self.local_path) / component
-            for f in sorted(folder.glob("*")) if folder.is_dir() else []:
-                stat = f.stat()
-                parts.append(f"{f.name}:{stat.st_size}:{int(stat.st_mtime)}")
-        return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+            root = Path(self.local_path)
+            index = root / "model_index.json"
+            parts = [content_digest(index)] if index.is_file() else []
+            weighted = sorted(p.name for p in root.iterdir() if p.is_dir() and any(p.glob("*.safetensors")))
+            parts += [f"{name}:{self.component_digest(name)}" for name in weighted]
+            pretrained = "files:" + _digest(*parts)
+        denoiser = Path(self.denoiser_file).expanduser() if self.denoiser_file else None
+        return {"pretrained": pretrained, "denoiser_file": content_digest(denoiser) if denoiser else None}
+
+
+_WHOLE = 4 << 20
+"""Files up to this size (configs, tokenizers, tiny models) are digested whole."""
+_HEAD, _SLICE, _SLICES = 1 << 20, 64 << 10, 16
+
+
+def content_digest(path: Path) -> str:
+    """A digest of what ``path`` holds, cheap for weight files of many gigabytes (about 2 MiB read): the whole file up
+    to 4 MiB; a larger one by its size, its first MiB (a safetensors header: every tensor's name, dtype, shape and
+    offset) and 16 evenly spaced 64 KiB slices (other weights of the same shapes differ there: a fine-tune changes
+    every value). A copy, on any disk, has the same digest."""
+    h = hashlib.sha256()
+    size = path.stat().st_size
+    h.update(str(size).encode())
+    with open(path, "rb") as f:
+        if size <= _WHOLE:
+            h.update(f.read())
+        else:
+            h.update(f.read(_HEAD))
+            for k in range(_SLICES):
+                f.seek(_HEAD + k * (size - _HEAD - _SLICE) // (_SLICES - 1))
+                h.update(f.read(_SLICE))
+    return h.hexdigest()[:32]
+
+
+def _digest(*parts: str) -> str:
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)

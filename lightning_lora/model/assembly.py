@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,7 @@ __all__ = [
     "build_lora_model",
     "compile_repeated_blocks",
     "configure_attention",
+    "gradients_outside_graphs",
     "uncompiled",
 ]
 
@@ -53,7 +55,30 @@ as a CUDA graph (one per input shape, in one memory pool) and replays it, so a b
 instead of a few hundred. For steps the host's CPU bounds: ``sdxl_24gb`` on an H100 took 0.154 s a step against 0.431
 with the default mode in the same command, at 10.52 against 10.39 GiB reserved; a step the GPU bounds gains nothing
 (``flux_h100``: 0.698 against 0.702 s; FLUX bf16 512x768: 0.184 against 0.187; BENCHMARKS.md, "CUDA graphs"). On a
-CPU inductor runs the blocks without graphs."""
+CPU inductor runs the blocks without graphs.
+
+The graphs' outputs live in one memory pool that torch's CUDA graph trees hand out again at each new *generation*;
+a tensor of an earlier generation still in use is then overwritten ("accessing tensor output of CUDAGraphs that has
+been overwritten by a subsequent run"). By itself torch starts a generation at any compiled call made after a backward
+pass, and a training step makes two such calls: the second micro-batch of gradient accumulation, whose backward adds
+into gradients the first one's backward left in the pool (``flux_8gb``, NF4 with accumulation 4, failed so in its first
+step: dev/LOG.md, 2026-12-02), and a block that checkpointing outside its compiled region recomputes in the
+backward pass. So a training step with graphs marks its own generation
+(:func:`~torch.compiler.cudagraph_mark_step_begin` at each micro-batch: ``LoraModule.training_step``) and keeps the
+LoRA's gradients out of the pool (:func:`gradients_outside_graphs`, zeroed instead of freed between steps)."""
+
+
+def gradients_outside_graphs(params: Iterable[nn.Parameter]) -> int:
+    """Give each of ``params`` without a gradient a zero one, allocated outside any CUDA graph pool; returns how many
+    it gave. Kept (zeroed, not set to ``None``, between optimizer steps), the gradient is where autograd adds each
+    backward's result in place, so no gradient is a graph's output that the next micro-batch's graphs overwrite
+    (:data:`CUDA_GRAPHS_MODE`)."""
+    given = 0
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+            given += 1
+    return given
 
 
 def build_lora_model(recipe: ModelRecipe, device: torch.device | None = None) -> nn.Module:

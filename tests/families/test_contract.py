@@ -44,7 +44,6 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -353,6 +352,7 @@ def test_the_hub_model_plans_with_nothing_downloaded_like_its_local_configs(
 ) -> None:
     """``plan`` on a hub id the family knows reads no file (the real configs ship with the family:
     ``planning.known_denoisers`` and ``known_text_encoders``) and plans as a local folder holding those configs does."""
+    from lightning_lora.data.recipe import DataRecipe
     from lightning_lora.lora import LoraOptions
     from lightning_lora.model.recipe import ModelRecipe
     from lightning_lora.plan import plan_for
@@ -370,7 +370,7 @@ def test_the_hub_model_plans_with_nothing_downloaded_like_its_local_configs(
     (folder / "scheduler").mkdir()  # a UNet family reads its noise schedule from a local folder when it is checked
     schedule = {"beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear"}
     (folder / "scheduler" / "scheduler_config.json").write_text(json.dumps(schedule))
-    data = SimpleNamespace(resolution=512, batch_size=1)
+    data = DataRecipe(resolutions=(512,), batch_size=1)
     hub = ModelRecipe(family, ModelSource(hub_id), LoraOptions(rank=8), gradient_checkpointing=True)
     assert plan_for(hub, data) == plan_for(hub.replace(source=ModelSource(str(folder))), data)
 

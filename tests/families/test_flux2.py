@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -584,10 +583,11 @@ def test_dev_tiny_pipeline_is_deterministic_and_reads_the_real_layers() -> None:
 def test_the_hub_models_plan_the_real_sizes_with_nothing_downloaded() -> None:
     """``plan`` on the hub ids needs no file (the family contract checks it plans as a folder of the same configs) and
     the sizes are the real models': klein 4B's 3.88 B transformer and 4.02 B Qwen3-4B encoder, dev's 32 B."""
+    from lightning_lora.data.recipe import DataRecipe
     from lightning_lora.model.recipe import ModelRecipe
     from lightning_lora.plan import caching_peaks, plan_for
 
-    data = SimpleNamespace(resolution=512, batch_size=1)
+    data = DataRecipe(resolutions=(512,), batch_size=1)
     hub = ModelRecipe(Flux2(), ModelSource(HUB_ID), LoraOptions(rank=8), gradient_checkpointing=True)
     from_hub = plan_for(hub, data)
     assert from_hub.weights * 2**30 / 2 == pytest.approx(3.876e9, rel=2e-3)  # bf16: 2 bytes a parameter

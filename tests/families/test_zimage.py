@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -342,10 +341,11 @@ def test_local_folder_and_wrong_family(tiny_zimage_dir: Path, tiny_flux_dir: Pat
 def test_the_hub_model_plans_the_real_sizes_with_nothing_downloaded() -> None:
     """``plan`` on the hub id needs no file (the family contract checks it plans as a folder of the same configs) and
     the sizes are the real model's: 6.15 B transformer, 4.02 B Qwen3-4B encoder."""
+    from lightning_lora.data.recipe import DataRecipe
     from lightning_lora.model.recipe import ModelRecipe
     from lightning_lora.plan import caching_peaks, plan_for
 
-    data = SimpleNamespace(resolution=512, batch_size=1)
+    data = DataRecipe(resolutions=(512,), batch_size=1)
     lora = LoraOptions(rank=8)
     hub = ModelRecipe(ZImage(), ModelSource(HUB_ID), lora, gradient_checkpointing=True)
     from_hub = plan_for(hub, data)

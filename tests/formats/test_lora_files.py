@@ -49,6 +49,7 @@ from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 
 from lightning_lora.callbacks.lora_export import LoraExport
+from lightning_lora.data.recipe import DataRecipe
 from lightning_lora.errors import ConfigError
 from lightning_lora.export import convert_lora_file, export_lora, file_coverage, read_lora_file, read_metadata
 from lightning_lora.families import FAMILIES, DiffusionFamily, ModelSource
@@ -824,7 +825,7 @@ def test_default_output_of_a_shipped_config_loads_in_comfyui(bases: dict, tmp_pa
         default_root_dir=str(tmp_path),
         global_step=7,
         is_global_zero=True,
-        datamodule=SimpleNamespace(resolution=1024),
+        datamodule=SimpleNamespace(recipe=DataRecipe(resolutions=(1024,))),
         strategy=SimpleNamespace(barrier=lambda name: None),
     )
     callback.setup(trainer, module, "fit")  # type: ignore[arg-type]
@@ -850,7 +851,7 @@ def _stub_run(tmp_path: Path, family: DiffusionFamily, model: torch.nn.Module, o
         default_root_dir=str(tmp_path),
         global_step=3,
         is_global_zero=True,
-        datamodule=SimpleNamespace(resolution=64),
+        datamodule=SimpleNamespace(recipe=DataRecipe(resolutions=(64,))),
         strategy=SimpleNamespace(barrier=lambda name: None),
     )
     return trainer, module

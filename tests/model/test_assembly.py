@@ -393,7 +393,7 @@ def test_cuda_graphs_compile_every_block_in_reduce_overhead_mode(
         build_model(Flux(), source, LoraOptions(rank=2), cuda_graphs=True)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+@pytest.mark.gpu
 def test_cuda_graphed_blocks_train_as_the_default_compiled_blocks(tiny_flux_dir: Path) -> None:
     """On a GPU: a few optimizer steps through CUDA-graphed blocks, with an image size that changes in between (a
     graph recorded per size), end at the same LoRA weights as the default compiled blocks. The graphs read the
@@ -425,6 +425,98 @@ def test_cuda_graphed_blocks_train_as_the_default_compiled_blocks(tiny_flux_dir:
     assert all(not torch.equal(a, b) for a, b in zip(start, trained[True], strict=True))  # every tensor trained
     for a, b in zip(trained[False], trained[True], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def _graphs_fit(
+    folder: Path, model_dir: Path, photos: Path, graphs: bool, **options: object
+) -> dict[str, torch.Tensor]:
+    """A tiny fit with compiled blocks, with or without ``model.cuda_graphs``, and ``options`` (dotted config keys); no
+    callbacks (samples, checkpoints). Returns the trained LoRA."""
+    from helpers import run_cli, write_config
+
+    overrides = {"model.compile_blocks": True, "model.cuda_graphs": graphs, "trainer.callbacks": [], **options}
+    (folder / f"graphs{int(graphs)}").mkdir()
+    config = write_config(folder / f"graphs{int(graphs)}", model_dir, photos, **overrides)  # type: ignore[arg-type]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "model.cuda_graphs: true, but the model is built on cpu", UserWarning)
+        cli = run_cli(["fit", "--config", str(config)])
+    return {k: v.detach().cpu().clone() for k, v in cli.model.trainable_state_dict().items()}
+
+
+def test_cuda_graphs_training_marks_each_micro_batch_and_keeps_its_gradients(
+    tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``model.cuda_graphs`` each micro-batch is one generation of the graphs' memory (torch's own rule starts one
+    at the second micro-batch of an accumulated step, and at a block recomputed in the backward pass, and overwrites
+    what is still in use), and the LoRA's gradients are tensors of their own, added into in place and zeroed between
+    optimizer steps, never a graph's output. On the CPU (no graphs: the blocks compiled with a recording backend) the
+    run trains the same LoRA, bit for bit, as without the option."""
+    from lightning_lora.module import LoraModule
+
+    count_compiled_graphs(monkeypatch)
+    marks: list[int] = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    seen: list[list[torch.Tensor]] = []
+
+    def record(self: LoraModule, optimizer: torch.optim.Optimizer) -> None:
+        seen.append([p.grad for p in trainable_parameters(self._require_model())])  # type: ignore[misc]
+
+    monkeypatch.setattr(LoraModule, "on_before_optimizer_step", record, raising=False)
+    options = {"trainer.accumulate_grad_batches": 2, "trainer.max_steps": 3}
+    trained = {}
+    for graphs in (True, False):
+        marks.clear()
+        seen.clear()
+        trained[graphs] = _graphs_fit(tmp_path, tiny_flux_dir, photos_dir, graphs, **options)
+        assert len(marks) == (6 if graphs else 0)  # 3 steps of 2 micro-batches
+        assert len(seen) == 3 and all(g is not None for grads in seen for g in grads)
+        kept = [all(a is b for a, b in zip(seen[0], later, strict=True)) for later in seen[1:]]
+        assert kept == [graphs, graphs]  # the same tensors every step only with graphs
+    for name, value in trained[True].items():
+        assert torch.equal(value, trained[False][name]), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "layout",
+    [
+        "flux-nf4-checkpointed-inside-accumulate-2",  # flux_8gb's: NF4, every block checkpointed inside its region
+        "sd15-checkpointed-outside",  # a UNet's checkpointing wraps the compiled block: recomputed in the backward
+    ],
+)
+def test_cuda_graphed_blocks_train_through_fit_as_the_default_compiled_blocks(
+    tmp_path: Path, tiny_sd15_dir: Path, photos_dir: Path, layout: str
+) -> None:
+    """On a GPU, through ``fit``: the layouts that failed in their first step with CUDA graphs (an accumulated step's
+    second micro-batch, a block recomputed in the backward pass, each starting a new generation of the graphs' memory
+    while the last one's tensors were in use) train the same LoRA as the default compiled blocks."""
+    from lightning_lora.tiny.flux import save_tiny_flux
+
+    options: dict[str, object] = {
+        "trainer.accelerator": "gpu",
+        "trainer.max_steps": 4,
+        "model.gradient_checkpointing": True,
+    }
+    if layout.startswith("flux"):
+        model_dir = save_tiny_flux(tmp_path / "tiny-flux64", seed=0, dim64=True)  # bitsandbytes' blocks of 64
+        options |= {
+            "trainer.precision": None,
+            "trainer.plugins": {"class_path": "lightning_lora.precision.NF4"},
+            "trainer.accumulate_grad_batches": 2,
+        }
+    else:
+        model_dir = tiny_sd15_dir
+        options["model.family"] = {"class_path": "lightning_lora.families.SD15", "init_args": {}}
+    trained = {}
+    for graphs in (False, True):
+        torch._dynamo.reset()
+        try:
+            trained[graphs] = _graphs_fit(tmp_path, model_dir, photos_dir, graphs, **options)
+        finally:
+            torch._dynamo.reset()
+    assert trained[True].keys() == trained[False].keys()
+    for name, value in trained[True].items():
+        torch.testing.assert_close(value, trained[False][name], rtol=1e-3, atol=1e-4, msg=name)
 
 
 def test_compiled_code_is_cached_where_a_reboot_keeps_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

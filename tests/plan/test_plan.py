@@ -120,6 +120,7 @@ def test_suggestions_try_partial_checkpointing_first(tiny_flux_dir: Path, monkey
     a new recipe; one the recipe refuses (NF4 with offloading) is left out."""
     from types import SimpleNamespace
 
+    from lightning_lora.data.recipe import DataRecipe
     from lightning_lora.families.base import ModelSource
     from lightning_lora.families.flux import Flux
     from lightning_lora.model.recipe import ModelRecipe
@@ -141,7 +142,8 @@ def test_suggestions_try_partial_checkpointing_first(tiny_flux_dir: Path, monkey
 
     monkeypatch.setattr(search, "plan_for", fake_plan)
     recipe = ModelRecipe(Flux(), ModelSource(str(tiny_flux_dir)))
-    fits = search.fitting_changes(recipe, None, vram=26.0)  # 0.95 x 26 = 24.7: every 2 and every 1 fit, 3 does not
+    data = DataRecipe()  # the data options' defaults: 512 pixels, batch 1
+    fits = search.fitting_changes(recipe, data, vram=26.0)  # 0.95 x 26 = 24.7: every 2 and every 1 fit, 3 does not
     assert fits[0].startswith("--model.gradient_checkpointing true --model.checkpoint_every 2")
     assert fits[1].startswith("--model.gradient_checkpointing true   ")
     assert fits[2].startswith(
@@ -152,21 +154,22 @@ def test_suggestions_try_partial_checkpointing_first(tiny_flux_dir: Path, monkey
     # The fewest offloaded blocks that fit, without checkpointing: 30 - 0.5 x 12 = 24 <= 24.7 (10 gives 25).
     assert [f.split("   ")[0] for f in fits if "offload_blocks" in f] == ["--model.offload_blocks 12"]
     assert recipe.gradient_checkpointing is False and recipe.offload_blocks == 0  # a recipe never changes
-    assert not any("offload_blocks" in f for f in search.fitting_changes(recipe, None, vram=10.0))  # 16: not enough
+    assert not any("offload_blocks" in f for f in search.fitting_changes(recipe, data, vram=10.0))  # 16: not enough
     # Already offloading: the NF4 alternatives, which the recipe refuses with offloading, are left out.
     offloading = recipe.replace(gradient_checkpointing=True, offload_blocks=4)
-    suggested = search.fitting_changes(offloading, None, vram=10.0)
+    suggested = search.fitting_changes(offloading, data, vram=10.0)
     assert suggested and not any("NF4" in f for f in suggested) and any("precision.FP8" in f for f in suggested)
     partial = recipe.replace(gradient_checkpointing=True, checkpoint_every=3)
-    assert search.fitting_changes(partial, None, vram=22.0)[0].startswith("--model.checkpoint_every 1")
+    assert search.fitting_changes(partial, data, vram=22.0)[0].startswith("--model.checkpoint_every 1")
     checkpointed = recipe.replace(gradient_checkpointing=True)
-    assert search.fitting_changes(checkpointed, None, vram=20.5)[0].startswith("--model.offload_activations true   ")
+    assert search.fitting_changes(checkpointed, data, vram=20.5)[0].startswith("--model.offload_activations true   ")
 
 
 def test_the_sample_images_must_fit_too(tiny_flux_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A run whose steps fit but whose sample images do not (the decode at full resolution beside the resident base)
     does not fit: ``model.memory: auto`` and ``plan --vram`` pick a change under which both fit."""
 
+    from lightning_lora.data.recipe import DataRecipe
     from lightning_lora.families.base import ModelSource
     from lightning_lora.families.flux import Flux
     from lightning_lora.model.recipe import ModelRecipe
@@ -179,11 +182,12 @@ def test_the_sample_images_must_fit_too(tiny_flux_dir: Path, monkeypatch: pytest
 
     monkeypatch.setattr(search, "plan_for", fake_plan)
     recipe = ModelRecipe(Flux(), ModelSource(str(tiny_flux_dir)))
-    chosen = search.choose_for_memory(recipe, None, vram=16.0)  # 15.2 usable: the steps fit, the samples do not
+    data = DataRecipe()  # the data options' defaults: 512 pixels, batch 1
+    chosen = search.choose_for_memory(recipe, data, vram=16.0)  # 15.2 usable: the steps fit, the samples do not
     assert chosen is not None and chosen.changes, chosen  # not "as configured"
     assert chosen.peak_gib <= 15.2
-    assert search.fitting_changes(recipe, None, vram=16.0)
-    assert search.choose_for_memory(recipe, None, vram=17.0) == search.Fit("", 15.5)  # 16.15 usable: both fit
+    assert search.fitting_changes(recipe, data, vram=16.0)
+    assert search.choose_for_memory(recipe, data, vram=17.0) == search.Fit("", 15.5)  # 16.15 usable: both fit
 
 
 def test_sdxl_sampling_peak_holds_the_measured_decode_at_1024() -> None:

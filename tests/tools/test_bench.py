@@ -140,6 +140,8 @@ def test_bench_config_takes_the_shipped_settings(path) -> None:
     assert a.tlen == (77 if family in ("sdxl", "sd15") else text)
     assert any(n.startswith("model.scheduler") for n in a.not_reproduced)  # listed, not silently dropped
     assert bench.optimizer_options(a) == model["optimizer"]["init_args"]
+    assert a.clip == trainer.get("gradient_clip_val", 0.0)  # run, as fit runs it: not in not_reproduced
+    assert not any("gradient_clip" in n for n in a.not_reproduced)
 
 
 def test_bench_config_takes_cuda_graphs_as_fit_does(tmp_path) -> None:
@@ -154,6 +156,32 @@ def test_bench_config_takes_cuda_graphs_as_fit_does(tmp_path) -> None:
     path.write_text(yaml.safe_dump(doc))
     a = bench.parse_args(["--config", str(path)])
     assert a.cuda_graphs == 1 and a.compile == 1
+
+
+def test_bench_clips_gradients_as_the_config_and_steps_a_fused_adamw(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A config's ``trainer.gradient_clip_val`` is the Trainer's (every optimizer step clips, the fused AdamW's too);
+    ``--opt adamw-fused`` is torch's AdamW with ``fused=True``, planned as AdamW (two float32 moments)."""
+    import torch
+
+    clipped: list[float] = []
+    clip = torch.nn.utils.clip_grad_norm_
+
+    def recorded(parameters, max_norm, *args, **kwargs):  # type: ignore[no-untyped-def]
+        clipped.append(max_norm)
+        return clip(parameters, max_norm, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", recorded)
+    path = str(REPO / "configs" / "sd15_8gb.yaml")
+    argv = ["--config", path, "--tiny", "--h", "64", "--w", "64", "--steps", "1", "--warm", "1", "--callbacks", "0"]
+    a = bench.parse_args([*argv, "--compile", "0", "--opt", "adamw-fused", "--workers", "0"])
+    assert a.clip == 1.0
+    out = bench.run(a)
+    assert out["clip"] == 1.0 and out["opt"] == "adamw-fused" and out["s_per_step"] > 0
+    assert clipped == [1.0, 1.0]  # the warm-up step and the timed one
+    optimizer = bench.make_optimizer("adamw-fused")([torch.nn.Parameter(torch.zeros(2))])
+    assert isinstance(optimizer, torch.optim.AdamW) and optimizer.defaults["fused"] is True
+    assert out["planned"]["optimizer"] == pytest.approx(2 * out["planned"]["lora"])
+    assert bench.parse_args([*argv, "--clip", "0"]).clip == 0.0
 
 
 def test_bench_config_flags_on_the_command_line_win() -> None:
