@@ -23,8 +23,8 @@ base sharded with FSDP2 over the N GPUs: ``trainer.strategy: fsdp``,
 Families (``--family``): ``flux`` (FLUX.1-dev), ``sdxl`` (SDXL base 1.0), ``sd15`` (Stable Diffusion 1.5),
 ``zimage`` (Z-Image-Turbo), ``qwenimage`` (Qwen-Image) and ``flux2`` (FLUX.2 klein base 4B). Each is the real
 family class (:func:`random_family`) with its denoiser built from the family's ``known_denoisers`` config, or a tiny
-config with ``--tiny``; the batches have exactly the keys and shapes its ``loss`` reads from the cache
-(:func:`cached_item`).
+config with ``--tiny``; the batches have exactly the keys and shapes its ``loss`` reads from the cache, as the family
+describes them (:func:`cached_item`).
 
 A shipped config, as ``fit`` would use it (:func:`config_defaults`): ``--config configs/flux_4090.yaml`` takes every
 setting this tool has a flag for from the YAML (family, quantization, checkpointing, compile, offloading, attention,
@@ -103,7 +103,7 @@ from lightning_lora.module import LoraModule
 from lightning_lora.precision import FP8, PRECISIONS, BasePrecision
 from lightning_lora.precision.layers import linear_layers
 
-FLUX_DEV = dict(Flux.known_denoisers["black-forest-labs/FLUX.1-dev"])
+FLUX_DEV = dict(Flux.planning.known_denoisers["black-forest-labs/FLUX.1-dev"])
 FLUX_TINY = dict(
     FLUX_DEV,
     num_layers=1,
@@ -114,7 +114,7 @@ FLUX_TINY = dict(
     pooled_projection_dim=64,
     axes_dims_rope=(8, 12, 12),
 )
-SDXL_BASE = dict(SDXL.known_denoisers["stabilityai/stable-diffusion-xl-base-1.0"])
+SDXL_BASE = dict(SDXL.planning.known_denoisers["stabilityai/stable-diffusion-xl-base-1.0"])
 SDXL_TINY = dict(
     SDXL_BASE,
     block_out_channels=(32, 64, 64),
@@ -124,10 +124,10 @@ SDXL_TINY = dict(
     addition_time_embed_dim=32,
     projection_class_embeddings_input_dim=64 + 6 * 32,
 )
-SD15_BASE = dict(SD15.known_denoisers["stable-diffusion-v1-5/stable-diffusion-v1-5"])
+SD15_BASE = dict(SD15.planning.known_denoisers["stable-diffusion-v1-5/stable-diffusion-v1-5"])
 SD15_TINY = dict(SD15_BASE, block_out_channels=(32, 32, 64, 64), layers_per_block=1, attention_head_dim=2)
 SD15_TINY.update(cross_attention_dim=64, sample_size=8)
-ZIMAGE_TURBO = dict(ZImage.known_denoisers["Tongyi-MAI/Z-Image-Turbo"])
+ZIMAGE_TURBO = dict(ZImage.planning.known_denoisers["Tongyi-MAI/Z-Image-Turbo"])
 ZIMAGE_TINY = dict(  # lightning_lora.tiny.zimage's transformer: 1 + 1 refiners, 2 main layers, 2 heads of 32
     ZIMAGE_TURBO,
     dim=64,
@@ -138,7 +138,7 @@ ZIMAGE_TINY = dict(  # lightning_lora.tiny.zimage's transformer: 1 + 1 refiners,
     cap_feat_dim=64,
     axes_dims=[8, 12, 12],
 )
-QWEN_IMAGE = dict(QwenImage.known_denoisers["Qwen/Qwen-Image"])
+QWEN_IMAGE = dict(QwenImage.planning.known_denoisers["Qwen/Qwen-Image"])
 QWEN_IMAGE_TINY = dict(  # lightning_lora.tiny.qwenimage's transformer: 2 blocks, 2 heads of 16, 4 latent channels
     QWEN_IMAGE,
     in_channels=16,
@@ -149,7 +149,7 @@ QWEN_IMAGE_TINY = dict(  # lightning_lora.tiny.qwenimage's transformer: 2 blocks
     joint_attention_dim=64,
     axes_dims_rope=[4, 6, 6],
 )
-FLUX2_KLEIN = dict(Flux2.known_denoisers["black-forest-labs/FLUX.2-klein-base-4B"])
+FLUX2_KLEIN = dict(Flux2.planning.known_denoisers["black-forest-labs/FLUX.2-klein-base-4B"])
 FLUX2_TINY = dict(  # lightning_lora.tiny.flux2's transformer: 2 double + 2 single blocks, 2 heads of 32
     FLUX2_KLEIN,
     in_channels=64,
@@ -272,76 +272,12 @@ def random_family(name: str, config: dict[str, Any], device: str, **options: Any
     return family
 
 
-def family_options(family: str, tlen: int) -> dict[str, Any]:
-    """The family's options for a run with ``tlen`` text tokens: FLUX pads T5 to (and attends over)
-    ``max_sequence_length``; Z-Image and Qwen-Image cache captions padded to theirs (512 by default, as the shipped
-    configs) with a mask and hand the denoiser only the caption's tokens; SDXL's and SD1.5's CLIP length is fixed
-    (77)."""
-    if family in ("flux", "flux2"):  # FLUX.2 too attends over every padded position
-        return {"max_sequence_length": tlen}
-    if family in ("zimage", "qwenimage"):
-        return {"max_sequence_length": max(tlen, 512)}
-    return {}
-
-
-def text_length(family: str, tlen: int) -> int:
-    """The text tokens the denoiser sees (the planner's ``text_len``)."""
-    return 77 if family in ("sdxl", "sd15") else tlen
-
-
 def cached_item(
-    family: str, config: dict[str, Any], height: int, width: int, tlen: int, padded: int, g: torch.Generator
+    family: DiffusionFamily, config: dict[str, Any], height: int, width: int, tlen: int, g: torch.Generator
 ) -> dict[str, torch.Tensor]:
-    """One training sample as the latent cache serves it: the latent file (``latents [C, H/8, W/8]`` float32 as the
-    family's ``encode_images`` returns them, and the size conditioning) and the text file (:func:`cached_text`)."""
-    if family == "flux":  # 2x2 patches of 16 channels packed into in_channels
-        channels, scale = config["in_channels"] // 4, 8
-    elif family == "qwenimage":  # 2x2 patches of out_channels packed into in_channels
-        channels, scale = config["out_channels"], 8
-    elif family == "flux2":  # patchified, batch-normalised latents at H/16
-        channels, scale = config["in_channels"], 16
-    elif family in ("sdxl", "sd15", "zimage"):  # in_channels latent channels (Z-Image: patched inside)
-        channels, scale = config["in_channels"], 8
-    else:
-        raise ValueError(f"no cached batch layout for the {family!r} family")
-    latents = torch.randn(channels, height // scale, width // scale, generator=g)
-    size = torch.tensor([height, width])
-    return {
-        "latents": latents,
-        **cached_text(family, config, tlen, padded, g),
-        "original_size": size,
-        "crop_top_left": torch.zeros(2, dtype=torch.int64),
-        "target_size": size,
-    }
-
-
-def cached_text(family: str, config: dict[str, Any], tlen: int, padded: int, g: torch.Generator) -> dict[str, Any]:
-    """One prompt's text file as the text cache stores it: the family's ``encode_prompts`` outputs, bf16; Z-Image and
-    Qwen-Image: ``tlen`` caption tokens padded with zeros to ``padded``, with their mask."""
-
-    def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g)
-
-    def caption(dim: int) -> torch.Tensor:  # tlen tokens, then zeros to the cached length
-        return torch.cat([randn(tlen, dim), torch.zeros(padded - tlen, dim)]).bfloat16()
-
-    mask = torch.arange(padded) < tlen
-    if family == "flux":  # T5 padded to tlen, CLIP pooled
-        embeds = randn(tlen, config["joint_attention_dim"]).bfloat16()
-        return {"prompt_embeds": embeds, "pooled_prompt_embeds": randn(config["pooled_projection_dim"]).bfloat16()}
-    if family == "sdxl":  # CLIP-L + OpenCLIP-G: 77 tokens; the pooled vector is what the time ids leave
-        embeds = randn(77, config["cross_attention_dim"]).bfloat16()
-        pooled = config["projection_class_embeddings_input_dim"] - 6 * config["addition_time_embed_dim"]
-        return {"prompt_embeds": embeds, "pooled_prompt_embeds": randn(pooled).bfloat16()}
-    if family == "sd15":  # CLIP-L: 77 tokens, no pooled vector, no size conditioning (the keys are ignored)
-        return {"prompt_embeds": randn(77, config["cross_attention_dim"]).bfloat16()}
-    if family == "zimage":  # Qwen3 features with a bool mask
-        return {"prompt_embeds": caption(config["cap_feat_dim"]), "prompt_mask": mask}
-    if family == "qwenimage":  # Qwen2.5-VL, an int64 mask
-        return {"prompt_embeds": caption(config["joint_attention_dim"]), "prompt_embeds_mask": mask.long()}
-    if family == "flux2":  # three LLM layers side by side, no mask
-        return {"prompt_embeds": randn(tlen, config["joint_attention_dim"]).bfloat16()}
-    raise ValueError(f"no cached text layout for the {family!r} family")
+    """One training sample as the latent cache serves it: the family's example batch of one
+    (:meth:`~lightning_lora.families.base.DiffusionFamily.example_batch`: latents, size conditioning, cached text)."""
+    return {k: v[0] for k, v in family.example_batch(config, 1, height, width, tlen, g).items()}
 
 
 class Synthetic(Dataset):
@@ -363,19 +299,20 @@ class Synthetic(Dataset):
         batch: int = 1,
     ) -> None:
         g = torch.Generator().manual_seed(0)
-        padded = getattr(family_obj, "max_sequence_length", tlen)  # the length the text cache stores
+        described = family_obj if family_obj is not None else RANDOM[family]()  # the family describes its batches
         self.family = family_obj
         self.sizes = [(height, width), *buckets]
-        self.by_size = [[cached_item(family, config, h, w, tlen, padded, g) for _ in range(4)] for h, w in self.sizes]
+        self.by_size = [[cached_item(described, config, h, w, tlen, g) for _ in range(4)] for h, w in self.sizes]
         self.batch = batch
         self.n = n
-        self._text = (family, config, tlen, padded)
+        self._text = (described, config, tlen)
 
     def text_embeddings(self, prompts: list[str], device: Any = None) -> list[dict[str, torch.Tensor]]:
         """What the text cache's ``text_embeddings`` returns for ``prompts`` (random embeddings of the cached shapes,
         a batch of 1 each, on the CPU): the sample prompts of :class:`~lightning_lora.callbacks.SampleImages`."""
         g = torch.Generator().manual_seed(1)
-        return [{k: v.unsqueeze(0) for k, v in cached_text(*self._text, g).items()} for _ in prompts]
+        family, config, tlen = self._text
+        return [family.example_text(config, 1, tlen, g) for _ in prompts]
 
     def __len__(self) -> int:
         return self.n
@@ -854,7 +791,7 @@ def write_sampling_files(family: DiffusionFamily, denoiser: str | None, folder: 
     config = getattr(importlib.import_module(module), name)
     getattr(diffusers, scheduler)(**config).save_pretrained(folder / "scheduler")
     index = {
-        "_class_name": family.pipeline_classes[0],
+        "_class_name": family.architecture.pipeline_classes[0],
         "force_zeros_for_empty_prompt": True,
         # klein's step-distilled ids (a known hub id: answered without the hub); every other model: not distilled
         "is_distilled": bool(isinstance(family, Flux2) and denoiser and family.is_distilled(ModelSource(denoiser))),
@@ -1160,18 +1097,20 @@ def measure(a: argparse.Namespace, outputs: Path | None) -> dict[str, Any]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     config = CONFIGS[a.family][1 if a.tiny else 0]
     if a.denoiser and not a.tiny:  # another known denoiser of the family (a shipped config's model.pretrained)
-        config = dict(RANDOM[a.family].known_denoisers[a.denoiser])
+        config = dict(RANDOM[a.family].planning.known_denoisers[a.denoiser])
     config_family, config_family_args = getattr(a, "config_family", (None, {}))
     family_args = dict(config_family_args) if config_family == a.family else {}
-    family = random_family(a.family, config, device, **{**family_args, **family_options(a.family, a.tlen)})
+    text_options, _ = RANDOM[a.family].text_length_options(a.tlen)  # the family's options for prompts of a.tlen tokens
+    family = random_family(a.family, config, device, **{**family_args, **text_options})
     out: dict[str, Any] = {
         "tool": "lightning-lora",
         **header(a),
     }
     family_any: Any = family  # the attributes the experiments and the samples set on it
     if getattr(a, "compile_regions", None) is not None:  # experiment: fewer (or more) module classes compiled
-        family_any.compiled_regions = tuple(name for name in a.compile_regions.split(",") if name)
-        out["compile_regions"] = list(family.compiled_regions)
+        regions = tuple(name for name in a.compile_regions.split(",") if name)
+        family_any.compiling = dataclasses.replace(family.compiling, regions=regions)
+        out["compile_regions"] = list(family.compiling.regions)
     out.update(
         {
             "family": a.family,
@@ -1318,7 +1257,7 @@ def measure(a: argparse.Namespace, outputs: Path | None) -> dict[str, Any]:
 
         names = {"adamw8bit": "AdamW8bit", "adafactor": "Adafactor", "adafactor-hf": "Adafactor", "adamw": "AdamW"}
         names["adamw-fused"] = "AdamW"
-        text_len, optimizer = text_length(a.family, a.tlen), names[a.opt]
+        text_len, optimizer = family.text_length_options(a.tlen)[1], names[a.opt]
         shards = shard_count(a.strategy, a.devices)  # --strategy fsdp: each GPU's share of the sharded base
         height, width = max(dataset.sizes, key=lambda size: size[0] * size[1])  # --buckets: the largest batch
         plan = plan_training(
@@ -1392,7 +1331,7 @@ def config_defaults(path: str | Path) -> dict[str, Any]:
         out["tlen"] = int(family_args.get("max_sequence_length") or default)
 
     pretrained = model.get("pretrained")
-    if pretrained in RANDOM[family].known_denoisers:
+    if pretrained in RANDOM[family].planning.known_denoisers:
         out["denoiser"] = pretrained  # random weights of its config (FLUX.2 dev, klein 9B...)
     elif pretrained is not None:
         skipped.append(f"model.pretrained: {pretrained} (not a known {family} denoiser: the default one's config)")
@@ -1601,7 +1540,7 @@ def parser() -> argparse.ArgumentParser:
         "--compile-regions",
         default=None,
         metavar="CLASS,...",
-        help="experiment: the module classes compiled besides the repeated blocks (the family's compiled_regions, "
+        help="experiment: the module classes compiled besides the repeated blocks (the family's compiling.regions, "
         "empty for every family; e.g. ResnetBlock2D: the UNets' ResNets too)",
     )
     p.add_argument("--offload", type=int, default=0, help="model.offload_blocks")

@@ -35,7 +35,7 @@ from lightning_lora.data.recipe import data_recipe
 from lightning_lora.errors import ConfigError, first_line
 from lightning_lora.export import check_export, export_lora, file_coverage
 from lightning_lora.formats import VARIANTS, LoraFormat
-from lightning_lora.formats.clients import TOOLS
+from lightning_lora.formats.clients import TOOL_NAMES, TOOLS
 from lightning_lora.precision import DTYPES
 
 if TYPE_CHECKING:
@@ -50,7 +50,6 @@ log = logging.getLogger(__name__)
 
 _SUFFIX = {"diffusers": ".safetensors", "kohya": ".kohya.safetensors"}
 _VARIANT = {"lora": "LoRA", "dora": "DoRA", "lokr": "LoKr", "loha": "LoHa"}
-_TOOL = {"diffusers": "diffusers", "ComfyUI": "ComfyUI", "kohya": "kohya's sd-scripts"}
 
 
 class LoraModel(Protocol):
@@ -120,14 +119,14 @@ class LoraExport(Callback):
         family = getattr(pl_module, "family", None)
         if family is None:
             return
-        missing = [f for f in self.requested or [] if f not in family.lora_formats]
+        missing = [f for f in self.requested or [] if f not in family.lora_files.formats]
         if missing:
             raise ConfigError(
                 f"LoraExport.formats: there is no {missing[0]} layout for the {family.name!r} family yet; choose from "
-                f"{', '.join(family.lora_formats)}."
+                f"{', '.join(family.lora_files.formats)}."
             )
         variant = _VARIANT.get(str(getattr(getattr(pl_module, "lora", None), "variant", "lora")), "LoRA")
-        holds = [f for f in family.lora_formats if variant in VARIANTS.get(f, ())]
+        holds = [f for f in family.lora_files.formats if variant in VARIANTS.get(f, ())]
         if self.requested is None:
             self.formats = holds
         else:
@@ -172,16 +171,16 @@ class LoraExport(Callback):
         coverages = {fmt: file_coverage(state, family, fmt) for fmt in self.formats}
         self.loads_in = {fmt: c.loads_in for fmt, c in coverages.items()}
         for tool in TOOLS:  # layers no written file gets into this tool: say it now, not after training
-            if tool not in family.lora_tools:  # a fact of the family, not a warning about this run
-                log.info("LoraExport: %s does not load %s LoRAs.", _TOOL[tool], family.name)
+            if tool not in family.lora_files.tools:  # a fact of the family, not a warning about this run
+                log.info("LoraExport: %s does not load %s LoRAs.", TOOL_NAMES[tool], family.name)
                 continue
             missed = [{**c.skipped[tool], **c.approximate[tool]} for c in coverages.values()]
             nowhere = [m for m in missed[0] if all(m in other for other in missed[1:])]
             if nowhere:
                 names = ", ".join(nowhere[:3]) + (", ..." if len(nowhere) > 3 else "")
                 rank_zero_warn(
-                    f"LoraExport: {_TOOL[tool]} will not apply {len(nowhere)} trained layer(s) as trained from any "
-                    f"of the files ({names}): {missed[0][nowhere[0]]}."
+                    f"LoraExport: {TOOL_NAMES[tool]} will not apply {len(nowhere)} trained layer(s) as trained from "
+                    f"any of the files ({names}): {missed[0][nowhere[0]]}."
                 )
 
     def paths(self, trainer: Trainer, stem: str) -> dict[str, Path]:
@@ -191,7 +190,7 @@ class LoraExport(Callback):
     def describe(self, fmt: str) -> str:
         """The tools that apply every layer of this run's ``fmt`` file (``"diffusers, ComfyUI"``)."""
         tools = self.loads_in.get(fmt)
-        return ", ".join(_TOOL[t] for t in tools) if tools else fmt
+        return ", ".join(TOOL_NAMES[t] for t in tools) if tools else fmt
 
     def last_files(self) -> list[tuple[str, Path]]:
         """(format, path) of each file of the last export."""

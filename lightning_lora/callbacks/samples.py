@@ -32,6 +32,7 @@ from typing_extensions import override
 
 from lightning_lora.data.recipe import DEFAULT_RESOLUTION, data_recipe
 from lightning_lora.errors import first_line
+from lightning_lora.families.base import SampleSettings
 from lightning_lora.io import atomic_write
 from lightning_lora.model.assembly import uncompiled
 from lightning_lora.model.parallel import runs_forward_on_every_rank
@@ -199,18 +200,8 @@ class SampleImages(Callback):
             images = []
             with trainer.precision_plugin.forward_context(), uncompiled(not self.compiled):
                 for i, emb in enumerate(self._embeddings):
-                    images.append(
-                        module.family.generate(
-                            pipe,
-                            emb,
-                            seed=self.seed + i,
-                            height=height,
-                            width=width,
-                            steps=self.steps,
-                            guidance_scale=self.guidance_scale,
-                            negative=self._negative,
-                        )
-                    )
+                    settings = SampleSettings(self.seed + i, height, width, self.steps, self.guidance_scale)
+                    images.append(module.family.generate(pipe, emb, settings, negative=self._negative))
         finally:
             denoiser.train(was_training)
             if self.offload_vae:

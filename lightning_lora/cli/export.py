@@ -39,12 +39,11 @@ from lightning_lora.export import (
     read_lora_file,
 )
 from lightning_lora.families import FAMILIES
+from lightning_lora.formats.clients import TOOL_NAMES
 from lightning_lora.io import write_failure
 from lightning_lora.precision import DTYPES
 
 __all__ = ["main", "build_parser"]
-
-_TOOL = {"diffusers": "diffusers", "ComfyUI": "ComfyUI", "kohya": "kohya's sd-scripts"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -131,7 +130,7 @@ def _export(
                 folder.rmdir()
         raise
     coverage = file_coverage(state, family, format)
-    tools = ", ".join(_TOOL[t] for t in coverage.loads_in) or "none of diffusers, ComfyUI, kohya's sd-scripts"
+    tools = ", ".join(TOOL_NAMES[t] for t in coverage.loads_in) or f"none of {', '.join(TOOL_NAMES.values())}"
     notes = [f"applies every layer as trained in: {tools}"]
     notes += [f"note: {line}" for line in coverage.notes(path.name)]
     return path, notes

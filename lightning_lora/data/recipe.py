@@ -147,7 +147,7 @@ class DataRecipe:
     def spec(self, family: DiffusionFamily) -> DataSpec:
         """The bucketing and caching options for ``family``; :class:`ConfigError` names an option that does not suit
         it (a resolution or bucket side that is no multiple of its latent divisor)."""
-        d = family.latent_divisor
+        d = family.architecture.latent_divisor
         for r in self.resolutions:
             family.check_resolution(r, r, "data.resolution")
         step = self.bucket_step or (64 if all(r % 64 == 0 for r in self.resolutions) else d)

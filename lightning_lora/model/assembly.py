@@ -100,10 +100,10 @@ def build_lora_model(recipe: ModelRecipe, device: torch.device | None = None) ->
     for p in trainable_parameters(denoiser):
         p.data = p.data.to(torch.float32)
     if recipe.gradient_checkpointing:
-        in_blocks = recipe.compile_blocks and family.checkpoints_only_repeated_blocks
+        in_blocks = recipe.compile_blocks and family.compiling.checkpoints_only_repeated_blocks
         apply_gradient_checkpointing(denoiser, recipe.checkpoint_every, recipe.offload_activations, in_blocks)
     offload_blocks(denoiser, offloaded, device)
-    configure_attention(denoiser, recipe.attention, device, family.cudnn_attention_in_auto)
+    configure_attention(denoiser, recipe.attention, device, family.compiling.cudnn_attention_in_auto)
     if recipe.cuda_graphs and device.type != "cuda":
         warnings.warn(
             f"model.cuda_graphs: true, but the model is built on {device.type}: CUDA graphs need a CUDA (or ROCm) GPU, "
@@ -114,9 +114,9 @@ def build_lora_model(recipe: ModelRecipe, device: torch.device | None = None) ->
         compile_repeated_blocks(
             denoiser,
             mode=CUDA_GRAPHS_MODE if recipe.cuda_graphs else None,
-            extra=family.compiled_regions,
-            streams=family.stream_sources,
-            joins=family.joined_streams,
+            extra=family.compiling.regions,
+            streams=family.compiling.stream_sources,
+            joins=family.compiling.joined_streams,
         )
     return denoiser.train()
 
@@ -167,8 +167,8 @@ def configure_attention(
     """Choose the attention kernel.
 
     ``auto`` lets PyTorch's SDPA pick among its backends, with cuDNN's switched off unless ``cudnn_in_auto`` (the
-    family's ``cudnn_attention_in_auto``). ``sdpa`` is PyTorch's own choice among all its backends. ``flash`` /
-    ``efficient`` / ``cudnn`` / ``math`` allow only that SDPA backend (the process-wide ``torch.backends.cuda``
+    family's ``compiling.cudnn_attention_in_auto``). ``sdpa`` is PyTorch's own choice among all its backends. ``flash``
+    / ``efficient`` / ``cudnn`` / ``math`` allow only that SDPA backend (the process-wide ``torch.backends.cuda``
     switches); ``xformers`` uses diffusers' xformers processors (CUDA only). Wherever cuDNN's SDPA is allowed, its
     backward is handed the output's gradient in the output's strides (:mod:`lightning_lora.model.attention`: without it,
     cuDNN's backward read out of bounds in full-size FLUX on an H200).
@@ -205,10 +205,10 @@ def compile_repeated_blocks(
     joins: tuple[str, ...] = (),
 ) -> None:
     """Regional compilation: compile each repeated transformer block in place (diffusers' ``compile_repeated_blocks``),
-    and each module of the ``extra`` classes (the family's ``compiled_regions``); the outputs of the ``streams``
-    modules (the family's ``stream_sources``) require gradients while training (:func:`stream_needs_gradients`), and
-    the two streams out of the last module of each ``joins`` container (the family's ``joined_streams``) come as
-    slices of one tensor (:func:`slices_of_one_tensor`).
+    and each module of the ``extra`` classes (the family's ``compiling.regions``); the outputs of the ``streams``
+    modules (the family's ``compiling.stream_sources``) require gradients while training
+    (:func:`stream_needs_gradients`), and the two streams out of the last module of each ``joins`` container (the
+    family's ``compiling.joined_streams``) come as slices of one tensor (:func:`slices_of_one_tensor`).
 
     Compiling the whole 12B model did not finish in 150 s on an H200; the blocks compile once and are reused by
     every layer, and parameter names stay unchanged (no ``_orig_mod.`` prefix in checkpoints).

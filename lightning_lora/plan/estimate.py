@@ -306,14 +306,14 @@ def plan_training(
     if recipe.compile_blocks and not recipe.gradient_checkpointing:
         # Compiled blocks keep fewer tensors than the eager count (the family's share); checkpointed blocks keep only
         # their inputs, which compiling cannot shrink.
-        saved *= recipe.family.compiled_saved_fraction
+        saved *= recipe.family.planning.compiled_saved_fraction
     elif recipe.compile_blocks and recipe.checkpoint_every > 1:  # the blocks not checkpointed keep the family's share
         eager = recipe.replace(gradient_checkpointing=False, checkpoint_every=1, offload_activations=False)
         saved = compiled_saved_bytes(
             saved,
             uncheckpointed=_count(eager, height, width, batch, text_len).saved,
             all_checkpointed=_count(recipe.replace(checkpoint_every=1), height, width, batch, text_len).saved,
-            share=recipe.family.compiled_saved_fraction,
+            share=recipe.family.planning.compiled_saved_fraction,
         )
     per_block = (saved + moved) / max(counted.blocks, 1)
     transient = TRANSIENT_BLOCKS * per_block

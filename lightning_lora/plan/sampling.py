@@ -69,7 +69,7 @@ def sampling_pieces(
     if key in _SAMPLING:
         return _SAMPLING[key]
     inputs = family.example_inputs(
-        model, family.sampling_batch, height, width, text_len, device="meta", dtype=source.dtype
+        model, family.planning.sampling_batch, height, width, text_len, device="meta", dtype=source.dtype
     )
     with flash_like_attention():
         denoiser, _ = peak_bytes(lambda: model(**inputs), autocast)

@@ -90,11 +90,11 @@ def test_the_plan_counts_the_optimizer_state_the_config_names(tmp_path: Path, mo
 def _local_copy(tmp_path: Path, family: type, hub_id: str) -> Path:
     """A local pipeline folder that holds only the configs of ``hub_id``'s architecture (no weights)."""
     folder = tmp_path / "local"
-    (folder / family.denoiser_subfolder).mkdir(parents=True)
-    (folder / "model_index.json").write_text(json.dumps({"_class_name": family.pipeline_classes[0]}))
-    config = family.known_denoisers[hub_id]
-    (folder / family.denoiser_subfolder / "config.json").write_text(json.dumps(config))
-    for component, encoder in family.known_text_encoders[hub_id].items():
+    (folder / family.architecture.denoiser_subfolder).mkdir(parents=True)
+    (folder / "model_index.json").write_text(json.dumps({"_class_name": family.architecture.pipeline_classes[0]}))
+    config = family.planning.known_denoisers[hub_id]
+    (folder / family.architecture.denoiser_subfolder / "config.json").write_text(json.dumps(config))
+    for component, encoder in family.planning.known_text_encoders[hub_id].items():
         (folder / component).mkdir()
         config = {"architectures": [encoder["_class"]], **{k: v for k, v in encoder.items() if k != "_class"}}
         (folder / component / "config.json").write_text(json.dumps(config))

@@ -126,7 +126,7 @@ def random_inputs(
     ``[0, 1000)``, drawn from ``seed``. ``size`` is the image size in pixels (default: about 32 x 48, rounded up to
     the family's ``latent_divisor``). The call returns ``(prediction,)`` (``return_dict=False``).
     """
-    d = family.latent_divisor
+    d = family.architecture.latent_divisor
     height, width = size or (math.ceil(32 / d) * d, math.ceil(48 / d) * d)
     inputs = family.example_inputs(model, batch, height, width, text_len, device="cpu", dtype=dtype)
     generator = torch.Generator().manual_seed(seed)

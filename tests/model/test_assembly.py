@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import os
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -126,7 +127,7 @@ def test_regex_and_preset_targets() -> None:
     model.block.to_q = torch.nn.Linear(4, 4)
     model.block.other = torch.nn.LayerNorm(4)
     family = Flux()
-    assert resolve_targets("attention", family, _TinyAttn()) == Flux.lora_presets["attention"]
+    assert resolve_targets("attention", family, _TinyAttn()) == Flux.architecture.lora_presets["attention"]
     assert resolve_targets(r".*to_q", family, model) == r".*to_q"
     with pytest.raises(ConfigError, match=r"model\.lora\.targets.*matches no linear or convolution layer"):
         resolve_targets(r".*other", family, model)  # a norm is neither
@@ -237,7 +238,7 @@ def test_compiled_blocks_are_checkpointed_inside_and_run_once_a_step_not_twice(
     family = Flux(max_sequence_length=8)
     per_step, grads, blocks = {}, {}, 0
     for inside in (True, False):
-        monkeypatch.setattr(Flux, "checkpoints_only_repeated_blocks", inside)
+        monkeypatch.setattr(Flux, "compiling", replace(Flux.compiling, checkpoints_only_repeated_blocks=inside))
         torch._dynamo.reset()
         try:
             torch.manual_seed(0)
@@ -543,7 +544,7 @@ def test_a_new_bucket_shape_compiles_once_not_every_step(
     try:
         family = Flux(max_sequence_length=8)
         model = build_model(family, ModelSource(str(tiny_flux_dir), dtype=torch.float32), LoraOptions(rank=2))
-        compile_repeated_blocks(model, extra=family.compiled_regions, streams=family.stream_sources)
+        compile_repeated_blocks(model, extra=family.compiling.regions, streams=family.compiling.stream_sources)
         caplog.set_level("WARNING", logger="torch._dynamo")
         counts = []
         for size in [(32, 32), (32, 32), (32, 48), (32, 48), (48, 32), (32, 32), (48, 48), (32, 48)]:
@@ -582,8 +583,8 @@ def test_identical_blocks_are_traced_once_per_class_not_once_per_block(
             for name, count in [("transformer_blocks", double), ("single_transformer_blocks", single)]:
                 blocks: torch.nn.ModuleList = getattr(model, name)  # more: copies of the tiny model's two blocks
                 blocks.extend(copy.deepcopy(blocks[i % 2]) for i in range(len(blocks), count))
-            streams, joins = (family.stream_sources, family.joined_streams) if hooked else ((), ())
-            compile_repeated_blocks(model, extra=family.compiled_regions, streams=streams, joins=joins)
+            streams, joins = (family.compiling.stream_sources, family.compiling.joined_streams) if hooked else ((), ())
+            compile_repeated_blocks(model, extra=family.compiling.regions, streams=streams, joins=joins)
             graphs.clear()
             model.train()(**random_inputs(family, model, 1, size=(32, 32)))[0].square().mean().backward()
             traced[double + single, hooked] = graph_count(graphs)
@@ -617,7 +618,7 @@ def test_the_unets_first_transformer_block_shares_the_graph_of_the_others(
         try:
             torch.manual_seed(0)
             model = build_model(family, ModelSource(str(folder), dtype=torch.float32), LoraOptions(rank=2))
-            compile_repeated_blocks(model, streams=family.stream_sources if hooked else ())
+            compile_repeated_blocks(model, streams=family.compiling.stream_sources if hooked else ())
             graphs.clear()
             model.train()(**random_inputs(family, model, 1))[0].square().mean().backward()
             traced[hooked] = graph_count(graphs)
@@ -639,9 +640,9 @@ def test_the_unets_stream_sources_name_modules_of_their_real_architectures(famil
     from lightning_lora.families.sdxl import SDXL
 
     family = {"sdxl": SDXL(), "sd15": SD15()}[family_name]
-    for config in family.known_denoisers.values():
+    for config in family.planning.known_denoisers.values():
         with torch.device("meta"):
             unet = UNet2DConditionModel.from_config(config)
         first = next(m for m in unet.modules() if type(m).__name__ == "BasicTransformerBlock")
         owner = next(m for m in unet.modules() if first in m.modules() and hasattr(m, "proj_in"))  # Transformer2DModel
-        assert [unet.get_submodule(name) for name in family.stream_sources] == [owner.proj_in]
+        assert [unet.get_submodule(name) for name in family.compiling.stream_sources] == [owner.proj_in]

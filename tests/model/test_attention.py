@@ -144,7 +144,7 @@ def test_flux_blocks_compile_to_as_many_graphs_with_it(
         for name in ("transformer_blocks", "single_transformer_blocks"):
             blocks: torch.nn.ModuleList = getattr(model, name)
             blocks.append(copy.deepcopy(blocks[0]))
-        compile_repeated_blocks(model, extra=family.compiled_regions, streams=family.stream_sources)
+        compile_repeated_blocks(model, extra=family.compiling.regions, streams=family.compiling.stream_sources)
         model.train()(**random_inputs(family, model, 1, size=(32, 32)))[0].square().mean().backward()
         assert graph_count(graphs) == 3
     finally:

@@ -4,6 +4,7 @@ Its accuracy against measured GPU peaks is in BENCHMARKS.md (tools/bench.py prin
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -101,7 +102,9 @@ def test_plan_of_the_tiny_flux(tiny_flux_dir: Path, photos_dir: Path) -> None:
     assert plan(precision=FP8()).weights < full.weights
     from lightning_lora.families.flux import Flux
 
-    assert plan(compile_blocks=True).activations == pytest.approx(Flux.compiled_saved_fraction * full.activations)
+    assert plan(compile_blocks=True).activations == pytest.approx(
+        Flux.planning.compiled_saved_fraction * full.activations
+    )
     # Checkpointed blocks keep only their inputs: compiling does not shrink those.
     assert plan(compile_blocks=True, gradient_checkpointing=True).activations == checkpointed.activations
     assert full.lora > 0 and full.optimizer == pytest.approx(2 * full.lora)  # AdamW: two fp32 moments per weight
@@ -249,7 +252,7 @@ def test_sampling_without_a_vae_architecture_uses_the_family_estimate(tiny_flux_
     from lightning_lora.plan import sampling_bytes, sampling_pieces
 
     class NoVae(Flux):
-        vae_architecture = None
+        planning = replace(Flux.planning, vae_architecture=None)
 
     recipe = ModelRecipe(NoVae(), ModelSource(str(tiny_flux_dir)))
     model = recipe.family.denoiser_skeleton(recipe.source)
@@ -282,9 +285,9 @@ def test_compiled_blocks_keep_their_familys_measured_share_of_the_eager_saved_te
     recipe = ModelRecipe(family, source, lora=LoraOptions(rank=16, targets="attention"), compile_blocks=True)
     compiled = plan_training(recipe, 1024, 1024, 1, 512, optimizer="AdamW")
     eager = plan_training(recipe.replace(compile_blocks=False), 1024, 1024, 1, 512, optimizer="AdamW")
-    assert "compiled_saved_fraction" in vars(type(family))
-    assert family.compiled_saved_fraction != Flux.compiled_saved_fraction
-    assert compiled.activations == pytest.approx(family.compiled_saved_fraction * eager.activations)
+    assert "planning" in vars(type(family))  # its own facts, its own share
+    assert family.planning.compiled_saved_fraction != Flux.planning.compiled_saved_fraction
+    assert compiled.activations == pytest.approx(family.planning.compiled_saved_fraction * eager.activations)
     assert abs(compiled.peak_gib - measured_gib) / measured_gib < 0.10, compiled.peak_gib
 
 
@@ -401,7 +404,7 @@ def test_sd15_compiled_plan_is_within_ten_percent_of_the_gpu(batch: int, measure
     lora = LoraOptions(rank=16, alpha=8, targets="attention_ff")
     recipe = ModelRecipe(SD15(), source, lora=lora, compile_blocks=True)
     plan = plan_training(recipe, 512, 512, batch, 77, optimizer="AdamW8bit")
-    assert SD15.compiled_regions == ()  # what the share was measured with
+    assert SD15.compiling.regions == ()  # what the share was measured with
     assert abs(plan.peak_gib - measured_gib) / measured_gib < 0.10, plan.peak_gib
 
 
@@ -415,7 +418,7 @@ def test_sdxl_compiled_plan_is_within_ten_percent_of_the_gpu() -> None:
     source = ModelSource("stabilityai/stable-diffusion-xl-base-1.0", dtype=torch.bfloat16)
     recipe = ModelRecipe(SDXL(), source, lora=LoraOptions(rank=32, alpha=32, targets="attention"), compile_blocks=True)
     plan = plan_training(recipe, 1024, 1024, 1, 77, optimizer="Adafactor")
-    assert SDXL.compiled_regions == ()  # what the share was measured with
+    assert SDXL.compiling.regions == ()  # what the share was measured with
     assert abs(plan.peak_gib - 10.34) / 10.34 < 0.10, plan.peak_gib
 
 

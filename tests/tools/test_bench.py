@@ -77,7 +77,7 @@ def test_bench_batches_have_the_caches_layout(family: str) -> None:
     real = FAMILIES[family](max_sequence_length=512)
     cached = {"latents": real.encode_images(pipe.vae, torch.zeros(1, 3, 64, 96))[0]}
     cached.update({k: v[0] for k, v in real.encode_prompts(pipe, ["a photo of a dog"]).items()})
-    random = bench.random_family(family, config, "cpu", **bench.family_options(family, 24))
+    random = bench.random_family(family, config, "cpu", **bench.RANDOM[family].text_length_options(24)[0])
     item = bench.Synthetic(family, config, 64, 96, 24, family_obj=random)[0]
     for key, value in cached.items():
         assert item[key].shape == value.shape and item[key].dtype in (value.dtype, torch.bfloat16), key
@@ -426,7 +426,7 @@ def test_bench_builds_the_denoiser_a_config_names() -> None:
     dev = bench.parse_args(["--config", str(REPO / "configs" / "flux2_dev_24gb.yaml")])
     assert dev.denoiser == "black-forest-labs/FLUX.2-dev" and bench.header(dev)["denoiser"] == dev.denoiser
     assert not any(s.startswith("model.pretrained") for s in dev.not_reproduced)
-    assert Flux2.known_denoisers[dev.denoiser] != bench.CONFIGS["flux2"][0]  # a different (32 B) transformer
+    assert Flux2.planning.known_denoisers[dev.denoiser] != bench.CONFIGS["flux2"][0]  # a different (32 B) transformer
     assert bench.parse_args(["--family", "flux2"]).denoiser is None  # flags alone: the family's default
 
 
@@ -520,9 +520,9 @@ def test_bench_compile_seconds_grow_by_phase_when_dynamo_traces() -> None:
 @pytest.mark.parametrize(("flag", "extra"), [([], ()), (["--compile-regions", "ResnetBlock2D"], ("ResnetBlock2D",))])
 def test_bench_compile_regions_replace_the_familys_extra_compiled_classes(monkeypatch, flag, extra) -> None:
     """``--compile-regions`` (an experiment: SDXL's ResNets compiled beside its transformer blocks) reaches the
-    assembly's compile as the family's ``compiled_regions``; without it the family's own. The compile is recorded, not
+    assembly's compile as the family's ``compiling.regions``; without it the family's own. The compile is recorded, not
     run (compiling takes minutes on the CPU)."""
-    from lightning_lora import assembly
+    from lightning_lora.model import assembly
 
     seen: list[tuple[str, ...]] = []
     monkeypatch.setattr(
