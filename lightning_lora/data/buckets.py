@@ -37,7 +37,7 @@ processes) does not consume the global random state either.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Literal
@@ -241,10 +241,12 @@ class ResumableLoader(DataLoader):
         batch_sampler: BucketBatchSampler,
         num_workers: int = 0,
         pin_memory: bool = False,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
     ) -> None:
         super().__init__(
             dataset,
             batch_sampler=batch_sampler,
+            collate_fn=collate_fn,
             num_workers=num_workers,
             persistent_workers=num_workers > 0,
             pin_memory=pin_memory,

@@ -7,9 +7,18 @@ from the cache. A training entry has an optional mirrored latent and one text pe
 entry has neither (it is evaluated as written).
 
 :func:`build` runs the plan, encodes the latents that are missing (images that turn out not to decode are skipped),
-then the texts that are missing (always including the empty prompt, which caption dropout needs), and returns a
+then the texts that are missing (always including the empty prompt, which caption dropout needs; for a family that
+reads a prompt only with its controls, each pair's empty prompt instead), and returns a
 :class:`CacheReport`: what was found, encoded, reused, skipped and why, the notes (findings that leave no image out:
 see :mod:`lightning_lora.data.sources`), the buckets, and the time. Each skip and note is also logged once.
+
+**Control images** (edit training, :class:`ControlEntry`): a target's controls are placed in its own bucket, scaled to
+cover it and center-cropped, so the target and its controls have one latent shape. The rule, checked when the cache is
+planned (headers only), never during training: a control that cannot be read, or whose aspect ratio differs from its
+target's by more than :data:`CONTROL_ASPECT_TOLERANCE` (5%: a pair shows one framing; crop one to the other's shape),
+leaves its target out with one line naming both (kinds ``control unreadable``, ``control aspect ratio``); a control
+that turns out not to decode when it is encoded leaves out every target that uses it, each with its line. Within the
+tolerance a control of any size is scaled (up or down) to its target's bucket. The summary counts the pairs.
 """
 
 from __future__ import annotations
@@ -25,18 +34,32 @@ from typing import Literal
 
 import torch
 
-from lightning_lora.data.buckets import BucketSpec, Placement
-from lightning_lora.data.cache import ImageIndex, LatentCache, LatentJob, readable
+from lightning_lora.data.buckets import BucketSpec, Placement, cover
+from lightning_lora.data.cache import ControlImage, ImageIndex, LatentCache, LatentJob, readable
 from lightning_lora.data.captions import apply_trigger, tag_variants
 from lightning_lora.data.images import BadImage
 from lightning_lora.data.sources import Item, Skip, display
 from lightning_lora.errors import ConfigError, first_line
 
-__all__ = ["CacheEntry", "CacheReport", "DataSpec", "build", "entry_texts", "missing_jobs", "plan", "usable"]
+__all__ = [
+    "CONTROL_ASPECT_TOLERANCE",
+    "CacheEntry",
+    "CacheReport",
+    "ControlEntry",
+    "DataSpec",
+    "build",
+    "entry_texts",
+    "missing_jobs",
+    "plan",
+    "usable",
+]
 
 log = logging.getLogger(__name__)
 
 OnBadFile = Literal["skip", "error"]
+
+CONTROL_ASPECT_TOLERANCE = 1.05
+"""The most a control's aspect ratio may differ from its target's (the larger over the smaller)."""
 
 
 @dataclass(frozen=True)
@@ -48,6 +71,17 @@ class DataSpec:
     caption_variants: int = 1
     keep_tokens: int = 0
     background: tuple[int, int, int] = (255, 255, 255)
+    caption_dropout: bool = False
+    """Whether caption dropout is on: an edit family whose prompt sees the controls then has each pair's empty prompt
+    encoded with its controls (:attr:`CacheEntry.empty_text_key`)."""
+
+
+@dataclass(frozen=True)
+class ControlEntry(ControlImage):
+    """A control image of one training (or validation) entry, placed in its target's bucket, and its latents' keys."""
+
+    latent_key: str = ""
+    flip_key: str | None = None  # the mirrored control, for the mirrored target
 
 
 @dataclass(frozen=True)
@@ -64,13 +98,23 @@ class CacheEntry:
     text_keys: tuple[str, ...]  # the cache keys of `texts`
     digest: str  # sha256 of the image's bytes the latent keys were made from
     repeats: int = 1
+    controls: tuple[ControlEntry, ...] = ()  # in the order the model takes them
+    empty_text_key: str | None = None  # the empty prompt seen with `controls` (None: the run's one empty prompt)
 
     @property
     def bucket(self) -> tuple[int, int]:
         return self.placement.bucket
 
+    @property
+    def batch_key(self) -> tuple[int, int, int]:
+        """What a batch's samples share: the bucket and the number of controls (one latent shape, one sequence)."""
+        return (*self.placement.bucket, len(self.controls))
+
     def latent_keys(self) -> list[str]:
-        return [self.latent_key] + ([self.flip_key] if self.flip_key else [])
+        keys = [self.latent_key] + ([self.flip_key] if self.flip_key else [])
+        for c in self.controls:
+            keys += [c.latent_key] + ([c.flip_key] if c.flip_key else [])
+        return keys
 
 
 def entry_texts(item: Item, spec: DataSpec, validation: bool = False) -> list[str]:
@@ -88,31 +132,49 @@ def plan(
     validation: bool = False,
     threads: int = 8,
 ) -> tuple[list[CacheEntry], list[Skip]]:
-    """Entries of ``items`` (no pixels decoded) and the images that cannot be used (unreadable, too small)."""
+    """Entries of ``items`` (no pixels decoded) and the images that cannot be used (unreadable, too small, a control
+    that cannot be read or does not fit: see the module docstring)."""
 
-    def lookup(item: Item) -> tuple[str, tuple[int, int]] | BadImage:
+    def lookup(image: Path) -> tuple[str, tuple[int, int]] | BadImage:
         try:
-            return index.lookup(item.image)
+            return index.lookup(image)
         except BadImage as e:
             return e
 
+    files = list(dict.fromkeys(p for item in items for p in (item.image, *item.controls)))
     with ThreadPoolExecutor(max_workers=threads) as pool:  # hashing and header reads wait on the disk
-        looked_up = list(pool.map(lookup, items))
+        looked_up = dict(zip(files, pool.map(lookup, files), strict=True))
     entries: list[CacheEntry] = []
     skips: list[Skip] = []
-    for item, found in zip(items, looked_up, strict=True):
+    flips = spec.flip and not validation
+    for item in items:
+        found = looked_up[item.image]
         if isinstance(found, BadImage):
             skips.append(Skip(item.image, found.kind, found.reason))
             continue
         digest, (width, height) = found
+        controls, problem = _controls_of(item, width, height, looked_up)
+        if problem is not None:
+            skips.append(problem)
+            continue
         placements, reason = spec.buckets.place(width, height)
         if reason is not None:
             skips.append(Skip(item.image, "too small", reason))
             continue
         texts = entry_texts(item, spec, validation)
-        text_keys = tuple(cache.text_key(t) for t in texts)
         for resolution, p in placements:
-            flip_key = cache.latent_key(digest, p, True, spec.background) if spec.flip and not validation else None
+            placed = tuple(
+                ControlEntry(
+                    c_image,
+                    c_digest,
+                    (cp := cover(*c_size, p.bucket)),
+                    latent_key=cache.latent_key(c_digest, cp, False, spec.background),
+                    flip_key=cache.latent_key(c_digest, cp, True, spec.background) if flips else None,
+                )
+                for c_image, c_digest, c_size in controls
+            )
+            seen = placed if placed and cache.family.editing.prompt_sees_controls else ()
+            empty = cache.pair_key("", seen, spec.background) if seen and spec.caption_dropout else None
             entries.append(
                 CacheEntry(
                     image=item.image,
@@ -120,38 +182,67 @@ def plan(
                     resolution=resolution,
                     placement=p,
                     latent_key=cache.latent_key(digest, p, False, spec.background),
-                    flip_key=flip_key,
+                    flip_key=cache.latent_key(digest, p, True, spec.background) if flips else None,
                     texts=tuple(texts),
-                    text_keys=text_keys,
+                    text_keys=tuple(cache.pair_key(t, seen, spec.background) for t in texts),
                     digest=digest,
                     repeats=1 if validation else item.repeats,
+                    controls=placed,
+                    empty_text_key=empty,
                 )
             )
     return entries, skips
 
 
+def _controls_of(
+    item: Item, width: int, height: int, looked_up: dict[Path, tuple[str, tuple[int, int]] | BadImage]
+) -> tuple[list[tuple[Path, str, tuple[int, int]]], Skip | None]:
+    """Each control of ``item`` (a ``width x height`` target) as (file, digest, viewed size), or the :class:`Skip` of
+    the target whose control cannot be read or has another aspect ratio."""
+    controls = []
+    for control in item.controls:
+        found = looked_up[control]
+        if isinstance(found, BadImage):
+            return [], Skip(item.image, "control unreadable", f"its control {display(control)}: {found.reason}")
+        c_digest, (cw, ch) = found
+        ratio = (cw / ch) / (width / height)
+        if max(ratio, 1 / ratio) > CONTROL_ASPECT_TOLERANCE:
+            return [], Skip(
+                item.image,
+                "control aspect ratio",
+                f"{width}x{height}, but its control {display(control)} is {cw}x{ch}: another aspect ratio (more than "
+                f"{CONTROL_ASPECT_TOLERANCE - 1:.0%} apart); crop one to the other's shape",
+            )
+        controls.append((control, c_digest, (cw, ch)))
+    return controls, None
+
+
 def missing_jobs(cache: LatentCache, entries: Sequence[CacheEntry]) -> tuple[list[LatentJob], int]:
-    """Jobs for the latent files that are missing or unreadable, and the number of files reused."""
+    """Jobs for the latent files that are missing or unreadable (targets' and controls'), and the number of files
+    reused."""
     jobs: dict[tuple[Path, Placement], LatentJob] = {}
     seen: set[str] = set()
     reused = 0
     for e in entries:
-        plain = flip = None
-        for key in e.latent_keys():
-            if key in seen:
-                continue
-            seen.add(key)
-            if readable(cache.latent_path(key)):
-                reused += 1
-            elif key == e.latent_key:
-                plain = key
-            else:
-                flip = key
-        if plain or flip:
-            old = jobs.get((e.image, e.placement))
-            if old is not None:  # the same file listed twice (e.g. as training and validation image)
-                plain, flip = plain or old.plain_key, flip or old.flip_key
-            jobs[(e.image, e.placement)] = LatentJob(e.image, e.placement, plain, flip, e.digest)
+        sources = [(e.image, e.placement, e.digest, e.latent_key, e.flip_key)]
+        sources += [(c.image, c.placement, c.digest, c.latent_key, c.flip_key) for c in e.controls]
+        for image, placement, digest, plain_key, flip_key in sources:
+            plain = flip = None
+            for key in (plain_key, flip_key):
+                if key is None or key in seen:
+                    continue
+                seen.add(key)
+                if readable(cache.latent_path(key)):
+                    reused += 1
+                elif key == plain_key:
+                    plain = key
+                else:
+                    flip = key
+            if plain or flip:
+                old = jobs.get((image, placement))
+                if old is not None:  # the same file listed twice (as training and validation image, or as a control)
+                    plain, flip = plain or old.plain_key, flip or old.flip_key
+                jobs[(image, placement)] = LatentJob(image, placement, plain, flip, digest)
     return list(jobs.values()), reused
 
 
@@ -198,6 +289,7 @@ class CacheReport:
             f"  training:        {train_images} images, {len(self.train)} entries (image x resolution), "
             f"{sum(e.repeats for e in self.train)} samples per epoch (with repeats)"
             + (f"; {len({e.image for e in self.validation})} validation images" if self.validation else ""),
+            *self._pairs(),
             f"  latents:         {self.latents_encoded} encoded, {self.latents_reused} reused",
             f"  text embeddings: {self.texts_encoded} encoded, {self.texts_reused} reused",
             *_listed("skipped:        ", bad, always=True),
@@ -208,6 +300,25 @@ class CacheReport:
         rate = f", {self.images_per_second:.1f} images/s encoded" if self.images_encoded else ""
         lines.append(f"  time:            {self.seconds:.1f} s{rate}")
         return "\n".join(lines)
+
+    @property
+    def pairs(self) -> Counter[int]:
+        """Training images by their number of controls (0: text-to-image items)."""
+        first = {e.image: len(e.controls) for e in reversed(self.train)}
+        return Counter(first.values())
+
+    def _pairs(self) -> list[str]:
+        """The summary's line about edit pairs (none when no image has controls)."""
+        counts = self.pairs
+        paired = sum(n for k, n in counts.items() if k)
+        if not paired:
+            return []
+        controls = len({c.image for e in self.train for c in e.controls})
+        each = ", ".join(f"{n} with {k} control{'s' if k > 1 else ''}" for k, n in sorted(counts.items()) if k)
+        return [
+            f"  edit pairs:      {paired} training images with controls ({each}), {counts.get(0, 0)} without; "
+            f"{controls} control images"
+        ]
 
 
 def _listed(title: str, skips: Sequence[Skip], always: bool = False, shown: int = 20) -> list[str]:
@@ -280,9 +391,10 @@ def build(
     report.skipped += encoded.skips
     if on_bad_file == "error" and encoded.skips:
         raise _fatal(encoded.skips)
-    bad = {s.path for s in encoded.skips}
-    report.train = [e for e in train if e.image not in bad]
-    report.validation = [e for e in validation if e.image not in bad]
+    bad = {s.path: s.reason for s in encoded.skips}
+    report.train, lost = _without(train, bad)
+    report.validation, val_lost = _without(validation, bad)
+    report.skipped += [*lost, *val_lost]
     for s in report.skipped:
         log.warning("%s", f"note: {s.line()}" if s.note else f"skipped {s.line()}")
     if not report.train:
@@ -293,12 +405,24 @@ def build(
             "the reason."
         )
 
-    texts: dict[str, str] = {cache.text_key(""): ""}
+    # The run's empty prompt (caption dropout); not for a family that reads a prompt only with its controls.
+    texts: dict[str, str] = {} if cache.family.editing.needs_controls else {cache.text_key(""): ""}
+    pairs: dict[str, tuple[str, tuple[ControlImage, ...]]] = {}  # prompts that see their controls
     for entry in [*report.train, *report.validation]:
-        texts.update(zip(entry.text_keys, entry.texts, strict=True))
+        if entry.controls and cache.family.editing.prompt_sees_controls:
+            pairs.update(zip(entry.text_keys, ((t, entry.controls) for t in entry.texts), strict=True))
+            if entry.empty_text_key is not None:
+                pairs[entry.empty_text_key] = ("", entry.controls)
+        else:
+            texts.update(zip(entry.text_keys, entry.texts, strict=True))
     missing = cache.missing_texts(texts.values())
+    missing_pairs = [pair for key, pair in pairs.items() if not readable(cache.text_path(key))]
     try:
         encoded_texts = cache.encode_texts(missing, device, batch_size, progress=progress)
+        encoded_pairs = cache.encode_pairs(missing_pairs, device, spec.background, progress=progress)
+        encoded_texts.encoded += encoded_pairs.encoded
+        encoded_texts.truncated += encoded_pairs.truncated
+        encoded_texts.limit = encoded_texts.limit or encoded_pairs.limit
     except torch.OutOfMemoryError as e:
         mode = cache.text_encoder_quantization
         fix = (
@@ -317,9 +441,26 @@ def build(
         note = _truncation_note(cache.root, entries, encoded_texts.truncated, encoded_texts.limit)
         report.skipped.append(note)
         log.warning("note: %s", note.line())
-    report.texts_reused = len(texts) - len(missing)
+    report.texts_reused = len(texts) + len(pairs) - len(missing) - len(missing_pairs)
     report.seconds = time.perf_counter() - start
     return report
+
+
+def _without(entries: Sequence[CacheEntry], bad: dict[Path, str]) -> tuple[list[CacheEntry], list[Skip]]:
+    """``entries`` without those whose image or a control of it did not decode (``bad``: file -> reason), and one
+    :class:`Skip` per target left out for its control."""
+    kept: list[CacheEntry] = []
+    lost: dict[Path, Skip] = {}
+    for e in entries:
+        failed = next((c.image for c in e.controls if c.image in bad), None)
+        if e.image in bad:
+            continue
+        if failed is not None:
+            reason = f"its control {display(failed)} cannot be used ({bad[failed]})"
+            lost.setdefault(e.image, Skip(e.image, "control unreadable", reason))
+            continue
+        kept.append(e)
+    return kept, list(lost.values())
 
 
 def _truncation_note(root: Path, entries: Sequence[CacheEntry], truncated: Sequence[str], limit: str) -> Skip:

@@ -10,7 +10,12 @@ Keys are content hashes of everything that determines the tensor:
   rule and alpha background, the VAE's identity (files, dtype) and the family;
 * text: the exact text (after trigger and tag shuffling), the identity and dtype of the text encoders the family
   declares (``architecture.text_encoders`` of :class:`~lightning_lora.families.base.DiffusionFamily`), and the family's
-  text options (e.g. T5 length).
+  text options (e.g. T5 length); for an edit family whose prompt encoder sees the control images
+  (``editing.prompt_sees_controls``: Qwen-Image-Edit's vision-language model), the controls' pixels too
+  (:meth:`ControlImage.identity`): one entry per (caption, controls) pair.
+
+A control image (edit training) is cached like a target: its latent under its own key (its bytes and placement), so
+editing a control re-encodes only it, and a control shared by two targets is encoded once.
 
 So editing one caption re-encodes only that caption, editing one image only that image's entries, changing the
 resolution or buckets only the images whose placement changed, swapping the model everything that depends on it;
@@ -75,7 +80,16 @@ from lightning_lora.data.sources import Skip, display
 from lightning_lora.families.base import DiffusionFamily, ModelSource
 from lightning_lora.io import atomic_write_bytes, save_safetensors
 
-__all__ = ["EncodeResult", "ImageIndex", "LatentCache", "LatentJob", "TextResult", "decode_loader", "readable"]
+__all__ = [
+    "ControlImage",
+    "EncodeResult",
+    "ImageIndex",
+    "LatentCache",
+    "LatentJob",
+    "TextResult",
+    "decode_loader",
+    "readable",
+]
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +170,36 @@ class ImageIndex:
             data = {"version": 2, "written_ns": time.time_ns(), "files": self._files}
             atomic_write_bytes(self.path, json.dumps(data, separators=(",", ":")).encode())
             self._dirty = False
+
+
+@dataclass(frozen=True)
+class ControlImage:
+    """A control image as one target uses it: its file, the sha256 of its bytes, and where it sits (its target's bucket
+    and crop)."""
+
+    image: Path
+    digest: str
+    placement: Placement
+
+    def identity(self, background: tuple[int, int, int], flip: bool = False) -> str:
+        """What its pixels are (bytes, placement, decoding rule, background): part of the text key of a prompt that
+        sees it."""
+        return _hash("pixels", self.digest, _geometry(self.placement, flip, background), DECODE_RULE)
+
+    def pixels(self, background: tuple[int, int, int]) -> np.ndarray:
+        """Its pixels as placed, ``uint8 [h, w, 3]``; :class:`BadImage` for a file that no longer decodes (or no
+        longer has the planned bytes)."""
+        try:
+            data = self.image.read_bytes()
+        except OSError as e:
+            raise BadImage("unreadable file", f"cannot read the file ({e.strerror or e})") from e
+        if hashlib.sha256(data).hexdigest() != self.digest:
+            raise BadImage("changed", _CHANGED)
+        return decode(data, self.placement.source_box(), self.placement.bucket, background)
+
+
+def _geometry(p: Placement, flip: bool, background: tuple[int, int, int]) -> str:
+    return f"{p.original}|{p.bucket}|{p.resized}|{p.crop}|{'flip' if flip else 'plain'}|bg{background}"
 
 
 @dataclass(frozen=True)
@@ -338,11 +382,12 @@ class LatentCache:
 
     # -- keys and paths ----------------------------------------------------------------------------------------
     def latent_key(self, digest: str, placement: Placement, flip: bool, background: tuple[int, int, int]) -> str:
-        p = placement
-        geometry = f"{p.original}|{p.bucket}|{p.resized}|{p.crop}|{'flip' if flip else 'plain'}|bg{background}"
+        geometry = _geometry(placement, flip, background)
         return _hash("latent", digest, geometry, DECODE_RULE, self._identity_of("vae"), self.family.name)
 
-    def text_key(self, text: str) -> str:
+    def text_key(self, text: str, controls: Sequence[str] = ()) -> str:
+        """The key of ``text``'s embeddings; ``controls``: the :meth:`ControlImage.identity` of the control images the
+        family's prompt encoder sees with it (``editing.prompt_sees_controls``), none for every other prompt."""
         identity = self._identity_of(
             *self.family.architecture.text_encoders
         )  # the encoders the family's embeddings depend on
@@ -350,6 +395,8 @@ class LatentCache:
             identity += self._identity_of(*self.family.architecture.tokenizers)
         if self.text_encoder_quantization != "none":  # other embeddings: other keys (plain ones keep theirs)
             identity += f"|{self.text_encoder_quantization}"
+        if controls:  # a prompt seen with its control images (the keys of plain prompts stay as they were)
+            identity += "|controls:" + ",".join(controls)
         return _hash(text, identity, self.family.text_cache_tag())
 
     def latent_path(self, key: str) -> Path:
@@ -451,6 +498,22 @@ class LatentCache:
         outputs += [(jobs[k].flip_key, jobs[k].placement, True) for k in mirror]
         return outputs, latents  # type: ignore[return-value]
 
+    @contextmanager
+    def _text_encoders(self, device: torch.device) -> Iterator[Any]:
+        """The family's text encoders on ``device`` (stored as ``text_encoder_quantization`` says), freed afterwards,
+        with the pipelines' per-batch truncation warnings silenced meanwhile."""
+        encoders = self.family.load_text_encoders(self.source)
+        quantize_text_encoders(
+            encoders, self.family.architecture.text_encoders, self.text_encoder_quantization, device, self.source.dtype
+        )
+        encoders = encoders.to(device)
+        try:
+            with _quiet_truncation(encoders):
+                yield encoders
+        finally:
+            del encoders
+            _free(device)
+
     def encode_texts(
         self, texts: Sequence[str], device: torch.device, batch_size: int = 4, progress: bool = False
     ) -> TextResult:
@@ -460,16 +523,11 @@ class LatentCache:
         result = TextResult()
         if not texts:
             return result
-        encoders = self.family.load_text_encoders(self.source)
-        quantize_text_encoders(
-            encoders, self.family.architecture.text_encoders, self.text_encoder_quantization, device, self.source.dtype
-        )
-        encoders = encoders.to(device)
-        limit = self.family.prompt_limit(encoders)
-        result.limit = str(limit) if limit is not None else ""
         bar = _progress(len(texts), "Encoding captions", progress)
         try:
-            with _quiet_truncation(encoders):
+            with self._text_encoders(device) as encoders:
+                limit = self.family.prompt_limit(encoders)
+                result.limit = str(limit) if limit is not None else ""
                 for i in range(0, len(texts), batch_size):
                     chunk = texts[i : i + batch_size]
                     if limit is not None:
@@ -481,21 +539,71 @@ class LatentCache:
                     bar.update(len(chunk))
         finally:
             bar.close()
-            del encoders
-            _free(device)
+        return result
+
+    def pair_key(self, text: str, controls: Sequence[ControlImage], background: tuple[int, int, int]) -> str:
+        """The text key of ``text`` seen with ``controls`` (:meth:`text_key`)."""
+        return self.text_key(text, [c.identity(background) for c in controls])
+
+    def encode_pairs(
+        self,
+        pairs: Sequence[tuple[str, tuple[ControlImage, ...]]],
+        device: torch.device,
+        background: tuple[int, int, int],
+        progress: bool = False,
+    ) -> TextResult:
+        """Encode (text, control images) pairs for a family whose prompt encoder sees the controls
+        (``editing.prompt_sees_controls``), one pair per call (the pipelines encode one prompt with its images), under
+        :meth:`pair_key`. A control that no longer decodes raises :class:`BadImage` (the latents were built first from
+        the same bytes, so it does not happen unless a file changed in between)."""
+        pairs = list(dict.fromkeys(pairs))
+        result = TextResult()
+        if not pairs:
+            return result
+        bar = _progress(len(pairs), "Encoding captions with their controls", progress)
+        try:
+            with self._text_encoders(device) as encoders:
+                from PIL import Image
+
+                limit = self.family.prompt_limit(encoders)
+                result.limit = str(limit) if limit is not None else ""
+                for text, controls in pairs:
+                    if limit is not None and limit.truncated([text])[0]:
+                        result.truncated.append(text)
+                    images = [Image.fromarray(c.pixels(background)) for c in controls]
+                    embeds = self.family.encode_prompts_with_controls(encoders, [text], [images])
+                    tensors = {k: v[0] for k, v in embeds.items()}
+                    save_safetensors(tensors, self.text_path(self.pair_key(text, controls, background)))
+                    result.encoded += 1
+                    bar.update(1)
+        finally:
+            bar.close()
         return result
 
     def missing_texts(self, texts: Iterable[str]) -> list[str]:
         return [t for t in dict.fromkeys(texts) if not readable(self.text_path(self.text_key(t)))]
 
-    def text_embeddings(self, prompts: Sequence[str], device: torch.device) -> list[dict[str, torch.Tensor]]:
-        """Embeddings for ``prompts`` (batch of 1 each), encoding only those not cached yet."""
-        missing = self.missing_texts(prompts)
-        if missing:
-            result = self.encode_texts(missing, device)
-            for text in result.truncated:
-                log.warning("prompt %r is longer than the text encoder reads (%s); it is cut there", text, result.limit)
-        return [{k: v.unsqueeze(0) for k, v in self.load_text(self.text_key(p)).items()} for p in prompts]
+    def text_embeddings(
+        self,
+        prompts: Sequence[str],
+        device: torch.device,
+        controls: Sequence[tuple[ControlImage, ...]] | None = None,
+        background: tuple[int, int, int] = (255, 255, 255),
+    ) -> list[dict[str, torch.Tensor]]:
+        """Embeddings for ``prompts`` (batch of 1 each), encoding only those not cached yet. ``controls``: each prompt's
+        control images, for a family whose prompt encoder sees them (``editing.prompt_sees_controls``; ignored for
+        the others)."""
+        if controls is not None and self.family.editing.prompt_sees_controls:
+            pairs = list(zip(prompts, controls, strict=True))
+            keys = [self.pair_key(p, c, background) for p, c in pairs]
+            todo = [pair for pair, key in zip(pairs, keys, strict=True) if not readable(self.text_path(key))]
+            result = self.encode_pairs(todo, device, background)
+        else:
+            keys = [self.text_key(p) for p in prompts]
+            result = self.encode_texts(self.missing_texts(prompts), device)
+        for text in result.truncated:
+            log.warning("prompt %r is longer than the text encoder reads (%s); it is cut there", text, result.limit)
+        return [{k: v.unsqueeze(0) for k, v in self.load_text(key).items()} for key in keys]
 
     def remove_stale_temporaries(self, older_than_s: float = 3600.0) -> int:
         """Delete temporary files that a killed build left behind (only old ones: a live build may own new ones)."""

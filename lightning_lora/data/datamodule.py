@@ -10,7 +10,10 @@
 
 Batches are dicts of tensors: ``latents [B, C, h, w]``, the family's text embeddings (``prompt_embeds``,
 ``pooled_prompt_embeds`` for FLUX), and ``original_size``, ``crop_top_left``, ``target_size`` (int64 ``[B, 2]``, in
-``(height, width)`` / ``(top, left)`` order, SDXL's micro-conditioning).
+``(height, width)`` / ``(top, left)`` order, SDXL's micro-conditioning). Edit training adds ``controls [B, N, C, h,
+w]``: the latents of each target's ``N`` control images, in their order, in the target's bucket (mirrored with it). A
+batch holds one bucket and one number of controls (:attr:`~lightning_lora.data.build.CacheEntry.batch_key`), so targets
+with and without controls train in the same run, in batches of their own.
 
 **Random choices are a function of (seed, epoch, sample index)**, never of the global random state: caption dropout
 (the cached empty-prompt embedding), the mirrored latent (``random_flip``), which shuffled caption variant, and the
@@ -35,7 +38,7 @@ import torch
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from safetensors.torch import load_file
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, default_collate
 from typing_extensions import override
 
 from lightning_lora.data.buckets import BucketBatchSampler, ResumableLoader, SmallImages
@@ -46,7 +49,15 @@ from lightning_lora.data.sources import ImageFolder, Item, Skip, as_folders, sca
 from lightning_lora.errors import ConfigError
 from lightning_lora.families.base import DiffusionFamily, ModelSource
 
-__all__ = ["CachedDataset", "DataOptions", "LatentDataModule", "ModelSide", "sample_generator", "uniform"]
+__all__ = [
+    "CachedDataset",
+    "DataOptions",
+    "LatentDataModule",
+    "ModelSide",
+    "collate",
+    "sample_generator",
+    "uniform",
+]
 
 log = logging.getLogger(__name__)
 
@@ -115,15 +126,27 @@ class CachedDataset(Dataset):
         if entry.flip_key is not None and uniform(self.seed, epoch, index, "flip") < self.flip_probability:
             latent_key = entry.flip_key
         if self.caption_dropout > 0 and uniform(self.seed, epoch, index, "dropout") < self.caption_dropout:
-            return latent_key, self.empty_text_key
+            return latent_key, entry.empty_text_key or self.empty_text_key
         variant = int(uniform(self.seed, epoch, index, "variant") * len(entry.text_keys))
         return latent_key, entry.text_keys[variant]
+
+    def control_keys(self, index: int, latent_key: str) -> list[str]:
+        """The latent keys of sample ``index``'s controls, mirrored when its target is (``latent_key`` is the
+        mirrored one)."""
+        entry = self.entries[index]
+        flipped = entry.flip_key is not None and latent_key == entry.flip_key
+        return [(c.flip_key or c.latent_key) if flipped else c.latent_key for c in entry.controls]
 
     def __getitem__(self, key: int | tuple[int, int]) -> dict[str, torch.Tensor]:
         epoch, index = key if isinstance(key, tuple) else (0, key)
         latent_key, text_key = self.choose(epoch, index)
         item = load_file(self.root / "latents" / f"{latent_key}.safetensors")
         item.update(load_file(self.root / "text" / f"{text_key}.safetensors"))
+        controls = self.control_keys(index, latent_key)
+        if controls:
+            item["controls"] = torch.stack(
+                [load_file(self.root / "latents" / f"{k}.safetensors")["latents"] for k in controls]
+            )
         if self.family is not None:
             generator = sample_generator(self.seed, epoch, index)
             latents = item["latents"][None]
@@ -144,11 +167,28 @@ class ModelSide(Protocol):
     def source(self) -> ModelSource: ...
 
 
+def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The default collate, except that the tensors of a key whose first dimension differs between samples are padded
+    with zeros to the longest: an edit family's prompt embeddings, whose length varies with the tokens of the control
+    images its prompt encoder sees (their mask marks the padding, which the family's loss cuts back)."""
+    padded = [dict(s) for s in samples]
+    for key, value in samples[0].items():
+        if value.dim() == 0:
+            continue
+        longest = max(s[key].shape[0] for s in samples)
+        for s in padded:
+            short = longest - s[key].shape[0]
+            if short:
+                s[key] = torch.nn.functional.pad(s[key], (0, 0) * (s[key].dim() - 1) + (0, short))
+    return default_collate(padded)
+
+
 def _fixed_batches(entries: list[CacheEntry], batch_size: int) -> list[list[int]]:
-    """Indices in batches of one bucket, in a fixed order (buckets by first appearance, entries in order)."""
-    by_bucket: dict[tuple[int, int], list[int]] = {}
+    """Indices in batches of one bucket (and number of controls), in a fixed order (buckets by first appearance,
+    entries in order)."""
+    by_bucket: dict[tuple[int, int, int], list[int]] = {}
     for i, e in enumerate(entries):
-        by_bucket.setdefault(e.bucket, []).append(i)
+        by_bucket.setdefault(e.batch_key, []).append(i)
     return [idx[s : s + batch_size] for idx in by_bucket.values() for s in range(0, len(idx), batch_size)]
 
 
@@ -158,7 +198,9 @@ class LatentDataModule(LightningDataModule):
     Args:
         images: a folder, or a list of folders, of images (jpg, png, webp, gif, tif, bmp, avif or any other format
             Pillow reads; the first frame of an animation). A list item may be a mapping with per-folder options:
-            ``{path: data/me, repeats: 5, default_caption: ..., trigger: ...}``.
+            ``{path: data/me, repeats: 5, default_caption: ..., trigger: ...}``; for edit training (an edit family:
+            FLUX.1 Kontext, FLUX.2, Qwen-Image-Edit) ``controls: [data/before]`` names the folders of the control /
+            reference images, in order, matched by file name stem; the caption is the edit instruction.
         resolution: the target size in pixels (an image is resized to about ``resolution²`` pixels in the bucket of
             its aspect ratio), or a list of sizes (each image is used at every listed size it is large enough for).
             Multiples of the family's latent divisor (16 for FLUX).
@@ -362,7 +404,10 @@ class LatentDataModule(LightningDataModule):
             index = ImageIndex(cache.root)  # read-only here: rank 0 wrote it in prepare_data
             self.train_entries = usable(cache, plan(cache, self.items, spec, index)[0])
             self.val_entries = usable(cache, plan(cache, self.val_items, spec, index, validation=True)[0])
-        keys = {cache.text_key("")} | {k for e in self.train_entries + self.val_entries for k in e.text_keys}
+        entries = self.train_entries + self.val_entries
+        keys = {k for e in entries for k in (*e.text_keys, e.empty_text_key) if k is not None}
+        if not cache.family.editing.needs_controls:  # the run's empty prompt (build)
+            keys.add(cache.text_key(""))
         missing = [k for k in keys if not readable(cache.text_path(k))]
         if missing:
             raise RuntimeError(f"text cache incomplete after prepare_data ({len(missing)} texts missing)")
@@ -395,9 +440,9 @@ class LatentDataModule(LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         world_size, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer else (1, 0)
         samples = self.expanded_entries()
-        bucket_ids = {b: i for i, b in enumerate(sorted({e.bucket for e in samples}))}
+        bucket_ids = {b: i for i, b in enumerate(sorted({e.batch_key for e in samples}))}
         sampler = BucketBatchSampler(
-            [bucket_ids[e.bucket] for e in samples],
+            [bucket_ids[e.batch_key] for e in samples],
             self.recipe.batch_size,
             seed=self._seed(),
             num_replicas=world_size,
@@ -411,13 +456,18 @@ class LatentDataModule(LightningDataModule):
         # Pinned batches let the copy to a CUDA device overlap with the previous step.
         pin = self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
         return ResumableLoader(
-            self._dataset(samples, augment=True), sampler, num_workers=self.recipe.num_workers, pin_memory=pin
+            self._dataset(samples, augment=True),
+            sampler,
+            num_workers=self.recipe.num_workers,
+            pin_memory=pin,
+            collate_fn=collate,
         )
 
     def _fixed_loader(self, entries: list[CacheEntry]) -> DataLoader:
         return DataLoader(
             self._dataset(entries, augment=False),
             batch_sampler=_fixed_batches(entries, self.recipe.batch_size),
+            collate_fn=collate,
             generator=torch.Generator().manual_seed(0),  # observing a run must not draw from its random state
         )
 

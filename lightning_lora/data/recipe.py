@@ -168,7 +168,49 @@ class DataRecipe:
         buckets = BucketSpec(
             self.resolutions, step, self.max_aspect_ratio, self.max_upscale, min_resolution, self.small_images
         )
-        return DataSpec(buckets, self.random_flip, self.cached_variants, self.keep_tokens, self.background)
+        self.check_controls(family)
+        return DataSpec(
+            buckets,
+            self.random_flip,
+            self.cached_variants,
+            self.keep_tokens,
+            self.background,
+            caption_dropout=self.caption_dropout > 0,
+        )
+
+    @property
+    def controls(self) -> int:
+        """The most control images a target of these folders has (0: text-to-image data): what the planner plans."""
+        return max((len(f.controls) for f in (*self.folders, *self.val_folders)), default=0)
+
+    def check_controls(self, family: DiffusionFamily) -> None:
+        """Refuse control folders the family cannot take (:attr:`~lightning_lora.families.facts.Editing`): any for a
+        text-to-image family, more than it takes, a folder without controls where it needs them, and mirrored images
+        where its prompt encoder sees the controls (the pair's embedding would show the unmirrored ones)."""
+        editing = family.editing
+        for option, folders in (("data.images", self.folders), ("data.val_images", self.val_folders)):
+            for i, folder in enumerate(folders):
+                where, n = f"{option}[{i}]", len(folder.controls)
+                if n and not editing.takes_controls:
+                    raise ConfigError(
+                        f"{where}.controls: the {family.name} family takes no control images; remove controls, or "
+                        "choose its edit family (model.family) for edit training."
+                    )
+                if editing.max_controls is not None and n > editing.max_controls:
+                    raise ConfigError(
+                        f"{where}.controls: {n} control folders, but {family.name} takes at most "
+                        f"{editing.max_controls} control image(s) per target; keep {editing.max_controls}."
+                    )
+                if editing.needs_controls and not n:
+                    raise ConfigError(
+                        f"{where}: {family.name} needs control images for every target (its prompt holds one); add "
+                        f"controls: [<folder of the images before the edit>] to {folder.path!r}."
+                    )
+        if self.random_flip and self.controls and editing.prompt_sees_controls:
+            raise ConfigError(
+                f"data.random_flip: {family.name}'s prompt encoder sees the control images, whose cached embedding "
+                "would not be mirrored with them; set data.random_flip: false."
+            )
 
     def replace(self, **changes: Any) -> DataRecipe:
         """A new recipe with ``changes`` (checked like any recipe; a :class:`ConfigError` for an impossible one)."""

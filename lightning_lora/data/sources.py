@@ -20,6 +20,16 @@ stands in for it, and (from the cache build) captions longer than the text encod
 Fatal, because they are configuration mistakes rather than bad files: a folder that does not exist, and data in
 which no folder holds any image. A folder without images among others is a skip.
 
+**Control images (edit and reference training).** A folder entry may name control / reference folders in order
+(``controls: [data/before]``, or several for the models that take more than one image). Each target image is matched
+to the image of the same file name stem in every control folder (``cat.png`` takes ``before/cat.jpg``), its caption
+being the edit instruction; :attr:`Item.controls` lists them in the folders' order. A target without a control of its
+stem in one of its folders, or with two (``cat.png`` and ``cat.jpg``), is skipped with one line naming the folder
+(kind ``control missing`` / ``control ambiguous``); a control folder that does not exist is a configuration mistake.
+Folders without ``controls`` may sit in the same run (text-to-image items). Whether a control can be read, and whether
+it fits its target's aspect ratio, is decided from its header when the cache is planned (:mod:`lightning_lora.data.
+build`), before any training step.
+
 :func:`split_validation` holds out a deterministic fraction of the images: those whose folder/file name hashes to a
 number below the fraction. The choice is made per image from its name only, so editing or adding images never moves
 an image between the splits (the count is about the fraction; at least one image is held out). The name's raw bytes
@@ -35,7 +45,7 @@ import errno
 import hashlib
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -96,12 +106,15 @@ class ImageFolder:
             another folder), to balance concepts.
         default_caption: the caption of this folder's images that have none (overrides ``data.default_caption``).
         trigger: this folder's trigger word (overrides ``data.trigger``).
+        controls: folders of control / reference images, in the order the model takes them, matched to this folder's
+            images by file name stem (edit training: the caption is the edit instruction). Empty: text-to-image.
     """
 
     path: str
     repeats: int = 1
     default_caption: str | None = None
     trigger: str | None = None
+    controls: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -112,6 +125,8 @@ class Item:
     caption: str
     trigger: str | None = None
     repeats: int = 1
+    controls: tuple[Path, ...] = ()
+    """The control images matched to ``image`` (one per control folder of its entry, in order)."""
 
 
 @dataclass(frozen=True)
@@ -151,7 +166,7 @@ def as_folders(images: str | ImageFolder | Sequence[str | ImageFolder], option: 
     return [folder_entry(entry, f"{option}[{i}]") for i, entry in enumerate(value)]
 
 
-_FIELDS = ("path", "repeats", "default_caption", "trigger")
+_FIELDS = ("path", "repeats", "default_caption", "trigger", "controls")
 _EXAMPLE = "{path: photos, repeats: 2}"
 
 
@@ -203,7 +218,12 @@ def folder_entry(entry: Any, where: str) -> ImageFolder:
         value = fields.get(name)
         if value is not None and not isinstance(value, str):
             raise ConfigError(f"{where}.{name} must be text (or null), got {value!r}.")
-    return ImageFolder(path, repeats, fields.get("default_caption"), fields.get("trigger"))
+    controls = fields.get("controls") or []
+    if isinstance(controls, str):
+        controls = [controls]
+    if not isinstance(controls, list | tuple) or not all(isinstance(c, str) and c for c in controls):
+        raise ConfigError(f"{where}.controls must be a list of folders, e.g. [data/before], got {controls!r}.")
+    return ImageFolder(path, repeats, fields.get("default_caption"), fields.get("trigger"), controls=list(controls))
 
 
 def _broken_link(path: Path) -> str | None:
@@ -285,7 +305,12 @@ def scan(
         skips.extend(_unmatched(root, {p.name for p in images} | {s.path.name for s in unusable}, metadata))
         default = folder.default_caption if folder.default_caption is not None else default_caption
         word = folder.trigger if folder.trigger is not None else trigger
+        by_stem = [_images_by_stem(c, f"{option}.controls") for c in folder.controls]
         for image in images:
+            controls, problem = _match_controls(image, folder.controls, by_stem)
+            if problem is not None:
+                skips.append(problem)
+                continue
             caption_file = image.with_suffix(caption_ext)
             binary: str | None = None  # a caption file that holds no text: as if there were none
             try:
@@ -321,7 +346,7 @@ def scan(
             if TRIGGER in caption and not word:
                 skips.append(Skip(image, "caption", f"caption uses {TRIGGER} but data.trigger is not set"))
                 continue
-            items.append(Item(image, caption, word, folder.repeats))
+            items.append(Item(image, caption, word, folder.repeats, controls))
     if not found_any:
         names = ", ".join(repr(f.path) for f in folders)
         unusable = [s for s in skips if s.kind in ("unsupported format", "broken link")]
@@ -331,6 +356,41 @@ def scan(
             f"point {option} at the right folder."
         )
     return items, skips
+
+
+def _images_by_stem(folder: str, option: str) -> dict[str, list[Path]]:
+    """The images of the control folder ``folder`` by file name stem (a folder that does not exist is a
+    :class:`ConfigError` naming ``option``)."""
+    root = Path(folder).expanduser()
+    if not root.is_dir():
+        raise ConfigError(f"{option}: control folder {folder!r} does not exist. Check the path.")
+    by_stem: dict[str, list[Path]] = {}
+    for image in list_images(root)[0]:
+        by_stem.setdefault(image.stem, []).append(image)
+    return by_stem
+
+
+def _match_controls(
+    image: Path, folders: Sequence[str], by_stem: Sequence[dict[str, list[Path]]]
+) -> tuple[tuple[Path, ...], Skip | None]:
+    """The control of ``image`` in each control folder (by file name stem), or the :class:`Skip` of the target that
+    has none, or two, in one of them."""
+    found: list[Path] = []
+    for i, (folder, images) in enumerate(zip(folders, by_stem, strict=True)):
+        matches = images.get(image.stem, [])
+        where = f"control folder {display(folder)!s} (controls[{i}])"
+        if not matches:
+            return (), Skip(
+                image,
+                "control missing",
+                f"no image named {display(image.stem)}.* in {where}; add it, or "
+                "move the target to a folder without controls",
+            )
+        if len(matches) > 1:
+            names = ", ".join(display(m.name) for m in matches)
+            return (), Skip(image, "control ambiguous", f"{where} holds {names}; keep one")
+        found.append(matches[0])
+    return tuple(found), None
 
 
 def _name_bytes(name: str) -> bytes:

@@ -6,12 +6,13 @@ timestep become a prediction and a loss, which layers LoRA targets, and which di
 The rest of lightning-lora (assembly, cache, module, callbacks, export) talks to a family only through
 :class:`DiffusionFamily`, so no code outside ``families/`` asks "is this FLUX?".
 
-A family declares its *facts* in four frozen dataclasses (:mod:`lightning_lora.families.facts`): ``architecture`` (the
+A family declares its *facts* in frozen dataclasses (:mod:`lightning_lora.families.facts`): ``architecture`` (the
 hub's pipeline classes, denoiser and text encoders, whose identities key the text cache; image sides; LoRA presets),
 ``compiling``, ``planning`` and ``lora_files`` (the LoRA file layouts it writes, each a layout of
-:mod:`lightning_lora.formats` bound to its names; who loads them; what names it in a file made elsewhere). The class
-keeps the *behaviour*: loading, encoding, the loss, the sampling pipeline, the planner's inputs, and the interop that is
-code (:meth:`DiffusionFamily.lora_coverage`, :meth:`DiffusionFamily.claims_lora_keys`).
+:mod:`lightning_lora.formats` bound to its names; who loads them; what names it in a file made elsewhere), and for an
+edit model ``editing`` (the control images it takes beside the prompt). The class keeps the *behaviour*: loading,
+encoding, the loss, the sampling pipeline, the planner's inputs, and the interop that is code
+(:meth:`DiffusionFamily.lora_coverage`, :meth:`DiffusionFamily.claims_lora_keys`).
 
 Families are chosen in the YAML by class path, with their own typed options::
 
@@ -51,7 +52,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from lightning_lora.errors import ConfigError, first_line
-from lightning_lora.families.facts import Architecture, Compiling, LoraFiles, Planning
+from lightning_lora.families.facts import Architecture, Compiling, Editing, LoraFiles, Planning
 
 if TYPE_CHECKING:
     from lightning_lora.formats import LoraLayout
@@ -187,6 +188,9 @@ class SampleSettings:
     guidance_scale: float
     """The guidance as the family's pipeline reads it: classifier-free guidance's scale, or a guidance-distilled
     model's guidance input (FLUX.1-dev)."""
+    controls: tuple[Any, ...] = ()
+    """The control / reference images (PIL, in order) an edit model draws from (:meth:`DiffusionFamily.
+    control_inputs`); none for a text-to-image sample."""
 
 
 class SampleText(NamedTuple):
@@ -337,6 +341,8 @@ class DiffusionFamily(ABC):
     """What the memory planner knows of the family's models without a download."""
     lora_files: ClassVar[LoraFiles] = LoraFiles()
     """The LoRA files the family writes and who loads them."""
+    editing: ClassVar[Editing] = Editing()
+    """The control / reference images the model takes beside the prompt (none for a text-to-image family)."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -403,6 +409,14 @@ class DiffusionFamily(ABC):
         (``encoders.tokenizer``) and its ``model_max_length`` (77); ``None`` when ``encoders`` has none."""
         tokenizer = getattr(encoders, "tokenizer", None)
         return None if tokenizer is None else PromptLimit(tokenizer, int(tokenizer.model_max_length), "CLIP")
+
+    def encode_prompts_with_controls(
+        self, encoders: Any, prompts: list[str], controls: list[list[Any]]
+    ) -> dict[str, torch.Tensor]:
+        """Encode prompts whose embeddings depend on control images (``editing.prompt_sees_controls``): ``controls[i]``
+        are the PIL images of prompt ``i``, as the pipeline's own prompt encoder sees them. Only edit families whose
+        prompt encoder reads images implement it."""
+        raise NotImplementedError(f"the {self.name} family's prompts do not see control images")
 
     @property
     def text_tokens(self) -> int:
@@ -478,7 +492,7 @@ class DiffusionFamily(ABC):
         """
         denoiser = getattr(pipeline, self.architecture.denoiser_subfolder)
         text = SampleText(embeddings, negative, denoiser.device, compute_dtype(denoiser))
-        inputs = self.sampling_inputs(pipeline, text, settings)
+        inputs = {**self.sampling_inputs(pipeline, text, settings), **self.control_inputs(list(settings.controls))}
         generator = torch.Generator(device="cpu").manual_seed(settings.seed)
         return pipeline(
             **inputs,
@@ -495,6 +509,14 @@ class DiffusionFamily(ABC):
         negative's, where the family guides with one) cached embeddings as the pipeline takes them, where its denoiser
         runs (:meth:`SampleText.to_denoiser`), and the guidance as the pipeline takes it (``guidance_scale``...). Raises
         for a guidance that needs a negative it did not get."""
+
+    def control_inputs(self, images: list[Any]) -> dict[str, Any]:
+        """The pipeline's arguments for a sample's control images (PIL, in order, each of the sample's size), so that
+        the pipeline takes them at that size: an edit family's ``image=...`` and what keeps its pipeline from resizing
+        them. None for no images; a text-to-image family takes none."""
+        if images:
+            raise ConfigError(f"SampleImages controls: the {self.name} family takes no control images; remove them.")
+        return {}
 
     # -- interop: LoRA files (lightning_lora.formats, lightning_lora.export) ------------------------------------------
     def lora_layout(self, format: str) -> LoraLayout:
@@ -614,20 +636,26 @@ class DiffusionFamily(ABC):
         width: int,
         text_len: int,
         generator: torch.Generator | None = None,
+        controls: int = 0,
     ) -> dict[str, torch.Tensor]:
         """A batch as the latent cache serves it to the training step, random values of the cached shapes and dtypes:
         ``batch`` images of ``height x width`` pixels (``latents`` as :meth:`encode_images` returns them, float32, and
-        their size conditioning) and prompts of ``text_len`` tokens (:meth:`example_text`), for the denoiser of
-        ``config`` (its ``config.json``). What the benchmark trains on with no data and no encoders."""
-        latents = torch.randn(batch, *self.cached_latent_shape(config, height, width), generator=generator)
+        their size conditioning), ``controls`` control images of the same size each (``controls [B, N, C, h, w]``, an
+        edit family's) and prompts of ``text_len`` tokens (:meth:`example_text`), for the denoiser of ``config`` (its
+        ``config.json``). What the benchmark trains on with no data and no encoders."""
+        shape = self.cached_latent_shape(config, height, width)
+        latents = torch.randn(batch, *shape, generator=generator)
         size = torch.tensor([height, width]).expand(batch, 2)
-        return {
+        example = {
             "latents": latents,
             **self.example_text(config, batch, text_len, generator),
             "original_size": size,
             "crop_top_left": torch.zeros(batch, 2, dtype=torch.int64),
             "target_size": size,
         }
+        if controls:
+            example["controls"] = torch.randn(batch, controls, *shape, generator=generator)
+        return example
 
     def cached_latent_shape(self, config: Mapping[str, Any], height: int, width: int) -> tuple[int, int, int]:
         """The shape of one image's cached latents (:meth:`encode_images`), ``[C, h, w]``, for the denoiser of
@@ -652,6 +680,24 @@ class DiffusionFamily(ABC):
     ) -> dict[str, Any]:
         """Keyword arguments of one forward pass of ``model`` at this image size, batch and text length."""
         raise NotImplementedError(f"the memory planner does not support the {self.name} family yet")
+
+    def example_inputs_with_controls(
+        self,
+        model: DiffusersModel,
+        batch: int,
+        height: int,
+        width: int,
+        text_len: int,
+        controls: int,
+        device: str,
+        dtype: torch.dtype,
+    ) -> dict[str, Any]:
+        """:meth:`example_inputs` with ``controls`` control images of the target's size per sample, as an edit
+        family's loss and pipeline give them to the denoiser (their tokens appended to the image's: a 1024² target with
+        one 1024² reference is twice the image tokens). A family that takes none plans without them."""
+        if controls and not self.editing.takes_controls:
+            raise ConfigError(f"data.images: the {self.name} family takes no control images; remove controls.")
+        return self.example_inputs(model, batch, height, width, text_len, device, dtype)
 
     def block_count(self, model: DiffusersModel) -> int:
         """Number of repeated blocks (the unit of gradient checkpointing)."""

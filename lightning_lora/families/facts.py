@@ -1,7 +1,7 @@
 """What a family declares about its model, in four small groups: the facts, apart from the behaviour.
 
 A :class:`~lightning_lora.families.base.DiffusionFamily` subclass declares four frozen dataclasses beside its methods,
-one per part of lightning-lora that reads them::
+one per part of lightning-lora that reads them (and an edit family a fifth, :class:`Editing`)::
 
     class Flux(DiffusionFamily):
         name = "flux"
@@ -15,7 +15,9 @@ one per part of lightning-lora that reads them::
 * :class:`Compiling`: how ``model.compile_blocks`` and the attention backend treat the model (:mod:`.model.assembly`);
 * :class:`Planning`: what the memory planner needs without a download (:mod:`lightning_lora.plan`);
 * :class:`LoraFiles`: the LoRA files the family writes (the layouts of :mod:`lightning_lora.formats` it serves, bound to
-  its names), who loads them, and how a file made elsewhere names the family (:mod:`lightning_lora.export`).
+  its names), who loads them, and how a file made elsewhere names the family (:mod:`lightning_lora.export`);
+* :class:`Editing`: whether the model takes control / reference images beside the prompt (FLUX.1 Kontext, FLUX.2,
+  Qwen-Image-Edit), how many, and whether its prompt encoder sees them: the data, the cache and the samples.
 
 A subclass that shares most of its parent's facts replaces what differs (``dataclasses.replace(UNetFamily.compiling,
 stream_sources=...)``). This module imports nothing heavy.
@@ -30,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from lightning_lora.formats import LoraFormat, LoraLayout
 
-__all__ = ["Architecture", "Compiling", "LoraFiles", "Planning"]
+__all__ = ["Architecture", "Compiling", "Editing", "LoraFiles", "Planning"]
 
 
 @dataclass(frozen=True)
@@ -135,3 +137,25 @@ class LoraFiles:
     def formats(self) -> tuple[LoraFormat, ...]:
         """The names of :attr:`layouts` (:data:`lightning_lora.formats.FORMATS`), in their order."""
         return tuple(layout.format for layout in self.layouts)
+
+
+@dataclass(frozen=True)
+class Editing:
+    """The control / reference images a model takes beside its prompt (``data.images[].controls``). A text-to-image
+    family takes none (the default)."""
+
+    max_controls: int | None = 0
+    """How many control images one target may have: 0 for a text-to-image model, None for no limit of the model's
+    (FLUX.2 and Qwen-Image-Edit-Plus take several, in order)."""
+    needs_controls: bool = False
+    """Whether every item needs its controls (Qwen-Image-Edit's prompt template holds one image): a folder without
+    ``controls`` is refused. False: items without controls train text-to-image, as the pipeline draws without an
+    image."""
+    prompt_sees_controls: bool = False
+    """Whether the prompt's embeddings depend on the control images (Qwen-Image-Edit's vision-language encoder reads
+    them): the text cache keys each (caption, controls) pair, and the empty prompt of caption dropout is encoded with
+    each pair's controls. False: a caption is encoded once, whatever it edits."""
+
+    @property
+    def takes_controls(self) -> bool:
+        return self.max_controls is None or self.max_controls > 0
