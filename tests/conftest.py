@@ -192,6 +192,15 @@ def photos_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def edits_dir(tmp_path_factory: pytest.TempPathFactory, photos_dir: Path) -> Path:
+    """Edit pairs of the four photos (:func:`lightning_lora.cli.demo.write_edits`): each photo's negative, captioned
+    with the edit instruction; the controls are the photos of the same names in ``photos_dir``."""
+    from lightning_lora.cli.demo import write_edits
+
+    return write_edits(photos_dir, tmp_path_factory.mktemp("edits"))
+
+
+@pytest.fixture(scope="session")
 def ddp_run(tmp_path_factory: pytest.TempPathFactory, tiny_flux_dir: Path, photos_dir: Path) -> Path:
     """The config of a finished 1 node x 2 processes DDP run (Lightning starts the second process) of
     :data:`helpers.resume.DDP_RUN_STEPS` steps in :data:`helpers.resume.DDP_RUN_LAYOUT`, made with

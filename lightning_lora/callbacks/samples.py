@@ -12,6 +12,12 @@ training mode is restored after; with ``model.compile_blocks`` the blocks run un
 global rank 0 generates and writes; the other ranks wait at a barrier (under ``trainer.strategy: fsdp`` every rank
 generates in step, as the sharded model's forward needs every rank).
 
+Edit models (FLUX.1 Kontext, FLUX.2 with references, Qwen-Image-Edit) draw from fixed control images too, given per
+prompt (``controls``): each is scaled to cover the sample's size and center-cropped to it (as a training control is to
+its target's bucket), then handed to the family's pipeline, which encodes it as inference does
+(:meth:`~lightning_lora.families.base.DiffusionFamily.control_inputs`). For a family whose prompt encoder sees the
+controls (Qwen-Image-Edit), each prompt and the empty prompt are encoded with its controls, through the text cache.
+
 A sample never ends a run: running out of GPU memory while generating skips that step's images with a warning that
 says what to lower, frees what the attempt allocated, and training goes on. The generation's own peak GPU memory is
 logged as ``vram/sample_peak_GiB`` (and kept out of the training windows of :class:`VRAMMonitor`).
@@ -28,10 +34,14 @@ import numpy as np
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
+from PIL import Image
 from typing_extensions import override
 
+from lightning_lora.data.buckets import cover
+from lightning_lora.data.cache import ControlImage, file_digest
+from lightning_lora.data.images import BadImage, probe
 from lightning_lora.data.recipe import DEFAULT_RESOLUTION, data_recipe
-from lightning_lora.errors import first_line
+from lightning_lora.errors import ConfigError, first_line
 from lightning_lora.families.base import SampleSettings
 from lightning_lora.io import atomic_write
 from lightning_lora.model.assembly import uncompiled
@@ -57,6 +67,8 @@ class SampleImages(Callback):
         at_start: also draw before the first training step (the base model, for comparison).
         offload_vae: keep the VAE on the CPU between samples.
         dirname: folder under the run folder for the PNG files.
+        controls: the control / reference images of each prompt, in order (``controls[i]`` for ``prompts[i]``; an
+            empty list for a prompt drawn without any), for an edit family; null: none.
         compiled: with ``model.compile_blocks``, draw through the compiled blocks too. Off, the samples run the
             blocks uncompiled (:func:`~lightning_lora.model.assembly.uncompiled`): no second set of graphs to compile
             for forwards without gradients at the samples' size before the first step (SDXL: 15 graphs, 54 s on an
@@ -77,8 +89,15 @@ class SampleImages(Callback):
         offload_vae: bool = True,
         dirname: str = "samples",
         compiled: bool = False,
+        controls: list[list[str]] | None = None,
     ) -> None:
+        if controls is not None and len(controls) != len(prompts):
+            raise ConfigError(
+                f"SampleImages controls: {len(controls)} lists of control images for {len(prompts)} prompts; give one "
+                "list per prompt (an empty one for a prompt without controls)."
+            )
         self.prompts = list(prompts)
+        self.controls = [list(c) for c in controls] if controls is not None else [[] for _ in prompts]
         self.every_n_steps = every_n_steps
         self.seed = seed
         self.steps = steps
@@ -90,7 +109,8 @@ class SampleImages(Callback):
         self.dirname = dirname
         self.compiled = compiled
         self._embeddings: list[dict[str, torch.Tensor]] = []
-        self._negative: dict[str, torch.Tensor] | None = None
+        self._negatives: list[dict[str, torch.Tensor]] = []  # each prompt's empty prompt (seen with its controls)
+        self._images: list[tuple[Any, ...]] = []  # each prompt's control images (PIL), placed at the sample's size
         self._vae: torch.nn.Module | None = None
         self._last_step = -1
         self.written: list[Path] = []
@@ -109,7 +129,16 @@ class SampleImages(Callback):
         if stage != "fit" or not self.prompts:
             return
         height, width = self._size(trainer)
-        lora_module(pl_module, "SampleImages").family.check_resolution(height, width, "SampleImages height/width")
+        family = lora_module(pl_module, "SampleImages").family
+        family.check_resolution(height, width, "SampleImages height/width")
+        self._placed = [
+            tuple(self._control(path, i, height, width) for path in paths) for i, paths in enumerate(self.controls)
+        ]
+        self._images = []
+        for placed in self._placed:
+            images = tuple(Image.fromarray(c.pixels(self._background(trainer))) for c in placed)
+            family.control_inputs(list(images))  # what the pipeline refuses, refused before training
+            self._images.append(images)
         if trainer.is_global_zero:
             self._encode_prompts(trainer, pl_module)
         if runs_forward_on_every_rank(trainer.strategy):  # a sharded model: every rank draws (see sample)
@@ -123,8 +152,15 @@ class SampleImages(Callback):
         the text encoders never share the GPU with it; they are freed afterwards."""
         module = lora_module(pl_module, "SampleImages")
         cache = trainer.datamodule.cache()  # type: ignore[attr-defined]
+        device, background = trainer.strategy.root_device, self._background(trainer)
         try:
-            *prompts, negative = cache.text_embeddings([*self.prompts, ""], trainer.strategy.root_device)
+            if module.family.editing.prompt_sees_controls:  # each prompt, and the empty one, seen with its controls
+                n = len(self.prompts)
+                (*prompts,) = cache.text_embeddings(self.prompts, device, self._placed, background)
+                negatives = cache.text_embeddings([""] * n, device, self._placed, background)
+            else:
+                *prompts, negative = cache.text_embeddings([*self.prompts, ""], device)
+                negatives = [negative] * len(prompts)
         except torch.OutOfMemoryError as e:
             log.warning(
                 "SampleImages: out of GPU memory while encoding the sample prompts (%s); no samples in this run. Set "
@@ -134,8 +170,25 @@ class SampleImages(Callback):
             self.prompts = []
             return
         self._embeddings = [{k: v.cpu() for k, v in e.items()} for e in prompts]
-        self._negative = {k: v.cpu() for k, v in negative.items()}
+        self._negatives = [{k: v.cpu() for k, v in e.items()} for e in negatives]
         self._vae = module.family.load_vae(module.source)
+
+    def _control(self, path: str, index: int, height: int, width: int) -> ControlImage:
+        """The control image ``path`` of prompt ``index``, placed at the sample's size (scaled to cover it, center-
+        cropped); a :class:`ConfigError` naming it when it cannot be read."""
+        file = Path(path).expanduser()
+        try:
+            w, h = probe(file)
+            digest = file_digest(file)
+        except (BadImage, OSError) as e:
+            reason = e.reason if isinstance(e, BadImage) else (e.strerror or str(e))
+            raise ConfigError(f"SampleImages controls[{index}]: {path!r} cannot be used ({reason}).") from None
+        return ControlImage(file, digest, cover(w, h, (width, height)))
+
+    @staticmethod
+    def _background(trainer: Trainer) -> tuple[int, int, int]:
+        data = data_recipe(trainer)
+        return data.background if data is not None else (255, 255, 255)
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -200,8 +253,10 @@ class SampleImages(Callback):
             images = []
             with trainer.precision_plugin.forward_context(), uncompiled(not self.compiled):
                 for i, emb in enumerate(self._embeddings):
-                    settings = SampleSettings(self.seed + i, height, width, self.steps, self.guidance_scale)
-                    images.append(module.family.generate(pipe, emb, settings, negative=self._negative))
+                    settings = SampleSettings(
+                        self.seed + i, height, width, self.steps, self.guidance_scale, controls=self._images[i]
+                    )
+                    images.append(module.family.generate(pipe, emb, settings, negative=self._negatives[i]))
         finally:
             denoiser.train(was_training)
             if self.offload_vae:

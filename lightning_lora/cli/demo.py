@@ -7,6 +7,9 @@
                           <lightning_lora.families.base.DiffusionFamily.save_tiny>`), loaded back by the trainer
                           through the real ``from_pretrained`` path
     .demo/photos/         photos that ship inside scikit-image (no download) as PNG, each with a .txt caption
+    .demo/edits/          edit pairs for the edit families: each photo's negative (inverted colours) as the target,
+                          captioned with the edit instruction (:data:`EDIT`); the control is the photo of the same
+                          name in photos/ (``data.images: [{path: .demo/edits, controls: [.demo/photos]}]``)
 
 ``configs/tiny_cpu.yaml`` (FLUX, what ``make demo`` trains) and the other ``configs/tiny_*_cpu.yaml`` train on exactly
 these. Existing files are left as they are (the step is idempotent).
@@ -24,7 +27,7 @@ import numpy as np
 if TYPE_CHECKING:
     from lightning_lora.families import DiffusionFamily
 
-__all__ = ["PHOTOS", "prepare", "tiny_models"]
+__all__ = ["EDIT", "PHOTOS", "prepare", "tiny_models", "write_edits"]
 
 DEMO_FAMILY = "flux"
 """The family ``make demo`` trains (``configs/tiny_cpu.yaml``): its folder is the one the demo names first."""
@@ -48,6 +51,10 @@ PHOTOS: dict[str, str] = {
     "camera": "a black and white photo of sks man with a camera on a tripod",
     "coins": "a black and white photo of sks coins on a table",
 }
+
+
+EDIT = "turn the photo into its sks negative"
+"""The edit instruction of the demo's edit pairs (:func:`write_edits`)."""
 
 
 def _photo(name: str) -> np.ndarray:
@@ -77,7 +84,30 @@ def prepare(out: Path) -> tuple[Path, Path]:
         caption_path = photos / f"{name}.txt"
         if not caption_path.exists():
             atomic_write_bytes(caption_path, (caption + "\n").encode())
+    write_edits(photos, out / "edits")
     return model, photos
+
+
+def write_edits(photos: Path, out: Path, names: list[str] | None = None) -> Path:
+    """Edit pairs for the edit families in ``out``: the negative (inverted colours) of each photo of ``photos``
+    (``names``: some of them; default all) as the target, captioned :data:`EDIT`; the control is the photo itself,
+    matched by its name (``controls: [<photos>]``). Existing files are left as they are."""
+    from PIL import Image, ImageOps
+
+    from lightning_lora.io import atomic_write, atomic_write_bytes
+
+    out.mkdir(parents=True, exist_ok=True)
+    for photo in sorted(photos.glob("*.png")):
+        if names is not None and photo.stem not in names:
+            continue
+        target = out / photo.name
+        if not target.exists():
+            negative = ImageOps.invert(Image.open(photo).convert("RGB"))
+            atomic_write(target, functools.partial(negative.save, format="PNG"))
+        caption = out / f"{photo.stem}.txt"
+        if not caption.exists():
+            atomic_write_bytes(caption, (EDIT + "\n").encode())
+    return out
 
 
 def _quiet() -> None:

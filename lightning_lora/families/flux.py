@@ -283,18 +283,30 @@ class Flux(DiffusionFamily):
         guidance = None
         if getattr(denoiser.config, "guidance_embeds", False):
             guidance = torch.full((b,), self.guidance, device=x0.device, dtype=dtype)
+        tokens = pack_latents(noisy)
+        hidden, ids = self.with_controls(tokens, latent_image_ids(h, w, device=x0.device), batch.get("controls"))
         prediction = denoiser(
-            hidden_states=pack_latents(noisy).to(dtype),
+            hidden_states=hidden.to(dtype),
             timestep=sigmas.to(dtype),
             guidance=guidance,
             pooled_projections=batch["pooled_prompt_embeds"].to(dtype),
             encoder_hidden_states=text.to(dtype),
             txt_ids=torch.zeros(text.shape[1], 3, device=x0.device, dtype=dtype),
-            img_ids=latent_image_ids(h, w, device=x0.device, dtype=dtype),
+            img_ids=ids.to(dtype),
             return_dict=False,
-        )[0]
+        )[0][:, : tokens.shape[1]]  # the control tokens' outputs are not predicted: the pipeline drops them
         target = pack_latents(objectives.flow_match_target(x0.float(), noise.float()))
         return objectives.per_sample_mse(prediction, target)
+
+    def with_controls(
+        self, tokens: torch.Tensor, ids: torch.Tensor, controls: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The packed image ``tokens [B, n, 4C]`` and their ``ids [n, 3]`` with a batch's control latents ``[B, N, C,
+        h, w]`` appended as an edit variant's pipeline appends them (:class:`~lightning_lora.families.kontext.
+        FluxKontext`); FLUX.1 itself takes none."""
+        if controls is not None:
+            raise ValueError(f"the {self.name} family takes no control images (edit training: FluxKontext)")
+        return tokens, ids
 
     # -- sampling ----------------------------------------------------------------------------------------------
     @override

@@ -26,6 +26,15 @@ Shapes, for an image of ``H x W`` pixels and a batch ``B``:
   classifier-free guidance, ``neg + scale (pos - neg)``, the empty prompt as negative. dev is guidance-distilled like
   FLUX.1-dev: the scale is an input (``guidance``, trained at :attr:`Flux2.guidance`, 1.0 by default).
 
+Reference images (edit training): both pipelines take images beside the prompt (``image=[...]``, in order). Each is
+encoded like a target (patchified, batch-normalised latents), packed, and appended to the image tokens of every
+denoising step, the ``i``-th reference at positions ``(10 + 10 i, row, col, 0)`` (:func:`reference_ids`: the time axis
+tells the images apart); only the target's tokens are predicted. The training step does the same with each target's
+cached controls (``data.images[].controls``, in the target's bucket: a 1024² target with one 1024² reference is twice
+the image tokens), and targets without controls train text-to-image in the same run. The pipelines take references
+of at least 64 pixels a side (and scale down those over 1024² pixels), so samples with controls are drawn at 64 pixels
+or more.
+
 Timestep shift: FLUX.2's pipelines shift their schedule by ``exp(mu)`` with an empirical ``mu`` that grows with the
 image tokens *and* the number of steps (``compute_empirical_mu``: at 1024x1024, 4096 tokens, ``mu`` = 2.02 for 50
 steps, shift 7.6). ``timestep_sampling: flux2_shift`` (the default) draws logit-normal noise levels moved by the same
@@ -84,7 +93,7 @@ from lightning_lora.families.base import (
     load_weights,
 )
 from lightning_lora.families.encoders import MISTRAL_SMALL_31, QWEN3_4B_LM, QWEN3_8B_LM
-from lightning_lora.families.facts import Architecture, Compiling, LoraFiles, Planning
+from lightning_lora.families.facts import Architecture, Compiling, Editing, LoraFiles, Planning
 from lightning_lora.formats.bfl import flux2_lora_slices, flux2_slices_of
 from lightning_lora.formats.clients import Coverage
 from lightning_lora.formats.diffusers import DiffusersLayout
@@ -103,6 +112,7 @@ __all__ = [
     "normalize_latents",
     "pack",
     "patchify",
+    "reference_ids",
     "text_ids",
 ]
 
@@ -242,6 +252,15 @@ def text_ids(n: int, device: torch.device | str | None = None) -> torch.Tensor:
     return ids
 
 
+def reference_ids(controls: torch.Tensor) -> torch.Tensor:
+    """Positions ``[N h w, 4]`` of the packed tokens of reference latents ``[B, N, C, h, w]``, as the pipelines place
+    them (``_prepare_image_ids``): reference ``i``'s token ``(r, c)`` is ``(10 + 10 i, r, c, 0)``."""
+    n, h, w = controls.shape[1], controls.shape[3], controls.shape[4]
+    ids = image_ids(h, w, controls.device).repeat(n, 1)
+    ids[:, 0] = (10 + 10 * torch.arange(n, device=controls.device)).repeat_interleave(h * w)
+    return ids
+
+
 @functools.cache
 def _text_facts(variant: str) -> tuple[tuple[int, ...], str]:
     """The hidden-state layers the variant's pipeline stacks (its ``encode_prompt`` default) and its system message
@@ -327,6 +346,8 @@ class Flux2(DiffusionFamily):
         modelspec={"architecture": "flux-2/lora", "implementation": "https://github.com/black-forest-labs/flux2"},
         markers=("flux2", "flux-2"),  # kohya's, ModelSpec's
     )
+
+    editing: ClassVar[Editing] = Editing(max_controls=None)  # reference images, in order; or none
 
     def __init__(
         self,
@@ -541,15 +562,22 @@ class Flux2(DiffusionFamily):
         guidance = None
         if getattr(denoiser.config, "guidance_embeds", False):
             guidance = torch.full((b,), self.guidance, device=x0.device, dtype=torch.float32)
+        tokens, ids = pack(noisy), image_ids(h, w, x0.device)
+        controls = batch.get("controls")
+        if controls is not None:  # reference images: their tokens after the target's
+            controls = controls.to(x0.device).float()
+            b, n, c = controls.shape[:3]
+            references = pack(controls.reshape(b * n, c, h, w)).reshape(b, n * h * w, c)
+            tokens, ids = torch.cat([tokens, references], dim=1), torch.cat([ids, reference_ids(controls)])
         prediction = denoiser(
-            hidden_states=pack(noisy).to(dtype),
+            hidden_states=tokens.to(dtype),
             encoder_hidden_states=text.to(device=x0.device, dtype=dtype),
             timestep=sigmas.to(dtype),  # as the pipeline rounds it: in the latents' dtype
-            img_ids=image_ids(h, w, x0.device),
+            img_ids=ids,
             txt_ids=text_ids(text.shape[1], x0.device),
             guidance=guidance,
             return_dict=False,
-        )[0]
+        )[0][:, : h * w]  # the references' outputs are not predicted: the pipeline drops them
         target = pack(objectives.flow_match_target(x0, noise.float()))
         return objectives.per_sample_mse(prediction, target)
 
@@ -596,6 +624,21 @@ class Flux2(DiffusionFamily):
             "guidance_scale": settings.guidance_scale,
             **extra,
         }
+
+    @override
+    def control_inputs(self, images: list[Any]) -> dict[str, Any]:
+        """The references as ``image=[...]``; the pipelines refuse one under 64 pixels a side (a
+        :class:`ConfigError` naming the sample's size)."""
+        if not images:
+            return {}
+        from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor
+
+        try:
+            for image in images:
+                Flux2ImageProcessor.check_image_input(image)
+        except ValueError as e:
+            raise ConfigError(f"SampleImages height/width: {e} (FLUX.2's pipelines' reference images).") from None
+        return {"image": list(images)}
 
     # -- interop: what diffusers, ComfyUI and sd-scripts make of a FLUX.2 LoRA file (module docstring) ---------------
     @override
@@ -647,6 +690,26 @@ class Flux2(DiffusionFamily):
             "guidance": torch.empty(batch, device=device, dtype=torch.float32) if c.guidance_embeds else None,
             "return_dict": False,
         }
+
+    @override
+    def example_inputs_with_controls(
+        self,
+        model: DiffusersModel,
+        batch: int,
+        height: int,
+        width: int,
+        text_len: int,
+        controls: int,
+        device: str,
+        dtype: torch.dtype,
+    ) -> dict[str, Any]:
+        """The inputs with ``controls`` references of the target's size appended (twice the image tokens for one)."""
+        inputs = self.example_inputs(model, batch, height, width, text_len, device, dtype)
+        if controls:
+            hidden, ids = inputs["hidden_states"], inputs["img_ids"]
+            inputs["hidden_states"] = hidden.new_empty(batch, hidden.shape[1] * (1 + controls), hidden.shape[2])
+            inputs["img_ids"] = ids.new_zeros(ids.shape[0] * (1 + controls), 4)
+        return inputs
 
     def block_count(self, model: DiffusersModel) -> int:
         return model.config.num_layers + model.config.num_single_layers

@@ -367,7 +367,7 @@ class QwenImage(DiffusionFamily):
         return f"qwenimage-len{self.max_sequence_length}-template{digest}"
 
     @override
-    def prompt_limit(self, encoders: Any) -> PromptLimit:
+    def prompt_limit(self, encoders: Any) -> PromptLimit | None:
         # The kept embeddings are the prompt's tokens plus those that close the template (5 with Qwen's tokenizer).
         template, drop, _ = _template()
         closing = len(encoders.tokenizer(template.format("")).input_ids) - drop
@@ -402,16 +402,28 @@ class QwenImage(DiffusionFamily):
         sigmas = timesteps.to(x0.device)
         noisy = objectives.flow_match_noisy(x0.float(), noise.float(), sigmas)
         text, mask = trim_text(batch["prompt_embeds"], batch.get("prompt_embeds_mask"))
+        tokens = pack_latents(noisy)
+        hidden, shapes = self.with_controls(tokens, image_shapes(b, h, w), batch.get("controls"))
         prediction = denoiser(
-            hidden_states=pack_latents(noisy).to(dtype),
+            hidden_states=hidden.to(dtype),
             encoder_hidden_states=text.to(dtype),
             encoder_hidden_states_mask=mask,
             timestep=sigmas.to(dtype),
-            img_shapes=image_shapes(b, h, w),
+            img_shapes=shapes,
             return_dict=False,
-        )[0]
+        )[0][:, : tokens.shape[1]]  # the control tokens' outputs are not predicted: the pipelines drop them
         target = pack_latents(objectives.flow_match_target(x0.float(), noise.float()))
         return objectives.per_sample_mse(prediction, target)
+
+    def with_controls(
+        self, tokens: torch.Tensor, shapes: list[list[tuple[int, int, int]]], controls: torch.Tensor | None
+    ) -> tuple[torch.Tensor, list[list[tuple[int, int, int]]]]:
+        """The packed image ``tokens [B, n, 4C]`` and their ``img_shapes`` with a batch's control latents ``[B, N, C,
+        h, w]`` appended as the edit pipelines append them (:mod:`lightning_lora.families.qwenimage_edit`); Qwen-Image
+        itself takes none."""
+        if controls is not None:
+            raise ValueError(f"the {self.name} family takes no control images (edit training: QwenImageEdit)")
+        return tokens, shapes
 
     # -- sampling ----------------------------------------------------------------------------------------------
     @override

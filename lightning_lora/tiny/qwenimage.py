@@ -56,6 +56,9 @@ __all__ = [
     "make_qwen_tokenizer",
     "qwen_vocab_and_merges",
     "save_tiny_qwenimage",
+    "tiny_qwen_transformer",
+    "tiny_qwen_vae",
+    "tiny_qwen_vl",
 ]
 
 #: The scheduler config of Qwen/Qwen-Image (``scheduler/scheduler_config.json``): a dynamic ("exponential") shift
@@ -85,6 +88,7 @@ TEMPLATE_WORDS: tuple[str, ...] = (
 )  # fmt: skip
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+_TEXT_WIDTH, _LATENT_CHANNELS = 64, 4
 # The real VAE's first four per-channel statistics (AutoencoderKLQwenImage's defaults, Qwen/Qwen-Image vae/config.json).
 _LATENTS_MEAN = [-0.7571, -0.7089, -0.9113, 0.1075]
 _LATENTS_STD = [2.8184, 1.4541, 2.3275, 2.6558]
@@ -113,36 +117,43 @@ def make_qwen_tokenizer() -> Qwen2Tokenizer:
     )
 
 
-def build_tiny_qwenimage(seed: int = 0) -> QwenImagePipeline:
-    """A Qwen-Image-shaped ``QwenImagePipeline`` with tiny random weights (fp32, every component in ``eval()``); see the
-    module docstring. The same ``seed`` gives bit-identical weights in any process."""
-    tokenizer = make_qwen_tokenizer()
-    text_width, latent_channels = 64, 4
-    transformer = _build(seed, "transformer", lambda: QwenImageTransformer2DModel(
+def tiny_qwen_transformer(seed: int, **options: Any) -> QwenImageTransformer2DModel:
+    """The tiny Qwen-Image transformer (module docstring); ``options``: more of its config (``zero_cond_t``)."""
+    return _build(seed, "transformer", lambda: QwenImageTransformer2DModel(
         patch_size=2,
-        in_channels=4 * latent_channels,  # 2x2 latent patches are packed into one token
-        out_channels=latent_channels,
+        in_channels=4 * _LATENT_CHANNELS,  # 2x2 latent patches are packed into one token
+        out_channels=_LATENT_CHANNELS,
         num_layers=2,
         attention_head_dim=16,
         num_attention_heads=2,
-        joint_attention_dim=text_width,
+        joint_attention_dim=_TEXT_WIDTH,
         guidance_embeds=False,
         axes_dims_rope=(4, 6, 6),  # sums to attention_head_dim
+        **options,
     ))  # fmt: skip
-    vae = _build(seed, "vae", lambda: AutoencoderKLQwenImage(
+
+
+def tiny_qwen_vae(seed: int) -> AutoencoderKLQwenImage:
+    """The tiny Qwen-Image VAE (module docstring)."""
+    return _build(seed, "vae", lambda: AutoencoderKLQwenImage(
         base_dim=8,
-        z_dim=latent_channels,
+        z_dim=_LATENT_CHANNELS,
         dim_mult=[1, 1, 1, 1],
         num_res_blocks=1,
         temperal_downsample=[False, True, True],  # 3 downsamplings: scale factor 8, as the real VAE
         latents_mean=_LATENTS_MEAN,
         latents_std=_LATENTS_STD,
     ))  # fmt: skip
+
+
+def tiny_qwen_vl(seed: int, tokenizer: Qwen2Tokenizer, **ids: Any) -> Qwen2_5_VLForConditionalGeneration:
+    """The tiny Qwen2.5-VL (module docstring) for ``tokenizer``'s vocabulary; ``ids``: its vision token ids (an edit
+    model's, whose vision tower runs)."""
     config = Qwen2_5_VLConfig(
         text_config={
             "vocab_size": len(tokenizer),
-            "hidden_size": text_width,
-            "intermediate_size": 2 * text_width,
+            "hidden_size": _TEXT_WIDTH,
+            "intermediate_size": 2 * _TEXT_WIDTH,
             "num_hidden_layers": 2,
             "num_attention_heads": 2,
             "num_key_value_heads": 1,
@@ -157,18 +168,25 @@ def build_tiny_qwenimage(seed: int = 0) -> QwenImagePipeline:
             "hidden_size": 16,
             "intermediate_size": 16,
             "num_heads": 2,
-            "out_hidden_size": text_width,
+            "out_hidden_size": _TEXT_WIDTH,
             "patch_size": 2,
             "temporal_patch_size": 1,
         },
+        **ids,
     )
-    text_encoder = _build(seed, "text_encoder", lambda: Qwen2_5_VLForConditionalGeneration(config))
+    return _build(seed, "text_encoder", lambda: Qwen2_5_VLForConditionalGeneration(config))
+
+
+def build_tiny_qwenimage(seed: int = 0) -> QwenImagePipeline:
+    """A Qwen-Image-shaped ``QwenImagePipeline`` with tiny random weights (fp32, every component in ``eval()``); see the
+    module docstring. The same ``seed`` gives bit-identical weights in any process."""
+    tokenizer = make_qwen_tokenizer()
     return QwenImagePipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER_CONFIG),
-        vae=vae,
-        text_encoder=text_encoder,
+        vae=tiny_qwen_vae(seed),
+        text_encoder=tiny_qwen_vl(seed, tokenizer),
         tokenizer=tokenizer,
-        transformer=transformer,
+        transformer=tiny_qwen_transformer(seed),
     )
 
 

@@ -16,7 +16,7 @@ No test module imports another test module: what two of them need lives here, on
 * :mod:`helpers.graphs`: what dynamo compiles, counted per module class with a recording backend (no code
   generation);
 * :mod:`helpers.diffusers_quirks`: the two places where diffusers' converters hard-code FLUX.1's widths, made to read
-  the tiny model's instead.
+  the tiny model's instead, and the Qwen-Image-Edit processor loaded without torchvision.
 
 Import from the package (``from helpers import write_config``); tests/conftest.py puts tests/ on ``sys.path``, so this
 works from every test folder and from a subprocess started by :func:`fit_in_subprocess`.
@@ -39,7 +39,11 @@ from helpers.cli import (
     tree_digest,
     write_config,
 )
-from helpers.diffusers_quirks import allow_any_flux_width, diffusers_kohya_reads_flux_widths
+from helpers.diffusers_quirks import (
+    allow_any_flux_width,
+    diffusers_kohya_reads_flux_widths,
+    qwen_processor_without_torchvision,
+)
 from helpers.graphs import count_compiled, count_compiled_graphs, graph_count
 from helpers.models import (
     ALPHA,
@@ -102,6 +106,7 @@ __all__ = [
     "on_device",
     "other_weights",
     "precision_for",
+    "qwen_processor_without_torchvision",
     "random_inputs",
     "resume_config",
     "run_cli",

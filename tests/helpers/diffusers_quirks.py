@@ -1,4 +1,5 @@
-"""Two places where diffusers (0.42) hard-codes FLUX.1's widths, made to work with the tiny FLUX of the tests.
+"""Two places where diffusers (0.42) hard-codes FLUX.1's widths, made to work with the tiny FLUX of the tests, and the
+Qwen-Image-Edit processor that transformers 5 builds only with torchvision.
 
 * Its single-file converter (BFL layout -> diffusers, ``from_single_file``) splits ``single_blocks.i.linear1`` with
   ``torch.split(..., [3072, 3072, 3072, 12288])``: :func:`allow_any_flux_width` translates that one split to the
@@ -8,7 +9,14 @@
   narrower model fails: :func:`diffusers_kohya_reads_flux_widths` rebuilds that function from diffusers' own source
   with the widths read from the file instead. Files of other families never reach that function.
 
-Everything else in both converters is width-agnostic. Each patch goes through ``monkeypatch``: it ends with the test.
+Everything else in both converters is width-agnostic.
+
+* ``QwenImageEdit(Plus)Pipeline.from_pretrained`` loads its ``processor`` as ``transformers.Qwen2VLProcessor``, whose
+  video processor needs torchvision (not installed here): :func:`qwen_processor_without_torchvision` loads the same
+  folder with the image-only processor the family itself uses
+  (:func:`lightning_lora.families.qwenimage_edit.images_processor_class`), which gives the same inputs for images.
+
+Each patch goes through ``monkeypatch``: it ends with the test.
 """
 
 from __future__ import annotations
@@ -60,3 +68,16 @@ def diffusers_kohya_reads_flux_widths(monkeypatch: pytest.MonkeyPatch) -> None:
     namespace = {**vars(lora_conversion_utils), "_linear1_widths": _linear1_widths}
     exec(compile(source.replace(literal, read), inspect.getsourcefile(original) or "<diffusers>", "exec"), namespace)
     monkeypatch.setattr(lora_pipeline, original.__name__, namespace[original.__name__])
+
+
+def qwen_processor_without_torchvision(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Let diffusers load an edit pipeline's ``processor`` without torchvision (see the module docstring); nothing
+    changes where torchvision is installed."""
+    import importlib.util
+
+    import transformers
+
+    from lightning_lora.families.qwenimage_edit import images_processor_class
+
+    if importlib.util.find_spec("torchvision") is None:
+        monkeypatch.setattr(transformers.Qwen2VLProcessor, "from_pretrained", images_processor_class().from_pretrained)
