@@ -98,8 +98,12 @@ class FluxKontext(Flux):
     @override
     def control_inputs(self, images: list[Any]) -> dict[str, Any]:
         """The control as ``image``, kept at its size (``_auto_resize=False``: the pipeline would resize it to the
-        Kontext resolution nearest its aspect ratio)."""
-        return {"image": images[0], "_auto_resize": False} if images else {}
+        Kontext resolution nearest its aspect ratio), the output drawn at its area (a sample's control is at the
+        sample's size)."""
+        if not images:
+            return {}
+        image = images[0]
+        return {"image": image, "_auto_resize": False, "max_area": image.size[0] * image.size[1]}
 
     @classmethod
     @override

@@ -221,7 +221,7 @@ def _fused_rms_norm(recipe: ModelRecipe) -> bool:
     return not getattr(recipe.precision, "upcast_small_params", False)
 
 
-def _count(recipe: ModelRecipe, height: int, width: int, batch: int, text_len: int) -> _Counted:
+def _count(recipe: ModelRecipe, height: int, width: int, batch: int, text_len: int, controls: int = 0) -> _Counted:
     from lightning_lora.model.assembly import apply_gradient_checkpointing
     from lightning_lora.model.recompute import ensure_recomputed
 
@@ -241,6 +241,7 @@ def _count(recipe: ModelRecipe, height: int, width: int, batch: int, text_len: i
             width,
             batch,
             text_len,
+            controls,
         )
     )
     if key in _COUNTED:
@@ -256,7 +257,9 @@ def _count(recipe: ModelRecipe, height: int, width: int, batch: int, text_len: i
     for block in offloaded:  # recomputed, as offload_blocks() makes them
         ensure_recomputed(model, block)
     model.train()
-    inputs = family.example_inputs(model, batch, height, width, text_len, device="meta", dtype=source.dtype)
+    inputs = family.example_inputs_with_controls(
+        model, batch, height, width, text_len, controls, device="meta", dtype=source.dtype
+    )
     saved, largest, moved = saved_activation_bytes(  # moved: block inputs kept in CPU memory
         model, inputs, autocast=autocast_dtype(recipe), fused_rms_norm=_fused_rms_norm(recipe)
     )
@@ -288,10 +291,12 @@ def plan_training(
     optimizer: str = "AdamW",
     sample_size: tuple[int, int] | None = None,
     shards: int = 1,
+    controls: int = 0,
 ) -> MemoryPlan:
     """Predict the training peak of the model ``recipe`` describes, at this image size, batch and text length, on each
     GPU: ``shards`` > 1 is a base sharded over that many GPUs (``trainer.strategy: fsdp``, :func:`sharded_weight_bytes`;
-    the LoRA, its gradients and optimizer state are sharded with it)."""
+    the LoRA, its gradients and optimizer state are sharded with it). ``controls``: control images of the target's size
+    per sample (edit training: their tokens join the image's, as the family's loss appends them)."""
     family, source = recipe.family, recipe.source
     model = family.denoiser_skeleton(source)  # meta device: shapes only
     weights = weight_bytes(model, recipe.precision)
@@ -300,7 +305,7 @@ def plan_training(
     else:
         offloaded = offloaded_blocks(model, recipe.offload_blocks)
         resident = weights - offloaded_weight_bytes(model, offloaded, recipe.precision)
-    counted = _count(recipe, height, width, batch, text_len)
+    counted = _count(recipe, height, width, batch, text_len, controls)
     saved, largest, moved = counted.saved, counted.largest, counted.moved
     lora_params = counted.lora_params / shards  # sharded with the base (each rank's optimizer steps its shard)
     if recipe.compile_blocks and not recipe.gradient_checkpointing:
@@ -311,8 +316,8 @@ def plan_training(
         eager = recipe.replace(gradient_checkpointing=False, checkpoint_every=1, offload_activations=False)
         saved = compiled_saved_bytes(
             saved,
-            uncheckpointed=_count(eager, height, width, batch, text_len).saved,
-            all_checkpointed=_count(recipe.replace(checkpoint_every=1), height, width, batch, text_len).saved,
+            uncheckpointed=_count(eager, height, width, batch, text_len, controls).saved,
+            all_checkpointed=_count(recipe.replace(checkpoint_every=1), height, width, batch, text_len, controls).saved,
             share=recipe.family.planning.compiled_saved_fraction,
         )
     per_block = (saved + moved) / max(counted.blocks, 1)
@@ -344,7 +349,7 @@ def plan_training(
     sh, sw = sample_size or (height, width)
     # Samples drawn during training: the optimizer's state stays on the GPU beside the model (the LoRA's gradients are
     # freed after each optimizer step).
-    sampling = sampling_bytes(recipe, model, sh, sw, text_len) / GIB
+    sampling = sampling_bytes(recipe, model, sh, sw, text_len, controls) / GIB
     plan.sampling_peak = resident / GIB + plan.lora + plan.optimizer + sampling + plan.overhead
     return plan
 
@@ -410,14 +415,27 @@ def plan_for(
     sample_size: tuple[int, int] | None = None,
     shards: int = 1,
 ) -> MemoryPlan:
-    """The plan of a run: ``recipe`` at the data's largest resolution and batch size, the family's text length, on each
-    GPU (``shards``: :func:`plan_training`; :func:`~lightning_lora.model.parallel.shard_count` of a trainer or a
-    config)."""
+    """The plan of a run: ``recipe`` at the data's largest resolution and batch size, the family's text length, the
+    most control images a target of the data has (edit training), on each GPU (``shards``: :func:`plan_training`;
+    :func:`~lightning_lora.model.parallel.shard_count` of a trainer or a config)."""
     side = data.resolution
     text_len = recipe.family.text_tokens
     plan = plan_training(
-        recipe, side, side, data.batch_size, text_len, optimizer=optimizer, sample_size=sample_size, shards=shards
+        recipe,
+        side,
+        side,
+        data.batch_size,
+        text_len,
+        optimizer=optimizer,
+        sample_size=sample_size,
+        shards=shards,
+        controls=data.controls,
     )
+    if data.controls:
+        plan.notes.append(
+            f"edit pairs: {data.controls} control image(s) per target, planned at the target's size (their tokens "
+            f"join the image's: {1 + data.controls}x the image tokens)"
+        )
     plan.caching_text, plan.caching_images, text_host, notes = caching_peaks(
         recipe, data.text_encoder_quantization, data.encode_batch_size, side
     )

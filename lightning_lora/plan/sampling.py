@@ -51,7 +51,7 @@ _SAMPLING: dict[str, SamplingPieces] = {}
 
 
 def sampling_pieces(
-    recipe: ModelRecipe, model: nn.Module, height: int, width: int, text_len: int
+    recipe: ModelRecipe, model: nn.Module, height: int, width: int, text_len: int, controls: int = 0
 ) -> SamplingPieces | None:
     """The pieces of :class:`SamplingPieces` for one ``height x width`` sample image of ``recipe``'s model (``model``:
     its denoiser skeleton on the ``meta`` device), as the sampler runs it: under the precision's autocast, attention
@@ -65,11 +65,13 @@ def sampling_pieces(
     if config is None:
         return None
     autocast = autocast_dtype(recipe)
-    key = repr((type(family), sorted(vars(family).items()), source, config, autocast, height, width, text_len))
+    key = repr(
+        (type(family), sorted(vars(family).items()), source, config, autocast, height, width, text_len, controls)
+    )
     if key in _SAMPLING:
         return _SAMPLING[key]
-    inputs = family.example_inputs(
-        model, family.planning.sampling_batch, height, width, text_len, device="meta", dtype=source.dtype
+    inputs = family.example_inputs_with_controls(
+        model, family.planning.sampling_batch, height, width, text_len, controls, device="meta", dtype=source.dtype
     )
     with flash_like_attention():
         denoiser, _ = peak_bytes(lambda: model(**inputs), autocast)
@@ -86,11 +88,14 @@ def sampling_pieces(
     return pieces
 
 
-def sampling_bytes(recipe: ModelRecipe, model: nn.Module, height: int, width: int, text_len: int) -> float:
-    """Bytes that drawing a ``height x width`` sample image adds to the training run's static memory: the measured
-    :class:`SamplingPieces`, or the family's own estimate (:meth:`~lightning_lora.families.base.DiffusionFamily.
-    sampling_bytes`) for a family that declares no VAE architecture."""
-    pieces = sampling_pieces(recipe, model, height, width, text_len)
+def sampling_bytes(
+    recipe: ModelRecipe, model: nn.Module, height: int, width: int, text_len: int, controls: int = 0
+) -> float:
+    """Bytes that drawing a ``height x width`` sample image (from ``controls`` control images of its size, an edit
+    family's) adds to the training run's static memory: the measured :class:`SamplingPieces`, or the family's own
+    estimate (:meth:`~lightning_lora.families.base.DiffusionFamily.sampling_bytes`) for a family that declares no VAE
+    architecture."""
+    pieces = sampling_pieces(recipe, model, height, width, text_len, controls)
     if pieces is None:
         return recipe.family.sampling_bytes(model, height, width, text_len)
     return pieces.total

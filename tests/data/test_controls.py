@@ -19,7 +19,7 @@ from PIL import Image
 from lightning_lora.data.buckets import BucketSpec, cover
 from lightning_lora.data.build import CacheReport, DataSpec, build
 from lightning_lora.data.cache import LatentCache
-from lightning_lora.data.datamodule import LatentDataModule
+from lightning_lora.data.datamodule import CachedDataset, LatentDataModule
 from lightning_lora.data.images import decode
 from lightning_lora.data.recipe import DataRecipe
 from lightning_lora.data.sources import ImageFolder, as_folders, scan
@@ -97,12 +97,13 @@ def test_controls_are_matched_by_stem_in_their_folders_order(tmp_path: Path) -> 
 )
 def test_a_bad_controls_field_is_named(entry: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
-        as_folders(entry, "data.images")
+        as_folders(entry, "data.images")  # type: ignore[arg-type]  # a mapping, as a config gives it
 
 
 def test_one_control_folder_may_be_written_alone_and_a_missing_one_is_named(tmp_path: Path) -> None:
     targets, controls = _pairs(tmp_path, ["cat"])
-    assert as_folders({"path": str(targets), "controls": str(controls)}, "data.images")[0].controls == [str(controls)]
+    entry = {"path": str(targets), "controls": str(controls)}
+    assert as_folders(entry, "data.images")[0].controls == [str(controls)]  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=r"data.images.controls: control folder '.*nowhere' does not exist"):
         scan([ImageFolder(str(targets), controls=[str(tmp_path / "nowhere")])])
 
@@ -255,6 +256,7 @@ def test_batches_hold_one_number_of_controls_mirrored_with_their_target(tmp_path
     dm.setup("fit")
     loader = dm.train_dataloader()
     dataset = loader.dataset
+    assert isinstance(dataset, CachedDataset)
     batches = list(loader)
     assert sorted(b["controls"].shape[:2] if "controls" in b else (len(b["latents"]), 0) for b in batches) == [
         (2, 0),

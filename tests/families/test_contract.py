@@ -33,6 +33,12 @@ For each family:
     folder of its shipped configs does;
 (i) the batch it describes without data (``example_batch``, the benchmark's) is the batch it encodes, key by key.
 
+An edit family (one whose ``editing`` takes control images: FLUX.1 Kontext, FLUX.2, Qwen-Image-Edit) runs all of this
+on edit pairs (:func:`lightning_lora.cli.demo.write_edits`: each photo's negative, its control the photo), beside the
+photos as text-to-image items where it trains those too: its batches and the fits carry controls (so (c) is exact
+resume with controls), its prompts are encoded with them where its prompt encoder sees them, and its pipelines in (d)
+draw from a control image.
+
 One fit of ``STEPS`` steps is the reference of (b), (c) and (d); a second one stops at ``STOP`` and resumes.
 """
 
@@ -46,6 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from helpers import (
@@ -58,10 +65,13 @@ from helpers import (
     lora_layers,
     lora_model,
     loss_curve,
+    qwen_processor_without_torchvision,
     random_inputs,
     resume_config,
     run_cli,
+    small_edit_images,
 )
+from PIL import Image
 
 from lightning_lora.cli.fit import LoraCLI
 from lightning_lora.errors import ConfigError
@@ -79,6 +89,21 @@ def resolution(family: DiffusionFamily) -> int:
 def every_preset(family: DiffusionFamily) -> str:
     """LoRA targets: the layers of all the family's presets (one regular expression)."""
     return "|".join(f"(?:{pattern})" for pattern in family.architecture.lora_presets.values())
+
+
+def images(family: DiffusionFamily, photos: Path, edits: Path) -> Any:
+    """``data.images`` of the contract's runs: the photos; for an edit family the edit pairs too (alone where it
+    needs controls for every target)."""
+    if not family.editing.takes_controls:
+        return str(photos)
+    pairs = {"path": str(edits), "controls": [str(photos)]}
+    return [pairs] if family.editing.needs_controls else [pairs, str(photos)]
+
+
+def control_image(photos: Path, side: int) -> Image.Image:
+    """The first photo as a ``side x side`` control image (PIL)."""
+    first = sorted(photos.glob("*.png"))[0]
+    return Image.open(first).convert("RGB").resize((side, side))
 
 
 @dataclass
@@ -127,7 +152,12 @@ def model_dir(case: str, tiny_pipeline: Callable[[str], Path], request: pytest.F
 
 @pytest.fixture(scope="module")
 def runs(
-    case: str, family: DiffusionFamily, model_dir: Path, photos_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    case: str,
+    family: DiffusionFamily,
+    model_dir: Path,
+    photos_dir: Path,
+    edits_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Runs:
     root = tmp_path_factory.mktemp(f"contract-{case}")
     export = {
@@ -138,6 +168,7 @@ def runs(
         "model.family": {"class_path": family_class_path(family), "init_args": CASES[case][1]},
         "model.lora.targets": every_preset(family),
         "data.resolution": resolution(family),
+        "data.images": images(family, photos_dir, edits_dir),
         "callbacks": [export],
     }
     a = resume_config(root, model_dir, photos_dir, "a", steps=STEPS, **options)
@@ -166,13 +197,23 @@ def test_the_registry_holds_the_families() -> None:
 
 
 @pytest.fixture(scope="module")
-def batch(family: DiffusionFamily, model_dir: Path) -> dict[str, torch.Tensor]:
-    """Two images (not square: no transposes) and two prompts, encoded by the family itself from its tiny pipeline."""
+def batch(family: DiffusionFamily, model_dir: Path, photos_dir: Path) -> dict[str, torch.Tensor]:
+    """Two images (not square: no transposes) and two prompts, encoded by the family itself from its tiny pipeline; an
+    edit family's with a control image each (its prompts seen with it where its prompt encoder sees controls)."""
     source = ModelSource(str(model_dir), dtype=torch.float32)
     side, d = resolution(family), family.architecture.latent_divisor
     pixels = torch.rand(2, 3, side, side + d, generator=torch.Generator().manual_seed(0)) * 2 - 1
-    latents = family.encode_images(family.load_vae(source), pixels)
-    return {"latents": latents, **family.encode_prompts(family.load_text_encoders(source), [PROMPT, ""])}
+    vae, encoders = family.load_vae(source), family.load_text_encoders(source)
+    latents = family.encode_images(vae, pixels)
+    if not family.editing.takes_controls:
+        return {"latents": latents, **family.encode_prompts(encoders, [PROMPT, ""])}
+    control = control_image(photos_dir, side).resize((side + d, side))
+    controls = family.encode_images(vae, torch.tensor(np.asarray(control)).permute(2, 0, 1)[None] / 127.5 - 1.0)
+    if family.editing.prompt_sees_controls:
+        text = family.encode_prompts_with_controls(encoders, [PROMPT, ""], [[control], [control]])
+    else:
+        text = family.encode_prompts(encoders, [PROMPT, ""])
+    return {"latents": latents, "controls": controls.expand(2, -1, -1, -1)[:, None], **text}
 
 
 def test_training_loss_is_finite_and_reaches_every_lora_tensor(
@@ -224,9 +265,13 @@ def test_the_example_batch_has_the_cached_batchs_keys_and_shapes(
     of its shape, in its dtype or the cache's bf16, and the family's loss takes it."""
     model = lora_model(family, model_dir, train=True)
     side, d = resolution(family), family.architecture.latent_divisor
-    example = family.example_batch(dict(model.config), 2, side, side + d, family.text_tokens)
+    controls = batch["controls"].shape[1] if "controls" in batch else 0
+    example = family.example_batch(dict(model.config), 2, side, side + d, family.text_tokens, controls=controls)
+    # The length of a prompt seen with its controls is its own and the controls' vision tokens: it is not compared.
+    unsized = ("prompt_embeds", "prompt_embeds_mask") if family.editing.prompt_sees_controls else ()
     for key, value in batch.items():
-        assert key in example and example[key].shape == value.shape, (key, example.get(key, value).shape, value.shape)
+        shape = (lambda t: t.shape[:1] + t.shape[2:]) if key in unsized else (lambda t: t.shape)
+        assert key in example and shape(example[key]) == shape(value), (key, example.get(key, value).shape, value.shape)
         assert example[key].dtype in (value.dtype, torch.bfloat16), key
     latents = example["latents"]
     losses = family.loss(model, example, family.sample_noise(latents), family.sample_timesteps(latents))
@@ -280,23 +325,30 @@ _ADAPTABLE = (torch.nn.Linear, torch.nn.Conv2d)
 # NF4's relative error grows with the padded positions the cache keeps: FLUX.2 klein's 512 (its default) give 0.30.
 @pytest.mark.parametrize(("mode", "tolerance"), [("fp8", 0.1), ("nf4", 0.35)])
 def test_the_text_encoders_in_fp8_and_nf4_for_caching(
-    family: DiffusionFamily, model_dir: Path, tmp_path: Path, mode: str, tolerance: float
+    family: DiffusionFamily, model_dir: Path, photos_dir: Path, tmp_path: Path, mode: str, tolerance: float
 ) -> None:
     """``data.text_encoder_quantization``: every linear layer of the family's text encoders (those its
     ``architecture.text_encoders`` names) that the format stores (NF4: inputs a multiple of 64 wide; the tiny CLIP and
     T5 encoders are narrower) and the encoder does not keep in float32 is stored in FP8 / NF4 while caching, the
-    embeddings close to the plain ones, under keys of their own."""
+    embeddings close to the plain ones, under keys of their own (a prompt seen with a control image where the family's
+    prompt encoder sees controls)."""
     import bitsandbytes as bnb
 
-    from lightning_lora.data.cache import LatentCache, quantize_text_encoders
+    from lightning_lora.data.buckets import cover
+    from lightning_lora.data.cache import ControlImage, LatentCache, file_digest, quantize_text_encoders
     from lightning_lora.precision.fp8 import FP8Linear
 
     source = ModelSource(str(model_dir), dtype=torch.float32)
+    first = sorted(photos_dir.glob("*.png"))[0]
+    control = ControlImage(first, file_digest(first), cover(*Image.open(first).size, (32, 32)))
+    seen = [(control,)] if family.editing.prompt_sees_controls else None
+    white = (255, 255, 255)
     plain = LatentCache(tmp_path, family, source)
-    plain.encode_texts([PROMPT], torch.device("cpu"))
-    reference = plain.load_text(plain.text_key(PROMPT))
+    plain.text_embeddings([PROMPT], torch.device("cpu"), seen, white)
+    reference = plain.load_text(plain.pair_key(PROMPT, seen[0] if seen else (), white))
     cache = LatentCache(tmp_path, family, source, text_encoder_quantization=mode)
-    assert cache.text_key(PROMPT) != plain.text_key(PROMPT)
+    key = cache.pair_key(PROMPT, seen[0] if seen else (), white)
+    assert key != plain.pair_key(PROMPT, seen[0] if seen else (), white)
     encoders = family.load_text_encoders(source)
     components = family.architecture.text_encoders
     swapped = quantize_text_encoders(encoders, components, mode, torch.device("cpu"), torch.float32)
@@ -314,8 +366,8 @@ def test_the_text_encoders_in_fp8_and_nf4_for_caching(
             and not (mode == "nf4" and m.in_features % 64)
         ]
         assert not left, f"{component}: {left[:3]} not stored in {mode}"
-    cache.encode_texts([PROMPT], torch.device("cpu"))
-    got = cache.load_text(cache.text_key(PROMPT))
+    cache.text_embeddings([PROMPT], torch.device("cpu"), seen, white)
+    got = cache.load_text(key)
     assert got.keys() == reference.keys()
     for key, value in got.items():
         if not value.is_floating_point():  # masks
@@ -370,7 +422,7 @@ def test_the_hub_model_plans_with_nothing_downloaded_like_its_local_configs(
     (folder / "scheduler").mkdir()  # a UNet family reads its noise schedule from a local folder when it is checked
     schedule = {"beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear"}
     (folder / "scheduler" / "scheduler_config.json").write_text(json.dumps(schedule))
-    data = DataRecipe(resolutions=(512,), batch_size=1)
+    data = DataRecipe(resolutions=(256,), batch_size=1)  # the size does not matter here; a small one plans faster
     # Without gradient checkpointing: checkpointed, SDXL's plans of the same configs differ by up to 4% of the
     # activations between a hub id and a folder, and from one process to the next (the planner's, seen on main too).
     hub = ModelRecipe(family, ModelSource(hub_id), LoraOptions(rank=8))
@@ -389,7 +441,9 @@ def test_stopped_and_resumed_run_is_exact(runs: Runs) -> None:
     assert_same_run(runs.a, runs.b, after_step=STOP)
 
 
-def test_exported_files_load_into_a_fresh_pipeline(runs: Runs, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_exported_files_load_into_a_fresh_pipeline(
+    runs: Runs, photos_dir: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     from diffusers import DiffusionPipeline
     from safetensors.torch import load_file, save_file
 
@@ -404,6 +458,10 @@ def test_exported_files_load_into_a_fresh_pipeline(runs: Runs, monkeypatch: pyte
     expected = denoiser_output(trained, inputs)
     side = resolution(family)
     draw = {"prompt": PROMPT, "height": side, "width": side, "num_inference_steps": 2, "output_type": "pt"}
+    if family.editing.takes_controls:  # an edit pipeline draws from a control (64 pixels: FLUX.2's least)
+        qwen_processor_without_torchvision(monkeypatch)
+        small_edit_images(monkeypatch)
+        draw.update(family.control_inputs([control_image(photos_dir, 64)]))
 
     def fresh() -> Any:
         pipe = DiffusionPipeline.from_pretrained(runs.model_dir)
@@ -423,7 +481,8 @@ def test_exported_files_load_into_a_fresh_pipeline(runs: Runs, monkeypatch: pyte
         tensors = load_file(path)
         if fmt == "diffusers":  # every tensor of the file went into the adapter, none left over
             assert sum(".lora_" in n for n, _ in denoiser.named_parameters()) == len(tensors)
-            assert _family_from_keys(tensors) in (None, type(family))  # no other family claims its names
+            claimed = _family_from_keys(tensors)  # no other family claims its names (but the one it varies)
+            assert claimed is None or issubclass(type(family), claimed), claimed
         # A file without our family entry (made elsewhere) is told apart by what its header says of the model.
         meta = read_metadata(path)
         assert {k: meta[f"modelspec.{k}"] for k in family.lora_files.modelspec} == dict(family.lora_files.modelspec)

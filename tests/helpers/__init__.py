@@ -43,6 +43,7 @@ from helpers.diffusers_quirks import (
     allow_any_flux_width,
     diffusers_kohya_reads_flux_widths,
     qwen_processor_without_torchvision,
+    small_edit_images,
 )
 from helpers.graphs import count_compiled, count_compiled_graphs, graph_count
 from helpers.models import (
@@ -110,6 +111,7 @@ __all__ = [
     "random_inputs",
     "resume_config",
     "run_cli",
+    "small_edit_images",
     "tree_digest",
     "two_step_grads",
     "write_config",

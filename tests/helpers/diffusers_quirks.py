@@ -16,6 +16,12 @@ Everything else in both converters is width-agnostic.
   folder with the image-only processor the family itself uses
   (:func:`lightning_lora.families.qwenimage_edit.images_processor_class`), which gives the same inputs for images.
 
+* The edit pipelines (``QwenImageEdit(Plus)Pipeline``) encode a control image at about 1024² pixels whatever the
+  output size (their ``calculate_dimensions`` of ``1024 * 1024``): with the tiny models on the CPU that is 20 s a
+  draw. :func:`small_edit_images` divides the area their ``calculate_dimensions`` is asked for by 256 (1024² -> 64²,
+  Edit-Plus's 384² for its VL model -> 24²); the family reads the same function when it encodes a prompt with its
+  controls, so a test that patches it sees one consistent pipeline.
+
 Each patch goes through ``monkeypatch``: it ends with the test.
 """
 
@@ -81,3 +87,12 @@ def qwen_processor_without_torchvision(monkeypatch: pytest.MonkeyPatch) -> None:
 
     if importlib.util.find_spec("torchvision") is None:
         monkeypatch.setattr(transformers.Qwen2VLProcessor, "from_pretrained", images_processor_class().from_pretrained)
+
+
+def small_edit_images(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The edit pipelines' control sizes divided by 16 a side (see the module docstring)."""
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit, pipeline_qwenimage_edit_plus
+
+    for module in (pipeline_qwenimage_edit, pipeline_qwenimage_edit_plus):
+        original = module.calculate_dimensions
+        monkeypatch.setattr(module, "calculate_dimensions", lambda area, ratio, f=original: f(area / 256, ratio))
