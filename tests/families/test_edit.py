@@ -29,12 +29,23 @@ from lightning_lora.families.flux import pack_latents
 PROMPT = "make the cat red"
 SIDE = 64  # FLUX.2's pipelines take references of 64 pixels and more
 
-# The family, its tiny pipeline's registry name, how the pipeline takes the noise as its ``latents``.
-CASES: dict[str, tuple[DiffusionFamily, str, Callable[[torch.Tensor], torch.Tensor]]] = {
-    "kontext": (FluxKontext(max_sequence_length=16), "flux_kontext", pack_latents),
-    "flux2": (Flux2(max_sequence_length=32), "flux2", lambda noise: noise),  # patchified, packed by the pipeline
-    "qwenimage_edit": (QwenImageEdit(), "qwenimage_edit", pack_latents),
-    "qwenimage_edit_plus": (QwenImageEditPlus(), "qwenimage_edit_plus", pack_latents),
+# The family, its tiny pipeline's registry name, how the pipeline takes the noise as its ``latents``, the pipeline's
+# arguments that match the family's options (the text length; Kontext's guidance input as trained, no CFG).
+CASES: dict[str, tuple[DiffusionFamily, str, Callable[[torch.Tensor], torch.Tensor], dict[str, Any]]] = {
+    "kontext": (
+        FluxKontext(max_sequence_length=16, guidance=1.0),
+        "flux_kontext",
+        pack_latents,
+        {"max_sequence_length": 16, "guidance_scale": 1.0},
+    ),
+    "flux2": (  # the noise patchified, packed by the pipeline; klein base without CFG
+        Flux2(max_sequence_length=32),
+        "flux2",
+        lambda noise: noise,
+        {"max_sequence_length": 32, "guidance_scale": 1.0},
+    ),
+    "qwenimage_edit": (QwenImageEdit(), "qwenimage_edit", pack_latents, {}),  # no negative: no CFG
+    "qwenimage_edit_plus": (QwenImageEditPlus(), "qwenimage_edit_plus", pack_latents, {}),
 }
 
 
@@ -48,7 +59,7 @@ def test_the_loss_feeds_the_transformer_what_the_pipeline_feeds_it(
 ) -> None:
     from diffusers import DiffusionPipeline
 
-    family, name, as_pipeline_latents = CASES[case]
+    family, name, as_pipeline_latents, options = CASES[case]
     qwen_processor_without_torchvision(monkeypatch)
     small_edit_images(monkeypatch)  # Qwen-Image-Edit's control at 64² instead of 1024² (SIDE: the same here)
     folder = tiny_pipeline(name)
@@ -70,9 +81,8 @@ def test_the_loss_feeds_the_transformer_what_the_pipeline_feeds_it(
             width=SIDE,
             num_inference_steps=2,  # its first step is at sigma 1: the noisy latents are the noise
             latents=as_pipeline_latents(noise),
-            guidance_scale=family.guidance if isinstance(family, FluxKontext) else 1.0,
             output_type="latent",
-            **({"max_sequence_length": family.max_sequence_length} if case in ("kontext", "flux2") else {}),
+            **options,
             **family.control_inputs([control]),
         )
         (theirs, prediction), *_ = calls
@@ -87,7 +97,7 @@ def test_the_loss_feeds_the_transformer_what_the_pipeline_feeds_it(
         (ours, _), *_ = calls
 
     for key in ("hidden_states", "encoder_hidden_states", "timestep"):
-        torch.testing.assert_close(ours[key], theirs[key], atol=1e-5, rtol=1e-5, msg=lambda m, k=key: f"{k}: {m}")
+        torch.testing.assert_close(ours[key], theirs[key], atol=1e-5, rtol=1e-5, msg=f"{key} differs")
     n = pack_latents(x0).shape[1] if case != "flux2" else x0.shape[2] * x0.shape[3]
     assert ours["hidden_states"].shape[1] == 2 * n  # the control's tokens after the target's
     if "img_ids" in theirs:
