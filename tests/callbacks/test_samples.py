@@ -6,7 +6,8 @@ settings.
 This covers the whole chain at once: cached prompt (and empty-prompt) embeddings vs. the pipeline's own text encoding,
 the family's sampling pipeline and scheduler vs. the one ``from_pretrained`` builds, classifier-free guidance
 (SDXL's zeroed negative, SD1.5's and Z-Image's empty-prompt negative), distilled guidance (FLUX.1-dev's and FLUX.2
-dev's guidance input), and the LoRA export. The images are compared as
+dev's guidance input), the edit families' control images (FLUX.1 Kontext, FLUX.2 references, Qwen-Image-Edit, whose
+prompt and negative are read with the control), and the LoRA export. The images are compared as
 the 8-bit PNGs a user sees; float rounding may move a pixel by one level, a wrong LoRA scale or negative prompt moves
 many.
 """
@@ -94,6 +95,92 @@ def test_callback_image_equals_fresh_pipeline_with_exported_lora(
     # Not vacuous: the trained LoRA visibly changes the image, far beyond the tolerance.
     assert np.abs(with_lora - base).max() >= 8, f"{family}: the LoRA barely changes the image"
     # And the step-0 sample (before training) is the base model's image.
+    first = np.asarray(Image.open(run / "samples" / "step000000_00.png").convert("RGB"), dtype=np.int16)
+    assert np.abs(first - base).max() <= 1
+
+
+# Edit families: the sample is drawn from a fixed control image; the fresh edit pipeline is handed the same control,
+# placed at the sample's size as the callback places it. family class, init_args, guidance, sample side, extra.
+EDIT_CASES = {
+    # FLUX.1 Kontext: distilled guidance, the control kept at its size (_auto_resize=False, max_area)
+    "flux_kontext": ("FluxKontext", {"max_sequence_length": 16}, 2.5, 32, {"max_sequence_length": 16}),
+    # FLUX.2 klein base with a reference (64 px: its pipelines' least), CFG with the empty prompt (read without images)
+    "flux2": ("Flux2", {"max_sequence_length": 64}, 4.0, 64, {"max_sequence_length": 64}),
+    # Qwen-Image-Edit(-Plus): true CFG, the empty prompt read with the control as the negative
+    "qwenimage_edit": ("QwenImageEdit", {}, 4.0, 32, {"true_cfg_scale": 4.0, "negative_prompt": ""}),
+    "qwenimage_edit_plus": ("QwenImageEditPlus", {}, 4.0, 32, {"true_cfg_scale": 4.0, "negative_prompt": ""}),
+}
+
+
+@pytest.mark.parametrize("family", list(EDIT_CASES))
+def test_an_edit_sample_equals_the_edit_pipeline_with_the_exported_lora(
+    family: str,
+    tmp_path: Path,
+    photos_dir: Path,
+    edits_dir: Path,
+    tiny_pipeline: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from diffusers import DiffusionPipeline
+    from helpers import qwen_processor_without_torchvision, small_edit_images
+
+    from lightning_lora.data.buckets import cover
+    from lightning_lora.data.cache import ControlImage, file_digest
+    from lightning_lora.data.images import probe
+
+    qwen_processor_without_torchvision(monkeypatch)
+    small_edit_images(monkeypatch)
+    model_dir = tiny_pipeline(family)
+    cls, init_args, guidance, side, extra = EDIT_CASES[family]
+    control = sorted(photos_dir.glob("*.png"))[1]
+    config = write_config(
+        tmp_path,
+        model_dir,
+        photos_dir,
+        **{
+            "model.family": {"class_path": f"lightning_lora.families.{cls}", "init_args": init_args},
+            "model.lora": {"rank": 4, "alpha": 8, "targets": "attention"},
+            "model.optimizer": {"class_path": "torch.optim.AdamW", "init_args": {"lr": 0.05}},
+            "data.images": [{"path": str(edits_dir), "controls": [str(photos_dir)]}],
+            "trainer.max_steps": 4,
+        },
+    )
+    data = yaml.safe_load(config.read_text())
+    samples = data["trainer"]["callbacks"][1]["init_args"]
+    samples.update(prompts=[PROMPT], seed=SEED, steps=STEPS, guidance_scale=guidance, height=side, width=side)
+    samples["controls"] = [[str(control)]]
+    config.write_text(yaml.safe_dump(data))
+    cli = run_cli(["fit", "--config", str(config)])
+    run = tmp_path / "run"
+    callback_image = np.asarray(
+        Image.open(run / "samples" / f"step{cli.trainer.global_step:06d}_00.png").convert("RGB"), dtype=np.int16
+    )
+
+    placed = ControlImage(control, file_digest(control), cover(*probe(control), (side, side)))
+    inputs = cli.model.family.control_inputs([Image.fromarray(placed.pixels((255, 255, 255)))])
+    pipe = DiffusionPipeline.from_pretrained(model_dir)
+    pipe.set_progress_bar_config(disable=True)
+
+    def draw() -> np.ndarray:
+        image = pipe(
+            prompt=PROMPT,
+            height=side,
+            width=side,
+            num_inference_steps=STEPS,
+            guidance_scale=guidance,
+            generator=torch.Generator().manual_seed(SEED),
+            output_type="pil",
+            **extra,
+            **inputs,
+        ).images[0]
+        return np.asarray(image, dtype=np.int16)
+
+    base = draw()
+    pipe.load_lora_weights(run / "lora" / "lora.safetensors")
+    with_lora = draw()
+    difference = np.abs(with_lora - callback_image)
+    assert difference.max() <= 1, f"{family}: callback image differs from inference by up to {difference.max()} levels"
+    assert np.abs(with_lora - base).max() >= 8, f"{family}: the LoRA barely changes the image"
     first = np.asarray(Image.open(run / "samples" / "step000000_00.png").convert("RGB"), dtype=np.int16)
     assert np.abs(first - base).max() <= 1
 
