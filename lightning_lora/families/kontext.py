@@ -24,8 +24,9 @@ LoRA files: the transformer is FLUX.1's, module for module, so the files are FLU
 families.flux.Flux`) and load where a FLUX.1 LoRA loads: ``FluxKontextPipeline.load_lora_weights`` (the same
 ``FluxLoraLoaderMixin``), ComfyUI (which builds Kontext as its FLUX model, ``model_base.Flux``, the control image being
 a ``reference_latents`` conditioning, not weights: the FLUX key map applies unchanged) and kohya's ``lora_flux``
-network. Their ModelSpec says ``flux-1-kontext-dev/lora`` (musubi-tuner writes ``Flux.1-dev/lora`` for Kontext, which
-names FLUX.1: such a file is read as FLUX.1's unless ``--family flux_kontext`` is passed).
+network. Their ModelSpec says ``flux-1-kontext-dev/lora`` and the kohya file's ``ss_base_model_version``
+``flux1_kontext`` (musubi-tuner writes ``Flux.1-dev/lora`` for Kontext, which names FLUX.1: such a file is read as
+FLUX.1's unless ``--family flux_kontext`` is passed).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from lightning_lora.families.base import DiffusersModel, SampleSettings, SampleT
 from lightning_lora.families.encoders import CLIP_L, T5_XXL
 from lightning_lora.families.facts import Architecture, Editing, LoraFiles, Planning
 from lightning_lora.families.flux import FLUX1_TRANSFORMER, Flux, latent_image_ids, pack_latents
+from lightning_lora.formats.kohya import with_base_model_version
 
 __all__ = ["FluxKontext", "KONTEXT_DEV", "kontext_controls"]
 
@@ -73,6 +75,7 @@ class FluxKontext(Flux):
     )
     lora_files: ClassVar[LoraFiles] = dataclasses.replace(
         Flux.lora_files,
+        layouts=with_base_model_version(Flux.lora_files.layouts, "flux1_kontext"),
         modelspec={
             "architecture": "flux-1-kontext-dev/lora",
             "implementation": "https://github.com/black-forest-labs/flux",

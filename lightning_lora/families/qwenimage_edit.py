@@ -36,7 +36,8 @@ LoRA files: the transformer is Qwen-Image's, module for module, so the files are
 they do: the edit pipelines' ``load_lora_weights`` (the same ``QwenImageLoraLoaderMixin``) and ComfyUI, which builds
 every Qwen-Image-Edit model as its ``QwenImage`` model (the control images are a ``reference_latents`` conditioning)
 and maps ``transformer.<module>`` and ``lora_unet_<module>`` keys onto it (``comfy/lora.py``, ``isinstance(model,
-QwenImage)``). Their ModelSpec says ``Qwen-Image-Edit/lora`` / ``Qwen-Image-Edit-Plus/lora`` (musubi-tuner's names).
+QwenImage)``). Their ModelSpec says ``Qwen-Image-Edit/lora`` / ``Qwen-Image-Edit-Plus/lora`` (musubi-tuner's
+names), their kohya files' ``ss_base_model_version`` ``qwen_image_edit`` / ``qwen_image_edit_plus``.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ from lightning_lora.families.base import DiffusersModel, ModelSource, PromptLimi
 from lightning_lora.families.encoders import QWEN25_VL_7B
 from lightning_lora.families.facts import Architecture, Editing, LoraFiles, Planning
 from lightning_lora.families.qwenimage import QWEN_IMAGE_TRANSFORMER, QwenImage, pack_latents
+from lightning_lora.formats.kohya import with_base_model_version
 
 __all__ = [
     "QWEN_IMAGE_EDIT_2511_TRANSFORMER",
@@ -151,8 +153,9 @@ class QwenImageEdit(QwenImage):
     )
     lora_files: ClassVar[LoraFiles] = dataclasses.replace(
         QwenImage.lora_files,
+        layouts=with_base_model_version(QwenImage.lora_files.layouts, "qwen_image_edit"),
         modelspec={"architecture": "Qwen-Image-Edit/lora", "implementation": "https://github.com/QwenLM/Qwen-Image"},
-        markers=("Qwen-Image-Edit/",),  # musubi-tuner's ModelSpec
+        markers=("Qwen-Image-Edit/", "qwen_image_edit"),  # musubi-tuner's ModelSpec, our ss_base_model_version
     )
     editing: ClassVar[Editing] = Editing(max_controls=1, needs_controls=True, prompt_sees_controls=True)
 
@@ -324,11 +327,13 @@ class QwenImageEditPlus(QwenImageEdit):
         ),
     )
     lora_files: ClassVar[LoraFiles] = dataclasses.replace(
-        QwenImageEdit.lora_files,
+        QwenImage.lora_files,
+        layouts=with_base_model_version(QwenImage.lora_files.layouts, "qwen_image_edit_plus"),
         modelspec={
             "architecture": "Qwen-Image-Edit-Plus/lora",
             "implementation": "https://github.com/QwenLM/Qwen-Image",
         },
-        markers=("Qwen-Image-Edit-Plus/", "Qwen-Image-Edit-2511/"),  # musubi-tuner's ModelSpecs
+        # musubi-tuner's ModelSpecs, our ss_base_model_version
+        markers=("Qwen-Image-Edit-Plus/", "Qwen-Image-Edit-2511/", "qwen_image_edit_plus"),
     )
     editing: ClassVar[Editing] = Editing(max_controls=None, prompt_sees_controls=True)

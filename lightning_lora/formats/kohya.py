@@ -115,6 +115,7 @@ writes the file through it. Apart from the readers, this module is pure tensor c
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Callable, Mapping
@@ -149,6 +150,7 @@ __all__ = [
     "separate_parts",
     "unet_from_kohya",
     "unet_to_kohya",
+    "with_base_model_version",
 ]
 
 #: Prefix of the denoiser's LoRA keys in kohya / ComfyUI files (text encoders use ``lora_te1_`` / ``lora_te2_``).
@@ -603,3 +605,15 @@ class KohyaLayout:
             raise ValueError(
                 f"diffusers' converter could not read it as a kohya LoRA of this family ({first_line(e)})."
             ) from None
+
+
+def with_base_model_version(layouts: tuple[Any, ...], version: str) -> tuple[Any, ...]:
+    """``layouts`` (a family's ``lora_files.layouts``) with the kohya layout's ``ss_base_model_version`` set to
+    ``version``: a variant of a family (FLUX.1 Kontext of FLUX.1) writes its parent's files under a version of its
+    own, so that a file made elsewhere that carries it is read as the variant's."""
+    return tuple(
+        dataclasses.replace(layout, network=dataclasses.replace(layout.network, base_model_version=version))
+        if isinstance(layout, KohyaLayout)
+        else layout
+        for layout in layouts
+    )

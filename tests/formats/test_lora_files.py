@@ -712,8 +712,11 @@ def test_custom_targets_outside_the_blocks_are_named(bases: dict, tmp_path: Path
     family, base = bases[name]
     outside = {
         "flux": ["x_embedder", "norm_out.linear"],
+        "flux_kontext": ["x_embedder", "norm_out.linear"],  # FLUX.1's transformer
         "flux2": ["x_embedder", "norm_out.linear"],
         "qwenimage": ["img_in", "norm_out.linear"],
+        "qwenimage_edit": ["img_in", "norm_out.linear"],  # Qwen-Image's transformer
+        "qwenimage_edit_plus": ["img_in", "norm_out.linear"],
     }.get(name, ["conv_in", "time_embedding.linear_1"])
     model, options = adapted(family, base, outside, "lora")
     state = get_peft_model_state_dict(model)
@@ -724,7 +727,9 @@ def test_custom_targets_outside_the_blocks_are_named(bases: dict, tmp_path: Path
     assert "kohya does not load 2 layer(s) of k.safetensors" in notes
     path = export_lora(state, tmp_path / "k.safetensors", format="kohya", lora=options, family=family, info={})
     assert json.loads(read_metadata(path)["lightning_lora.loads_in"]) == (
-        ["ComfyUI"] if name in ("flux", "flux2") else ["diffusers", "ComfyUI"]  # their converters drop norm_out
+        ["ComfyUI"]
+        if name in ("flux", "flux_kontext", "flux2")
+        else ["diffusers", "ComfyUI"]  # converters drop norm_out
     )
 
 
@@ -768,8 +773,11 @@ def test_metadata_tools_read(bases: dict, tmp_path: Path, name: str) -> None:
     assert float(kohya["ss_network_alpha"]) == ALPHA
     networks = {  # musubi-tuner's for Qwen; FLUX.2 has none in sd-scripts (its names follow FLUX.1's network)
         "flux": "networks.lora_flux",
+        "flux_kontext": "networks.lora_flux",
         "flux2": "networks.lora_flux2",
         "qwenimage": "networks.lora_qwen_image",
+        "qwenimage_edit": "networks.lora_qwen_image",
+        "qwenimage_edit_plus": "networks.lora_qwen_image",
     }
     assert kohya["ss_network_module"] == networks.get(name, "networks.lora")
     args = json.loads(kohya.get("ss_network_args", "{}"))
