@@ -402,9 +402,9 @@ def test_the_hub_models_plan_the_real_sizes_with_nothing_downloaded() -> None:
     sizes are the real model's: a 12.8 B transformer, Qwen3-VL-4B's 4.44 B (4.02 B of it the text model)."""
     import inspect
 
-    from lightning_lora.data.recipe import DataRecipe
     from lightning_lora.model.recipe import ModelRecipe
-    from lightning_lora.plan import caching_peaks, plan_for
+    from lightning_lora.plan import caching_peaks, weight_bytes
+    from lightning_lora.precision import BF16
 
     defaults = inspect.signature(Krea2Transformer2DModel.__init__).parameters
     for key, value in KREA2_TRANSFORMER.items():
@@ -414,9 +414,9 @@ def test_the_hub_models_plan_the_real_sizes_with_nothing_downloaded() -> None:
     known = Krea2.planning
     assert known.known_denoisers[TURBO] == known.known_denoisers[RAW]  # Turbo is Raw distilled: one architecture
     assert known.known_text_encoders[TURBO] == known.known_text_encoders[RAW]
-    hub = ModelRecipe(Krea2(), ModelSource(RAW), LoraOptions(rank=8), gradient_checkpointing=True)
-    data = DataRecipe(resolutions=(512,), batch_size=1)
-    assert plan_for(hub, data).weights * 2**30 / 2 == pytest.approx(12.820e9, rel=1e-3)  # bf16: 2 bytes a weight
-    text, _, host, notes = caching_peaks(hub, "none", 4, 1024)
+    family, hub = Krea2(), ModelSource(RAW)
+    assert weight_bytes(family.denoiser_skeleton(hub), BF16()) / 2 == pytest.approx(12.820e9, rel=1e-3)  # 2 bytes each
+    recipe = ModelRecipe(family, hub, LoraOptions(rank=8))
+    text, _, host, notes = caching_peaks(recipe, "none", 4, 1024)
     assert host * 2**30 / 2 == pytest.approx(4.438e9, rel=1e-3) and text > host and not notes
-    assert caching_peaks(hub, "nf4", 4, 1024)[0] < 0.5 * text
+    assert caching_peaks(recipe, "nf4", 4, 1024)[0] < 0.5 * text
