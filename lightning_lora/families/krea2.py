@@ -27,7 +27,8 @@ cache therefore keeps each prompt's valid tokens first and zeros after them (:fu
 ``prompt_embeds [L, 12, 2560]`` in the encoder's dtype, 31.5 MB per caption in bf16 at the default 512, and a bool
 ``prompt_mask [L]``), and :meth:`Krea2.loss` cuts a batch back to its longest prompt, passing the mask only where
 lengths differ (:func:`lightning_lora.families.qwenimage.trim_text`): the transformer computes what the pipeline
-computes (up to the order of a sum), over ~100 text tokens instead of 512 (~10% of a 1024x1024 step). The length only
+computes (up to the order of a sum), over a caption's own tokens (often under 100) instead of 512 beside the 4096
+image tokens of a 1024x1024 image. The length only
 decides where a long prompt is cut (``max_sequence_length - 5`` of its tokens are read): a smaller one halves the
 cache's size without changing what shorter prompts train.
 
@@ -47,10 +48,10 @@ Guidance and distillation
 -------------------------
 Krea 2 Raw is the undistilled base (Krea: "train on Raw, run on Turbo"); it samples with classifier-free guidance in
 Krea's convention: ``cond + scale (cond - uncond)``, on whenever ``guidance_scale > 0`` (the usual CFG at ``1 +
-scale``), the empty prompt as the negative. Krea 2 Turbo (``architecture.distilled_models``; ``is_distilled: true`` in
-its ``model_index.json``, :meth:`Krea2.is_distilled`) is step-distilled to 8 steps without guidance
-(``guidance_scale`` 0). LoRAs trained on Raw apply to Turbo (Krea's model cards), which is why the shipped config
-trains Raw.
+scale``), the empty prompt as the negative. Krea 2 Turbo (``architecture.distilled_models``; a folder says it by
+``is_distilled`` in its ``model_index.json``, which ``Krea2Pipeline`` samples by: :meth:`Krea2.is_distilled`) is
+step-distilled to 8 steps without guidance (``guidance_scale`` 0). LoRAs trained on Raw apply to Turbo (Krea's
+model cards), which is why the shipped config trains Raw.
 
 LoRA files
 ----------
