@@ -243,6 +243,9 @@ class Krea2(DiffusionFamily):
         known_denoisers=dict.fromkeys(_DISTILLED, KREA2_TRANSFORMER),
         known_text_encoders=dict.fromkeys(_DISTILLED, {"text_encoder": QWEN3_VL_4B}),
         vae_architecture=QWEN_IMAGE_VAE,  # Krea 2 decodes with Qwen-Image's VAE
+        # compiled_saved_fraction: the default, not measured for Krea 2's blocks (dev/probes/saved_share.py did not
+        # finish in 30 minutes on a 2-core CPU); it counts only where compiled blocks are not checkpointed, unlike in
+        # configs/krea2_24gb.yaml.
     )
     lora_files: ClassVar[LoraFiles] = LoraFiles(
         layouts=(DiffusersLayout("transformer"),),  # ComfyUI maps it too (module docstring)
