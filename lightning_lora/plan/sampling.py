@@ -4,6 +4,7 @@ denoiser's no-grad forward at the sampling batch and the VAE's decode at full re
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,8 +72,9 @@ def sampling_pieces(
     inputs = family.example_inputs(
         model, family.sampling_batch, height, width, text_len, device="meta", dtype=source.dtype
     )
+    running = copy.deepcopy(model)  # a forward may fill a model's caches (RoPE tables): the next one counts them too
     with flash_like_attention():
-        denoiser, _ = peak_bytes(lambda: model(**inputs), autocast)
+        denoiser, _ = peak_bytes(lambda: running(**inputs), autocast)
     dtype = family.sampling_vae_dtype(config, source.dtype)
     vae: Any = build_from_config(getattr(diffusers, config["_class_name"]), config, dtype)
     latents = torch.empty(family.sampling_latent_shape(config, height, width), device="meta", dtype=dtype)
