@@ -12,6 +12,7 @@ library's (:mod:`lightning_lora.plan`); this module reads the config and prints.
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Any
 
 from lightning_lora.cli.fit import LoraCLI, resolve_precision
@@ -45,11 +46,26 @@ class PlanCLI(LoraCLI):
         self.trainer = None  # type: ignore[assignment]  # planning builds no Trainer (it would need the accelerator)
 
 
+def _gib_or_auto(text: str) -> float | str:
+    """``--vram``: GiB, or ``auto`` (the visible card's free memory, read when the plan runs)."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size in GiB (e.g. 24) or auto") from None
+
+
 def main(argv: list[str]) -> int:
     """Run ``lightning-lora plan`` with ``argv`` (the arguments after ``plan``); return the exit status."""
     parser = argparse.ArgumentParser(prog="lightning-lora plan", description=__doc__)
     size = parser.add_mutually_exclusive_group()
-    size.add_argument("--vram", type=float, default=None, help="GPU memory in GiB to check against (e.g. 24)")
+    size.add_argument(
+        "--vram",
+        type=_gib_or_auto,
+        default=None,
+        help="GPU memory in GiB to check against (e.g. 24), or auto: what is free on this machine's GPU",
+    )
     size.add_argument("--gpu", default=None, help="a card by name instead of --vram (e.g. 'RTX 4090', 'RTX 3060 12GB')")
     parser.add_argument("--cards", action="store_true", help="the fastest way to run on each common card size")
     args, rest = parser.parse_known_args(argv)
@@ -62,10 +78,15 @@ def main(argv: list[str]) -> int:
         fitting_changes,
         larger_batches,
         plan_for,
+        visible_card_memory,
     )
 
     try:
         vram = card_memory(args.gpu) if args.gpu else args.vram
+        if vram == "auto":
+            vram, card = visible_card_memory()
+            vram = math.floor(vram * 10) / 10  # as printed, never more than is free
+            print(f"--vram auto: {vram:g} GiB free on {card}")
         cli: Any = PlanCLI(args=rest, run=False)
         recipe, optimizer = cli.model.recipe, cli.model.optimizer_name
         trainer = cli.trainer_config

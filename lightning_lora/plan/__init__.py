@@ -36,6 +36,7 @@ from lightning_lora.plan.search import (
     larger_batches,
     merged_batches,
     smaller_batches,
+    visible_card_memory,
 )
 
 __all__ = [
@@ -61,5 +62,6 @@ __all__ = [
     "sampling_bytes",
     "sampling_pieces",
     "smaller_batches",
+    "visible_card_memory",
     "weight_bytes",
 ]

@@ -36,6 +36,7 @@ __all__ = [
     "larger_batches",
     "merged_batches",
     "smaller_batches",
+    "visible_card_memory",
 ]
 
 OFFLOAD_TRIES = (3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48)  # 1-2 save nothing: two are on the GPU at once
@@ -339,6 +340,23 @@ def card_memory(name: str) -> float:
         f"--gpu: {name!r} is not a card lightning-lora knows ({', '.join(CARDS)}). Give --vram in GiB, or write the "
         "memory in the name (e.g. 'RTX 3060 12GB')."
     )
+
+
+def visible_card_memory() -> tuple[float, str]:
+    """GiB free on the visible GPU (CUDA or ROCm, through ``torch.cuda``: the current device, other processes' use
+    taken off, as ``model.memory: auto`` measures it) and the card's name: ``plan --vram auto``. A
+    :class:`ConfigError` naming ``--vram`` and ``--gpu`` where no GPU is visible."""
+    import torch
+
+    from lightning_lora.hardware import free_memory_gib
+
+    free = free_memory_gib("cuda")
+    if free is None:
+        raise ConfigError(
+            "--vram auto: no GPU is visible here (CUDA or ROCm); give the card's memory instead, e.g. --vram 24 or "
+            '--gpu "RTX 4090".'
+        )
+    return free, torch.cuda.get_device_name()
 
 
 def cards_table(

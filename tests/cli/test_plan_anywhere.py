@@ -190,6 +190,32 @@ def test_plan_by_card_name(tmp_path: Path, monkeypatch, capsys) -> None:
     assert "fits in 8 GiB" in capsys.readouterr().out
 
 
+def test_vram_auto_without_a_gpu_is_one_line(tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--config", str(CONFIGS / "sd15_8gb.yaml"), "--vram", "auto"])
+    out = capsys.readouterr()
+    assert exit_info.value.code == 2
+    assert out.out.count("\n") == 1 and "no GPU is visible" in out.out, out
+    assert "--vram 24" in out.out and '--gpu "RTX 4090"' in out.out and "Traceback" not in out.err
+
+
+def test_vram_auto_plans_for_the_memory_free_on_the_visible_card(tmp_path: Path, monkeypatch, capsys) -> None:
+    """``--vram auto``: what is free on the GPU this machine shows (``torch.cuda``: CUDA or ROCm), as ``model.memory:
+    auto`` reads it; faked here (no GPU on this machine)."""
+    from lightning_lora import hardware
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(hardware, "free_memory_gib", lambda device: 23.47)
+    monkeypatch.setattr("torch.cuda.get_device_name", lambda device=None: "NVIDIA GeForce RTX 4090")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--config", str(CONFIGS / "sd15_8gb.yaml"), "--vram", "auto"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0, out
+    assert "--vram auto: 23.4 GiB free on NVIDIA GeForce RTX 4090" in out and "fits in 23.4 GiB" in out, out
+
+
 def test_the_caching_phase_is_planned_too() -> None:
     """Captions are encoded once, before training, with the text encoders: FLUX's T5-XXL alone is ~8.9 GiB in bf16.
     Calibrated on the H200 measurement of BENCHMARKS.md (11.01 GiB for 8 captions x 512 tokens in bf16)."""
