@@ -40,7 +40,7 @@ from lightning_lora.families.base import DiffusionFamily
 from lightning_lora.lora import LoraOptions, inject_lora
 from lightning_lora.model.offload import offloaded_blocks, repeated_blocks
 from lightning_lora.model.recipe import ModelRecipe
-from lightning_lora.plan.live_bytes import saved_activation_bytes
+from lightning_lora.plan.live_bytes import module_copy, saved_activation_bytes
 from lightning_lora.plan.sampling import autocast_dtype, sampling_bytes
 from lightning_lora.precision import BF16, BasePrecision, text_encoder_precision
 
@@ -232,7 +232,7 @@ def denoiser_skeleton(recipe: ModelRecipe) -> nn.Module:
 
 def _with_lora(recipe: ModelRecipe) -> tuple[nn.Module, int]:
     """A copy of the frozen skeleton with the recipe's LoRA (:func:`add_counted_lora`) and its parameter count, to copy
-    again before each count (a copy costs a fraction of injecting the LoRA)."""
+    again before each count (:func:`~lightning_lora.plan.live_bytes.module_copy`: a fraction of injecting the LoRA)."""
     key = repr((_model_key(recipe), recipe.lora))
     if key not in _WITH_LORA:
         model = copy.deepcopy(denoiser_skeleton(recipe)).requires_grad_(False)
@@ -280,14 +280,13 @@ def _count(recipe: ModelRecipe, height: int, width: int, batch: int, text_len: i
     if key in _COUNTED:
         return _COUNTED[key]
     with_lora, lora_params = _with_lora(recipe)
-    model = copy.deepcopy(with_lora)  # meta device: shapes only
+    model = module_copy(with_lora)  # meta device: shapes only
     offloaded = offloaded_blocks(model, recipe.offload_blocks)
     if recipe.gradient_checkpointing:
         # Only checkpointed blocks' inputs stay saved; in the backward one block's activations are recomputed at a
         # time (the calibration of TRANSIENT_BLOCKS was made with this measurement order).
         apply_gradient_checkpointing(model, recipe.checkpoint_every, recipe.offload_activations)
-    for block in offloaded:  # recomputed, as offload_blocks() makes them
-        ensure_recomputed(model, block)
+    ensure_recomputed(model, *offloaded)  # recomputed, as offload_blocks() makes them
     model.train()
     inputs = family.example_inputs(model, batch, height, width, text_len, device="meta", dtype=source.dtype)
     saved, largest, moved = saved_activation_bytes(  # moved: block inputs kept in CPU memory

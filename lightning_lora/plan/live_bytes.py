@@ -45,6 +45,7 @@ __all__ = [
     "MetaAutocast",
     "MetaOpCache",
     "OPS",
+    "module_copy",
     "flash_like_attention",
     "fused_like_rms_norm",
     "peak_bytes",
@@ -249,10 +250,10 @@ class MetaOpCache(TorchDispatchMode):
             spec, made = known
             outputs = [torch.empty_strided(shape, stride, dtype=dtype, device="meta") for shape, stride, dtype in made]
             return outputs[0] if spec is None else tree_unflatten(outputs, spec)
-        OPS["computed"] += 1
         out = func(*args, **kwargs)
         if known is None:  # seen: not one to remake
             return out
+        OPS["computed"] += 1
         inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
         if len(_OUTPUTS) > 100_000:
             _OUTPUTS.clear()
@@ -344,6 +345,29 @@ def fused_like_rms_norm() -> Iterator[None]:
         yield
     finally:
         torch.nn.functional.rms_norm = rms
+
+
+_CONTAINERS = (dict, collections.OrderedDict, list, set)  # a module's children, hooks, lists (not its config)
+
+
+def module_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` to change and run, fast: each module a new object with its own attributes and copies of its
+    children, parameters and hooks (its forward, checkpointing flags, train mode and children can be set without
+    touching ``model``); the parameters, buffers, other objects and empty hook tables shared (what the planner's
+    checkpointing and forward passes on the ``meta`` device never change). A fraction of ``copy.deepcopy``'s time."""
+    copies: dict[int, nn.Module] = {}
+
+    def copy(module: nn.Module) -> nn.Module:
+        if id(module) not in copies:
+            clone = copies[id(module)] = type(module).__new__(type(module))
+            state = module.__dict__
+            clone.__dict__.update({k: v.copy() if type(v) in _CONTAINERS and v else v for k, v in state.items()})
+            for name, child in module._modules.items():
+                if child is not None:
+                    clone._modules[name] = copy(child)
+        return copies[id(module)]
+
+    return copy(model)
 
 
 def saved_activation_bytes(

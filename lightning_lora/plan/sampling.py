@@ -4,7 +4,6 @@ denoiser's no-grad forward at the sampling batch and the VAE's decode at full re
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,7 +11,7 @@ import torch
 from torch import nn
 
 from lightning_lora.model.recipe import ModelRecipe
-from lightning_lora.plan.live_bytes import flash_like_attention, peak_bytes
+from lightning_lora.plan.live_bytes import flash_like_attention, module_copy, peak_bytes
 
 __all__ = ["VAE_DECODE_WORKSPACE", "SamplingPieces", "autocast_dtype", "sampling_bytes", "sampling_pieces"]
 
@@ -72,7 +71,7 @@ def sampling_pieces(
     inputs = family.example_inputs(
         model, family.sampling_batch, height, width, text_len, device="meta", dtype=source.dtype
     )
-    running = copy.deepcopy(model)  # a forward may fill a model's caches (RoPE tables): the next one counts them too
+    running = module_copy(model)  # a forward may fill a model's caches (RoPE tables): the next one counts them too
     with flash_like_attention():
         denoiser, _ = peak_bytes(lambda: running(**inputs), autocast)
     dtype = family.sampling_vae_dtype(config, source.dtype)
