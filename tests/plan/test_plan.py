@@ -556,3 +556,60 @@ def test_compiled_plan_grows_as_fewer_blocks_are_checkpointed() -> None:
         for every in (1, 2, 4, 8, None)
     ]
     assert peaks == sorted(peaks) and len(set(peaks)) == len(peaks), peaks
+
+
+def test_the_planner_builds_the_model_once_and_computes_each_op_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What makes ``plan`` answer in seconds, counted rather than timed: per process, one meta-device build of the
+    denoiser and one LoRA injection however many alternatives the search plans (each count runs on a fast copy); one
+    forward pass per distinct count, none for what was counted before; and on the meta device the shapes of an op seen
+    before with the same arguments are not computed again (FLUX.1's 57 blocks run the same ops: most of a forward
+    pass's time was torch's Python shape functions)."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from lightning_lora.families.base import DiffusionFamily, ModelSource
+    from lightning_lora.families.flux import Flux
+    from lightning_lora.lora import LoraOptions
+    from lightning_lora.model.recipe import ModelRecipe
+    from lightning_lora.plan import choose_for_memory, estimate, live_bytes, plan_for, sampling
+
+    for cache in ("_SKELETONS", "_WITH_LORA", "_COUNTED", "_CACHING"):  # as in a new process
+        monkeypatch.setattr(estimate, cache, {})
+    monkeypatch.setattr(sampling, "_SAMPLING", {})
+    monkeypatch.setattr(live_bytes, "_OUTPUTS", {})
+    ops = Counter[str]()
+    monkeypatch.setattr(live_bytes, "OPS", ops)
+    calls = Counter[str]()
+
+    def spy(owner: Any, name: str) -> None:
+        real = getattr(owner, name)
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            calls[name] += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, counted)
+
+    spy(DiffusionFamily, "denoiser_skeleton")
+    spy(estimate, "add_counted_lora")
+    spy(estimate, "saved_activation_bytes")
+    spy(sampling, "peak_bytes")
+    recipe = ModelRecipe(Flux(), ModelSource("black-forest-labs/FLUX.1-dev"), LoraOptions(rank=16))
+    data = SimpleNamespace(resolution=512, batch_size=1)
+
+    plan = plan_for(recipe, data)
+    # One build, one LoRA, one training forward pass, the sample's denoiser pass and VAE decode.
+    assert calls == {"denoiser_skeleton": 1, "add_counted_lora": 1, "saved_activation_bytes": 1, "peak_bytes": 2}
+    assert 0 < 20 * ops["computed"] < ops["remade"], ops  # the first block's ops (and the VAE's few) computed
+
+    # The search: checkpointing one block in 3, in 2, every block, with inputs in CPU memory, then FP8 (the same
+    # count as configured: the skeleton is never quantized), which fits a 24 GiB card: four new counts, no new build.
+    computed = ops["computed"]
+    fit = choose_for_memory(recipe, data, 24)
+    assert fit is not None and "FP8" in fit.flags
+    assert calls["denoiser_skeleton"] == 1 and calls["add_counted_lora"] == 1
+    assert calls["saved_activation_bytes"] == len(estimate._COUNTED) == 5
+    assert ops["computed"] - computed < 100  # checkpointing adds a few ops of its own; the blocks' are known
+
+    assert plan_for(recipe, data) == plan  # planned again: nothing counted again
+    assert calls["saved_activation_bytes"] == 5 and calls["peak_bytes"] == 2
