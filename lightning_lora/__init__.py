@@ -1,4 +1,5 @@
-"""lightning-lora: a Lightning trainer for LoRA adapters on diffusion models (FLUX.1-dev, SDXL, SD1.5).
+"""lightning-lora: a Lightning trainer for LoRA adapters on diffusion models (FLUX.1, FLUX.2, SDXL, SD1.5, Z-Image,
+Qwen-Image).
 
 The public surface is small: the LightningModule, the DataModule, the model families, the callbacks, the export
 and planning functions. Everything is wired together by the ``lightning-lora`` command (``lightning_lora.cli``).
@@ -20,9 +21,6 @@ _PUBLIC = {
     "FP8Compute": "lightning_lora.precision",
     "NF4": "lightning_lora.precision",
     "LatentDataModule": "lightning_lora.data.datamodule",
-    "Flux": "lightning_lora.families",
-    "SDXL": "lightning_lora.families",
-    "SD15": "lightning_lora.families",
     "SampleImages": "lightning_lora.callbacks",
     "FixedEvalLoss": "lightning_lora.callbacks",
     "LoraExport": "lightning_lora.callbacks",
@@ -31,11 +29,21 @@ _PUBLIC = {
     "checkpoint_lora": "lightning_lora.export",
     "plan_training": "lightning_lora.plan",
 }
+"""Public name -> the module that defines it. The model families are public too, by their class names, as the family
+registry (:data:`lightning_lora.families.FAMILIES`) lists them: asked for only when one of them (or ``__all__``) is."""
 
-__all__ = ["__version__", *_PUBLIC]
+
+def _families() -> dict[str, type]:
+    from lightning_lora.families import FAMILIES
+
+    return {cls.__name__: cls for cls in FAMILIES.values()}
 
 
 def __getattr__(name: str) -> Any:
     if name in _PUBLIC:
         return getattr(importlib.import_module(_PUBLIC[name]), name)
+    if name == "__all__":  # made on demand: the families' names come from their registry, which imports torch
+        return ["__version__", *_PUBLIC, *_families()]
+    if not name.startswith("_") and name in (families := _families()):
+        return families[name]
     raise AttributeError(f"module 'lightning_lora' has no attribute {name!r}")

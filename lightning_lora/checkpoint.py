@@ -14,11 +14,17 @@ its name: every checkpoint carries the time it was saved (``checkpoint["lightnin
 :class:`~lightning_lora.callbacks.resume.RunFolder`), which survives copying a run folder to another disk or machine
 (file modification times do not). Older checkpoints without it are dated by their modification time. If the newest is
 truncated or unreadable, the next one is used with a warning; if none is readable, a clear error. A run folder
-without checkpoints starts fresh, and says so.
+without checkpoints starts fresh, and says so. A run started *without* ``--ckpt_path`` in a folder that holds
+checkpoints is refused (:func:`check_fresh_start`): re-running the same command would otherwise train from step 0
+over the finished run, replace its exported LoRA and leave a ``last`` that continues the accident.
 
 Compatibility (:func:`check_compatible`): a different LoRA rank, alpha, targets, family or base model would train a
 different adapter, so a resume stops with the option's name. Anything else (steps, learning rate, logging, samples)
-may change between runs.
+may change between runs. The base model is compared by what it is, not by how ``model.pretrained`` is spelled: every
+checkpoint records the model's identity (``checkpoint["lightning_lora"]["model"]``,
+:meth:`~lightning_lora.families.base.ModelSource.model_identity`: its files' contents, or a hub id), so a model folder
+that moved or is named by another path resumes, and another model copied to the same path is refused. A checkpoint
+written before identities were recorded is compared by the path as written (and the note says so).
 
 Settings versus state (:func:`reconcile_training_state`): an optimizer's and a scheduler's ``state_dict`` mix the
 *state* a resume must continue (moments, step counters, the schedule's position) with the *settings* the config chose
@@ -53,7 +59,7 @@ from typing_extensions import override
 from lightning_lora.errors import ConfigError, first_line
 from lightning_lora.io import atomic_write_bytes
 
-__all__ = ["AtomicCheckpointIO", "check_compatible", "load_checkpoint", "resolve_resume"]
+__all__ = ["AtomicCheckpointIO", "check_compatible", "check_fresh_start", "load_checkpoint", "resolve_resume"]
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +74,9 @@ INCOMPATIBLE = {
     "model.denoiser_file": ("denoiser_file",),
 }
 
+
+_MODEL_FILES = ("model.pretrained", "model.denoiser_file")
+"""The options compared by the model's identity (its files), not as written, when the checkpoint records it."""
 
 STAMP = "lightning_lora"
 """The checkpoint key under which lightning-lora keeps its own records (``saved_at_ns``, ``configured``)."""
@@ -147,24 +156,56 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         return torch.load(path, map_location=map_location or "cpu", weights_only=True)
 
 
+def checkpoint_files(checkpoint_dir: str | Path) -> list[Path]:
+    """The ``*.ckpt`` files in ``checkpoint_dir`` (none when it does not exist)."""
+    folder = Path(checkpoint_dir)
+    return sorted(folder.glob("*.ckpt")) if folder.is_dir() else []
+
+
+def _dated(files: list[Path]) -> tuple[list[tuple[int, Path, Any]], list[Path]]:
+    """``(saved_at, path, global_step)`` of the checkpoints among ``files`` whose small pickle reads, newest first (at
+    equal times ``last.ckpt``: Lightning writes it right after the step checkpoint of the same step), and the files
+    that do not read."""
+    dated: list[tuple[int, Path, Any]] = []
+    rejected: list[Path] = []
+    for path in files:
+        try:  # only the small pickle is read here (tensors are memory-mapped, not loaded)
+            ckpt = _load_training_checkpoint(path, mmap=True)
+            dated.append((saved_at(ckpt, path), path, ckpt.get("global_step")))
+        except (UnreadableCheckpoint, OSError):
+            rejected.append(path)
+    dated.sort(key=lambda d: (d[0], d[1].name == "last.ckpt"), reverse=True)
+    return dated, rejected
+
+
+def check_fresh_start(checkpoint_dir: str | Path, run_folder: str | Path) -> None:
+    """A :class:`ConfigError` when a run that starts from step 0 (no ``--ckpt_path``) would train into a folder that
+    holds checkpoints of an earlier run: it would overwrite that run's LoRA and continue it by accident later
+    (``last`` would then be the new run's). Said before anything is written; the fix is to continue or to go
+    elsewhere."""
+    files = checkpoint_files(checkpoint_dir)
+    if not files:
+        return
+    dated, _ = _dated(files)
+    step = f"step {dated[0][2]}" if dated else "none of them readable"
+    folder, root = Path(checkpoint_dir), Path(run_folder)
+    where = root if folder.absolute().is_relative_to(root.absolute()) else folder
+    raise ConfigError(
+        f"{where} holds checkpoints of an earlier run ({step}): add --ckpt_path last to continue it, or choose "
+        "another trainer.default_root_dir for a new run."
+    )
+
+
 def resolve_resume(checkpoint_dir: str | Path) -> tuple[Path | None, dict[str, Any] | None]:
     """The newest valid checkpoint in ``checkpoint_dir`` and its contents, or ``(None, None)``; see the module
     docstring for what "newest" means."""
     folder = Path(checkpoint_dir)
-    files = sorted(folder.glob("*.ckpt")) if folder.is_dir() else []
+    files = checkpoint_files(folder)
     if not files:
         rank_zero_info(f"--ckpt_path last: no checkpoint in {folder}; starting a new run.")
         return None, None
-    dated: list[tuple[int, Path]] = []
-    rejected: list[Path] = []
-    for path in files:
-        try:  # only the small pickle is read here (tensors are memory-mapped, not loaded)
-            dated.append((saved_at(_load_training_checkpoint(path, mmap=True), path), path))
-        except (UnreadableCheckpoint, OSError):
-            rejected.append(path)
-    # Newest first; at equal times last.ckpt (Lightning writes it right after the step checkpoint of the same step).
-    dated.sort(key=lambda d: (d[0], d[1].name == "last.ckpt"), reverse=True)
-    for _, path in dated:
+    dated, rejected = _dated(files)
+    for _, path, _ in dated:
         ckpt = _readable(path)
         if ckpt is not None:
             newer = [p for p in rejected if _mtime(p) >= _mtime(path)]
@@ -198,11 +239,28 @@ def _lookup(hparams: dict[str, Any], keys: tuple[str, ...]) -> Any:
     return value
 
 
-def check_compatible(saved: dict[str, Any], current: dict[str, Any], path: str | Path) -> None:
-    """Raise :class:`ConfigError` if an option that defines the LoRA differs between a checkpoint and this run."""
+def check_compatible(
+    saved: dict[str, Any],
+    current: dict[str, Any],
+    path: str | Path,
+    saved_model: dict[str, Any] | None = None,
+    current_model: dict[str, Any] | None = None,
+) -> None:
+    """Raise :class:`ConfigError` if an option that defines the LoRA differs between a checkpoint and this run.
+
+    ``saved`` and ``current`` are the hyper-parameters; ``saved_model`` and ``current_model`` the model identities
+    (:meth:`~lightning_lora.families.base.ModelSource.model_identity`) of the checkpoint (None when it predates them:
+    the model options are then compared as written) and of this run."""
     diffs = []
+    by_identity = saved_model is not None and current_model is not None
     for option, keys in INCOMPATIBLE.items():
         old, new = _lookup(saved, keys), _lookup(current, keys)
+        if option in _MODEL_FILES and by_identity:
+            assert saved_model is not None and current_model is not None
+            if saved_model.get(keys[0]) != current_model.get(keys[0]):
+                was = "" if old == new else f" ({old!r})"
+                diffs.append(f"{option} {new!r} is not the model the run was trained on{was}: their files differ")
+            continue
         if option == "model.lora.alpha":  # null means alpha = rank
             old = old if old is not None else _lookup(saved, ("lora", "rank"))
             new = new if new is not None else _lookup(current, ("lora", "rank"))
@@ -213,11 +271,20 @@ def check_compatible(saved: dict[str, Any], current: dict[str, Any], path: str |
             old, new = (Path(old).name if old else old), (Path(new).name if new else new)
         if old != new:
             diffs.append(f"{option} was {old!r}, now {new!r}")
+    older = (
+        f"{path} records no identity of its base model (written by an older lightning-lora), so model.pretrained is "
+        "compared as written"
+    )
     if diffs:
+        hint = ""
+        if not by_identity and any(d.startswith(_MODEL_FILES) for d in diffs):
+            hint = f" ({older}: resume once with the path it was trained with; its new checkpoints record the model)"
         raise ConfigError(
-            f"--ckpt_path: {path} was trained with other settings: {'; '.join(diffs)}. Resume with the run's own "
+            f"--ckpt_path: {path} was trained with other settings: {'; '.join(diffs)}{hint}. Resume with the run's own "
             "settings (its config.yaml), or start a new run in another folder (trainer.default_root_dir)."
         )
+    if not by_identity:
+        rank_zero_info(f"--ckpt_path: {older}; the checkpoints this run writes record it.")
 
 
 # -- settings versus state (see the module docstring) -------------------------------------------------------------

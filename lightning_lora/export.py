@@ -17,13 +17,15 @@ The file is written atomically, so an interrupted export never leaves a half fil
 
 Who decides what
 ----------------
-The *family* decides which formats it writes (:attr:`~lightning_lora.families.base.DiffusionFamily.lora_formats`), how
-its modules are named in the kohya layout (:meth:`~lightning_lora.families.base.DiffusionFamily.kohya_lora`) and what
-each loader makes of its files (:meth:`~lightning_lora.families.base.DiffusionFamily.lora_coverage`); the *format*
-decides which adapter variants a file can hold (:data:`lightning_lora.formats.VARIANTS`). A request outside either is
-refused with the reason (a family without a kohya layout, a LoKr adapter for the diffusers format, a LoKr on FLUX's
-fused q/k/v), never answered with a file that holds less than was trained. :func:`check_export` asks the same
-question before training starts, on shapes alone.
+The *family* decides which layouts it writes and how its modules are named in each (``lora_files.layouts`` of
+:class:`~lightning_lora.families.base.DiffusionFamily`: each a :class:`~lightning_lora.formats.LoraLayout`, a layout
+module's code bound to the family's names), what each loader makes of its files
+(:meth:`~lightning_lora.families.base.DiffusionFamily.lora_coverage`) and whether a file made elsewhere is its own
+(:meth:`~lightning_lora.families.base.DiffusionFamily.claims_lora_metadata`, ``claims_lora_keys``); the *format*
+decides which adapter variants a file can hold (:data:`lightning_lora.formats.VARIANTS`). This module names neither a
+family nor a family's names. A request outside either is refused with the reason (a family without a kohya layout, a
+LoKr adapter for the diffusers format, a LoKr on FLUX's fused q/k/v), never answered with a file that holds less than
+was trained. :func:`check_export` asks the same question before training starts, on shapes alone.
 
 Three ways in, one way out
 --------------------------
@@ -40,8 +42,7 @@ from __future__ import annotations
 import datetime
 import inspect
 import json
-import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -51,11 +52,11 @@ from torch import nn
 from lightning_lora import __version__
 from lightning_lora.errors import ConfigError, first_line
 from lightning_lora.families import FAMILIES, DiffusionFamily
-from lightning_lora.formats import FORMATS, VARIANTS, LoraFormat
+from lightning_lora.formats import FORMATS, VARIANTS, FileFacts, LoraFormat
 from lightning_lora.formats.adapters import adapters_from_peft, common_rank, variants_of
 from lightning_lora.formats.clients import Coverage
-from lightning_lora.formats.diffusers import from_diffusers, is_diffusers_file, to_diffusers
-from lightning_lora.formats.kohya import KOHYA_PREFIX, LYCORIS_PREFIX, network_summary
+from lightning_lora.formats.diffusers import is_diffusers_file
+from lightning_lora.formats.kohya import is_kohya_file
 from lightning_lora.io import save_safetensors
 from lightning_lora.lora import LoraOptions, adapter_state
 
@@ -121,7 +122,7 @@ def export_lora(
             module names of the denoiser without prefix or adapter name (what :func:`checkpoint_lora` returns).
         path: the ``.safetensors`` file to write (replaced atomically if it exists: callers decide about overwriting).
         format: ``diffusers`` (:mod:`lightning_lora.formats.diffusers`) or ``kohya``
-            (:mod:`lightning_lora.formats.kohya`). It must be one of the family's ``lora_formats``.
+            (:mod:`lightning_lora.formats.kohya`). It must be one of the family's ``lora_files.formats``.
         lora: the LoRA options the state was trained with (rank, alpha, targets, init, variant); every update is
             scaled by ``alpha / rank`` as peft did in training.
         family: the model family the LoRA belongs to; it names the modules in its formats.
@@ -188,11 +189,8 @@ def write_lora(
     }
     if targets is not None:
         metadata["lightning_lora.targets"] = json.dumps(targets)
-    if format == "diffusers":
-        tensors, header = to_diffusers(state, family.denoiser_subfolder, scale=scale, init=init, dtype=dtype)
-    else:  # kohya: the family names its modules
-        tensors = family.kohya_lora(state, scale, dtype=dtype)
-        header = family.kohya_metadata(network_summary(tensors, state, rank, alpha, output_name=title))
+    layout = family.lora_layout(format)  # the layout's code with the family's names
+    tensors, header = layout.write(state, FileFacts(scale, rank, alpha, title, init, dtype))
     metadata.update(header)
     metadata.update(modelspec(family, title, info))
     metadata["lightning_lora.loads_in"] = json.dumps(family.lora_coverage(format, variants).loads_in)
@@ -204,10 +202,10 @@ def modelspec(family: DiffusionFamily, title: str, info: Mapping[str, Any]) -> d
     """The ModelSpec entries of a LoRA file of ``family`` (Stability AI's spec, as kohya's sd-scripts writes it,
     ``library/sai_model_spec.py``): architecture and implementation from the family, the title, the training
     resolution (``info["resolution"]``: a side or ``(height, width)``), today's date, the trigger phrase."""
-    if not family.lora_modelspec:
+    if not family.lora_files.modelspec:
         return {}
     meta = {"modelspec.sai_model_spec": "1.0.1"}
-    meta.update({f"modelspec.{k}": v for k, v in family.lora_modelspec.items()})
+    meta.update({f"modelspec.{k}": v for k, v in family.lora_files.modelspec.items()})
     meta["modelspec.title"] = title
     resolution = info.get("resolution")
     if isinstance(resolution, int | float) and resolution > 0:
@@ -233,10 +231,7 @@ def check_export(state: Mapping[str, torch.Tensor], family: DiffusionFamily, for
     meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in state.items()}
     _check_format(meta, format, family)
     try:
-        if format == "diffusers":
-            to_diffusers(meta, family.denoiser_subfolder, scale=0.5)
-        else:
-            family.kohya_lora(meta, 0.5)
+        family.lora_layout(format).write(meta, FileFacts(scale=0.5, rank=1, alpha=1.0))
     except ValueError as e:
         if isinstance(e, ConfigError):
             raise
@@ -248,12 +243,12 @@ def _check_format(state: Mapping[str, torch.Tensor], format: str, family: Diffus
     cannot hold, naming it and the format."""
     if format not in FORMATS:
         raise ConfigError(f"--format: {format!r} is not one of {', '.join(FORMATS)}")
-    if format not in family.lora_formats:
+    if format not in family.lora_files.formats:
         raise family.format_refused(format)
     for variant in sorted(variants_of(state)):
         if variant in VARIANTS[format]:
             continue
-        holds = [f for f in family.lora_formats if variant in VARIANTS[f]]
+        holds = [f for f in family.lora_files.formats if variant in VARIANTS[f]]
         instead = (
             f"Export it with --format {holds[0]}." if holds else f"No format lightning-lora writes holds {variant} yet."
         )
@@ -291,10 +286,11 @@ class LoraFile(NamedTuple):
 def read_lora_file(path: str | Path, family: DiffusionFamily | None = None) -> LoraFile:
     """Read a diffusers- or kohya-layout LoRA file into a peft state dict with the scale folded in.
 
-    The family is ``family`` when given, else the one the file names (``lightning_lora.family``, kohya's
-    ``ss_base_model_version``, ModelSpec's architecture), else the one its keys can only belong to. A diffusers file is
-    read by its own config (:func:`~lightning_lora.formats.diffusers.from_diffusers`); a kohya file by diffusers' own
-    converter, through the family (:meth:`~lightning_lora.families.base.DiffusionFamily.lora_from_kohya`). Raises
+    The family is ``family`` when given, else the one the file names (``lightning_lora.family``, or each family asked
+    whether kohya's ``ss_base_model_version`` or ModelSpec's architecture name it), else the one its keys can only
+    belong to (each family asked). The file's keys say its layout, which the family's layout of that name reads: a
+    diffusers file by its own config (:func:`~lightning_lora.formats.diffusers.from_diffusers`), a kohya file by
+    diffusers' own converter for the family (:class:`~lightning_lora.formats.kohya.KohyaLayout`). Raises
     :class:`ConfigError` naming the file and the fix.
     """
     from safetensors import SafetensorError
@@ -309,40 +305,32 @@ def read_lora_file(path: str | Path, family: DiffusionFamily | None = None) -> L
     except (SafetensorError, OSError) as e:
         raise ConfigError(f"{path}: is not a readable safetensors file ({first_line(e)}).") from None
     guessed = _family_from_keys(tensors)
-    if family is not None and guessed is not None and guessed != family.name:
+    if family is not None and guessed is not None and guessed.name != family.name:
         raise ConfigError(
-            f"--family {family.name}: {path} holds a {guessed} LoRA (by its module names); pass --family {guessed} or "
-            "leave it out."
+            f"--family {family.name}: {path} holds a {guessed.name} LoRA (by its module names); pass --family "
+            f"{guessed.name} or leave it out."
         )
     family = family or _family_of(tensors, metadata, path)
-    if is_diffusers_file(tensors):
-        prefix, state = from_diffusers(tensors, metadata)
-        if prefix != family.denoiser_subfolder:
-            raise ConfigError(
-                f"{path}: holds a {prefix} LoRA, but the {family.name} family's denoiser is the "
-                f"{family.denoiser_subfolder}."
-            )
-        return LoraFile(state, family, "diffusers", metadata)
-    if tensors and all(k.startswith((KOHYA_PREFIX, LYCORIS_PREFIX)) for k in tensors):
-        variants = sorted(
-            {k.split(".", 1)[1] for k in tensors if not k.endswith(("lora_down.weight", "lora_up.weight", ".alpha"))}
+    format = next((f for f, holds in _HOLDS.items() if holds(tensors)), None)
+    if format is None:
+        raise ConfigError(
+            f"{path}: is neither a diffusers LoRA file (transformer.* / unet.* keys) nor a kohya one (lora_unet_* "
+            f"keys); its keys start with {sorted({k.split('.')[0] for k in tensors})[:3]}. Text-encoder LoRAs are not "
+            "converted."
         )
-        if variants:
-            raise ConfigError(
-                f"{path}: has {', '.join(variants[:3])} tensors (DoRA, LoKr or LoHa); lightning-lora converts kohya "
-                "files of plain LoRA (diffusers' converter reads lora_down / lora_up / alpha only)."
-            )
-        try:
-            state = family.lora_from_kohya(tensors)
-        except (ValueError, KeyError, AssertionError) as e:
-            raise ConfigError(
-                f"{path}: diffusers' converter could not read it as a {family.name} kohya LoRA ({first_line(e)})."
-            ) from None
-        return LoraFile(state, family, "kohya", metadata)
-    raise ConfigError(
-        f"{path}: is neither a diffusers LoRA file (transformer.* / unet.* keys) nor a kohya one (lora_unet_* keys); "
-        f"its keys start with {sorted({k.split('.')[0] for k in tensors})[:3]}. Text-encoder LoRAs are not converted."
-    )
+    layout = family.lora_layout(format)  # a family without this layout refuses it, naming the ones it has
+    try:
+        state = layout.read(tensors, metadata)
+    except ValueError as e:
+        raise ConfigError(f"{path}: {first_line(e)}") from None
+    return LoraFile(state, family, format, metadata)
+
+
+_HOLDS: dict[str, Callable[[Mapping[str, torch.Tensor]], bool]] = {
+    "diffusers": is_diffusers_file,
+    "kohya": is_kohya_file,
+}
+"""Each layout (:data:`lightning_lora.formats.FORMATS`) -> whether a file's keys are of that layout."""
 
 
 def convert_lora_file(
@@ -387,72 +375,31 @@ def _json_or_text(value: str) -> Any:
 
 
 def _family_of(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str], path: Path) -> DiffusionFamily:
-    """The family a LoRA file names in its metadata, or the only one its keys fit."""
+    """The family a LoRA file names in its metadata, or the only one its keys fit: each registered family is asked."""
     named = metadata.get("lightning_lora.family")
     if named in FAMILIES:
         return FAMILIES[named]()
-    base = metadata.get("ss_base_model_version", "") + " " + metadata.get("modelspec.architecture", "")
-    markers: tuple[tuple[str, str], ...] = (
-        ("flux2", "flux2"),  # before FLUX.1's marker, which it contains (kohya's; ModelSpec's next)
-        ("flux-2", "flux2"),
-        ("flux", "flux"),
-        ("sdxl", "sdxl"),
-        ("stable-diffusion-xl", "sdxl"),
-        ("sd_v1", "sd15"),
-        ("v1/", "sd15"),
-    )
-    markers += (("qwen_image", "qwenimage"), ("Qwen-Image/", "qwenimage"))  # kohya's, ModelSpec's (musubi-tuner)
-    markers += (("Z-Image/", "zimage"),)  # ModelSpec's (musubi-tuner's, ours)
-    for marker, name in markers:
-        if marker in base and name in FAMILIES:
-            return FAMILIES[name]()
-    guessed = _family_from_keys(tensors)
-    if guessed is None:
+    family = _claimed({cls: cls.claims_lora_metadata(metadata) for cls in FAMILIES.values()})
+    family = family or _family_from_keys(tensors)
+    if family is None:
         raise ConfigError(
             f"{path}: cannot tell which model family it is for; pass --family ({', '.join(sorted(FAMILIES))})."
         )
-    return FAMILIES[guessed]()
+    return family()
 
 
-_ZIMAGE_MODULES = re.compile(  # its blocks ("attention", not FLUX's "attn") and its own embedders and final layer
-    r"(^|[._])((layers|noise_refiner|context_refiner)[._]\d+[._](attention|feed_forward|adaLN_modulation)"
-    r"|all_x_embedder|all_final_layer|cap_embedder|t_embedder[._]mlp)[._]"
-)
-_FLUX2_MODULES = re.compile(  # FLUX.2's fused single-block projections, SwiGLU MLPs and shared modulation
-    r"(single_transformer_blocks\.\d+\.attn\.(to_qkv_mlp_proj|to_out)\.|\.(ff|ff_context)\.linear_(in|out)\."
-    r"|stream_modulation|time_guidance_embed)"
-)
-_QWEN_IMAGE_STREAMS = re.compile(r"transformer_blocks[._]\d+[._](img|txt)_(mlp|mod)[._]")
-_JOINT_ATTENTION = re.compile(
-    r"transformer\.transformer_blocks\.\d+\.attn\.(to_[qkv]|to_out\.0|add_[qkv]_proj|to_add_out)\."
-)
+def _family_from_keys(tensors: Mapping[str, torch.Tensor]) -> type[DiffusionFamily] | None:
+    """The family whose module names (or widths) the file's tensors have, by each family's
+    :meth:`~lightning_lora.families.base.DiffusionFamily.claims_lora_keys`; None when no family, or more than one,
+    claims them most surely."""
+    return _claimed({cls: cls.claims_lora_keys(tensors) for cls in FAMILIES.values()})
 
 
-def _family_from_keys(tensors: Mapping[str, torch.Tensor]) -> str | None:
-    """The family whose module names the keys use (Z-Image's modules; FLUX.2's fused single blocks, MLPs and
-    modulation; Qwen-Image's image/text-stream MLPs and
-    modulation; FLUX's blocks; SDXL's SGM blocks or its 2048-wide cross-attention; SD1.x's 768/1024-wide one), or None
-    (also for joint-attention layers alone, which FLUX and Qwen-Image name alike)."""
-    keys = list(tensors)
-    if any(_ZIMAGE_MODULES.search(k) for k in keys):
-        return "zimage"
-    if any(_FLUX2_MODULES.search(k) for k in keys):  # diffusers names only: its kohya names are FLUX.1's
-        return "flux2"
-    if any(_QWEN_IMAGE_STREAMS.search(k) for k in keys):  # Qwen-Image's own image/text-stream MLPs and modulation
-        return "qwenimage"
-    if any(k.startswith("transformer.") or "double_blocks" in k or "single_blocks" in k for k in keys):
-        # FLUX's and Qwen-Image's joint-attention layers have the same diffusers names: those alone name neither.
-        return None if all(_JOINT_ATTENTION.match(k) for k in keys) else "flux"
-    if any(
-        s in k for k in keys for s in ("input_blocks", "output_blocks", "middle_block", "label_emb", "add_embedding")
-    ):
-        return "sdxl"
-    widths = {
-        int(t.shape[1])
-        for k, t in tensors.items()
-        if "attn2" in k and "to_k" in k and k.endswith(("lora_A.weight", "lora_down.weight"))
-    }
-    return "sdxl" if 2048 in widths else "sd15" if widths & {768, 1024} else None
+def _claimed(claims: Mapping[type[DiffusionFamily], int]) -> type[DiffusionFamily] | None:
+    """The one family with the highest claim above 0, or None (no claim, or a tie)."""
+    best = max(claims.values(), default=0)
+    winners = [cls for cls, claim in claims.items() if claim == best]
+    return winners[0] if best > 0 and len(winners) == 1 else None
 
 
 # --------------------------------------------------------------------------------------------- from a checkpoint
@@ -512,13 +459,17 @@ def checkpoint_lora(path: str | Path) -> CheckpointLora:
     return CheckpointLora(state, lora, family, info)
 
 
+_UNSAVED_FAMILY = "flux"
+"""The family of a checkpoint that saved none: ``LoraModule``'s default family (the only one of the first versions)."""
+
+
 def _family(saved: Any, path: Path) -> DiffusionFamily:
-    """The family saved as ``{"class_path": ..., "init_args": ...}`` (none saved: FLUX), looked up in the registry by
-    its class path and built with its saved options when they are plain values and still valid, else with defaults:
-    export needs the family's identity and layouts, which its training options do not change."""
+    """The family saved as ``{"class_path": ..., "init_args": ...}`` (none saved: :data:`_UNSAVED_FAMILY`), looked up in
+    the registry by its class path and built with its saved options when they are plain values and still valid, else
+    with defaults: export needs the family's identity and layouts, which its training options do not change."""
     class_path = saved.get("class_path") if isinstance(saved, dict) else None
     if not class_path:
-        return FAMILIES["flux"]()
+        return FAMILIES[_UNSAVED_FAMILY]()
     qualname = str(class_path).rsplit(".", 1)[-1]
     exact = [c for c in FAMILIES.values() if f"{c.__module__}.{c.__qualname__}" == class_path]
     matches = exact or [c for c in FAMILIES.values() if c.__qualname__ == qualname]

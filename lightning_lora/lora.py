@@ -83,15 +83,20 @@ _KEY = re.compile(
 )
 
 
+class _Presets(Protocol):
+    @property
+    def lora_presets(self) -> Mapping[str, str]: ...
+
+
 class TargetPresets(Protocol):
     """What target resolution needs of a model family (:class:`~lightning_lora.families.base.DiffusionFamily`): its
-    name and its named target sets (``lora_presets``). The adapter is a lower layer than the families."""
+    name and its named target sets (``architecture.lora_presets``). The adapter is a lower layer than the families."""
 
     @property
     def name(self) -> str: ...
 
     @property
-    def lora_presets(self) -> Mapping[str, str]: ...
+    def architecture(self) -> _Presets: ...
 
 
 @dataclass
@@ -179,19 +184,20 @@ def _is_quantized_linear(module: nn.Module) -> bool:
 def resolve_targets(targets: str | list[str], family: TargetPresets, model: nn.Module) -> str | list[str]:
     """Turn the user's ``targets`` into a peft ``target_modules`` value, checking that each part matches a layer."""
     names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear | nn.Conv2d) or _is_quantized_linear(m)]
+    presets = family.architecture.lora_presets
     if isinstance(targets, str):
-        pattern = family.lora_presets.get(targets, targets)
+        pattern = presets.get(targets, targets)
         try:
             regex = re.compile(pattern)
         except re.error as e:
             raise ConfigError(
-                f"model.lora.targets: {targets!r} is neither a preset ({', '.join(family.lora_presets)}) nor a valid "
+                f"model.lora.targets: {targets!r} is neither a preset ({', '.join(presets)}) nor a valid "
                 f"regular expression ({e})."
             ) from e
         if not any(regex.fullmatch(n) for n in names):
             raise ConfigError(
                 f"model.lora.targets: {targets!r} matches no linear or convolution layer of the {family.name} "
-                f"model. Use a preset ({', '.join(family.lora_presets)}) or a module-name pattern such as "
+                f"model. Use a preset ({', '.join(presets)}) or a module-name pattern such as "
                 f"{names[len(names) // 2]!r}."
             )
         return pattern
@@ -201,7 +207,7 @@ def resolve_targets(targets: str | list[str], family: TargetPresets, model: nn.M
         raise ConfigError(
             f"model.lora.targets: {unmatched or targets} match no linear or convolution layer of the "
             f"{family.name} model. Layer names end in e.g. {example}; or use a preset "
-            f"({', '.join(family.lora_presets)})."
+            f"({', '.join(presets)})."
         )
     return list(targets)
 

@@ -15,12 +15,14 @@ Lifecycle (during ``fit`` Lightning calls these in this order):
   (:func:`lightning_lora.checkpoint.reconcile_training_state`).
 * ``training_step`` takes the batch's per-sample noise and timesteps and asks the family for the loss. Batches
   come from the latent cache: no VAE or text encoder runs while training.
-* Checkpoints hold only the trainable tensors: ``on_save_checkpoint`` drops the frozen base.
+* Checkpoints hold only the trainable tensors: ``on_save_checkpoint`` drops the frozen base, and stamps what the base
+  model is (:meth:`model_identity`) for a resume to compare, however its path is spelled then.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Literal
 
 import torch
@@ -35,12 +37,12 @@ from lightning_lora.families.base import DiffusionFamily, ModelSource
 from lightning_lora.families.flux import Flux
 from lightning_lora.hardware import limit_host_threads
 from lightning_lora.lora import LoraOptions, set_lora_input_casts, trainable_parameters
-from lightning_lora.model.assembly import build_lora_model
+from lightning_lora.model.assembly import build_lora_model, gradients_outside_graphs
 from lightning_lora.model.parallel import prepare_model
 from lightning_lora.model.recipe import AttentionBackend, ModelRecipe
 from lightning_lora.precision import BasePrecision, precision_of
 
-__all__ = ["LoraModule", "primitive_hparams"]
+__all__ = ["LoraModule", "lora_module", "primitive_hparams"]
 
 
 def _default_optimizer(params: Any) -> torch.optim.Optimizer:
@@ -126,7 +128,7 @@ class LoraModule(LightningModule):
             offload_activations=offload_activations,
         )
         self.hparams["precision"] = self.recipe.precision.spec()
-        if not isinstance(memory, str) and memory <= 0:
+        if not isinstance(memory, str) and not (math.isfinite(memory) and memory > 0):
             raise ConfigError(f"model.memory: {memory} GiB must be positive (or auto, or as_configured).")
         self.memory = memory
         self.memory_settings: dict[str, Any] | None = None
@@ -139,6 +141,7 @@ class LoraModule(LightningModule):
         self._host_threads: int | None = None  # torch's CPU threads before training limited them (on_train_start)
         self.resume_notes: list[str] = []
         """What a resume took from the config instead of the checkpoint, one line each (the start summary prints)."""
+        self._model_identity: dict[str, str | None] | None = None
         # A partial checkpoint (LoRA only) must load into the full model; on_load_checkpoint does the strict check.
         self.strict_loading = False
 
@@ -153,6 +156,12 @@ class LoraModule(LightningModule):
     @property
     def lora(self) -> LoraOptions:
         return self.recipe.lora
+
+    def model_identity(self) -> dict[str, str | None]:
+        """What the base model is (:meth:`ModelSource.model_identity`: its files, not its path), read once."""
+        if self._model_identity is None:
+            self._model_identity = self.source.model_identity()
+        return self._model_identity
 
     def use_memory_settings(self, settings: dict[str, Any]) -> None:
         """Build with these memory settings (``model.memory``'s choice:
@@ -181,7 +190,8 @@ class LoraModule(LightningModule):
         """The class name of the optimizer this module builds (the memory planner sizes its state by it)."""
         from lightning_lora.plan import optimizer_name
 
-        return optimizer_name(self._optimizer_factory)
+        default = self._optimizer_factory is _default_optimizer
+        return optimizer_name(torch.optim.AdamW if default else self._optimizer_factory)
 
     # -- model -------------------------------------------------------------------------------------------------
     @override
@@ -221,6 +231,7 @@ class LoraModule(LightningModule):
             return
         if self.denoiser is not None:  # idempotent, as Lightning requires
             return
+        self.model_identity()  # read while the files are surely there; every checkpoint of the run records it
         denoiser = self.build(self.trainer.strategy.root_device)
         # Under autocast (every forward: training, samples, evaluation) the LoRA layers need no input casts.
         set_lora_input_casts(denoiser, enabled=not self.recipe.precision.autocasts)
@@ -241,6 +252,10 @@ class LoraModule(LightningModule):
 
     @override
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        if (
+            self.recipe.cuda_graphs
+        ):  # each micro-batch one generation of the graphs' memory (model.assembly.CUDA_GRAPHS_MODE)
+            torch.compiler.cudagraph_mark_step_begin()
         latents = batch["latents"]
         # The datamodule draws them per sample (independent of rank count); other batches use the global RNG.
         noise = batch["noise"] if "noise" in batch else self.family.sample_noise(latents)
@@ -307,8 +322,19 @@ class LoraModule(LightningModule):
     @override
     def on_train_start(self) -> None:
         """On a GPU, one thread for torch's CPU operators while training (:func:`lightning_lora.hardware.
-        limit_host_threads`: the pool's idle threads spin on the cores the two threads driving the GPU need)."""
+        limit_host_threads`: the pool's idle threads spin on the cores the two threads driving the GPU need). With
+        ``cuda_graphs`` the LoRA's gradients are allocated now, outside the graphs' memory
+        (:func:`~lightning_lora.model.assembly.gradients_outside_graphs`)."""
         self._host_threads = limit_host_threads(self.device.type)
+        if self.recipe.cuda_graphs:
+            gradients_outside_graphs(trainable_parameters(self._require_model()))
+
+    @override
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
+        """Gradients set to ``None`` between optimizer steps (torch's default), or zeroed in place with
+        ``cuda_graphs``: kept outside the graphs' memory
+        (:func:`~lightning_lora.model.assembly.gradients_outside_graphs`)."""
+        optimizer.zero_grad(set_to_none=not self.recipe.cuda_graphs)
 
     @override
     def on_train_end(self) -> None:
@@ -325,6 +351,7 @@ class LoraModule(LightningModule):
             checkpoint.setdefault(STAMP, {})["configured"] = self._configured[0]
         if self.memory_settings is not None:
             checkpoint.setdefault(STAMP, {})["memory"] = dict(self.memory_settings)
+        checkpoint.setdefault(STAMP, {})["model"] = self.model_identity()
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -353,6 +380,14 @@ class LoraModule(LightningModule):
                 "It was written with other model.lora.rank / model.lora.targets / model.pretrained settings: "
                 "resume with the settings of that run, or start a new run folder."
             )
+
+
+def lora_module(pl_module: LightningModule, user: str) -> LoraModule:
+    """``pl_module`` as the :class:`LoraModule` that ``user`` (a callback) reads; a :class:`TypeError` for another
+    module."""
+    if not isinstance(pl_module, LoraModule):
+        raise TypeError(f"{user} works with a lightning_lora LoraModule, not a {type(pl_module).__name__}")
+    return pl_module
 
 
 def _build(option: str, factory: Any, argument: Any) -> Any:

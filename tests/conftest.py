@@ -9,7 +9,9 @@ The test folders mirror the package (tests/cli/, tests/data/, tests/families/...
 from the repository root or elsewhere. Test folders have no ``__init__.py``: test file names are unique.
 
 Markers: ``subprocess`` marks the tests that start another process (the real command, DDP ranks, a Python process
-that is killed, the Dockerfile linter); ``pytest -m "not subprocess"`` runs the in-process suite.
+that is killed, the Dockerfile linter); ``pytest -m "not subprocess"`` runs the in-process suite. ``gpu`` marks the
+tests that need a CUDA GPU: without one they are skipped at collection (nothing of them runs), and ``make test-gpu``
+runs them alone on a GPU machine (``pytest -m gpu``), its header naming the GPU and the versions it ran with.
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# The test callbacks of tests/helpers (helpers.crash, helpers.fake_memory) that configs name, here and in the commands
+# the tests start: a config names classes of trusted modules only (lightning_lora.cli.class_paths).
+os.environ.setdefault("LIGHTNING_LORA_ALLOW_IMPORTS", "helpers")
 
 TESTS = str(Path(__file__).resolve().parent)
 if TESTS not in sys.path:
@@ -39,6 +44,41 @@ def pytest_configure(config: pytest.Config) -> None:
         "subprocess: starts another process (the lightning-lora command, DDP ranks, a Python that is killed, "
         'hadolint); deselect with -m "not subprocess" to run the in-process suite',
     )
+    config.addinivalue_line(
+        "markers",
+        "gpu: needs a CUDA GPU; skipped without one, run alone on a GPU machine with make test-gpu (pytest -m gpu)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Without a CUDA GPU every ``gpu`` test is skipped, saying where it runs (one check for all of them)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU: make test-gpu on a GPU machine")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    """On a GPU machine: the GPU and the versions the run used (``make test-gpu``'s record of what passed where)."""
+    if not torch.cuda.is_available():
+        return []
+    from importlib import metadata
+
+    versions = []
+    for name in ("diffusers", "peft", "lightning", "transformers", "bitsandbytes", "torchao", "xformers"):
+        try:
+            versions.append(f"{name} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            versions.append(f"{name} not installed")
+    props = torch.cuda.get_device_properties(0)
+    return [
+        f"GPU: {props.name}, {props.total_memory / 2**30:.0f} GiB, compute capability {props.major}.{props.minor}, "
+        f"{torch.cuda.device_count()} device(s)",
+        f"torch {torch.__version__} (CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}); "
+        + ", ".join(versions),
+    ]
 
 
 def pytest_itemcollected(item: pytest.Item) -> None:

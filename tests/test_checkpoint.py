@@ -199,3 +199,59 @@ def test_model_checkpoint_paths_follow_the_folder() -> None:
     assert state["dirpath"] == old  # the input is not modified
     outside = rebase_paths({**state, "last_model_path": "/elsewhere/last.ckpt"}, new)
     assert outside["last_model_path"] == "/elsewhere/last.ckpt"
+
+
+# -- the base model: what it is, not how its path is spelled ----------------------------------------------------------
+def test_a_models_identity_is_its_files_not_its_path(
+    tmp_path: Path, tiny_flux_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shutil
+
+    from helpers import other_weights
+
+    from lightning_lora.families.base import ModelSource, content_digest
+
+    identity = ModelSource(str(tiny_flux_dir)).model_identity()
+    assert identity["pretrained"] is not None and identity["pretrained"].startswith("files:")
+    moved = tmp_path / "other_disk" / "flux"
+    shutil.copytree(tiny_flux_dir, moved)
+    monkeypatch.chdir(tmp_path)
+    for spelling in (str(moved), "other_disk/flux", "./other_disk//flux/"):
+        assert ModelSource(spelling).model_identity() == identity, spelling
+    assert ModelSource(str(moved)).identity("vae") == ModelSource(str(tiny_flux_dir)).identity("vae")  # cache keys
+    (moved / "scheduler" / "scheduler_config.json").write_text("{}")  # no weights: not what the LoRA was trained on
+    assert ModelSource(str(moved)).model_identity() == identity
+    other_weights(moved)
+    assert ModelSource(str(moved)).model_identity()["pretrained"] != identity["pretrained"]
+    assert ModelSource("black-forest-labs/FLUX.1-dev").model_identity() == {
+        "pretrained": "black-forest-labs/FLUX.1-dev",
+        "denoiser_file": None,
+    }
+    # A weight file of gigabytes is read in slices: a copy matches, other values of the same shapes do not.
+    big = tmp_path / "big.safetensors"
+    big.write_bytes(torch.arange(3 << 20, dtype=torch.float32).numpy().tobytes())  # 12 MiB
+    shutil.copy(big, tmp_path / "copy.safetensors")
+    assert content_digest(tmp_path / "copy.safetensors") == content_digest(big)
+    big.write_bytes((torch.arange(3 << 20, dtype=torch.float32) + 1).numpy().tobytes())
+    assert content_digest(tmp_path / "copy.safetensors") != content_digest(big)
+
+
+def test_a_checkpoint_without_the_models_identity_compares_the_path_as_written(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from lightning_lora.checkpoint import check_compatible
+
+    saved = {"pretrained": "/models/flux", "lora": {"rank": 4}}
+    with caplog.at_level("INFO"):
+        check_compatible(saved, dict(saved), "old.ckpt")
+    assert "old.ckpt records no identity of its base model" in caplog.text
+    with pytest.raises(ConfigError) as error:
+        check_compatible(saved, {**saved, "pretrained": "/mnt/models/flux"}, "old.ckpt")
+    message = str(error.value)
+    assert "model.pretrained was '/models/flux', now '/mnt/models/flux'" in message
+    assert "resume once with the path it was trained with" in message and len(message.splitlines()) == 1
+    # With identities: the path as written does not matter, the files do.
+    same, other = {"pretrained": "files:1", "denoiser_file": None}, {"pretrained": "files:2", "denoiser_file": None}
+    check_compatible(saved, {**saved, "pretrained": "/mnt/models/flux"}, "new.ckpt", same, dict(same))
+    with pytest.raises(ConfigError, match=r"model.pretrained '/models/flux' is not the model the run was trained on"):
+        check_compatible(saved, dict(saved), "new.ckpt", same, other)

@@ -52,7 +52,7 @@ def _model(family: DiffusionFamily, folder: Path, compiled: bool) -> torch.nn.Mo
     if compiled:
         from lightning_lora.model.assembly import compile_repeated_blocks
 
-        compile_repeated_blocks(model, extra=family.compiled_regions, streams=family.stream_sources)
+        compile_repeated_blocks(model, extra=family.compiling.regions, streams=family.compiling.stream_sources)
     return model
 
 

@@ -56,15 +56,18 @@ def test_dockerfile_lints_clean(kind: str) -> None:
 
 
 def makefile_keep_install() -> list[str]:
-    """The Makefile's install command with TORCH=keep (no torch constraint), as argv after ``python``."""
+    """The Makefile's pip command (``PIP_INSTALL``) with TORCH=keep (no torch constraint), as argv after ``python``."""
     makefile = (ROOT / "Makefile").read_text()
     keep = re.search(r"ifeq \(\$\(TORCH\),keep\)\n(.*?)\nelse", makefile, re.S)
     assert keep and re.search(r"^PIP_TORCH :=\s*$", keep[1], re.M), "TORCH=keep must leave PIP_TORCH empty"
-    line = re.search(r"^\t\$\(BIN\)/python (-m pip install .*)$", makefile, re.M)
-    assert line, "the Makefile's pip install line moved"
+    line = re.search(r"^PIP_INSTALL := \$\(BIN\)/python (-m pip install .*)$", makefile, re.M)
+    assert line, "the Makefile's pip command moved"
+    # every install of the Makefile is that command; the target differs: the image installs the project with [bnb],
+    # not editable with [demo] or [dev]
+    assert re.findall(r"^\t\$\(PIP_INSTALL\) (.*)$", makefile, re.M) == ["-e '.[demo]'", "-e '.[dev]'"]
+    assert sum("pip install" in line for line in makefile.splitlines() if not line.startswith("#")) == 1
     argv = [arg for arg in line[1].split() if arg != "$(PIP_TORCH)"]
-    assert argv[-2:] == ["-e", "'.[dev]'"]
-    return argv[:-2]  # the target differs: the image installs the project with [bnb], not editable with [dev]
+    return argv
 
 
 @pytest.mark.parametrize("kind", DOCKERFILES)
@@ -80,6 +83,21 @@ def test_dockerfile_installs_like_the_makefile_and_keeps_the_image_torch(kind: s
         assert extra in extras and not any(dep.startswith("torch") for dep in extras[extra])
     assert "torch" not in " ".join(command)  # no torch pin, constraint or index
     assert "diff /tmp/torch-before" in runs[0], "the build checks that the image's torch was kept"
+
+
+@pytest.mark.parametrize("kind", DOCKERFILES)
+def test_the_image_torch_is_one_the_gpu_runs_measured(kind: str) -> None:
+    """The base image's torch is a release BENCHMARKS.md's GPU runs were measured on ("torch 2.11.0+cu130"), the CUDA
+    image with the same CUDA: when the GPU machine moves to another torch, the images follow."""
+    measured = set(re.findall(r"torch (\d+\.\d+\.\d+)\+cu(\d+)", (ROOT / "BENCHMARKS.md").read_text()))
+    assert measured, "BENCHMARKS.md no longer names the torch of its GPU runs"
+    (base,) = [args for instr, args in instructions(DOCKERFILES[kind]) if instr == "FROM"]
+    if kind == "cuda":
+        release = re.fullmatch(r"pytorch/pytorch:(\d+\.\d+\.\d+)-cuda(\d+)\.(\d+)-cudnn\d+-runtime", base)
+        assert release and (release[1], release[2] + release[3]) in measured, (base, measured)
+    else:
+        release = re.fullmatch(r"rocm/pytorch:rocm[\d.]+_ubuntu[\d.]+_py[\d.]+_pytorch_release_(\d+\.\d+\.\d+)", base)
+        assert release and release[1] in {version for version, _ in measured}, (base, measured)
 
 
 @pytest.mark.parametrize("kind", DOCKERFILES)

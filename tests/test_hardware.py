@@ -189,7 +189,7 @@ def test_every_family_lets_auto_use_cudnn_attention() -> None:
     (lightning_lora.model.attention, dev/LOG.md, call 31); since then no family leaves it out of ``auto``."""
     from lightning_lora.families import FAMILIES
 
-    assert FAMILIES and all(family.cudnn_attention_in_auto for family in FAMILIES.values())
+    assert FAMILIES and all(family.compiling.cudnn_attention_in_auto for family in FAMILIES.values())
 
 
 def test_allocator_grows_segments_unless_the_user_configured_it() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -102,3 +103,28 @@ def test_atomic_write_respects_umask(tmp_path: Path) -> None:
         os.umask(old)
     # Like open(): 0666 & ~umask, so exported LoRAs and a shared cache are readable by others (e.g. outside Docker).
     assert stat.S_IMODE(path.stat().st_mode) == 0o644
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="RLIMIT_FSIZE is POSIX")
+def test_a_real_file_size_limit_fails_the_write_with_efbig_naming_file_and_limit(tmp_path: Path) -> None:
+    """Under ``ulimit -f`` a write past the limit raises SIGXFSZ, which kills a process by default: the command must
+    get EFBIG instead (CPython ignores SIGXFSZ), and the message names the file and the limit; no temporary is left."""
+    import subprocess
+
+    script = (
+        "import resource, sys\n"
+        "from lightning_lora.io import atomic_write_bytes, write_failure\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (65536, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))\n"
+        "try:\n"
+        "    atomic_write_bytes(sys.argv[1], b'0' * 200_000)\n"
+        "except OSError as e:\n"
+        "    print(write_failure(e, '--out'))\n"
+    )
+    target = tmp_path / "big.safetensors"
+    done = subprocess.run([sys.executable, "-c", script, str(target)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])  # -25 (SIGXFSZ) if the signal killed it
+    assert done.stdout.strip() == (
+        f"cannot write {target} (File too large): it would be larger than this process's file-size limit of 64.0 KiB "
+        "(ulimit -f); raise the limit (ulimit -f unlimited, or ask the cluster's administrator)"
+    )
+    assert _only(tmp_path) == []

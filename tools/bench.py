@@ -23,13 +23,14 @@ base sharded with FSDP2 over the N GPUs: ``trainer.strategy: fsdp``,
 Families (``--family``): ``flux`` (FLUX.1-dev), ``sdxl`` (SDXL base 1.0), ``sd15`` (Stable Diffusion 1.5),
 ``zimage`` (Z-Image-Turbo), ``qwenimage`` (Qwen-Image) and ``flux2`` (FLUX.2 klein base 4B). Each is the real
 family class (:func:`random_family`) with its denoiser built from the family's ``known_denoisers`` config, or a tiny
-config with ``--tiny``; the batches have exactly the keys and shapes its ``loss`` reads from the cache
-(:func:`cached_item`).
+config with ``--tiny``; the batches have exactly the keys and shapes its ``loss`` reads from the cache, as the family
+describes them (:func:`cached_item`).
 
 A shipped config, as ``fit`` would use it (:func:`config_defaults`): ``--config configs/flux_4090.yaml`` takes every
 setting this tool has a flag for from the YAML (family, quantization, checkpointing, compile, offloading, attention,
-LoRA, optimizer, resolution, batch, text length, gradient accumulation); flags on the command line override it. What
-the YAML's model section sets that this tool cannot reproduce is listed in the output's ``not_reproduced``.
+LoRA, optimizer, resolution, batch, text length, gradient accumulation, gradient clipping); flags on the command line
+override it. What the YAML's model section sets that this tool cannot reproduce is listed in the output's
+``not_reproduced``.
 ``--memory-limit GIB`` caps this process's CUDA memory (``torch.cuda.set_per_process_memory_fraction``) to a card's
 size from the first training step (:class:`MemoryLimit`: the random-weight build is not a real load), so a config that
 does not fit its card ends as an out-of-memory error row:
@@ -77,12 +78,14 @@ from lightning.pytorch import Callback, LightningDataModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import Logger
 from torch.utils.data import DataLoader, Dataset
+from typing_extensions import override
 
 from lightning_lora import objectives
 from lightning_lora.callbacks import LoraExport, RNGState, RunFolder, SampleImages
 from lightning_lora.checkpoint import AtomicCheckpointIO
 from lightning_lora.cli.fit import default_checkpoint
 from lightning_lora.cli.peek import config_allocator
+from lightning_lora.data.recipe import DataRecipe
 from lightning_lora.families import SD15, SDXL, DiffusionFamily, Flux, Flux2, QwenImage, ZImage
 from lightning_lora.families.base import ModelSource, build_from_config
 from lightning_lora.families.flux import FLUX1_VAE
@@ -97,9 +100,10 @@ from lightning_lora.lora import LoraOptions, set_lora_input_casts
 from lightning_lora.model.parallel import resolve_strategy, shard_count
 from lightning_lora.model.sharding import local_parameter_bytes
 from lightning_lora.module import LoraModule
-from lightning_lora.precision import PRECISIONS, BasePrecision
+from lightning_lora.precision import FP8, PRECISIONS, BasePrecision
+from lightning_lora.precision.layers import linear_layers
 
-FLUX_DEV = dict(Flux.known_denoisers["black-forest-labs/FLUX.1-dev"])
+FLUX_DEV = dict(Flux.planning.known_denoisers["black-forest-labs/FLUX.1-dev"])
 FLUX_TINY = dict(
     FLUX_DEV,
     num_layers=1,
@@ -110,7 +114,7 @@ FLUX_TINY = dict(
     pooled_projection_dim=64,
     axes_dims_rope=(8, 12, 12),
 )
-SDXL_BASE = dict(SDXL.known_denoisers["stabilityai/stable-diffusion-xl-base-1.0"])
+SDXL_BASE = dict(SDXL.planning.known_denoisers["stabilityai/stable-diffusion-xl-base-1.0"])
 SDXL_TINY = dict(
     SDXL_BASE,
     block_out_channels=(32, 64, 64),
@@ -120,10 +124,10 @@ SDXL_TINY = dict(
     addition_time_embed_dim=32,
     projection_class_embeddings_input_dim=64 + 6 * 32,
 )
-SD15_BASE = dict(SD15.known_denoisers["stable-diffusion-v1-5/stable-diffusion-v1-5"])
+SD15_BASE = dict(SD15.planning.known_denoisers["stable-diffusion-v1-5/stable-diffusion-v1-5"])
 SD15_TINY = dict(SD15_BASE, block_out_channels=(32, 32, 64, 64), layers_per_block=1, attention_head_dim=2)
 SD15_TINY.update(cross_attention_dim=64, sample_size=8)
-ZIMAGE_TURBO = dict(ZImage.known_denoisers["Tongyi-MAI/Z-Image-Turbo"])
+ZIMAGE_TURBO = dict(ZImage.planning.known_denoisers["Tongyi-MAI/Z-Image-Turbo"])
 ZIMAGE_TINY = dict(  # lightning_lora.tiny.zimage's transformer: 1 + 1 refiners, 2 main layers, 2 heads of 32
     ZIMAGE_TURBO,
     dim=64,
@@ -134,7 +138,7 @@ ZIMAGE_TINY = dict(  # lightning_lora.tiny.zimage's transformer: 1 + 1 refiners,
     cap_feat_dim=64,
     axes_dims=[8, 12, 12],
 )
-QWEN_IMAGE = dict(QwenImage.known_denoisers["Qwen/Qwen-Image"])
+QWEN_IMAGE = dict(QwenImage.planning.known_denoisers["Qwen/Qwen-Image"])
 QWEN_IMAGE_TINY = dict(  # lightning_lora.tiny.qwenimage's transformer: 2 blocks, 2 heads of 16, 4 latent channels
     QWEN_IMAGE,
     in_channels=16,
@@ -145,7 +149,7 @@ QWEN_IMAGE_TINY = dict(  # lightning_lora.tiny.qwenimage's transformer: 2 blocks
     joint_attention_dim=64,
     axes_dims_rope=[4, 6, 6],
 )
-FLUX2_KLEIN = dict(Flux2.known_denoisers["black-forest-labs/FLUX.2-klein-base-4B"])
+FLUX2_KLEIN = dict(Flux2.planning.known_denoisers["black-forest-labs/FLUX.2-klein-base-4B"])
 FLUX2_TINY = dict(  # lightning_lora.tiny.flux2's transformer: 2 double + 2 single blocks, 2 heads of 32
     FLUX2_KLEIN,
     in_channels=64,
@@ -268,76 +272,12 @@ def random_family(name: str, config: dict[str, Any], device: str, **options: Any
     return family
 
 
-def family_options(family: str, tlen: int) -> dict[str, Any]:
-    """The family's options for a run with ``tlen`` text tokens: FLUX pads T5 to (and attends over)
-    ``max_sequence_length``; Z-Image and Qwen-Image cache captions padded to theirs (512 by default, as the shipped
-    configs) with a mask and hand the denoiser only the caption's tokens; SDXL's and SD1.5's CLIP length is fixed
-    (77)."""
-    if family in ("flux", "flux2"):  # FLUX.2 too attends over every padded position
-        return {"max_sequence_length": tlen}
-    if family in ("zimage", "qwenimage"):
-        return {"max_sequence_length": max(tlen, 512)}
-    return {}
-
-
-def text_length(family: str, tlen: int) -> int:
-    """The text tokens the denoiser sees (the planner's ``text_len``)."""
-    return 77 if family in ("sdxl", "sd15") else tlen
-
-
 def cached_item(
-    family: str, config: dict[str, Any], height: int, width: int, tlen: int, padded: int, g: torch.Generator
+    family: DiffusionFamily, config: dict[str, Any], height: int, width: int, tlen: int, g: torch.Generator
 ) -> dict[str, torch.Tensor]:
-    """One training sample as the latent cache serves it: the latent file (``latents [C, H/8, W/8]`` float32 as the
-    family's ``encode_images`` returns them, and the size conditioning) and the text file (:func:`cached_text`)."""
-    if family == "flux":  # 2x2 patches of 16 channels packed into in_channels
-        channels, scale = config["in_channels"] // 4, 8
-    elif family == "qwenimage":  # 2x2 patches of out_channels packed into in_channels
-        channels, scale = config["out_channels"], 8
-    elif family == "flux2":  # patchified, batch-normalised latents at H/16
-        channels, scale = config["in_channels"], 16
-    elif family in ("sdxl", "sd15", "zimage"):  # in_channels latent channels (Z-Image: patched inside)
-        channels, scale = config["in_channels"], 8
-    else:
-        raise ValueError(f"no cached batch layout for the {family!r} family")
-    latents = torch.randn(channels, height // scale, width // scale, generator=g)
-    size = torch.tensor([height, width])
-    return {
-        "latents": latents,
-        **cached_text(family, config, tlen, padded, g),
-        "original_size": size,
-        "crop_top_left": torch.zeros(2, dtype=torch.int64),
-        "target_size": size,
-    }
-
-
-def cached_text(family: str, config: dict[str, Any], tlen: int, padded: int, g: torch.Generator) -> dict[str, Any]:
-    """One prompt's text file as the text cache stores it: the family's ``encode_prompts`` outputs, bf16; Z-Image and
-    Qwen-Image: ``tlen`` caption tokens padded with zeros to ``padded``, with their mask."""
-
-    def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g)
-
-    def caption(dim: int) -> torch.Tensor:  # tlen tokens, then zeros to the cached length
-        return torch.cat([randn(tlen, dim), torch.zeros(padded - tlen, dim)]).bfloat16()
-
-    mask = torch.arange(padded) < tlen
-    if family == "flux":  # T5 padded to tlen, CLIP pooled
-        embeds = randn(tlen, config["joint_attention_dim"]).bfloat16()
-        return {"prompt_embeds": embeds, "pooled_prompt_embeds": randn(config["pooled_projection_dim"]).bfloat16()}
-    if family == "sdxl":  # CLIP-L + OpenCLIP-G: 77 tokens; the pooled vector is what the time ids leave
-        embeds = randn(77, config["cross_attention_dim"]).bfloat16()
-        pooled = config["projection_class_embeddings_input_dim"] - 6 * config["addition_time_embed_dim"]
-        return {"prompt_embeds": embeds, "pooled_prompt_embeds": randn(pooled).bfloat16()}
-    if family == "sd15":  # CLIP-L: 77 tokens, no pooled vector, no size conditioning (the keys are ignored)
-        return {"prompt_embeds": randn(77, config["cross_attention_dim"]).bfloat16()}
-    if family == "zimage":  # Qwen3 features with a bool mask
-        return {"prompt_embeds": caption(config["cap_feat_dim"]), "prompt_mask": mask}
-    if family == "qwenimage":  # Qwen2.5-VL, an int64 mask
-        return {"prompt_embeds": caption(config["joint_attention_dim"]), "prompt_embeds_mask": mask.long()}
-    if family == "flux2":  # three LLM layers side by side, no mask
-        return {"prompt_embeds": randn(tlen, config["joint_attention_dim"]).bfloat16()}
-    raise ValueError(f"no cached text layout for the {family!r} family")
+    """One training sample as the latent cache serves it: the family's example batch of one
+    (:meth:`~lightning_lora.families.base.DiffusionFamily.example_batch`: latents, size conditioning, cached text)."""
+    return {k: v[0] for k, v in family.example_batch(config, 1, height, width, tlen, g).items()}
 
 
 class Synthetic(Dataset):
@@ -359,19 +299,20 @@ class Synthetic(Dataset):
         batch: int = 1,
     ) -> None:
         g = torch.Generator().manual_seed(0)
-        padded = getattr(family_obj, "max_sequence_length", tlen)  # the length the text cache stores
+        described = family_obj if family_obj is not None else RANDOM[family]()  # the family describes its batches
         self.family = family_obj
         self.sizes = [(height, width), *buckets]
-        self.by_size = [[cached_item(family, config, h, w, tlen, padded, g) for _ in range(4)] for h, w in self.sizes]
+        self.by_size = [[cached_item(described, config, h, w, tlen, g) for _ in range(4)] for h, w in self.sizes]
         self.batch = batch
         self.n = n
-        self._text = (family, config, tlen, padded)
+        self._text = (described, config, tlen)
 
     def text_embeddings(self, prompts: list[str], device: Any = None) -> list[dict[str, torch.Tensor]]:
         """What the text cache's ``text_embeddings`` returns for ``prompts`` (random embeddings of the cached shapes,
         a batch of 1 each, on the CPU): the sample prompts of :class:`~lightning_lora.callbacks.SampleImages`."""
         g = torch.Generator().manual_seed(1)
-        return [{k: v.unsqueeze(0) for k, v in cached_text(*self._text, g).items()} for _ in prompts]
+        family, config, tlen = self._text
+        return [family.example_text(config, 1, tlen, g) for _ in prompts]
 
     def __len__(self) -> int:
         return self.n
@@ -389,8 +330,8 @@ class Synthetic(Dataset):
 
 class SyntheticData(LightningDataModule):
     """The synthetic batches as the data module of ``fit`` serves them, with what the callbacks ask of it: the
-    ``resolution`` (samples without a size of their own are drawn at it) and ``cache()`` (the prompts' embeddings:
-    :meth:`Synthetic.text_embeddings`)."""
+    ``recipe`` (its resolution: samples without a size of their own are drawn at it) and ``cache()`` (the prompts'
+    embeddings: :meth:`Synthetic.text_embeddings`)."""
 
     def __init__(
         self,
@@ -402,7 +343,8 @@ class SyntheticData(LightningDataModule):
         worker_start: str | None = None,
     ) -> None:
         super().__init__()
-        self.dataset, self.batch_size, self.resolution, self.workers = dataset, batch_size, resolution, workers
+        self.dataset, self.batch_size, self.workers = dataset, batch_size, workers
+        self.recipe = DataRecipe(resolutions=(resolution,), batch_size=batch_size, num_workers=workers)
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.worker_start = worker_start  # the workers' multiprocessing start method (None: torch's, fork on Linux)
 
@@ -485,7 +427,7 @@ def compile_seconds() -> dict[str, float]:
 
     names, totals = compile_times(repr="csv", aggregate=True)
     spent = dict(zip(names, totals, strict=True))
-    return {ours: float(spent.get(name, 0.0)) for name, ours in COMPILE_PHASES.items()}
+    return {ours: float(spent.get(name, 0.0)) for name, ours in COMPILE_PHASES.items()}  # type: ignore[arg-type]
 
 
 def sync() -> None:
@@ -731,7 +673,8 @@ OPTIMIZERS = {
 
 
 def make_optimizer(name: str, options: dict[str, Any] | None = None):
-    """The optimizer ``name`` (``--opt``) with lr 1e-4, or with ``options`` (a config's ``init_args``) over that."""
+    """The optimizer ``name`` (``--opt``) with lr 1e-4, or with ``options`` (a config's ``init_args``) over that;
+    ``adamw-fused`` is torch's AdamW with ``fused=True`` (one kernel for every LoRA tensor)."""
     kwargs = {"lr": 1e-4, **(options or {})}
 
     def build(params: Any) -> torch.optim.Optimizer:
@@ -743,10 +686,12 @@ def make_optimizer(name: str, options: dict[str, Any] | None = None):
             if name == "adafactor":
                 from lightning_lora.optimizers import Adafactor
             else:
-                from transformers.optimization import Adafactor
+                from transformers.optimization import Adafactor  # type: ignore[assignment]
 
             fixed = {"scale_parameter": False, "relative_step": False, "warmup_init": False}
             return Adafactor(params, **{**fixed, **kwargs})
+        if name == "adamw-fused":
+            return torch.optim.AdamW(params, **{"fused": True, **kwargs})
         return torch.optim.AdamW(params, **kwargs)
 
     return build
@@ -774,6 +719,8 @@ def bare_loop(module: LoraModule, dataset: Dataset, a: argparse.Namespace, devic
         with torch.autocast(device, dtype=torch.bfloat16):
             loss = module.family.loss(denoiser, batch, batch["noise"], batch["timesteps"]).mean()
         loss.backward()
+        if a.clip:
+            torch.nn.utils.clip_grad_norm_([p for p in denoiser.parameters() if p.requires_grad], a.clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     if device == "cuda":
@@ -844,10 +791,10 @@ def write_sampling_files(family: DiffusionFamily, denoiser: str | None, folder: 
     config = getattr(importlib.import_module(module), name)
     getattr(diffusers, scheduler)(**config).save_pretrained(folder / "scheduler")
     index = {
-        "_class_name": family.pipeline_classes[0],
+        "_class_name": family.architecture.pipeline_classes[0],
         "force_zeros_for_empty_prompt": True,
         # klein's step-distilled ids (a known hub id: answered without the hub); every other model: not distilled
-        "is_distilled": isinstance(family, Flux2) and bool(denoiser) and family.is_distilled(ModelSource(denoiser)),
+        "is_distilled": bool(isinstance(family, Flux2) and denoiser and family.is_distilled(ModelSource(denoiser))),
     }
     (folder / "model_index.json").write_text(json.dumps(index))
     return str(folder)
@@ -1066,13 +1013,35 @@ def bench_strategy(name: str, devices: int) -> Any:
     return resolve_strategy(name, devices)
 
 
-QUANT_PLUGINS = {"none": "BF16", "nf4": "NF4", "fp8": "FP8", "fp8_compute": "FP8Compute"}
-"""``--quant`` values and the precision plugins (``lightning_lora.precision``) they name."""
+class TorchaoFP8(FP8):
+    """torchao's frozen-weight FP8 in place of ours (``--quant torchao_fp8``), for the row that compares the two: the
+    layers :class:`~lightning_lora.precision.FP8` would replace get ``torchao.quantization.quantize_`` with
+    ``Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())`` (e4m3 weights with a scale per output channel,
+    as ours; each matmul quantizes its activation per row and multiplies with ``torch._scaled_mm``), then peft's LoRA
+    goes on top (peft wraps torchao's weights in its ``TorchaoLoraLinear``). The planner counts it as ours (one byte
+    per weight and a float32 scale per row). REFERENCE.md found torchao 0.17's path unable to backpropagate (no
+    derivative for ``aten::_scaled_mm``): the row then records that error."""
+
+    @override
+    def quantize(self, model: torch.nn.Module, device: torch.device, on_cpu: frozenset[int] = frozenset()) -> int:
+        from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+
+        if on_cpu:
+            raise ValueError("--quant torchao_fp8 quantizes the base on the GPU: give --offload 0")
+        layers = {id(layer) for *_, layer in linear_layers(model, self.skip)}
+        config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())
+        quantize_(model.to(device), config, filter_fn=lambda module, name: id(module) in layers)
+        return len(layers)
+
+
+QUANT_PLUGINS = {"none": "BF16", "nf4": "NF4", "fp8": "FP8", "fp8_compute": "FP8Compute", "torchao_fp8": "TorchaoFP8"}
+"""``--quant`` values and the precision plugins (``lightning_lora.precision``, and :class:`TorchaoFP8`) they name."""
 
 
 def bench_precision(quant: str, options: dict[str, Any]) -> BasePrecision:
     """The bf16 precision plugin of ``--quant`` with a config's other init_args (``options``)."""
-    return PRECISIONS[QUANT_PLUGINS[quant]](**{**options, "dtype": "bf16"})
+    plugins: dict[str, type[BasePrecision]] = {**PRECISIONS, "TorchaoFP8": TorchaoFP8}
+    return plugins[QUANT_PLUGINS[quant]](**{**options, "dtype": "bf16"})
 
 
 def quant_options(items: list[str]) -> dict[str, Any]:
@@ -1128,18 +1097,20 @@ def measure(a: argparse.Namespace, outputs: Path | None) -> dict[str, Any]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     config = CONFIGS[a.family][1 if a.tiny else 0]
     if a.denoiser and not a.tiny:  # another known denoiser of the family (a shipped config's model.pretrained)
-        config = dict(RANDOM[a.family].known_denoisers[a.denoiser])
+        config = dict(RANDOM[a.family].planning.known_denoisers[a.denoiser])
     config_family, config_family_args = getattr(a, "config_family", (None, {}))
     family_args = dict(config_family_args) if config_family == a.family else {}
-    family = random_family(a.family, config, device, **{**family_args, **family_options(a.family, a.tlen)})
+    text_options, _ = RANDOM[a.family].text_length_options(a.tlen)  # the family's options for prompts of a.tlen tokens
+    family = random_family(a.family, config, device, **{**family_args, **text_options})
     out: dict[str, Any] = {
         "tool": "lightning-lora",
         **header(a),
     }
     family_any: Any = family  # the attributes the experiments and the samples set on it
     if getattr(a, "compile_regions", None) is not None:  # experiment: fewer (or more) module classes compiled
-        family_any.compiled_regions = tuple(name for name in a.compile_regions.split(",") if name)
-        out["compile_regions"] = list(family.compiled_regions)
+        regions = tuple(name for name in a.compile_regions.split(",") if name)
+        family_any.compiling = dataclasses.replace(family.compiling, regions=regions)
+        out["compile_regions"] = list(family.compiling.regions)
     out.update(
         {
             "family": a.family,
@@ -1161,6 +1132,7 @@ def measure(a: argparse.Namespace, outputs: Path | None) -> dict[str, Any]:
             "offload_act": a.offload_act,
             "variant": a.variant,
             "accumulate": a.accumulate,
+            "clip": a.clip,
         }
     )
     given = quant_options(a.quant_option or [])
@@ -1199,7 +1171,7 @@ def measure(a: argparse.Namespace, outputs: Path | None) -> dict[str, Any]:
         family_any.vae_config = VAES[a.family][1 if a.tiny else 0]
         family_any.sampling_folder = write_sampling_files(family, a.denoiser, outputs / "model")
         if sampler is not None:
-            sample_size = (sampler.height or data.resolution, sampler.width or data.resolution)
+            sample_size = (sampler.height or data.recipe.resolution, sampler.width or data.recipe.resolution)
             out.update(sample_size=list(sample_size), sample_steps=sampler.steps, sample_prompts=len(sampler.prompts))
             out["sample_compiled"] = sampler.compiled
     if getattr(a, "cpp_wrapper", 0):  # experiment: inductor's C++ wrapper launches kernels without Python
@@ -1248,6 +1220,7 @@ def measure(a: argparse.Namespace, outputs: Path | None) -> dict[str, Any]:
             default_root_dir=None if outputs is None else str(outputs),
             max_steps=a.warm + a.steps + extra_steps(a),
             accumulate_grad_batches=a.accumulate,
+            gradient_clip_val=a.clip or None,
             logger=False,
             enable_checkpointing=False,
             enable_progress_bar=False,
@@ -1283,7 +1256,8 @@ def measure(a: argparse.Namespace, outputs: Path | None) -> dict[str, Any]:
         from lightning_lora.plan import plan_training
 
         names = {"adamw8bit": "AdamW8bit", "adafactor": "Adafactor", "adafactor-hf": "Adafactor", "adamw": "AdamW"}
-        text_len, optimizer = text_length(a.family, a.tlen), names[a.opt]
+        names["adamw-fused"] = "AdamW"
+        text_len, optimizer = family.text_length_options(a.tlen)[1], names[a.opt]
         shards = shard_count(a.strategy, a.devices)  # --strategy fsdp: each GPU's share of the sharded base
         height, width = max(dataset.sizes, key=lambda size: size[0] * size[1])  # --buckets: the largest batch
         plan = plan_training(
@@ -1357,7 +1331,7 @@ def config_defaults(path: str | Path) -> dict[str, Any]:
         out["tlen"] = int(family_args.get("max_sequence_length") or default)
 
     pretrained = model.get("pretrained")
-    if pretrained in RANDOM[family].known_denoisers:
+    if pretrained in RANDOM[family].planning.known_denoisers:
         out["denoiser"] = pretrained  # random weights of its config (FLUX.2 dev, klein 9B...)
     elif pretrained is not None:
         skipped.append(f"model.pretrained: {pretrained} (not a known {family} denoiser: the default one's config)")
@@ -1407,8 +1381,9 @@ def config_defaults(path: str | Path) -> dict[str, Any]:
     if "num_workers" in data:
         out["workers"] = int(data["num_workers"])
     out["accumulate"] = int(trainer.get("accumulate_grad_batches") or 1)
-    if trainer.get("gradient_clip_val"):
-        skipped.append(f"trainer.gradient_clip_val: {trainer['gradient_clip_val']}")
+    out["clip"] = float(trainer.get("gradient_clip_val") or 0.0)
+    if out["clip"] and trainer.get("gradient_clip_algorithm", "norm") != "norm":
+        skipped.append(f"trainer.gradient_clip_algorithm: {trainer['gradient_clip_algorithm']} (this tool: norm)")
     sections = trainer.get("callbacks") or []
     out["config_callbacks"] = [
         (_class_name(c, "trainer.callbacks"), dict((c.get("init_args") if isinstance(c, dict) else None) or {}))
@@ -1489,7 +1464,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--denoiser", default=None, help="a hub id the family knows the config of (default: the family's first row)"
     )
-    p.add_argument("--quant", default="none", choices=["none", "nf4", "fp8", "fp8_compute"])
+    p.add_argument(
+        "--quant",
+        default="none",
+        choices=list(QUANT_PLUGINS),
+        help="the base's format (a precision plugin); torchao_fp8: torchao's FP8 weights and activations (TorchaoFP8)",
+    )
     p.add_argument(
         "--quant-option",
         action="append",
@@ -1531,9 +1511,21 @@ def parser() -> argparse.ArgumentParser:
         "buckets do (give --warm enough steps to meet each twice: compiling finishes before the timed steps)",
     )
     p.add_argument("--accumulate", type=int, default=1, help="trainer.accumulate_grad_batches (a step: N batches)")
+    p.add_argument(
+        "--clip",
+        type=float,
+        default=0.0,
+        help="trainer.gradient_clip_val: the gradients' norm clipped to this before each optimizer step (a --config's "
+        "value by default; 0: off)",
+    )
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warm", type=int, default=3)
-    p.add_argument("--opt", default="adamw8bit", choices=["adamw8bit", "adamw", "adafactor", "adafactor-hf"])
+    p.add_argument(
+        "--opt",
+        default="adamw8bit",
+        choices=["adamw8bit", "adamw", "adamw-fused", "adafactor", "adafactor-hf"],
+        help="the optimizer (a --config's model.optimizer by default); adamw-fused: torch's AdamW with fused=True",
+    )
     p.add_argument("--compile", type=int, default=0)
     p.add_argument(
         "--cuda-graphs", type=int, default=0, help="model.cuda_graphs: the compiled blocks as CUDA graphs (--compile 1)"
@@ -1548,7 +1540,7 @@ def parser() -> argparse.ArgumentParser:
         "--compile-regions",
         default=None,
         metavar="CLASS,...",
-        help="experiment: the module classes compiled besides the repeated blocks (the family's compiled_regions, "
+        help="experiment: the module classes compiled besides the repeated blocks (the family's compiling.regions, "
         "empty for every family; e.g. ResnetBlock2D: the UNets' ResNets too)",
     )
     p.add_argument("--offload", type=int, default=0, help="model.offload_blocks")

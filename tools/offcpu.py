@@ -97,8 +97,8 @@ class OffCpuSampler:
             frame = sys._current_frames().get(ident)  # type: ignore[arg-type]
             stack = stack_of(frame, self.depth)
             spent, on = now - wall, min(used - cpu, now - wall)
-            self.on[stack] += on
-            self.off[stack] += spent - on
+            self.on[stack] += on  # type: ignore[assignment]  # seconds: a Counter sums floats too (typeshed: ints)
+            self.off[stack] += spent - on  # type: ignore[assignment]
             wall, cpu = now, used
 
     def stop(self) -> None:

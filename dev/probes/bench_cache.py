@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> dict:
         cache = LatentCache(root / "cache", family, ModelSource("bench/flux-vae-random-weights", dtype=dtype))
         items, _ = scan([ImageFolder(str(folder))], default_caption="a photo")
         items = items[:n]
-        step = 64 if resolution % 64 == 0 else family.latent_divisor
+        step = 64 if resolution % 64 == 0 else family.architecture.latent_divisor
         spec = DataSpec(BucketSpec((resolution,), step, min_resolution=step))
         entries, skips = plan(cache, items, spec, ImageIndex(cache.root))
         jobs, _ = missing_jobs(cache, entries)

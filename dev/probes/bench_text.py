@@ -109,7 +109,7 @@ def measure(base: Any, mode: str, a: argparse.Namespace, device: torch.device) -
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    swapped = quantize_text_encoders(encoders, Flux.text_encoders, mode, device, torch.bfloat16)
+    swapped = quantize_text_encoders(encoders, Flux.architecture.text_encoders, mode, device, torch.bfloat16)
     encoders = encoders.to(device)
     setup = time.perf_counter() - t0
     family = Flux(max_sequence_length=a.tlen)

@@ -1,5 +1,5 @@
 """What share of its eager forward's saved tensors a family's blocks keep when ``model.compile_blocks`` compiles them:
-the number the memory planner scales its eager count by (:attr:`DiffusionFamily.compiled_saved_fraction`).
+the number the memory planner scales its eager count by (:attr:`DiffusionFamily.planning.compiled_saved_fraction`).
 
 The planner counts what autograd saves on the meta device, where nothing can be compiled; inductor fuses elementwise
 chains and recomputes cheap ones in the backward, so compiled blocks keep less (FLUX.1: 0.78, calibrated on the GPU;
@@ -20,7 +20,7 @@ The difference between the models with one and with two blocks of a kind is one 
 reported per block kind and for the whole real model (its block counts, plus what is outside the blocks). ``share`` is
 compiled over eager, both as they ran on the CPU; ``fraction`` is the compiled bytes over the planner's own eager count
 (the same eager model counted as the planner counts it, as the GPU runs it: bf16 autocast, the fused ``rms_norm``,
-attention's fused kernels), the value :attr:`DiffusionFamily.compiled_saved_fraction` takes.
+attention's fused kernels), the value :attr:`DiffusionFamily.planning.compiled_saved_fraction` takes.
 
     python dev/probes/saved_share.py --family flux2 --pretrained black-forest-labs/FLUX.2-klein-base-4B \\
         --blocks num_layers num_single_layers --h 1024 --w 1024 --tlen 512
@@ -63,7 +63,7 @@ def _saved(family: Any, model: torch.nn.Module, inputs: dict[str, Any], compiled
     from lightning_lora.plan.live_bytes import saved_activation_bytes
 
     if compiled:
-        compile_repeated_blocks(model, extra=family.compiled_regions, streams=family.stream_sources)
+        compile_repeated_blocks(model, extra=family.compiling.regions, streams=family.compiling.stream_sources)
         out = model(**inputs)
         (out[0] if isinstance(out, tuple) else out).float().square().mean().backward()
     saved, _, _ = saved_activation_bytes(model, inputs, attention="as_run")

@@ -20,7 +20,9 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from lightning_lora.data.datamodule import LatentDataModule
 from lightning_lora.model.assembly import uncompiled
+from lightning_lora.module import lora_module
 
 __all__ = ["FixedEvalLoss"]
 
@@ -41,10 +43,12 @@ class FixedEvalLoss(Callback):
 
     @torch.no_grad()
     def _mean_loss(self, trainer: Trainer, pl_module: LightningModule, loader: Any) -> float:
-        module: Any = pl_module
+        module = lora_module(pl_module, "FixedEvalLoss")
+        denoiser = module.denoiser
+        assert denoiser is not None  # built in configure_model, before training starts
         generator = torch.Generator().manual_seed(self.seed)
-        was_training = module.denoiser.training
-        module.denoiser.eval()
+        was_training = denoiser.training
+        denoiser.eval()
         total, count = 0.0, 0
         try:
             with trainer.precision_plugin.forward_context(), uncompiled():  # no graphs of their own for a few batches
@@ -54,17 +58,19 @@ class FixedEvalLoss(Callback):
                     total += float(losses.sum())
                     count += losses.numel()
         finally:
-            module.denoiser.train(was_training)
+            denoiser.train(was_training)
         return total / max(count, 1)
 
     def evaluate(self, trainer: Trainer, pl_module: LightningModule) -> float:
         """Log ``eval/loss`` (and ``val/loss`` when the data has held-out images); return ``eval/loss``."""
-        datamodule: Any = trainer.datamodule  # type: ignore[attr-defined]
+        datamodule = trainer.datamodule  # type: ignore[attr-defined]
+        if not isinstance(datamodule, LatentDataModule):
+            raise TypeError(f"FixedEvalLoss reads a LatentDataModule's fixed loaders, not {type(datamodule).__name__}")
         step = trainer.global_step
         value = self._mean_loss(trainer, pl_module, datamodule.eval_dataloader())
         self.history.append((step, value))
         metrics = {"eval/loss": value}
-        val_loader = getattr(datamodule, "val_dataloader_fixed", lambda: None)()
+        val_loader = datamodule.val_dataloader_fixed()
         if val_loader is not None:
             metrics["val/loss"] = self._mean_loss(trainer, pl_module, val_loader)
             self.val_history.append((step, metrics["val/loss"]))

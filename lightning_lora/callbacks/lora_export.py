@@ -25,17 +25,24 @@ from __future__ import annotations
 import hashlib
 import logging
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_lora.data.recipe import data_recipe
 from lightning_lora.errors import ConfigError, first_line
 from lightning_lora.export import check_export, export_lora, file_coverage
 from lightning_lora.formats import VARIANTS, LoraFormat
-from lightning_lora.formats.clients import TOOLS
+from lightning_lora.formats.clients import TOOL_NAMES, TOOLS
 from lightning_lora.precision import DTYPES
+
+if TYPE_CHECKING:
+    import torch
+
+    from lightning_lora.families.base import DiffusionFamily, ModelSource
+    from lightning_lora.lora import LoraOptions
 
 __all__ = ["LoraExport"]
 
@@ -43,7 +50,31 @@ log = logging.getLogger(__name__)
 
 _SUFFIX = {"diffusers": ".safetensors", "kohya": ".kohya.safetensors"}
 _VARIANT = {"lora": "LoRA", "dora": "DoRA", "lokr": "LoKr", "loha": "LoHa"}
-_TOOL = {"diffusers": "diffusers", "ComfyUI": "ComfyUI", "kohya": "kohya's sd-scripts"}
+
+
+class LoraModel(Protocol):
+    """What the export reads of the trained module: a :class:`~lightning_lora.module.LoraModule` (tests drive the
+    callback with stand-ins that have just these). Told apart by :func:`as_lora_model`, not ``isinstance``: from Python
+    3.12 a runtime protocol looks its members up statically, and ``denoiser``, once a registered submodule, lives in the
+    module's ``_modules``, where a static lookup does not see it."""
+
+    denoiser: torch.nn.Module | None
+
+    @property
+    def family(self) -> DiffusionFamily: ...
+
+    @property
+    def source(self) -> ModelSource: ...
+
+    @property
+    def lora(self) -> LoraOptions: ...
+
+
+def as_lora_model(module: object) -> LoraModel | None:
+    """``module`` as the export reads it, or None when it lacks a member of :class:`LoraModel` (``hasattr``, which sees
+    a ``torch.nn.Module``'s submodules on every Python)."""
+    members = ("denoiser", "family", "source", "lora")
+    return cast(LoraModel, module) if all(hasattr(module, name) for name in members) else None
 
 
 class LoraExport(Callback):
@@ -88,14 +119,14 @@ class LoraExport(Callback):
         family = getattr(pl_module, "family", None)
         if family is None:
             return
-        missing = [f for f in self.requested or [] if f not in family.lora_formats]
+        missing = [f for f in self.requested or [] if f not in family.lora_files.formats]
         if missing:
             raise ConfigError(
                 f"LoraExport.formats: there is no {missing[0]} layout for the {family.name!r} family yet; choose from "
-                f"{', '.join(family.lora_formats)}."
+                f"{', '.join(family.lora_files.formats)}."
             )
         variant = _VARIANT.get(str(getattr(getattr(pl_module, "lora", None), "variant", "lora")), "LoRA")
-        holds = [f for f in family.lora_formats if variant in VARIANTS.get(f, ())]
+        holds = [f for f in family.lora_files.formats if variant in VARIANTS.get(f, ())]
         if self.requested is None:
             self.formats = holds
         else:
@@ -115,10 +146,10 @@ class LoraExport(Callback):
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Try every chosen format on the LoRA's shapes (nothing computed or written) and say which tool loads what."""
-        module: Any = pl_module
-        denoiser, family = getattr(module, "denoiser", None), getattr(module, "family", None)
-        if denoiser is None or family is None:
+        model = as_lora_model(pl_module)
+        if model is None or model.denoiser is None:
             return
+        denoiser, family = model.denoiser, model.family
         from peft.utils import get_peft_model_state_dict
 
         state = get_peft_model_state_dict(denoiser, unwrap_compiled=True)
@@ -140,16 +171,16 @@ class LoraExport(Callback):
         coverages = {fmt: file_coverage(state, family, fmt) for fmt in self.formats}
         self.loads_in = {fmt: c.loads_in for fmt, c in coverages.items()}
         for tool in TOOLS:  # layers no written file gets into this tool: say it now, not after training
-            if tool not in family.lora_tools:  # a fact of the family, not a warning about this run
-                log.info("LoraExport: %s does not load %s LoRAs.", _TOOL[tool], family.name)
+            if tool not in family.lora_files.tools:  # a fact of the family, not a warning about this run
+                log.info("LoraExport: %s does not load %s LoRAs.", TOOL_NAMES[tool], family.name)
                 continue
             missed = [{**c.skipped[tool], **c.approximate[tool]} for c in coverages.values()]
             nowhere = [m for m in missed[0] if all(m in other for other in missed[1:])]
             if nowhere:
                 names = ", ".join(nowhere[:3]) + (", ..." if len(nowhere) > 3 else "")
                 rank_zero_warn(
-                    f"LoraExport: {_TOOL[tool]} will not apply {len(nowhere)} trained layer(s) as trained from any "
-                    f"of the files ({names}): {missed[0][nowhere[0]]}."
+                    f"LoraExport: {TOOL_NAMES[tool]} will not apply {len(nowhere)} trained layer(s) as trained from "
+                    f"any of the files ({names}): {missed[0][nowhere[0]]}."
                 )
 
     def paths(self, trainer: Trainer, stem: str) -> dict[str, Path]:
@@ -159,7 +190,7 @@ class LoraExport(Callback):
     def describe(self, fmt: str) -> str:
         """The tools that apply every layer of this run's ``fmt`` file (``"diffusers, ComfyUI"``)."""
         tools = self.loads_in.get(fmt)
-        return ", ".join(_TOOL[t] for t in tools) if tools else fmt
+        return ", ".join(TOOL_NAMES[t] for t in tools) if tools else fmt
 
     def last_files(self) -> list[tuple[str, Path]]:
         """(format, path) of each file of the last export."""
@@ -177,15 +208,18 @@ class LoraExport(Callback):
 
         from lightning_lora.model.sharding import full_state
 
-        module: Any = pl_module
+        module = as_lora_model(pl_module)
+        if module is None:
+            raise TypeError(f"LoraExport exports a LoraModule's adapter, not a {type(pl_module).__name__}'s")
         state = full_state(get_peft_model_state_dict(module.denoiser, unwrap_compiled=True))
         if trainer.is_global_zero:
+            data = data_recipe(trainer)
             info = {
                 "family": module.family.name,
                 "base_model": module.source.pretrained,
                 "denoiser_file": Path(module.source.denoiser_file).name if module.source.denoiser_file else "",
                 "steps": trainer.global_step,
-                "resolution": getattr(trainer.datamodule, "resolution", 0),  # type: ignore[attr-defined]
+                "resolution": data.resolution if data is not None else 0,
                 "trigger": self.trigger or "",
                 "title": stem,
                 "config_sha256": _config_hash(

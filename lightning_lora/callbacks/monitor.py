@@ -27,6 +27,9 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from lightning_lora.data.recipe import data_recipe
+from lightning_lora.module import lora_module
+
 __all__ = ["ConfigSummary", "StartSummary", "StepProgressBar", "Throughput", "VRAMMonitor", "start_summary"]
 
 GIB = 2**30
@@ -58,11 +61,13 @@ class VRAMMonitor(Callback):
             from lightning_lora.model.parallel import shards_of
             from lightning_lora.plan import plan_for
 
-            module: Any = pl_module
+            module = lora_module(pl_module, "VRAMMonitor")
+            data = data_recipe(trainer)
             try:
                 if self.planned_gib is None:  # the CLI hands over the prediction of its start-up check
-                    datamodule = trainer.datamodule  # type: ignore[attr-defined]
-                    plan = plan_for(module.recipe, datamodule, module.optimizer_name, shards=shards_of(trainer))
+                    if data is None:
+                        raise ValueError("the data module has no data recipe")
+                    plan = plan_for(module.recipe, data, module.optimizer_name, shards=shards_of(trainer))
                     self.planned_gib = plan.peak_gib
                 metrics["vram/planned_peak_GiB"] = self.planned_gib
             except (NotImplementedError, ValueError, OSError) as e:
@@ -191,9 +196,10 @@ def start_summary(trainer: Trainer, pl_module: LightningModule) -> str:
     """The lines :class:`StartSummary` prints."""
     step, end = trainer.global_step, trainer.max_steps
     length = f"steps {step} -> {end} (trainer.max_steps)" if end and end > 0 else f"from step {step}"
-    batch = getattr(trainer.datamodule, "batch_size", None)  # type: ignore[attr-defined]
+    data = data_recipe(trainer)
     parts = [length]
-    if batch is not None:
+    if data is not None:
+        batch = data.batch_size
         parts.append(f"batch {batch} x {trainer.accumulate_grad_batches} accumulated x {trainer.world_size} device(s)")
     trainable = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
     parts.append(f"{trainable:,} trainable parameters")

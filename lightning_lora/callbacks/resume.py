@@ -19,13 +19,26 @@ resume picked the older ``last.ckpt`` and rolled the run back. So the recorded p
 checkpoints are in now, before ``ModelCheckpoint`` reads them, and every checkpoint is stamped with the time it was
 saved, which :func:`lightning_lora.checkpoint.resolve_resume` uses to find the newest (modification times do not
 survive a copy).
+
+:class:`RunLock` keeps a second ``fit`` out of a run folder that one is training into (a job submitted twice, a second
+terminal): both would write checkpoints, the config and the LoRA, interleaved. It is an advisory lock of the operating
+system (``flock``) on ``<run folder>/lightning-lora.lock``, so it goes when its process does, ``kill -9`` and a power
+cut included: there is never a stale lock to remove by hand. The file holds who holds it (process id, host, start
+time, command) for the refusal's one line. Only the process of global rank 0 takes it: the other ranks of a DDP run
+are new processes of the same command (Lightning's launcher, torchrun, SLURM) and must not refuse each other.
+Where Python has no ``fcntl`` (Windows) there is no lock; on a file system without locks it is skipped with a warning.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import random
+import shlex
 import signal
+import socket
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -34,12 +47,20 @@ import numpy as np
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_lora.checkpoint import STAMP
+from lightning_lora.errors import ConfigError
 
-__all__ = ["GracefulStop", "RNGState", "RunFolder", "capture_rng", "rebase_paths", "restore_rng"]
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory lock (see the module docstring)
+    fcntl = None  # type: ignore[assignment]
+
+__all__ = ["GracefulStop", "RNGState", "RunFolder", "RunLock", "capture_rng", "rebase_paths", "restore_rng"]
+
+LOCK_NAME = "lightning-lora.lock"
 
 
 def capture_rng() -> dict[str, Any]:
@@ -155,6 +176,78 @@ class RunFolder(Callback):
         for cb in trainer.checkpoint_callbacks:
             if isinstance(cb, ModelCheckpoint) and cb.dirpath and isinstance(states.get(cb.state_key), dict):
                 states[cb.state_key] = rebase_paths(states[cb.state_key], str(cb.dirpath))
+
+
+class RunLock:
+    """The lock of one run folder (see the module docstring): :meth:`acquire` it before anything is written, and
+    :meth:`release` it when the run ends (the operating system releases it if the process dies)."""
+
+    def __init__(self, folder: str | Path) -> None:
+        self.folder = Path(folder)
+        self.path = self.folder / LOCK_NAME
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        """Take the lock, or raise :class:`ConfigError` naming the process that holds it."""
+        if fcntl is None or self._fd is not None:
+            return
+        self.folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(fd)
+            os.close(fd)
+            raise ConfigError(
+                f"trainer.default_root_dir: {self.folder} is in use by another run ({holder}). Wait for it to end, "
+                "or choose another trainer.default_root_dir."
+            ) from None
+        except OSError as e:  # a file system without locks (some network file systems)
+            os.close(fd)
+            rank_zero_warn(f"cannot lock {self.path} ({e.strerror or e}); nothing keeps a second run out of it.")
+            return
+        started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+        info = {"pid": os.getpid(), "host": socket.gethostname(), "started": started, "command": _command()}
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, (json.dumps(info) + "\n").encode())
+        except OSError:
+            os.close(fd)
+            raise
+        self._fd = fd
+
+    def release(self) -> None:
+        """Let the next run in; the file stays, empty. Unlocked explicitly: a process forked meanwhile (a data loader's
+        worker) shares the lock, which closing this descriptor alone would leave held."""
+        if self._fd is None:
+            return
+        with contextlib.suppress(OSError):
+            os.ftruncate(self._fd, 0)
+        if fcntl is not None:
+            with contextlib.suppress(OSError):
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
+        self._fd = None
+
+
+def _command() -> str:
+    """This process's command line, shortened for a one-line message."""
+    argv = list(sys.argv)
+    if argv and argv[0].endswith(("__main__.py", "lightning-lora")):
+        argv[0] = "lightning-lora"
+    text = shlex.join(argv)
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def _holder(fd: int) -> str:
+    """Who holds the lock, as the lock file says (it may be empty for a moment while its holder writes it)."""
+    try:
+        info = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+    except (OSError, ValueError):
+        info = {}
+    if not isinstance(info, dict) or "pid" not in info:
+        return "a process that is starting"
+    return f"pid {info.get('pid')} on {info.get('host')}, started {info.get('started')}: {info.get('command')}"
 
 
 class GracefulStop(Callback):

@@ -30,10 +30,13 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from typing_extensions import override
 
+from lightning_lora.data.recipe import DEFAULT_RESOLUTION, data_recipe
 from lightning_lora.errors import first_line
+from lightning_lora.families.base import SampleSettings
 from lightning_lora.io import atomic_write
 from lightning_lora.model.assembly import uncompiled
 from lightning_lora.model.parallel import runs_forward_on_every_rank
+from lightning_lora.module import lora_module
 
 __all__ = ["SampleImages"]
 
@@ -97,7 +100,8 @@ class SampleImages(Callback):
         return Path(trainer.default_root_dir) / self.dirname
 
     def _size(self, trainer: Trainer) -> tuple[int, int]:
-        resolution = getattr(trainer.datamodule, "resolution", 512)  # type: ignore[attr-defined]
+        data = data_recipe(trainer)
+        resolution = data.resolution if data is not None else DEFAULT_RESOLUTION
         return self.height or resolution, self.width or resolution
 
     @override
@@ -105,8 +109,7 @@ class SampleImages(Callback):
         if stage != "fit" or not self.prompts:
             return
         height, width = self._size(trainer)
-        module: Any = pl_module
-        module.family.check_resolution(height, width, "SampleImages height/width")
+        lora_module(pl_module, "SampleImages").family.check_resolution(height, width, "SampleImages height/width")
         if trainer.is_global_zero:
             self._encode_prompts(trainer, pl_module)
         if runs_forward_on_every_rank(trainer.strategy):  # a sharded model: every rank draws (see sample)
@@ -118,7 +121,7 @@ class SampleImages(Callback):
     def _encode_prompts(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Encode the prompts through the data's text cache (reusing cached ones) before the model is built, so that
         the text encoders never share the GPU with it; they are freed afterwards."""
-        module: Any = pl_module
+        module = lora_module(pl_module, "SampleImages")
         cache = trainer.datamodule.cache()  # type: ignore[attr-defined]
         try:
             *prompts, negative = cache.text_embeddings([*self.prompts, ""], trainer.strategy.root_device)
@@ -185,31 +188,22 @@ class SampleImages(Callback):
 
     @torch.no_grad()
     def _generate(self, trainer: Trainer, pl_module: LightningModule) -> list[Any]:
-        module: Any = pl_module
-        assert self._vae is not None
+        module = lora_module(pl_module, "SampleImages")
+        denoiser = module.denoiser
+        assert self._vae is not None and denoiser is not None
         vae = self._vae.to(pl_module.device)
         height, width = self._size(trainer)
-        was_training = module.denoiser.training
-        module.denoiser.eval()
+        was_training = denoiser.training
+        denoiser.eval()
         try:
-            pipe = module.family.pipeline(module.denoiser, vae, module.source)
+            pipe = module.family.pipeline(denoiser, vae, module.source)
             images = []
             with trainer.precision_plugin.forward_context(), uncompiled(not self.compiled):
                 for i, emb in enumerate(self._embeddings):
-                    images.append(
-                        module.family.generate(
-                            pipe,
-                            emb,
-                            seed=self.seed + i,
-                            height=height,
-                            width=width,
-                            steps=self.steps,
-                            guidance_scale=self.guidance_scale,
-                            negative=self._negative,
-                        )
-                    )
+                    settings = SampleSettings(self.seed + i, height, width, self.steps, self.guidance_scale)
+                    images.append(module.family.generate(pipe, emb, settings, negative=self._negative))
         finally:
-            module.denoiser.train(was_training)
+            denoiser.train(was_training)
             if self.offload_vae:
                 self._vae = vae.to("cpu")
             if pl_module.device.type == "cuda":

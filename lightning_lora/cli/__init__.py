@@ -8,7 +8,7 @@
 The other entry point, ``python -m lightning_lora.cli.demo``, prepares the CPU demo (:mod:`lightning_lora.cli.demo`).
 This package is the top layer: nothing else in ``lightning_lora`` imports from it. A verb module exposes
 ``main(argv) -> int`` (the exit status: 0 done, 2 a problem the user can fix, printed as one line, 130 / 143 after
-Ctrl-C / SIGTERM) and is imported only when its verb runs.
+Ctrl-C / SIGTERM: :mod:`lightning_lora.cli.status`) and is imported only when its verb runs.
 """
 
 from __future__ import annotations

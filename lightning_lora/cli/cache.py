@@ -1,8 +1,9 @@
 """``lightning-lora cache --config X.yaml``: build the latent cache ahead of training, then print a summary.
 
 It reads the same YAML as ``fit`` (and the same ``--section.option value`` overrides), builds the model, data module
-and trainer objects without loading any weights, and asks the data module to encode whatever is missing on the
-trainer's device: decoding in worker processes, a progress bar on a terminal, one line per skipped file. The summary
+and trainer objects without loading any weights (and none of the config's callbacks, logger or profiler), and asks the
+data module to encode whatever is missing on the trainer's device: decoding in worker processes, a progress bar on a
+terminal, one line per skipped file. The summary
 says what was found, encoded, reused and skipped (with reasons), the buckets with their image counts, and the time.
 ``fit`` reuses everything (the keys are content hashes) and builds only what is still missing.
 
@@ -41,11 +42,18 @@ def main(argv: list[str]) -> int:
     if not args or args[0] in ("-h", "--help"):
         print(_USAGE)
         return 0 if args else 2
-    from lightning_lora.cli.fit import LoraCLI, write_error
+    from lightning_lora.cli.fit import UNBUILT, LoraCLI
+    from lightning_lora.cli.status import interrupted, user_error
     from lightning_lora.errors import ConfigError
 
+    class CacheCLI(LoraCLI):
+        """The ``fit`` config, built for caching: the model and data, and a trainer for its device and run folder,
+        without the config's callbacks, logger or profiler."""
+
+        unbuilt = UNBUILT
+
     try:
-        cli = LoraCLI(args=args, run=False)
+        cli = CacheCLI(args=args, run=False)
         report = cli.datamodule.build_cache(
             cli.model.family,
             cli.model.source,
@@ -53,22 +61,15 @@ def main(argv: list[str]) -> int:
             default_root_dir=cli.trainer.default_root_dir,
             progress=True,
         )
-    except ConfigError as e:
-        print(f"lightning-lora cache: error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:
-        message = write_error(e)
-        if message is None:
-            raise
-        print(f"lightning-lora cache: error: {message}", file=sys.stderr)
-        return 2
+    except (ConfigError, OSError) as e:
+        return user_error("lightning-lora cache", e)
     except KeyboardInterrupt:
         print(
             "\nlightning-lora cache: interrupted. Every entry finished so far is kept; run the same command again to "
             "continue (it encodes only what is missing).",
             file=sys.stderr,
         )
-        return 128 + signal.SIGINT
+        return interrupted(signal.SIGINT)
     print(report.format(), flush=True)
     return 0
 

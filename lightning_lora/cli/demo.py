@@ -1,42 +1,41 @@
-"""Prepare the CPU demo: tiny random FLUX, SDXL and SD1.5 pipelines and a folder of real captioned photos.
+"""Prepare the CPU demo: a tiny random pipeline of every model family and a folder of real captioned photos.
 
 ``python -m lightning_lora.cli.demo [--out .demo]`` writes::
 
-    .demo/tiny-flux/     a complete diffusers FluxPipeline folder (random weights, ~1 MB), loaded back by the trainer
-                         through the real ``from_pretrained`` path
-    .demo/tiny-sdxl/     a StableDiffusionXLPipeline folder with SDXL's UNet layout (~4 MB)
-    .demo/tiny-sd15/     a StableDiffusionPipeline folder (~2 MB)
-    .demo/tiny-zimage/   a ZImagePipeline folder (Qwen3 text encoder, chat-template tokenizer; ~3 MB)
-    .demo/tiny-qwenimage/ a QwenImagePipeline folder (video VAE, Qwen2.5-VL text encoder; ~1.4 MB)
-    .demo/tiny-flux2/    a Flux2KleinPipeline folder (batch-normalised VAE, 28-layer Qwen3 text encoder; ~6 MB)
-    .demo/photos/        photos that ship inside scikit-image (no download) as PNG, each with a .txt caption
+    .demo/tiny-<family>/  for each registered family (``tiny-flux``, ``tiny-sdxl``, ...): a complete diffusers
+                          pipeline folder with random weights (1-6 MB, :meth:`DiffusionFamily.save_tiny
+                          <lightning_lora.families.base.DiffusionFamily.save_tiny>`), loaded back by the trainer
+                          through the real ``from_pretrained`` path
+    .demo/photos/         photos that ship inside scikit-image (no download) as PNG, each with a .txt caption
 
-``configs/tiny_cpu.yaml`` (FLUX, what ``make demo`` trains), ``configs/tiny_sdxl_cpu.yaml``,
-``configs/tiny_sd15_cpu.yaml``, ``configs/tiny_zimage_cpu.yaml``, ``configs/tiny_qwenimage_cpu.yaml`` and
-``configs/tiny_flux2_cpu.yaml`` train on exactly these. Existing files are left as they are (the step is idempotent).
+``configs/tiny_cpu.yaml`` (FLUX, what ``make demo`` trains) and the other ``configs/tiny_*_cpu.yaml`` train on exactly
+these. Existing files are left as they are (the step is idempotent).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import importlib
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-__all__ = ["PHOTOS", "TINY_MODELS", "prepare"]
+if TYPE_CHECKING:
+    from lightning_lora.families import DiffusionFamily
 
-#: Folder name under the demo folder -> ``module:function`` that writes it (one module of :mod:`lightning_lora.tiny`
-#: per family).
-TINY_MODELS: dict[str, str] = {
-    "tiny-flux": "lightning_lora.tiny.flux:save_tiny_flux",
-    "tiny-sdxl": "lightning_lora.tiny.sdxl:save_tiny_sdxl",
-    "tiny-sd15": "lightning_lora.tiny.sd15:save_tiny_sd15",
-    "tiny-zimage": "lightning_lora.tiny.zimage:save_tiny_zimage",
-    "tiny-qwenimage": "lightning_lora.tiny.qwenimage:save_tiny_qwenimage",
-    "tiny-flux2": "lightning_lora.tiny.flux2:save_tiny_flux2",
-}
+__all__ = ["PHOTOS", "prepare", "tiny_models"]
+
+DEMO_FAMILY = "flux"
+"""The family ``make demo`` trains (``configs/tiny_cpu.yaml``): its folder is the one the demo names first."""
+
+
+def tiny_models() -> dict[str, type[DiffusionFamily]]:
+    """Folder name under the demo folder -> the family whose tiny pipeline it holds: every registered family."""
+    from lightning_lora.families import FAMILIES
+
+    return {f"tiny-{name}": cls for name, cls in FAMILIES.items()}
+
 
 # scikit-image sample name -> caption. "sks" is the usual rare trigger token of DreamBooth-style LoRAs.
 PHOTOS: dict[str, str] = {
@@ -60,16 +59,14 @@ def _photo(name: str) -> np.ndarray:
 
 
 def prepare(out: Path) -> tuple[Path, Path]:
-    """Write the tiny pipelines (:data:`TINY_MODELS`) and the photos under ``out``; return tiny-flux/ and photos/."""
+    """Write the tiny pipelines (:func:`tiny_models`) and the photos under ``out``; return the demo family's tiny
+    pipeline (tiny-flux/) and photos/."""
     from PIL import Image
 
     from lightning_lora.io import atomic_write, atomic_write_bytes
 
-    models = {}
-    for name, where in TINY_MODELS.items():
-        module, function = where.split(":")
-        models[name] = getattr(importlib.import_module(module), function)(out / name, seed=0)
-    model = models["tiny-flux"]
+    models = {name: family.save_tiny(out / name, seed=0) for name, family in tiny_models().items()}
+    model = models[f"tiny-{DEMO_FAMILY}"]
     photos = out / "photos"
     photos.mkdir(parents=True, exist_ok=True)
     for name, caption in PHOTOS.items():
@@ -107,7 +104,7 @@ def main() -> None:
     args = parser.parse_args()
     _quiet()
     model, photos = prepare(args.out)
-    others = ", ".join(str(args.out / name) for name in TINY_MODELS if name != model.name)
+    others = ", ".join(str(args.out / name) for name in tiny_models() if name != model.name)
     print(f"demo model:  {model} (also {others})\ndemo photos: {photos} ({len(PHOTOS)} images with captions)")
 
 

@@ -16,12 +16,14 @@ From a checkpoint only its LoRA tensors are read (with ``weights_only=True``); t
 ``.safetensors`` LoRA file (a diffusers or kohya one, made by lightning-lora or another trainer), the file is converted:
 a diffusers file by its own config, a kohya file by diffusers' own converter; the family comes from ``--family``, the
 file's metadata or its keys. The output is written atomically and an existing file is never replaced without
-``--overwrite``. Problems the user can fix print one line naming the file and the fix, exit status 2.
+``--overwrite``. Problems the user can fix print one line naming the file and the fix, exit status 2: among them an
+output that cannot be written (a read-only folder, a full disk, a file-size limit), which leaves nothing behind.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -37,11 +39,11 @@ from lightning_lora.export import (
     read_lora_file,
 )
 from lightning_lora.families import FAMILIES
+from lightning_lora.formats.clients import TOOL_NAMES
+from lightning_lora.io import write_failure
 from lightning_lora.precision import DTYPES
 
 __all__ = ["main", "build_parser"]
-
-_TOOL = {"diffusers": "diffusers", "ComfyUI": "ComfyUI", "kohya": "kohya's sd-scripts"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,6 +87,12 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"lightning-lora export: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        message = write_failure(e, "--out")
+        if message is None:
+            raise
+        print(f"lightning-lora export: error: {message}. Nothing was written.", file=sys.stderr)
+        return 2
     print(f"LoRA ({args.format} format, {args.dtype}) written to {path}")
     for note in notes:
         print(f"  {note}")
@@ -103,6 +111,7 @@ def _export(
     if source.resolve() == out.resolve():
         raise ConfigError(f"--out {out}: is the input file; choose another --out file.")
     family = FAMILIES[family_name]() if family_name else None
+    created = [folder for folder in (out.parent, *out.parent.parents) if not folder.exists()]  # deepest first
     try:
         if source.suffix == ".safetensors":
             lora = read_lora_file(source, family)
@@ -115,8 +124,13 @@ def _export(
         raise
     except ValueError as e:  # a LoRA this format cannot express, e.g. a layer without a kohya name
         raise ConfigError(f"{source}: {first_line(e)}") from None
+    except OSError:  # the file was written atomically, so it is not there; nor are the folders made for it
+        for folder in created:
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        raise
     coverage = file_coverage(state, family, format)
-    tools = ", ".join(_TOOL[t] for t in coverage.loads_in) or "none of diffusers, ComfyUI, kohya's sd-scripts"
+    tools = ", ".join(TOOL_NAMES[t] for t in coverage.loads_in) or f"none of {', '.join(TOOL_NAMES.values())}"
     notes = [f"applies every layer as trained in: {tools}"]
     notes += [f"note: {line}" for line in coverage.notes(path.name)]
     return path, notes

@@ -10,12 +10,18 @@
   :class:`FixedEvalLoss` likewise.
 * The optimizer and scheduler are injected into the module and built over the LoRA parameters only
   (``auto_configure_optimizers=False``).
+* **One run per folder.** A run that starts from step 0 (no ``--ckpt_path``) in a folder that holds checkpoints is
+  refused (the same command run again would train over the finished run and replace its LoRA): continue it with
+  ``--ckpt_path last``, or choose another ``trainer.default_root_dir``. While a run trains, its folder is locked
+  (:class:`~lightning_lora.callbacks.resume.RunLock`): a second ``fit`` into it is refused naming the first.
 * ``config.yaml`` is overwritten on resume (Lightning refuses by default, LT#17115); the seed defaults to 42 so a
   resumed run reuses it.
 * ``--ckpt_path FILE`` never configures anything from the file. LightningCLI would merge the checkpoint's
   ``hyper_parameters`` into the config before anything runs (so ``--model.lora.rank 4`` with a rank-8 checkpoint
   trained at rank 8, and a crafted file could name any installed class to import); here the config is the user's,
   and the file goes through the same compatibility check as ``last``.
+* A config names only classes of each option's kind from trusted modules, checked before anything it names is imported
+  or built (:mod:`lightning_lora.cli.class_paths`): a config cannot run a command.
 * A :class:`~lightning_lora.errors.ConfigError` (wrong path, typo, impossible combination) is printed as one line
   naming the option, with exit status 2; so is a file that cannot be written (full disk, no permission), naming the
   file. Files already written stay intact (every write is atomic).
@@ -46,19 +52,29 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning_lora.callbacks.evaluation import FixedEvalLoss
 from lightning_lora.callbacks.lora_export import LoraExport
 from lightning_lora.callbacks.monitor import ConfigSummary, StartSummary, StepProgressBar, Throughput, VRAMMonitor
-from lightning_lora.callbacks.resume import GracefulStop, RNGState, RunFolder
+from lightning_lora.callbacks.resume import GracefulStop, RNGState, RunFolder, RunLock
 from lightning_lora.callbacks.samples import SampleImages
-from lightning_lora.checkpoint import STAMP, AtomicCheckpointIO, check_compatible, read_checkpoint, resolve_resume
+from lightning_lora.checkpoint import (
+    STAMP,
+    AtomicCheckpointIO,
+    check_compatible,
+    check_fresh_start,
+    read_checkpoint,
+    resolve_resume,
+)
+from lightning_lora.cli.class_paths import ConfigParser, apply_import_policy, check_class_paths
 from lightning_lora.cli.console import Console
-from lightning_lora.cli.peek import config_files, read_config_file
+from lightning_lora.cli.peek import check_config_files, config_files, read_config_file
+from lightning_lora.cli.status import interrupted, user_error
 from lightning_lora.data.datamodule import LatentDataModule
+from lightning_lora.data.recipe import DataRecipe
 from lightning_lora.errors import ConfigError, first_line
 from lightning_lora.hardware import Allocator, allocator_conflict
 from lightning_lora.model.parallel import check_strategy, resolve_strategy, shards_of
 from lightning_lora.module import LoraModule, primitive_hparams
 from lightning_lora.precision import BasePrecision, check_trainer_precision, for_trainer_precision, precision_of
 
-__all__ = ["LoraCLI", "main", "run_summary", "write_error"]
+__all__ = ["UNBUILT", "LoraCLI", "main", "run_summary"]
 
 DEFAULT_RUN_DIR = "runs/lora"
 CONSOLE: Console | None = None
@@ -66,6 +82,8 @@ CONSOLE: Console | None = None
 MEMORY_ENV = "LIGHTNING_LORA_MEMORY_SETTINGS"
 """How the DDP ranks Lightning starts (as new processes of the same command) get rank 0's ``model.memory`` choice."""
 DEFAULT_CHECKPOINT_EVERY = 250
+UNBUILT: dict[str, Any] = {"trainer.callbacks": None, "trainer.logger": False, "trainer.profiler": None}
+"""What the verbs that do not train (``plan``, ``cache``) leave out of the trainer config (:attr:`LoraCLI.unbuilt`)."""
 
 
 class LoraCLI(LightningCLI):
@@ -73,11 +91,17 @@ class LoraCLI(LightningCLI):
 
     data_class: ClassVar[type[LatentDataModule]] = LatentDataModule
     """What the ``data:`` section builds (``lightning-lora plan`` reads the options without listing any image)."""
+    unbuilt: ClassVar[dict[str, Any]] = {}
+    """Trainer options this command leaves out, with the value they get instead (``plan`` and ``cache`` build no
+    callback, logger or profiler of the config: they need none)."""
 
     def __init__(self, args: list[str] | None = None, run: bool = True) -> None:
+        self._lock: RunLock | None = None
+        apply_import_policy()  # a config names classes of trusted modules only (lightning_lora.cli.class_paths)
         super().__init__(
             LoraModule,
             self.data_class,
+            parser_class=ConfigParser,
             save_config_kwargs={"overwrite": True},
             # Our bucket sampler shards batches across ranks itself; Lightning must not replace it.
             # The start summary says the trainable parameters; Lightning's model table is one more screen of output.
@@ -103,14 +127,20 @@ class LoraCLI(LightningCLI):
         )
 
     def before_instantiate_classes(self) -> None:
-        """The config's ``allocator`` was applied before parsing (:func:`lightning_lora.cli.main`); say so when an
-        environment variable overrides it."""
+        """Every ``class_path`` of the config names a class of its option's kind, checked before anything is
+        instantiated (:func:`~lightning_lora.cli.class_paths.check_class_paths`). The config's ``allocator`` was applied
+        before parsing (:func:`lightning_lora.cli.main`); say so when an environment variable overrides it."""
+        check_class_paths(self.config[self.subcommand] if self.subcommand else self.config)
+        for option, value in self.unbuilt.items():
+            self.config[option] = value
         conflict = allocator_conflict(self._get(self.config, "allocator"))
         if conflict:
             rank_zero_warn(conflict)
 
     def parse_arguments(self, parser: Any, args: Any) -> None:
-        """LightningCLI's parsing, after :func:`check_moved_options` (a one-line error for an option that moved)."""
+        """LightningCLI's parsing, after a one-line error for a config file that is not UTF-8 or has a bad folder entry
+        (:func:`check_config_files`) or an option that moved (:func:`check_moved_options`)."""
+        check_config_files(sys.argv[1:] if args is None else args)
         check_moved_options(sys.argv[1:] if args is None else args)
         super().parse_arguments(parser, args)
 
@@ -140,8 +170,6 @@ class LoraCLI(LightningCLI):
             isinstance(c, ProgressBar) for c in callbacks
         ):
             callbacks.insert(0, StepProgressBar())  # first: it closes its line before the others print at the end
-        if CONSOLE is not None:
-            CONSOLE.attach(root)
         for required in (RNGState, RunFolder, GracefulStop, VRAMMonitor, Throughput, ConfigSummary, StartSummary):
             if not any(isinstance(c, required) for c in callbacks):
                 callbacks.append(required())
@@ -164,13 +192,43 @@ class LoraCLI(LightningCLI):
         # The base format joins the model's recipe now, before anything is cached (the text encoders load in its
         # dtype, and the `cache` verb builds no more than this), and a model option it cannot go with stops here.
         self.model.use_precision(precision_of(trainer))
+        if self.subcommand == "fit":
+            self._claim_run_folder(trainer, root)
+        if CONSOLE is not None:
+            CONSOLE.attach(root)  # after the claim: a fit refused the folder writes nothing into it
         return trainer
+
+    def _claim_run_folder(self, trainer: Trainer, root: Path) -> None:
+        """Before anything is written: lock the run folder (the process of global rank 0 only: the other ranks of a
+        DDP run are new processes of this command, see :class:`RunLock`), and refuse a run from step 0 into a folder
+        that holds checkpoints (:func:`~lightning_lora.checkpoint.check_fresh_start`)."""
+        check_writable(root, "trainer.default_root_dir")
+        if trainer.global_rank == 0:
+            self._lock = RunLock(root)
+            self._lock.acquire()
+        try:
+            if self._get(self.config, "ckpt_path") is None:
+                check_fresh_start(checkpoint_dir(trainer), root)
+        except BaseException:
+            self._release_run_folder()
+            raise
+
+    def _release_run_folder(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        """LightningCLI's, then the run folder's lock is released (also when the run fails)."""
+        try:
+            super()._run_subcommand(subcommand)
+        finally:
+            self._release_run_folder()
 
     def before_fit(self) -> None:
         # Cross-object checks, before any weights load: the data resolution must suit the model family.
         # Every resolution and bucket option against the model family (raises ConfigError naming the option).
-        self.datamodule.spec(self.model.family)
-        check_writable(Path(self.trainer.default_root_dir), "trainer.default_root_dir")
+        self.datamodule.recipe.spec(self.model.family)
         check_writable(self._checkpoint_dir(), "ModelCheckpoint dirpath")
         check_strategy(self.trainer.strategy, self.model.recipe)
         if torch.cuda.is_available() and self.trainer.strategy.root_device.type == "cuda":
@@ -190,8 +248,13 @@ class LoraCLI(LightningCLI):
         elif ckpt_path is not None:
             checkpoint = read_checkpoint(ckpt_path)
         if checkpoint is not None:
+            saved_model = (checkpoint.get(STAMP) or {}).get("model")  # None: a checkpoint from before identities
             check_compatible(
-                checkpoint.get("hyper_parameters", {}), primitive_hparams(dict(model.hparams)), ckpt_path or ""
+                checkpoint.get("hyper_parameters", {}),
+                primitive_hparams(dict(model.hparams)),
+                ckpt_path or "",
+                saved_model,
+                model.model_identity() if saved_model is not None else None,
             )
             step, end = checkpoint.get("global_step", 0), self.trainer.max_steps
             if end and 0 < end <= step:
@@ -205,7 +268,7 @@ class LoraCLI(LightningCLI):
         try:
             self.trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, **kwargs)
         except torch.OutOfMemoryError as e:
-            batch = datamodule.batch_size if datamodule is not None else 1
+            batch = _data(datamodule).batch_size
             raise ConfigError(
                 out_of_memory_message(e, self.trainer, batch, self._checkpoint_dir() / "last.ckpt")
             ) from None
@@ -233,7 +296,7 @@ class LoraCLI(LightningCLI):
                 return
             where = f"{budget:.1f} GiB free on {device}" if model.memory == "auto" else f"{budget:g} GiB"
             shards = shards_of(self.trainer)
-            fit = choose_for_memory(model.recipe, datamodule, budget, model.optimizer_name, shards)
+            fit = choose_for_memory(model.recipe, _data(datamodule), budget, model.optimizer_name, shards)
             if fit is None:
                 raise ConfigError(
                     f"model.memory: {model.memory}: no setting that keeps this training fits in {where}. Run "
@@ -263,10 +326,7 @@ class LoraCLI(LightningCLI):
         rank_zero_info(f"model.memory: {model.memory}: {why}")
 
     def _checkpoint_dir(self) -> Path:
-        for cb in self.trainer.checkpoint_callbacks:
-            if isinstance(cb, ModelCheckpoint) and cb.dirpath:
-                return Path(cb.dirpath)
-        return Path(self.trainer.default_root_dir) / "checkpoints"
+        return checkpoint_dir(self.trainer)
 
     def after_fit(self) -> None:
         if self.trainer.is_global_zero:
@@ -274,6 +334,11 @@ class LoraCLI(LightningCLI):
             line = CONSOLE.summary() if CONSOLE is not None else None
             if line:
                 print(line, flush=True)
+
+
+def _data(datamodule: LatentDataModule | None) -> DataRecipe:
+    """The data recipe of ``fit``'s data module (the options' defaults without one: a Trainer fed other data)."""
+    return datamodule.recipe if datamodule is not None else DataRecipe()
 
 
 MOVED_OPTIONS = {
@@ -378,24 +443,12 @@ def check_writable(folder: Path, option: str) -> None:
         ) from None
 
 
-def write_error(e: OSError) -> str | None:
-    """The one-line message for a file that cannot be written (full disk, no permission); None for other errors."""
-    hints = {
-        errno.ENOSPC: "the disk is full: free some space, or put trainer.default_root_dir / data.cache_dir on another "
-        "disk",
-        errno.EDQUOT: "the disk quota is used up: free some space, or put trainer.default_root_dir / data.cache_dir "
-        "elsewhere",
-        errno.EACCES: "no permission: fix the permissions, or choose another trainer.default_root_dir / data.cache_dir",
-        errno.EPERM: "no permission: fix the permissions, or choose another trainer.default_root_dir / data.cache_dir",
-        errno.EROFS: "the file system is read-only: choose another trainer.default_root_dir / data.cache_dir",
-    }
-    if e.errno not in hints:
-        return None
-    where = e.filename or "a file"
-    return (
-        f"cannot write {where} ({e.strerror or e}); {hints[e.errno]}. Files already written are intact (every write is "
-        "atomic): run the same command again to continue (add --ckpt_path last if training had started)."
-    )
+def checkpoint_dir(trainer: Trainer) -> Path:
+    """Where the run's checkpoints go: the first ``ModelCheckpoint``'s folder, else ``<run folder>/checkpoints``."""
+    for cb in trainer.checkpoint_callbacks:
+        if isinstance(cb, ModelCheckpoint) and cb.dirpath:
+            return Path(cb.dirpath)
+    return Path(trainer.default_root_dir) / "checkpoints"
 
 
 def default_checkpoint() -> ModelCheckpoint:
@@ -419,7 +472,7 @@ def warn_if_too_big(model: LoraModule, datamodule: LatentDataModule, trainer: Tr
 
     device = trainer.strategy.root_device
     try:
-        plan = plan_for(model.recipe, datamodule, model.optimizer_name, shards=shards_of(trainer))
+        plan = plan_for(model.recipe, datamodule.recipe, model.optimizer_name, shards=shards_of(trainer))
     except (ConfigError, NotImplementedError, OSError) as e:
         rank_zero_info(f"memory planner skipped: {e}")
         return None
@@ -519,15 +572,8 @@ def main(argv: list[str] | None = None) -> int:
 def _run(argv: list[str] | None) -> int:
     try:
         cli = LoraCLI(args=argv)
-    except ConfigError as e:
-        print(f"lightning-lora: error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:
-        message = write_error(e)
-        if message is None:
-            raise
-        print(f"lightning-lora: error: {message}", file=sys.stderr)
-        return 2
+    except (ConfigError, OSError) as e:
+        return user_error("lightning-lora", e)
     except SystemExit as e:
         # Lightning turns a Ctrl-C it did not expect (before training, or a second one) into exit status 1.
         if isinstance(e.__context__, KeyboardInterrupt) and e.code == 1:
@@ -536,7 +582,7 @@ def _run(argv: list[str] | None) -> int:
                 "continue (add --ckpt_path last if training had started).",
                 file=sys.stderr,
             )
-            return 128 + signal.SIGINT
+            return interrupted(signal.SIGINT)
         raise
     status = interrupted_status(cli.trainer) if cli.trainer is not None else None
     return status or 0
@@ -546,5 +592,5 @@ def interrupted_status(trainer: Trainer) -> int | None:
     """128 + the signal when Ctrl-C or SIGTERM stopped the run (after its checkpoint was written), else None."""
     for cb in trainer.callbacks:  # type: ignore[attr-defined]
         if isinstance(cb, GracefulStop) and cb.stopped_by_signal and cb.requested is not None:
-            return 128 + int(cb.requested)
+            return interrupted(cb.requested)
     return None

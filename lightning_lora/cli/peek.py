@@ -2,7 +2,8 @@
 that must act before anything the parser imports does (the GPU allocator's settings, :func:`config_allocator`).
 
 Only ``yaml.safe_load`` reads the files here, and a file or value this cannot read is left to the parser, which names
-the file or the option; nothing here raises.
+the file or the option; nothing here raises, but :func:`check_config_files` for what the parser would report badly
+(a traceback for a file that is not UTF-8 text, a screen of types for a folder entry with a wrong field).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING, Any, cast
 if TYPE_CHECKING:
     from lightning_lora.hardware import Allocator
 
-__all__ = ["config_allocator", "config_files", "read_config_file"]
+__all__ = ["check_config_files", "check_config_text", "config_allocator", "config_files", "read_config_file"]
 
 _CONFIG_FLAGS = ("--config", "-c")
 
@@ -39,6 +40,41 @@ def _config_and_flags(args: Sequence[Any]) -> list[tuple[str, str]]:
 def config_files(args: Sequence[Any]) -> list[Path]:
     """The files given with ``--config`` / ``--config=`` / ``-c`` in ``args``, in order."""
     return [Path(value) for kind, value in _config_and_flags(args) if kind == "config"]
+
+
+def check_config_files(args: Sequence[Any]) -> None:
+    """A :class:`~lightning_lora.errors.ConfigError` for the first ``--config`` file of ``args`` that is not UTF-8 text
+    (:func:`check_config_text`) or has a folder entry of ``data.images`` / ``data.val_images`` with a wrong field
+    (:func:`~lightning_lora.data.sources.folder_entry`: the parser's message for one is every type it tried)."""
+    from lightning_lora.data.sources import as_folders
+
+    for path in config_files(args):
+        check_config_text(path)
+        data = read_config_file(path).get("data")
+        for name in ("images", "val_images"):
+            value = data.get(name) if isinstance(data, dict) else None
+            if isinstance(value, list | dict):
+                as_folders(value, f"data.{name}")  # type: ignore[arg-type]  # the mapping of a folder entry too
+
+
+def check_config_text(path: Path) -> None:
+    """A :class:`~lightning_lora.errors.ConfigError` naming the config file ``path`` when it is not UTF-8 text (saved
+    as Latin-1 or Windows-1252, or as UTF-16 by Notepad), with where its first such byte is: the parser reads config
+    files as UTF-8 text, and fails with a traceback. A file it cannot open is left to the parser, which names it."""
+    from lightning_lora.errors import ConfigError
+
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise ConfigError(
+            f"--config {path}: the file is not UTF-8 text (byte 0x{data[e.start]:02x} on line {line}); save it as "
+            "UTF-8 (in your editor: Save As, encoding UTF-8) and run the command again."
+        ) from None
 
 
 def read_config_file(path: Path) -> dict[str, Any]:

@@ -13,21 +13,25 @@ from __future__ import annotations
 
 import argparse
 import math
-from typing import Any
+from typing import Any, ClassVar
 
-from lightning_lora.cli.fit import LoraCLI, resolve_precision
+from lightning_lora.cli.fit import UNBUILT, LoraCLI, resolve_precision
 from lightning_lora.data.datamodule import DataOptions
+from lightning_lora.data.recipe import DataRecipe
 from lightning_lora.errors import ConfigError
 from lightning_lora.model.parallel import shard_count
 from lightning_lora.precision import BasePrecision
 
-__all__ = ["PlanCLI", "main"]
+__all__ = ["PlanCLI", "card_size", "main"]
 
 
 class PlanCLI(LoraCLI):
-    """The ``fit`` config read for planning: the model (its recipe) and the data options; no trainer, no images."""
+    """The ``fit`` config read for planning: the model (its recipe), the data options and the trainer's precision and
+    strategy; no Trainer, no images, no callback or logger, and the optimizer is never called (its class sizes its
+    state)."""
 
     data_class = DataOptions
+    unbuilt: ClassVar[dict[str, Any]] = UNBUILT
 
     def _set_seed(self) -> None:
         """Nothing: a plan draws no random numbers (and prints no "Seed set" line)."""
@@ -44,6 +48,14 @@ class PlanCLI(LoraCLI):
         plugins, _ = resolve_precision(trainer.get("precision"), plugins if isinstance(plugins, list) else [plugins])
         self.model.use_precision(next(p for p in plugins if isinstance(p, BasePrecision)))  # the base format to plan
         self.trainer = None  # type: ignore[assignment]  # planning builds no Trainer (it would need the accelerator)
+
+
+def card_size(gib: float | None, option: str) -> float | None:
+    """``gib`` (a card's memory), or a :class:`ConfigError` naming ``option`` when it is not a positive, finite number
+    of GiB (``-3``, ``0``, ``nan``, ``inf`` would get a verdict that means nothing)."""
+    if gib is None or (math.isfinite(gib) and gib > 0):
+        return gib
+    raise ConfigError(f"{option}: {gib:g} GiB is not a card's memory; give the GPU memory in GiB, e.g. --vram 24.")
 
 
 def _gib_or_auto(text: str) -> float | str:
@@ -82,40 +94,41 @@ def main(argv: list[str]) -> int:
     )
 
     try:
-        vram = card_memory(args.gpu) if args.gpu else args.vram
-        if vram == "auto":
-            vram, card = visible_card_memory()
-            vram = math.floor(vram * 10) / 10  # as printed, never more than is free
-            print(f"--vram auto: {vram:g} GiB free on {card}")
+        if args.vram == "auto":
+            free, card = visible_card_memory()
+            args.vram = math.floor(free * 10) / 10  # as printed, never more than is free
+            print(f"--vram auto: {args.vram:g} GiB free on {card}")
+        vram = card_size(card_memory(args.gpu), f"--gpu {args.gpu!r}") if args.gpu else card_size(args.vram, "--vram")
         cli: Any = PlanCLI(args=rest, run=False)
         recipe, optimizer = cli.model.recipe, cli.model.optimizer_name
         trainer = cli.trainer_config
         shards = shard_count(trainer.get("strategy"), trainer.get("devices", "auto"), trainer.get("num_nodes", 1))
-        plan = plan_for(recipe, cli.datamodule, optimizer, shards=shards)
+        data: DataRecipe = cli.datamodule.recipe
+        plan = plan_for(recipe, data, optimizer, shards=shards)
         print("Predicted GPU memory (lightning-lora plan):")
         print(plan.report(vram))
         if vram is not None and plan.run_peak > vram * HEADROOM:
-            options = fitting_changes(recipe, cli.datamodule, vram, optimizer, shards)
+            options = fitting_changes(recipe, data, vram, optimizer, shards)
             if options:
                 print("  these changes would fit:")
                 print("\n".join(f"    {o}" for o in options))
             else:
                 print("  lower data.resolution or data.batch_size, or use a GPU with more memory")
         elif vram is not None:
-            fastest = choose_for_memory(recipe, cli.datamodule, vram, optimizer, shards)
+            fastest = choose_for_memory(recipe, data, vram, optimizer, shards)
             if fastest is not None and fastest.flags:
                 print(f"  faster, and it still fits: {fastest.line()}")
             accumulate = int(trainer.get("accumulate_grad_batches") or 1)
-            larger = larger_batches(recipe, cli.datamodule, vram, accumulate, optimizer, shards)
+            larger = larger_batches(recipe, data, vram, accumulate, optimizer, shards)
             if larger is not None:
-                images = cli.datamodule.batch_size * accumulate
+                images = data.batch_size * accumulate
                 print(
                     f"  or the same {images} images a step in larger batches (faster where launches bound the step: "
                     f"NF4, checkpointing, small images): {larger.line()}"
                 )
         if args.cards:
             print("The fastest way to run on each card size (5% kept free):")
-            for gib, fit in cards_table(recipe, cli.datamodule, optimizer, shards=shards):
+            for gib, fit in cards_table(recipe, data, optimizer, shards=shards):
                 names = ", ".join(cards_of(gib)[:3])
                 what = fit.line() if fit else "nothing fits: lower data.resolution or data.batch_size"
                 print(f"  {gib:>4} GiB  {names:<30} {what}")

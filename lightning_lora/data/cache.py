@@ -9,8 +9,8 @@ Keys are content hashes of everything that determines the tensor:
 * latents: the image file's bytes, the placement (original size, bucket, resized size, crop), the flip, the decoding
   rule and alpha background, the VAE's identity (files, dtype) and the family;
 * text: the exact text (after trigger and tag shuffling), the identity and dtype of the text encoders the family
-  declares (:attr:`~lightning_lora.families.base.DiffusionFamily.text_encoders`), and the family's text options
-  (e.g. T5 length).
+  declares (``architecture.text_encoders`` of :class:`~lightning_lora.families.base.DiffusionFamily`), and the family's
+  text options (e.g. T5 length).
 
 So editing one caption re-encodes only that caption, editing one image only that image's entries, changing the
 resolution or buckets only the images whose placement changed, swapping the model everything that depends on it;
@@ -343,9 +343,11 @@ class LatentCache:
         return _hash("latent", digest, geometry, DECODE_RULE, self._identity_of("vae"), self.family.name)
 
     def text_key(self, text: str) -> str:
-        identity = self._identity_of(*self.family.text_encoders)  # the encoders the family's embeddings depend on
+        identity = self._identity_of(
+            *self.family.architecture.text_encoders
+        )  # the encoders the family's embeddings depend on
         if self.source.is_local:  # a folder's tokenizers can change under the same name (a hub id + revision pin them)
-            identity += self._identity_of(*self.family.tokenizers)
+            identity += self._identity_of(*self.family.architecture.tokenizers)
         if self.text_encoder_quantization != "none":  # other embeddings: other keys (plain ones keep theirs)
             identity += f"|{self.text_encoder_quantization}"
         return _hash(text, identity, self.family.text_cache_tag())
@@ -460,7 +462,7 @@ class LatentCache:
             return result
         encoders = self.family.load_text_encoders(self.source)
         quantize_text_encoders(
-            encoders, self.family.text_encoders, self.text_encoder_quantization, device, self.source.dtype
+            encoders, self.family.architecture.text_encoders, self.text_encoder_quantization, device, self.source.dtype
         )
         encoders = encoders.to(device)
         limit = self.family.prompt_limit(encoders)

@@ -12,7 +12,10 @@ Sources, for an image ``photo.jpg`` in a folder, in this order:
 and UTF-16 with one (LE or BE: Windows' "Unicode") are read as they are. Anything else is read as Windows-1252, the
 "ANSI" encoding Notepad and older Windows tools save in (a superset of Latin-1's letters; the five bytes it leaves
 undefined are read as Latin-1), with a note naming the file: a caption in the wrong encoding still describes its image
-much better than no caption, so the image is kept.
+much better than no caption, so the image is kept. A file that holds no text at all (:class:`NotText`: NUL
+characters, or mostly control characters, as a PNG or a JPEG saved as ``photo.txt`` reads in any encoding) is no
+caption: it is named, and the image takes the folder's default caption (or the trigger word alone), as an image
+without a caption file does; without either it is skipped.
 
 **Length.** A caption is cut to :data:`MAX_CAPTION_CHARS` characters when read, with a note: far more than any text
 encoder reads (FLUX's T5 reads 512 tokens, CLIP 77), so the encoder sees the same text, but a log pasted into a caption
@@ -39,6 +42,7 @@ import json
 import posixpath
 import random
 import re
+import unicodedata
 from pathlib import Path
 from typing import NamedTuple
 
@@ -47,6 +51,7 @@ __all__ = [
     "MAX_CAPTION_CHARS",
     "METADATA_FILES",
     "MetadataCaption",
+    "NotText",
     "Note",
     "apply_trigger",
     "decode_text",
@@ -70,6 +75,15 @@ _CP1252_UNDEFINED = re.compile("[\udc81\udc8d\udc8f\udc90\udc9d]")  # as cp1252 
 
 class CaptionError(Exception):
     """A caption source that cannot be read; the message is a one-line reason."""
+
+
+class NotText(CaptionError):
+    """A caption file that holds no text (a binary file named like a caption); the message is a one-line reason."""
+
+
+_CONTROL_SHARE = 0.3
+"""A decoded caption file whose characters are more than this share control characters is not text."""
+_LAYOUT = frozenset("\t\n\r\f\v")
 
 
 class Note(NamedTuple):
@@ -111,6 +125,19 @@ def decode_text(data: bytes) -> tuple[str, str | None]:
     )
 
 
+def not_text(text: str) -> str | None:
+    """Why the decoded text of a caption file is no text (see :class:`NotText`), or None when it is text: it holds a
+    NUL character (binary files do; text in any encoding this module reads does not, once decoded), or more than
+    :data:`_CONTROL_SHARE` of its characters are control characters other than tabs and line breaks."""
+    if "\x00" in text:
+        nul = text.count("\x00")
+        return f"it holds {nul:,} NUL bytes: a binary file (or UTF-16 without a byte-order mark), not text"
+    controls = sum(1 for c in text if c not in _LAYOUT and unicodedata.category(c) == "Cc")
+    if text and controls > _CONTROL_SHARE * len(text):
+        return f"{controls:,} of its {len(text):,} characters are control characters: a binary file, not text"
+    return None
+
+
 def _cut(caption: str) -> tuple[str, str | None]:
     """The caption cut to :data:`MAX_CAPTION_CHARS`, and a note when it was longer."""
     if len(caption) <= MAX_CAPTION_CHARS:
@@ -123,12 +150,16 @@ def _cut(caption: str) -> tuple[str, str | None]:
 
 def read_caption_file(path: Path) -> tuple[str, list[Note]]:
     """The caption in ``path`` (lines joined with spaces, stripped, cut to :data:`MAX_CAPTION_CHARS`), and the notes
-    about it (its encoding, its length). Raises :class:`CaptionError` when the file cannot be read."""
+    about it (its encoding, its length). Raises :class:`CaptionError` when the file cannot be read, and
+    :class:`NotText` when it holds no text."""
     try:
         data = path.read_bytes()
     except OSError as e:
         raise CaptionError(f"cannot read caption file {path.name} ({e.strerror or e})") from e
     text, encoding = decode_text(data)
+    binary = not_text(text)
+    if binary is not None:
+        raise NotText(f"caption file {path.name} is not a caption ({binary})")
     caption, cut = _cut(" ".join(line.strip() for line in text.splitlines() if line.strip()))
     notes = [Note("not UTF-8", encoding)] if encoding else []
     return caption, notes + ([Note("long caption", cut)] if cut else [])

@@ -1,9 +1,10 @@
 """LatentDataModule: folders of captioned images in, batches of cached latents and text embeddings out.
 
-* ``__init__`` validates the options and scans the folders and captions (no pixels): a wrong path or option fails
-  before any model loads.
+* ``__init__`` turns the options into one frozen :class:`~lightning_lora.data.recipe.DataRecipe` (checked once) and
+  scans the folders and captions (no pixels): a wrong path or option fails before any model loads.
 * ``prepare_data`` (local rank 0; the other ranks wait) builds whatever is missing from the cache (see
-  :mod:`lightning_lora.data.build`) and logs the summary. ``lightning-lora cache`` calls :meth:`build_cache` directly.
+  :mod:`lightning_lora.data.build`) for the trainer's model (its family and weights: :class:`ModelSide`) and logs the
+  summary. ``lightning-lora cache`` calls :meth:`build_cache` directly.
 * ``setup`` lists the usable cache entries; ``train_dataloader`` serves them in batches of one bucket. No VAE or text
   encoder runs during training.
 
@@ -28,7 +29,7 @@ import hashlib
 import logging
 import os
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 from lightning.pytorch import LightningDataModule
@@ -37,15 +38,15 @@ from safetensors.torch import load_file
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
-from lightning_lora.data.buckets import BucketBatchSampler, BucketSpec, ResumableLoader, SmallImages
-from lightning_lora.data.build import CacheEntry, CacheReport, DataSpec, OnBadFile, build, plan, usable
+from lightning_lora.data.buckets import BucketBatchSampler, ResumableLoader, SmallImages
+from lightning_lora.data.build import CacheEntry, CacheReport, OnBadFile, build, plan, usable
 from lightning_lora.data.cache import ImageIndex, LatentCache, readable
-from lightning_lora.data.images import parse_color
+from lightning_lora.data.recipe import DEFAULT_RESOLUTION, DataRecipe, TextEncoderQuantization
 from lightning_lora.data.sources import ImageFolder, Item, Skip, as_folders, scan, split_validation
 from lightning_lora.errors import ConfigError
 from lightning_lora.families.base import DiffusionFamily, ModelSource
 
-__all__ = ["CachedDataset", "DataOptions", "LatentDataModule", "sample_generator", "uniform"]
+__all__ = ["CachedDataset", "DataOptions", "LatentDataModule", "ModelSide", "sample_generator", "uniform"]
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +132,18 @@ class CachedDataset(Dataset):
         return item
 
 
+@runtime_checkable
+class ModelSide(Protocol):
+    """What the data module reads of the trainer's model: the family whose latents and text embeddings it caches, and
+    the weights they are computed with (:class:`~lightning_lora.module.LoraModule`, which sits above the data)."""
+
+    @property
+    def family(self) -> DiffusionFamily: ...
+
+    @property
+    def source(self) -> ModelSource: ...
+
+
 def _fixed_batches(entries: list[CacheEntry], batch_size: int) -> list[list[int]]:
     """Indices in batches of one bucket, in a fixed order (buckets by first appearance, entries in order)."""
     by_bucket: dict[tuple[int, int], list[int]] = {}
@@ -195,7 +208,7 @@ class LatentDataModule(LightningDataModule):
     def __init__(
         self,
         images: str | list[str | ImageFolder],
-        resolution: int | list[int] = 512,
+        resolution: int | list[int] = DEFAULT_RESOLUTION,
         batch_size: int = 1,
         cache_dir: str | None = None,
         caption_ext: str = ".txt",
@@ -218,60 +231,47 @@ class LatentDataModule(LightningDataModule):
         num_workers: int = 0,
         cache_workers: int | None = None,
         encode_batch_size: int = 4,
-        text_encoder_quantization: Literal["none", "nf4", "fp8"] = "none",
+        text_encoder_quantization: TextEncoderQuantization = "none",
         eval_samples: int = 4,
         seed: int | None = None,
     ) -> None:
         super().__init__()
-        resolutions = [resolution] if isinstance(resolution, int) else list(resolution)
-        checks = [
-            (batch_size >= 1, f"data.batch_size: {batch_size} must be at least 1."),
-            (bool(resolutions) and min(resolutions) >= 1, f"data.resolution: {resolution} must be positive pixels."),
-            (0.0 <= caption_dropout < 1.0, f"data.caption_dropout: {caption_dropout} must be in [0, 1)."),
-            (0.0 <= val_fraction < 1.0, f"data.val_fraction: {val_fraction} must be in [0, 1)."),
-            (keep_tokens >= 0, f"data.keep_tokens: {keep_tokens} must be 0 or more."),
-            (caption_variants >= 1, f"data.caption_variants: {caption_variants} must be at least 1."),
-            (max_aspect_ratio >= 1.0, f"data.max_aspect_ratio: {max_aspect_ratio} must be at least 1."),
-            (max_upscale >= 1.0, f"data.max_upscale: {max_upscale} must be at least 1 (1: never enlarge)."),
-            (encode_batch_size >= 1, f"data.encode_batch_size: {encode_batch_size} must be at least 1."),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ConfigError(message)
-        try:
-            self.background = parse_color(alpha_background)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        self.folders = as_folders(images, "data.images")
-        self.val_folders = as_folders(val_images, "data.val_images") if val_images is not None else []
-        self.caption_ext, self.default_caption, self.trigger = caption_ext, default_caption, trigger
-        self.val_fraction = val_fraction
+        #: The options, checked once (:mod:`lightning_lora.data.recipe`): what the cache, the memory planner and the
+        #: callbacks read.
+        self.recipe = DataRecipe(
+            folders=tuple(as_folders(images, "data.images")),
+            resolutions=(resolution,) if isinstance(resolution, int) else tuple(resolution),
+            batch_size=batch_size,
+            cache_dir=cache_dir,
+            caption_ext=caption_ext,
+            default_caption=default_caption,
+            trigger=trigger,
+            caption_dropout=caption_dropout,
+            shuffle_tags=shuffle_tags,
+            keep_tokens=keep_tokens,
+            caption_variants=caption_variants,
+            random_flip=random_flip,
+            max_aspect_ratio=max_aspect_ratio,
+            bucket_step=bucket_step,
+            max_upscale=max_upscale,
+            min_resolution=min_resolution,
+            small_images=small_images,
+            alpha_background=alpha_background,
+            val_folders=tuple(as_folders(val_images, "data.val_images")) if val_images is not None else (),
+            val_fraction=val_fraction,
+            on_bad_file=on_bad_file,
+            num_workers=num_workers,
+            cache_workers=cache_workers,
+            encode_batch_size=encode_batch_size,
+            text_encoder_quantization=text_encoder_quantization,
+            eval_samples=eval_samples,
+            seed=seed,
+        )
         self.items: list[Item] = []
         self.val_items: list[Item] = []
         self.scan_skips: list[Skip] = []
         if self.reads_images:
             self.scan()
-        self.resolutions = sorted(set(resolutions), reverse=True)
-        self.resolution = self.resolutions[0]  # the largest: the default size of sample images
-        self.batch_size = batch_size
-        self.cache_dir = cache_dir
-        self.caption_dropout = caption_dropout
-        self.shuffle_tags = shuffle_tags
-        self.keep_tokens = keep_tokens
-        self.caption_variants = caption_variants if shuffle_tags else 1
-        self.random_flip = random_flip
-        self.max_aspect_ratio = max_aspect_ratio
-        self.bucket_step = bucket_step
-        self.max_upscale = max_upscale
-        self.min_resolution = min_resolution
-        self.small_images = small_images
-        self.on_bad_file = on_bad_file
-        self.num_workers = num_workers
-        self.cache_workers = min(8, os.cpu_count() or 1) if cache_workers is None else cache_workers
-        self.encode_batch_size = encode_batch_size
-        self.text_encoder_quantization = text_encoder_quantization
-        self.eval_samples = eval_samples
-        self.seed = seed
         self.train_entries: list[CacheEntry] = []
         self.val_entries: list[CacheEntry] = []
         self.report: CacheReport | None = None
@@ -280,65 +280,36 @@ class LatentDataModule(LightningDataModule):
     def scan(self) -> None:
         """List the images and their captions (no pixels are read): the training and validation items and what is
         left out. A folder that does not exist, or data without any image, is a :class:`ConfigError`."""
+        recipe = self.recipe
         options: dict[str, Any] = {
-            "caption_ext": self.caption_ext,
-            "default_caption": self.default_caption,
-            "trigger": self.trigger,
+            "caption_ext": recipe.caption_ext,
+            "default_caption": recipe.default_caption,
+            "trigger": recipe.trigger,
         }
-        self.items, self.scan_skips = scan(self.folders, **options)
+        self.items, self.scan_skips = scan(recipe.folders, **options)
         self.val_items = []
-        if self.val_folders:
-            self.val_items, val_skips = scan(self.val_folders, **options, option="data.val_images")
+        if recipe.val_folders:
+            self.val_items, val_skips = scan(recipe.val_folders, **options, option="data.val_images")
             self.scan_skips += val_skips
-        if self.val_fraction > 0:
-            self.items, held = split_validation(self.items, self.val_fraction)
+        if recipe.val_fraction > 0:
+            self.items, held = split_validation(self.items, recipe.val_fraction)
             self.val_items += held
 
-    # -- configuration -----------------------------------------------------------------------------------------
-    def spec(self, family: DiffusionFamily) -> DataSpec:
-        """The bucketing and caching options for ``family``; :class:`ConfigError` names a bad option."""
-        d = family.latent_divisor
-        for r in self.resolutions:
-            family.check_resolution(r, r, "data.resolution")
-        step = self.bucket_step or (64 if all(r % 64 == 0 for r in self.resolutions) else d)
-        if step % d or any(r % step for r in self.resolutions):
-            raise ConfigError(
-                f"data.bucket_step: {step} must be a multiple of {d} ({family.name}'s latent divisor) that divides "
-                f"every data.resolution {self.resolutions}."
-            )
-        smallest = self.resolutions[-1]
-        min_resolution = self.min_resolution
-        if min_resolution is None:
-            min_resolution = max(step, -(-smallest // 2 // step) * step)
-        if not step <= min_resolution <= smallest:
-            raise ConfigError(
-                f"data.min_resolution: {min_resolution} must be between data.bucket_step ({step}) and the smallest "
-                f"data.resolution ({smallest})."
-            )
-        buckets = BucketSpec(
-            tuple(self.resolutions), step, self.max_aspect_ratio, self.max_upscale, min_resolution, self.small_images
-        )
-        return DataSpec(buckets, self.random_flip, self.caption_variants, self.keep_tokens, self.background)
-
-    def _root(self, default_root_dir: str | None) -> Path:
-        if self.cache_dir is not None:
-            return Path(self.cache_dir).expanduser()
-        if default_root_dir is None:
-            raise RuntimeError("LatentDataModule: no data.cache_dir and no trainer to put the cache under")
-        return Path(default_root_dir) / "cache"
+    # -- the model's side ---------------------------------------------------------------------------------------
+    def _model(self) -> ModelSide:
+        """The trainer's model, as the data module reads it (its family and weights)."""
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        if not isinstance(module, ModelSide):
+            raise RuntimeError("LatentDataModule needs a Trainer with a LoraModule attached")
+        return module
 
     def cache(self) -> LatentCache:
         """The cache for the attached trainer's model (family, weights)."""
         if self._cache is None:
-            if self.trainer is None:
-                raise RuntimeError("LatentDataModule needs a Trainer with a LoraModule attached")
-            module: Any = self.trainer.lightning_module
-            self._cache = LatentCache(
-                self._root(self.trainer.default_root_dir),
-                module.family,
-                module.source,
-                self.text_encoder_quantization,
-            )
+            model = self._model()
+            assert self.trainer is not None
+            root = self.recipe.cache_root(self.trainer.default_root_dir)
+            self._cache = LatentCache(root, model.family, model.source, self.recipe.text_encoder_quantization)
         return self._cache
 
     # -- building ----------------------------------------------------------------------------------------------
@@ -352,8 +323,9 @@ class LatentDataModule(LightningDataModule):
         progress: bool = True,
     ) -> CacheReport:
         """Build whatever is missing from the cache for this model; return the report (``lightning-lora cache``)."""
-        spec = self.spec(family)
-        cache = LatentCache(self._root(default_root_dir), family, source, self.text_encoder_quantization)
+        recipe = self.recipe
+        spec = recipe.spec(family)
+        cache = LatentCache(recipe.cache_root(default_root_dir), family, source, recipe.text_encoder_quantization)
         self.report = build(
             cache,
             self.items,
@@ -361,9 +333,9 @@ class LatentDataModule(LightningDataModule):
             spec,
             torch.device(device),
             scan_skips=self.scan_skips,
-            batch_size=self.encode_batch_size,
-            workers=self.cache_workers,
-            on_bad_file=self.on_bad_file,
+            batch_size=recipe.encode_batch_size,
+            workers=recipe.cache_worker_count,
+            on_bad_file=recipe.on_bad_file,
             progress=progress,
         )
         self._cache = cache
@@ -373,10 +345,10 @@ class LatentDataModule(LightningDataModule):
     @override
     def prepare_data(self) -> None:
         assert self.trainer is not None
-        module: Any = self.trainer.lightning_module
+        model = self._model()
         report = self.build_cache(
-            module.family,
-            module.source,
+            model.family,
+            model.source,
             self.trainer.strategy.root_device,
             default_root_dir=self.trainer.default_root_dir,
         )
@@ -386,7 +358,7 @@ class LatentDataModule(LightningDataModule):
     def setup(self, stage: str) -> None:
         cache = self.cache()
         if self.report is None or self.report.root != cache.root:  # not built in this process (another rank)
-            spec = self.spec(cache.family)
+            spec = self.recipe.spec(cache.family)
             index = ImageIndex(cache.root)  # read-only here: rank 0 wrote it in prepare_data
             self.train_entries = usable(cache, plan(cache, self.items, spec, index)[0])
             self.val_entries = usable(cache, plan(cache, self.val_items, spec, index, validation=True)[0])
@@ -400,7 +372,8 @@ class LatentDataModule(LightningDataModule):
             rank_zero_warn("data.val_images / data.val_fraction: no usable validation image; val/loss is not logged.")
 
     def _seed(self) -> int:
-        return self.seed if self.seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
+        seed = self.recipe.seed
+        return seed if seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
 
     def _dataset(self, entries: list[CacheEntry], augment: bool) -> CachedDataset:
         cache = self.cache()
@@ -409,7 +382,7 @@ class LatentDataModule(LightningDataModule):
             entries,
             cache.text_key(""),
             seed=self._seed(),
-            caption_dropout=self.caption_dropout,
+            caption_dropout=self.recipe.caption_dropout,
             augment=augment,
             family=cache.family if augment else None,
         )
@@ -425,7 +398,7 @@ class LatentDataModule(LightningDataModule):
         bucket_ids = {b: i for i, b in enumerate(sorted({e.bucket for e in samples}))}
         sampler = BucketBatchSampler(
             [bucket_ids[e.bucket] for e in samples],
-            self.batch_size,
+            self.recipe.batch_size,
             seed=self._seed(),
             num_replicas=world_size,
             rank=rank,
@@ -438,13 +411,13 @@ class LatentDataModule(LightningDataModule):
         # Pinned batches let the copy to a CUDA device overlap with the previous step.
         pin = self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
         return ResumableLoader(
-            self._dataset(samples, augment=True), sampler, num_workers=self.num_workers, pin_memory=pin
+            self._dataset(samples, augment=True), sampler, num_workers=self.recipe.num_workers, pin_memory=pin
         )
 
     def _fixed_loader(self, entries: list[CacheEntry]) -> DataLoader:
         return DataLoader(
             self._dataset(entries, augment=False),
-            batch_sampler=_fixed_batches(entries, self.batch_size),
+            batch_sampler=_fixed_batches(entries, self.recipe.batch_size),
             generator=torch.Generator().manual_seed(0),  # observing a run must not draw from its random state
         )
 
@@ -454,7 +427,7 @@ class LatentDataModule(LightningDataModule):
         first: dict[Path, CacheEntry] = {}
         for e in self.train_entries:
             first.setdefault(e.image, e)
-        return self._fixed_loader(list(first.values())[: self.eval_samples])
+        return self._fixed_loader(list(first.values())[: self.recipe.eval_samples])
 
     def val_dataloader_fixed(self) -> DataLoader | None:
         """Every held-out validation entry in a fixed order, without augmentation (caption as written, no flip, no

@@ -14,7 +14,8 @@ without a word; a symbolic link to an image is an image.
 Some findings do not drop an image; they are *notes* (:data:`NOTE_KINDS`, :attr:`Skip.note`), listed in the cache
 summary but never counted as skipped and never fatal under ``data.on_bad_file: error``: a caption read as Windows-1252,
 a caption cut to :data:`~lightning_lora.data.captions.MAX_CAPTION_CHARS`, a metadata record that is unusable or names
-no image of the folder, and (from the cache build) captions longer than the text encoder reads.
+no image of the folder, a caption file that holds no text (a binary file) where the default caption or the trigger word
+stands in for it, and (from the cache build) captions longer than the text encoder reads.
 
 Fatal, because they are configuration mistakes rather than bad files: a folder that does not exist, and data in
 which no folder holds any image. A folder without images among others is a skip.
@@ -36,12 +37,14 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from lightning_lora.data.captions import (
     METADATA_FILES,
     TRIGGER,
     CaptionError,
     MetadataCaption,
+    NotText,
     read_caption_file,
     read_metadata,
 )
@@ -55,6 +58,7 @@ __all__ = [
     "Item",
     "Skip",
     "display",
+    "folder_entry",
     "list_images",
     "scan",
     "split_validation",
@@ -63,7 +67,7 @@ __all__ = [
 IMAGE_EXTENSIONS: tuple[str, ...] = tuple(sorted(readable_extensions()))
 """The extensions (lower case, with the dot) of the image files :func:`scan` uses: every format Pillow reads here."""
 
-NOTE_KINDS = frozenset({"metadata", "not UTF-8", "long caption", "over token limit"})
+NOTE_KINDS = frozenset({"metadata", "not UTF-8", "long caption", "over token limit", "not text"})
 """Kinds of :class:`Skip` that are notes: reported, but the image (if any) is used."""
 
 _COMMON = (".jpg", ".png", ".webp", ".gif", ".tif", ".bmp", ".avif")
@@ -130,13 +134,76 @@ class Skip:
 
 
 def as_folders(images: str | ImageFolder | Sequence[str | ImageFolder], option: str) -> list[ImageFolder]:
-    """Normalise the ``images`` option (a path, a folder, or a list of either) to folders; validate repeats."""
-    entries = [images] if isinstance(images, str | ImageFolder) else list(images)
-    folders = [ImageFolder(path=e) if isinstance(e, str) else e for e in entries]
-    for f in folders:
-        if f.repeats < 1:
-            raise ConfigError(f"{option}: repeats of {f.path!r} is {f.repeats}; use 1 or more.")
-    return folders
+    """Normalise the ``images`` option (a path, a folder, or a list of either) to folders, each field checked
+    (:func:`folder_entry`). A list or mapping written as YAML on the command line (``--data.images '[{path: x,
+    repeats: 2}]'``) in which an entry does not fit :class:`ImageFolder` reaches here as one string (the parser then
+    takes the value as a path, alone or as the one entry of a list): it is read as YAML, so that the message names the
+    field, not a missing folder named by the whole value."""
+    value: Any = images
+    if isinstance(value, list | tuple) and len(value) == 1 and isinstance(value[0], str):
+        value = value[0]
+    if isinstance(value, str):
+        value = _written_as_yaml(value, option)
+        if isinstance(value, str):
+            value = images  # a path, as given
+    if isinstance(value, str | ImageFolder | dict):
+        return [folder_entry(value, option)]
+    return [folder_entry(entry, f"{option}[{i}]") for i, entry in enumerate(value)]
+
+
+_FIELDS = ("path", "repeats", "default_caption", "trigger")
+_EXAMPLE = "{path: photos, repeats: 2}"
+
+
+def _written_as_yaml(text: str, option: str) -> Any:
+    """``text`` read as YAML when it is written as a list or a mapping (``[...]``, ``{...}``) and names no folder, else
+    ``text`` (a path)."""
+    if not text.lstrip().startswith(("[", "{")) or Path(text).expanduser().is_dir():
+        return text
+    import yaml
+
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        problem = str(e).splitlines()[0]
+        raise ConfigError(
+            f"{option}: {text!r} is written as a list of folders but is not valid YAML ({problem}); write e.g. "
+            f"'[{_EXAMPLE}]'."
+        ) from None
+    return value if isinstance(value, list | dict) else text
+
+
+def folder_entry(entry: Any, where: str) -> ImageFolder:
+    """One folder entry of ``data.images`` / ``data.val_images`` (a path, an :class:`ImageFolder`, or a mapping of its
+    fields) as an :class:`ImageFolder`; a :class:`ConfigError` naming the field (``data.images[0].repeats``) that is
+    unknown, missing or of the wrong type."""
+    if isinstance(entry, str):
+        return ImageFolder(path=entry)
+    if isinstance(entry, ImageFolder):
+        fields = {name: getattr(entry, name) for name in _FIELDS}
+    elif isinstance(entry, dict):
+        fields = dict(entry)
+    else:
+        raise ConfigError(f"{where}: {entry!r} is not a folder; give a path, or {_EXAMPLE}.")
+    unknown = [str(k) for k in fields if k not in _FIELDS]
+    if unknown:
+        raise ConfigError(f"{where}: unknown field {unknown[0]!r}; a folder entry has {', '.join(_FIELDS)}.")
+    path = fields.get("path")
+    if path is None:
+        raise ConfigError(f"{where}: a folder entry needs path (the folder), e.g. {_EXAMPLE}.")
+    if not isinstance(path, str) or not path:
+        quote = f" (a folder named {path} is written path: '{path}')" if isinstance(path, int | float) else ""
+        raise ConfigError(f"{where}.path must be a folder, got {path!r}{quote}.")
+    repeats = fields.get("repeats", 1)
+    if isinstance(repeats, bool) or not isinstance(repeats, int):
+        raise ConfigError(f"{where}.repeats must be an integer (1 or more), got {repeats!r}.")
+    if repeats < 1:
+        raise ConfigError(f"{where}: repeats of {path!r} is {repeats}; use 1 or more.")
+    for name in ("default_caption", "trigger"):
+        value = fields.get(name)
+        if value is not None and not isinstance(value, str):
+            raise ConfigError(f"{where}.{name} must be text (or null), got {value!r}.")
+    return ImageFolder(path, repeats, fields.get("default_caption"), fields.get("trigger"))
 
 
 def _broken_link(path: Path) -> str | None:
@@ -220,11 +287,15 @@ def scan(
         word = folder.trigger if folder.trigger is not None else trigger
         for image in images:
             caption_file = image.with_suffix(caption_ext)
+            binary: str | None = None  # a caption file that holds no text: as if there were none
             try:
                 if caption_file.is_file():
-                    caption, caption_notes = read_caption_file(caption_file)
+                    try:
+                        caption, caption_notes = read_caption_file(caption_file)
+                    except NotText as e:
+                        caption, caption_notes, binary = "", [], str(e)
                     skips.extend(Skip(caption_file, kind, message) for kind, message in caption_notes)
-                    origin = f"caption file {caption_file.name} is empty"
+                    origin = binary or f"caption file {caption_file.name} is empty"
                 else:
                     entry = metadata.get(image.name)
                     caption = entry.caption if entry is not None else ""
@@ -237,8 +308,12 @@ def scan(
             if not caption:
                 if default is not None:
                     caption = default
+                    if binary:
+                        skips.append(Skip(caption_file, "not text", f"{binary}; the default caption is used"))
                 elif word:
                     caption = ""  # the trigger word alone
+                    if binary:
+                        skips.append(Skip(caption_file, "not text", f"{binary}; the trigger word alone is used"))
                 else:
                     fix = "write a caption, or set data.default_caption or data.trigger"
                     skips.append(Skip(image, "caption", f"{origin}; {fix}"))

@@ -1,15 +1,17 @@
 """What a model family must provide, and where the model comes from.
 
-A *family* (FLUX, SDXL, SD1.5) is everything that differs between diffusion models from the trainer's point of view:
-which classes to load from which subfolder, how prompts and images become tensors, how a noisy latent and a timestep
-become a prediction and a loss, which layers LoRA targets, and which diffusers pipeline draws sample images. The rest
-of lightning-lora (assembly, cache, module, callbacks, export) talks to a family only through :class:`DiffusionFamily`,
-so no code outside ``families/`` asks "is this FLUX?".
+A *family* (FLUX.1, SDXL, Z-Image...) is everything that differs between diffusion models from the trainer's point of
+view: which classes to load from which subfolder, how prompts and images become tensors, how a noisy latent and a
+timestep become a prediction and a loss, which layers LoRA targets, and which diffusers pipeline draws sample images.
+The rest of lightning-lora (assembly, cache, module, callbacks, export) talks to a family only through
+:class:`DiffusionFamily`, so no code outside ``families/`` asks "is this FLUX?".
 
-A family also owns its identity and interop: the text encoders its cached embeddings depend on
-(:attr:`DiffusionFamily.text_encoders`, part of every text cache key) and the LoRA file formats it writes
-(:attr:`DiffusionFamily.lora_formats`; the kohya/ComfyUI layout through :meth:`DiffusionFamily.kohya_lora` and
-:meth:`DiffusionFamily.kohya_metadata`, which call the key maps of :mod:`lightning_lora.formats`).
+A family declares its *facts* in four frozen dataclasses (:mod:`lightning_lora.families.facts`): ``architecture`` (the
+hub's pipeline classes, denoiser and text encoders, whose identities key the text cache; image sides; LoRA presets),
+``compiling``, ``planning`` and ``lora_files`` (the LoRA file layouts it writes, each a layout of
+:mod:`lightning_lora.formats` bound to its names; who loads them; what names it in a file made elsewhere). The class
+keeps the *behaviour*: loading, encoding, the loss, the sampling pipeline, the planner's inputs, and the interop that is
+code (:meth:`DiffusionFamily.lora_coverage`, :meth:`DiffusionFamily.claims_lora_keys`).
 
 Families are chosen in the YAML by class path, with their own typed options::
 
@@ -22,6 +24,14 @@ Families are chosen in the YAML by class path, with their own typed options::
 optionally with the denoiser replaced by a single ``.safetensors`` file (``from_single_file``, the format people
 download for ComfyUI). :func:`check_source` validates it before any heavy work, so a typo costs a second, not a
 twelve-gigabyte load.
+
+**What a model is, not how its path is spelled.** :meth:`ModelSource.component_digest` is the one home of a model's
+identity: a digest of a component folder's files (:func:`content_digest`: small files whole, weight files by their
+size, header and evenly spaced slices), never of the folder's path. The latent cache keys on it
+(:meth:`ModelSource.identity`, with the load dtype), and a resume compares it (:meth:`ModelSource.model_identity`,
+over every component with weights), so a model folder that moved to another disk, or is named by a relative path from
+another working directory, is the same model, and another model copied to the same path is not. A hub id is its id
+(and revision).
 """
 
 from __future__ import annotations
@@ -41,19 +51,23 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from lightning_lora.errors import ConfigError, first_line
+from lightning_lora.families.facts import Architecture, Compiling, LoraFiles, Planning
 
 if TYPE_CHECKING:
+    from lightning_lora.formats import LoraLayout
     from lightning_lora.formats.clients import Coverage
-    from lightning_lora.formats.kohya import NetworkSummary
 
 __all__ = [
     "DiffusersModel",
     "DiffusionFamily",
     "ModelSource",
     "PromptLimit",
+    "SampleSettings",
+    "SampleText",
     "build_from_config",
     "check_source",
     "compute_dtype",
+    "content_digest",
     "load_component",
     "load_weights",
     "FAMILIES",
@@ -99,19 +113,94 @@ class ModelSource:
     def local_path(self) -> str:
         return str(Path(self.pretrained).expanduser()) if self.is_local else self.pretrained
 
-    def identity(self, component: str) -> str:
-        """A string that changes when the weights of ``component`` change; cache keys are built from it.
+    def component_digest(self, component: str) -> str:
+        """What the subfolder ``component`` holds (see the module docstring): for a local folder a digest of its files'
+        names and contents (:func:`content_digest`; hidden files left out), wherever the folder is and however its
+        path is spelled; for a hub id, the id and revision."""
+        if not self.is_local:
+            return _digest(self.pretrained, self.revision or "")
+        folder = Path(self.local_path) / component
+        listed = sorted(folder.iterdir()) if folder.is_dir() else []
+        files = [f for f in listed if f.is_file() and not f.name.startswith(".")]
+        return _digest(*(f"{f.name}:{content_digest(f)}" for f in files))
 
-        For a local folder it includes the component's config and the size and modification time of its weight
-        files; for a hub id, the id and revision.
-        """
-        parts: list[str] = [self.pretrained, self.revision or "", str(self.dtype)]
+    def identity(self, component: str) -> str:
+        """A string that changes when the weights of ``component`` or their load dtype change; cache keys are built
+        from it."""
+        return _digest(self.component_digest(component), str(self.dtype))
+
+    def model_identity(self) -> dict[str, str | None]:
+        """What the model is, for a resume to compare with the run's (:func:`lightning_lora.checkpoint.
+        check_compatible`): ``pretrained``, a digest of a local folder's ``model_index.json`` and of every component
+        that holds weights (its configs and weight files), or a hub id as it is written; ``denoiser_file``, the
+        :func:`content_digest` of that file (None without one)."""
+        pretrained: str | None = self.pretrained
         if self.is_local:
-            folder = Path(self.local_path) / component
-            for f in sorted(folder.glob("*")) if folder.is_dir() else []:
-                stat = f.stat()
-                parts.append(f"{f.name}:{stat.st_size}:{int(stat.st_mtime)}")
-        return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+            root = Path(self.local_path)
+            index = root / "model_index.json"
+            parts = [content_digest(index)] if index.is_file() else []
+            weighted = sorted(p.name for p in root.iterdir() if p.is_dir() and any(p.glob("*.safetensors")))
+            parts += [f"{name}:{self.component_digest(name)}" for name in weighted]
+            pretrained = "files:" + _digest(*parts)
+        denoiser = Path(self.denoiser_file).expanduser() if self.denoiser_file else None
+        return {"pretrained": pretrained, "denoiser_file": content_digest(denoiser) if denoiser else None}
+
+
+_WHOLE = 4 << 20
+"""Files up to this size (configs, tokenizers, tiny models) are digested whole."""
+_HEAD, _SLICE, _SLICES = 1 << 20, 64 << 10, 16
+
+
+def content_digest(path: Path) -> str:
+    """A digest of what ``path`` holds, cheap for weight files of many gigabytes (about 2 MiB read): the whole file up
+    to 4 MiB; a larger one by its size, its first MiB (a safetensors header: every tensor's name, dtype, shape and
+    offset) and 16 evenly spaced 64 KiB slices (other weights of the same shapes differ there: a fine-tune changes
+    every value). A copy, on any disk, has the same digest."""
+    h = hashlib.sha256()
+    size = path.stat().st_size
+    h.update(str(size).encode())
+    with open(path, "rb") as f:
+        if size <= _WHOLE:
+            h.update(f.read())
+        else:
+            h.update(f.read(_HEAD))
+            for k in range(_SLICES):
+                f.seek(_HEAD + k * (size - _HEAD - _SLICE) // (_SLICES - 1))
+                h.update(f.read(_SLICE))
+    return h.hexdigest()[:32]
+
+
+def _digest(*parts: str) -> str:
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class SampleSettings:
+    """How one sample image is drawn besides its prompt, for every family (``SampleImages``'s options)."""
+
+    seed: int
+    """The seed of the starting noise (drawn on the CPU: the same on any device)."""
+    height: int
+    width: int
+    steps: int
+    """Denoising steps."""
+    guidance_scale: float
+    """The guidance as the family's pipeline reads it: classifier-free guidance's scale, or a guidance-distilled
+    model's guidance input (FLUX.1-dev)."""
+
+
+class SampleText(NamedTuple):
+    """One prompt's cached embeddings (a batch of 1) to draw a sample from, the empty prompt's (the negative side of
+    classifier-free guidance; None when not given), and where the pipeline's denoiser runs."""
+
+    embeddings: dict[str, torch.Tensor]
+    negative: dict[str, torch.Tensor] | None
+    device: torch.device
+    dtype: torch.dtype
+
+    def to_denoiser(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` on the denoiser's device, in its compute dtype."""
+        return tensor.to(device=self.device, dtype=self.dtype)
 
 
 class PromptLimit(NamedTuple):
@@ -233,83 +322,21 @@ def build_from_config(cls: Any, config: dict[str, Any], dtype: torch.dtype, devi
 class DiffusionFamily(ABC):
     """The seam between lightning-lora and one kind of diffusion model. See the module docstring.
 
-    Subclasses are registered by ``name``. Batches are dicts of tensors: ``latents`` (normalized VAE latents,
-    ``[B, C, h, w]``) plus whatever :meth:`encode_prompts` returns per prompt.
+    Subclasses are registered by ``name`` and declare their facts (:mod:`lightning_lora.families.facts`). Batches are
+    dicts of tensors: ``latents`` (normalized VAE latents, ``[B, C, h, w]``) plus whatever :meth:`encode_prompts`
+    returns per prompt.
     """
 
     name: ClassVar[str]
-    pipeline_classes: ClassVar[tuple[str, ...]]
-    """``_class_name`` values of ``model_index.json`` this family can load."""
-    denoiser_subfolder: ClassVar[str]
-    denoiser_class: ClassVar[str]
-    """The denoiser's diffusers class, by name (``FluxTransformer2DModel``): loading, single files, the planner."""
-    latent_divisor: ClassVar[int]
-    """Image sides must be multiples of this many pixels (VAE downscale x latent patch size)."""
-    lora_presets: ClassVar[dict[str, str]]
-    """Named LoRA target sets: preset name -> regular expression over module names (peft ``target_modules``)."""
-    cudnn_attention_in_auto: ClassVar[bool] = True
-    """Whether ``model.attention: auto`` may use PyTorch's cuDNN SDPA backend with this family's model."""
-    known_denoisers: ClassVar[dict[str, dict[str, Any]]] = {}
-    """The denoiser's ``config.json`` (the fields that decide its shapes) for the hub ids the shipped configs use: the
-    memory planner needs no download for them (:meth:`denoiser_config`)."""
-    known_text_encoders: ClassVar[dict[str, dict[str, dict[str, Any]]]] = {}
-    """The text encoders' configs (:mod:`lightning_lora.families.encoders`) for the same hub ids, by component."""
-    vae_architecture: ClassVar[dict[str, Any] | None] = None
-    """The ``vae/config.json`` of the family's models (the fields that decide shapes: fine-tunes keep the VAE's
-    architecture): the planner measures the sample images' decode from it (:meth:`vae_config_for`); a family without it
-    plans sampling with :meth:`sampling_bytes` alone."""
-    sampling_batch: ClassVar[int] = 1
-    """The denoiser's batch per sample image: 2 where the pipeline runs classifier-free guidance as one batch (the
-    prompt and the negative, SDXL and SD1.5); 1 for guidance-distilled models (FLUX.1-dev)."""
-    compiled_saved_fraction: ClassVar[float] = 0.72
-    """The share of the eager forward's saved tensors that blocks compiled by ``model.compile_blocks`` keep for the
-    backward (inductor fuses elementwise chains and recomputes them): the planner scales the eager count it makes on
-    the meta device by it, for blocks that are not checkpointed. 0.72: calibrated on the two compiled FLUX rank-16 rows
-    without checkpointing (bf16 and NF4, on an H200: 0.78 of the eager count as it was then made, without autocast
-    and with rms_norm decomposed; 0.72 of the count made as the GPU runs)."""
-    compiled_regions: ClassVar[tuple[str, ...]] = ()
-    """Module classes ``model.compile_blocks`` compiles besides the model's repeated blocks (``_repeated_blocks``)."""
-    stream_sources: ClassVar[tuple[str, ...]] = ()
-    """The modules whose outputs feed the first repeated block (a container: each module in it), e.g. FLUX's image and
-    text embedders, or the UNets' first attention's ``proj_in``. Under ``model.compile_blocks`` their outputs are made
-    to require gradients while training, as every later block's inputs do, so that dynamo compiles one graph for the
-    first block and the rest, not two (it guards on ``requires_grad``): a quarter of FLUX's graphs and a third of the
-    UNets' (with the ``attention`` preset) less to compile and to trace again at each start (BENCHMARKS.md). The
-    price is the first block's input gradient, one block's worth of input-gradient matmuls. Where the module is itself
-    trained (a LoRA on ``proj_in``), its output has a gradient already and nothing changes."""
-    joined_streams: ClassVar[tuple[str, ...]] = ()
-    """Containers of repeated blocks whose last block hands its two streams ``(text, image)`` to blocks that pass
-    them to each other as slices of one tensor (FLUX's double-stream blocks, before its single-stream ones). Under
-    ``model.compile_blocks`` that last block's outputs come in the same layout, so that dynamo, which guards on
-    strides, compiles one graph for the first single-stream block and the rest, not two."""
-    checkpoints_only_repeated_blocks: ClassVar[bool] = True
-    """Whether diffusers' gradient checkpointing of the denoiser recomputes exactly its repeated blocks
-    (``_repeated_blocks``: FLUX's double and single blocks, Z-Image's refiners and layers), so that checkpointing
-    inside each of those blocks is the same checkpointing. Compiled blocks are checkpointed that way
-    (:func:`lightning_lora.model.assembly.apply_gradient_checkpointing`); the UNets' checkpointing also recomputes their
-    ResNets, which are no repeated blocks."""
-    text_encoders: ClassVar[tuple[str, ...]]
-    """The pipeline components (subfolders) whose weights the prompt embeddings depend on: every one the family's
-    :meth:`encode_prompts` runs. The text cache key is made from their identities, so a changed encoder never serves
-    stale embeddings; a family that forgets one would."""
-
-    @property
-    def tokenizers(self) -> tuple[str, ...]:
-        """The tokenizer components beside :attr:`text_encoders` (``text_encoder_2`` -> ``tokenizer_2``, diffusers'
-        layout): their files (vocabulary, chat template) shape the embeddings too, so the text cache key covers them."""
-        return tuple(c.replace("text_encoder", "tokenizer", 1) for c in self.text_encoders)
-
-    lora_formats: ClassVar[tuple[str, ...]] = ("diffusers",)
-    lora_tools: ClassVar[tuple[str, ...]] = ("diffusers", "ComfyUI", "kohya")
-    """The tools (:data:`lightning_lora.formats.clients.TOOLS`) that load LoRAs of this family at all. A run warns about
-    trained layers a listed tool will not apply; a tool left out (kohya's sd-scripts has no network for the newer
-    families) is said once in the log instead of warning on every run."""
-    """The LoRA file formats (:data:`lightning_lora.formats.FORMATS`) this family writes, in the order a training run
-    writes them by default. ``diffusers`` (peft keys under ``denoiser_subfolder``) needs nothing of the family; a
-    family listing ``kohya`` implements :meth:`kohya_lora` and :meth:`kohya_metadata`."""
-    lora_modelspec: ClassVar[dict[str, str]] = {}
-    """``modelspec.*`` entries every LoRA file of this family carries (``architecture``, ``implementation``: the IDs
-    kohya's sd-scripts writes, ``library/sai_model_spec.py``); empty: no ModelSpec."""
+    """The family's name in the registry (:data:`FAMILIES`), in messages and in ``--family``."""
+    architecture: ClassVar[Architecture]
+    """The model as the hub ships it: pipeline classes, denoiser, text encoders, image sides, LoRA presets."""
+    compiling: ClassVar[Compiling] = Compiling()
+    """How ``model.compile_blocks``, checkpointing and ``model.attention: auto`` treat the denoiser."""
+    planning: ClassVar[Planning] = Planning()
+    """What the memory planner knows of the family's models without a download."""
+    lora_files: ClassVar[LoraFiles] = LoraFiles()
+    """The LoRA files the family writes and who loads them."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -318,17 +345,18 @@ class DiffusionFamily(ABC):
 
     # -- loading -----------------------------------------------------------------------------------------------
     def check_source(self, source: ModelSource) -> None:
-        check_source(source, self.pipeline_classes)
+        check_source(source, self.architecture.pipeline_classes)
 
     def denoiser_cls(self) -> Any:
-        """The diffusers class of the denoiser (:attr:`denoiser_class`, imported now)."""
+        """The diffusers class of the denoiser (``architecture.denoiser_class``, imported now)."""
         import diffusers
 
-        return getattr(diffusers, self.denoiser_class)
+        return getattr(diffusers, self.architecture.denoiser_class)
 
     def load_denoiser(self, source: ModelSource) -> nn.Module:
         """The trainable backbone (transformer or UNet) in ``source.dtype``, frozen, in eval mode (by default
-        :meth:`load_denoiser_weights` of :attr:`denoiser_class`; families whose single files need more override it)."""
+        :meth:`load_denoiser_weights` of ``architecture.denoiser_class``; families whose single files need more override
+        it)."""
         return self.load_denoiser_weights(self.denoiser_cls(), source)
 
     def load_vae(self, source: ModelSource) -> nn.Module:
@@ -346,12 +374,14 @@ class DiffusionFamily(ABC):
             model = cls.from_single_file(
                 source.denoiser_file,
                 config=source.local_path,
-                subfolder=self.denoiser_subfolder,
+                subfolder=self.architecture.denoiser_subfolder,
                 torch_dtype=source.dtype,
                 local_files_only=source.is_local,
             )
         else:
-            model = load_weights(cls.from_pretrained, source, self.denoiser_subfolder, torch_dtype=source.dtype)
+            model = load_weights(
+                cls.from_pretrained, source, self.architecture.denoiser_subfolder, torch_dtype=source.dtype
+            )
         return model.requires_grad_(False).eval()
 
     @abstractmethod
@@ -401,72 +431,110 @@ class DiffusionFamily(ABC):
         """The per-sample training loss ``[B]`` for given noise and timesteps."""
 
     # -- sampling ----------------------------------------------------------------------------------------------
-    @abstractmethod
     def pipeline(self, denoiser: DiffusersModel, vae: DiffusersModel, source: ModelSource) -> Any:
-        """A diffusers pipeline around the (LoRA-carrying) denoiser that generates from prompt embeddings."""
+        """A diffusers pipeline around the (LoRA-carrying) denoiser that generates from prompt embeddings: the family's
+        :attr:`pipeline_class` with ``vae``, the :meth:`sampling_scheduler`, no text encoders or tokenizers (the
+        prompts come cached), whatever else the class needs (:meth:`pipeline_options`), its progress bar off."""
+        import diffusers
 
-    @abstractmethod
+        text = self.architecture.text_encoders + self.architecture.tokenizers
+        parts: dict[str, Any] = dict.fromkeys(text)
+        parts.update(vae=vae, scheduler=self.sampling_scheduler(source), **self.pipeline_options(source))
+        parts[self.architecture.denoiser_subfolder] = denoiser
+        pipe: Any = getattr(diffusers, self.pipeline_class)(**parts)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    @property
+    def pipeline_class(self) -> str:
+        """The diffusers pipeline class samples are drawn with (the first of ``architecture.pipeline_classes``)."""
+        return self.architecture.pipeline_classes[0]
+
+    def pipeline_options(self, source: ModelSource) -> dict[str, Any]:
+        """What :attr:`pipeline_class` needs besides its denoiser, VAE, scheduler and text components (none by
+        default)."""
+        return {}
+
+    def sampling_scheduler(self, source: ModelSource) -> Any:
+        """The scheduler samples are drawn with. Default: the model's own ``scheduler/`` as diffusers' flow-matching
+        Euler scheduler (what the flow-matching pipelines load)."""
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        return load_component(FlowMatchEulerDiscreteScheduler.from_pretrained, source, "scheduler")
+
     def generate(
         self,
         pipeline: Any,
         embeddings: dict[str, torch.Tensor],
-        *,
-        seed: int,
-        height: int,
-        width: int,
-        steps: int,
-        guidance_scale: float,
+        settings: SampleSettings,
         negative: dict[str, torch.Tensor] | None = None,
     ) -> Any:
-        """One image (PIL) for one prompt's embeddings (batch of 1), reproducible from ``seed``.
+        """One image (PIL) for one prompt's embeddings (batch of 1), drawn by ``pipeline`` (:meth:`pipeline`) as
+        ``settings`` say, reproducible from its seed: a CPU generator draws the same starting noise on any device.
 
         ``negative`` holds the empty prompt's embeddings (same keys), the negative side of classifier-free guidance
-        for the families that use it; a family without CFG (FLUX.1-dev) ignores it.
+        for the families that use it; a family without CFG (FLUX.1-dev) ignores it. The family turns the embeddings
+        and the guidance into the pipeline's arguments (:meth:`sampling_inputs`).
         """
+        denoiser = getattr(pipeline, self.architecture.denoiser_subfolder)
+        text = SampleText(embeddings, negative, denoiser.device, compute_dtype(denoiser))
+        inputs = self.sampling_inputs(pipeline, text, settings)
+        generator = torch.Generator(device="cpu").manual_seed(settings.seed)
+        return pipeline(
+            **inputs,
+            height=settings.height,
+            width=settings.width,
+            num_inference_steps=settings.steps,
+            generator=generator,
+            output_type="pil",
+        ).images[0]
 
-    # -- interop: LoRA file formats (lightning_lora.formats) -------------------------------------------------------
-    def kohya_lora(
-        self, state: Mapping[str, torch.Tensor], scale: float, *, dtype: torch.dtype | None = None
-    ) -> dict[str, torch.Tensor]:
-        """The LoRA ``state`` (a peft state dict without prefix or adapter name; DoRA, LoKr and LoHa tensors too) in
-        the kohya / ComfyUI layout of this family (``lora_unet_<module>.lora_down.weight`` / ``.lora_up.weight`` /
-        ``.alpha``, LyCORIS tensors for variants; see :mod:`lightning_lora.formats.kohya`), every update multiplied by
-        ``scale`` (peft's ``alpha / r``), weights cast to ``dtype`` when given. Raises ``ValueError`` naming a module
-        that has no kohya name or form. Default: the family has no kohya layout (:class:`ConfigError`)."""
-        raise self.format_refused("kohya")
+    @abstractmethod
+    def sampling_inputs(self, pipeline: Any, text: SampleText, settings: SampleSettings) -> dict[str, Any]:
+        """The pipeline's arguments for one prompt besides the image size, the steps and the seed: the prompt's (and the
+        negative's, where the family guides with one) cached embeddings as the pipeline takes them, where its denoiser
+        runs (:meth:`SampleText.to_denoiser`), and the guidance as the pipeline takes it (``guidance_scale``...). Raises
+        for a guidance that needs a negative it did not get."""
 
-    def kohya_metadata(self, summary: NetworkSummary) -> dict[str, str]:
-        """kohya sd-scripts' header entries (``ss_*``) of a kohya file of this family, from the file's
-        :class:`~lightning_lora.formats.kohya.NetworkSummary`. Default: the family has no kohya layout
-        (:class:`ConfigError`)."""
-        raise self.format_refused("kohya")
-
-    def lora_from_kohya(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """A kohya-layout LoRA file of this family (plain LoRA) as a peft state dict, every module's ``alpha / rank``
-        folded into its weights (for ``lightning-lora export`` of files made elsewhere). Default: the family has no
-        kohya layout (:class:`ConfigError`)."""
-        raise self.format_refused("kohya")
+    # -- interop: LoRA files (lightning_lora.formats, lightning_lora.export) ------------------------------------------
+    def lora_layout(self, format: str) -> LoraLayout:
+        """The layout of ``format`` this family writes (one of ``lora_files.layouts``: a layout module's code bound to
+        the family's names); :meth:`format_refused` for a format it does not write."""
+        for layout in self.lora_files.layouts:
+            if layout.format == format:
+                return layout
+        raise self.format_refused(format)
 
     def lora_coverage(self, format: str, variants: Mapping[str, str]) -> Coverage:
         """Which layers of a LoRA file of ``format`` each loader (diffusers, ComfyUI, kohya's sd-scripts) applies, for
-        a file whose layers (diffusers names) have these ``variants`` (:mod:`lightning_lora.formats.clients`). Default:
-        diffusers loads its own layout; the other tools' rules are not known for this family (reported as not
-        loaded)."""
-        from lightning_lora.formats.clients import Coverage
+        a file whose layers (diffusers names) have these ``variants``: the loaders' rules for this family's files
+        (:mod:`lightning_lora.formats.clients`). Default: none known but diffusers' for its own layout."""
+        from lightning_lora.formats.clients import rules_unknown
 
-        coverage = Coverage()
-        for tool in ("ComfyUI", "kohya"):
-            coverage.skip(tool, variants, f"lightning-lora knows no {tool} key rules for the {self.name} family")
-        if format != "diffusers":
-            coverage.skip("diffusers", variants, f"lightning-lora knows no diffusers rules for {format} files")
-        return coverage
+        return rules_unknown(self.name, format, variants)
 
     def format_refused(self, format: str) -> ConfigError:
         """The error for a LoRA file ``format`` this family does not write; it names the formats it does write."""
-        instead = " or ".join(f"--format {f}" for f in self.lora_formats)
+        instead = " or ".join(f"--format {f}" for f in self.lora_files.formats)
         return ConfigError(
             f"--format {format}: there is no {format} layout for the {self.name!r} family yet; use {instead}."
         )
+
+    # -- recognising LoRA files made elsewhere (lightning_lora.export.read_lora_file) ----------------------------------
+    @classmethod
+    def claims_lora_metadata(cls, metadata: Mapping[str, str]) -> int:
+        """How specifically the header of a LoRA file names this family: the length of the longest of its
+        ``lora_files.markers`` found in kohya's ``ss_base_model_version`` or ModelSpec's ``modelspec.architecture``, 0
+        for none. The longest wins, so FLUX.2's ``flux-2`` outranks FLUX.1's ``flux``, which it contains."""
+        named = metadata.get("ss_base_model_version", "") + " " + metadata.get("modelspec.architecture", "")
+        return max((len(marker) for marker in cls.lora_files.markers if marker in named), default=0)
+
+    @classmethod
+    def claims_lora_keys(cls, tensors: Mapping[str, torch.Tensor]) -> int:
+        """How surely the tensors of a LoRA file (their module names in any layout, their shapes) are this family's: 2
+        for names or widths only this family's model has, 1 for names it shares with another family's (taken when no
+        family claims 2), 0 for none of its own. Default 0: such files are known by their metadata or ``--family``."""
+        return 0
 
     # -- tests and the demo ----------------------------------------------------------------------------------------
     @classmethod
@@ -479,12 +547,12 @@ class DiffusionFamily(ABC):
     # -- memory planning (lightning_lora.plan) -------------------------------------------------------------------
     def denoiser_config(self, source: ModelSource, load_config: Callable[..., Any]) -> dict[str, Any]:
         """The denoiser's config, with no weights read: a local folder's ``<denoiser_subfolder>/config.json``; for a hub
-        id the shipped facts (:attr:`known_denoisers`) when it is a known model, else the hub's file (downloaded or
+        id the shipped facts (``planning.known_denoisers``) when it is a known model, else the hub's file (downloaded or
         cached). Offline without it: a :class:`ConfigError` saying which few-KB files to download."""
-        if not source.is_local and source.pretrained in self.known_denoisers:
-            return dict(self.known_denoisers[source.pretrained])
+        if not source.is_local and source.pretrained in self.planning.known_denoisers:
+            return dict(self.planning.known_denoisers[source.pretrained])
         try:
-            return dict(load_component(load_config, source, self.denoiser_subfolder))
+            return dict(load_component(load_config, source, self.architecture.denoiser_subfolder))
         except ConfigError:
             if source.is_local:
                 raise
@@ -495,11 +563,11 @@ class DiffusionFamily(ABC):
             ) from None
 
     def text_encoder_configs(self, source: ModelSource) -> dict[str, dict[str, Any]] | None:
-        """The configs of the text encoders the cache loads (:attr:`text_encoders`), with no weights read: a local
-        folder's ``<component>/config.json``, else the shipped facts of a known hub id; None when unknown."""
+        """The configs of the text encoders the cache loads (``architecture.text_encoders``), with no weights read: a
+        local folder's ``<component>/config.json``, else the shipped facts of a known hub id; None when unknown."""
         if source.is_local:
             configs = {}
-            for component in self.text_encoders:
+            for component in self.architecture.text_encoders:
                 path = Path(source.local_path) / component / "config.json"
                 try:
                     config = json.loads(path.read_text())
@@ -507,17 +575,18 @@ class DiffusionFamily(ABC):
                     return None
                 configs[component] = {"_class": (config.get("architectures") or [""])[0], **config}
             return configs
-        return self.known_text_encoders.get(source.pretrained)
+        known = self.planning.known_text_encoders.get(source.pretrained)
+        return None if known is None else {component: dict(config) for component, config in known.items()}
 
     def vae_config_for(self, source: ModelSource) -> dict[str, Any] | None:
         """The VAE's config, with no weights read and no download: a local folder's ``vae/config.json``, else the
-        family's :attr:`vae_architecture`; None for a family that declares no VAE architecture."""
-        if self.vae_architecture is None:
+        family's ``planning.vae_architecture``; None for a family that declares no VAE architecture."""
+        if self.planning.vae_architecture is None:
             return None
         if source.is_local:
             with contextlib.suppress(OSError, json.JSONDecodeError):
                 return dict(json.loads((Path(source.local_path) / "vae" / "config.json").read_text()))
-        return dict(self.vae_architecture)
+        return dict(self.planning.vae_architecture)
 
     def sampling_vae_dtype(self, vae_config: dict[str, Any], dtype: torch.dtype) -> torch.dtype:
         """The dtype the family's pipeline decodes in, for a VAE loaded in ``dtype`` (the load dtype; SDXL's pipeline
@@ -536,6 +605,48 @@ class DiffusionFamily(ABC):
         cls = self.denoiser_cls()
         return build_from_config(cls, self.denoiser_config(source, cls.load_config), source.dtype)
 
+    # -- cached batches without data (tools/bench.py) -------------------------------------------------------------
+    def example_batch(
+        self,
+        config: Mapping[str, Any],
+        batch: int,
+        height: int,
+        width: int,
+        text_len: int,
+        generator: torch.Generator | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """A batch as the latent cache serves it to the training step, random values of the cached shapes and dtypes:
+        ``batch`` images of ``height x width`` pixels (``latents`` as :meth:`encode_images` returns them, float32, and
+        their size conditioning) and prompts of ``text_len`` tokens (:meth:`example_text`), for the denoiser of
+        ``config`` (its ``config.json``). What the benchmark trains on with no data and no encoders."""
+        latents = torch.randn(batch, *self.cached_latent_shape(config, height, width), generator=generator)
+        size = torch.tensor([height, width]).expand(batch, 2)
+        return {
+            "latents": latents,
+            **self.example_text(config, batch, text_len, generator),
+            "original_size": size,
+            "crop_top_left": torch.zeros(batch, 2, dtype=torch.int64),
+            "target_size": size,
+        }
+
+    def cached_latent_shape(self, config: Mapping[str, Any], height: int, width: int) -> tuple[int, int, int]:
+        """The shape of one image's cached latents (:meth:`encode_images`), ``[C, h, w]``, for the denoiser of
+        ``config``. Default: its ``in_channels`` at an eighth of the image's sides (the VAE's downscale)."""
+        return (config["in_channels"], height // 8, width // 8)
+
+    def example_text(
+        self, config: Mapping[str, Any], batch: int, text_len: int, generator: torch.Generator | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Random cached prompt embeddings of ``batch`` prompts of ``text_len`` tokens, as :meth:`encode_prompts` gives
+        them to the text cache (bf16), for the denoiser of ``config``."""
+        raise NotImplementedError(f"the {self.name} family describes no cached text")
+
+    @classmethod
+    def text_length_options(cls, text_len: int) -> tuple[dict[str, Any], int]:
+        """The family's options for prompts of ``text_len`` tokens, and the text length the denoiser then sees.
+        Default: a fixed length, CLIP's 77 (no option changes it)."""
+        return {}, 77
+
     def example_inputs(
         self, model: DiffusersModel, batch: int, height: int, width: int, text_len: int, device: str, dtype: torch.dtype
     ) -> dict[str, Any]:
@@ -548,37 +659,16 @@ class DiffusionFamily(ABC):
 
     def sampling_bytes(self, model: DiffusersModel, height: int, width: int, text_len: int) -> float:
         """Activation bytes of one inference forward pass (plus the VAE decode) at this size: a hand estimate, used
-        by the planner only for a family without :attr:`vae_architecture` (else both are measured on the meta device:
-        :func:`lightning_lora.plan.sampling.sampling_pieces`)."""
+        by the planner only for a family without ``planning.vae_architecture`` (else both are measured on the meta
+        device: :func:`lightning_lora.plan.sampling.sampling_pieces`)."""
         raise NotImplementedError(f"the memory planner does not support the {self.name} family yet")
 
     # -- shared helpers ----------------------------------------------------------------------------------------
     def check_resolution(self, height: int, width: int, option: str) -> None:
-        d = self.latent_divisor
+        d = self.architecture.latent_divisor
         if height % d or width % d or height <= 0 or width <= 0:
             h, w = max(d, round(height / d) * d), max(d, round(width / d) * d)
             raise ConfigError(
                 f"{option}: {height}x{width} is not a multiple of {d} pixels, which {self.name} needs "
                 f"(VAE downscale x latent packing). Use {h}x{w}."
             )
-
-    @staticmethod
-    def seed_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
-        g = torch.Generator(device=device)
-        g.manual_seed(seed)
-        return g
-
-    def run_pipeline(
-        self, pipeline: Any, *, seed: int, height: int, width: int, steps: int, guidance_scale: float, **embeddings: Any
-    ) -> Any:
-        """One PIL image from ``pipeline`` with the given prompt embeddings (the families' :meth:`generate` passes
-        theirs). A CPU generator draws the same starting noise on any device."""
-        return pipeline(
-            **embeddings,
-            height=height,
-            width=width,
-            num_inference_steps=steps,
-            guidance_scale=guidance_scale,
-            generator=self.seed_generator(seed),
-            output_type="pil",
-        ).images[0]

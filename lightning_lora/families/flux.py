@@ -14,11 +14,19 @@ Shapes, for an image of ``H x W`` pixels and a batch ``B``:
 * Timesteps are noise levels ``sigma`` in (0, 1); the model multiplies them by 1000 inside.
 
 The objective (rectified flow, timestep sampling) is in :mod:`lightning_lora.objectives`.
+
+LoRA files: the diffusers layout (``transformer.<module>``, compact) loads in diffusers and, part by part, in ComfyUI
+(which maps each diffusers name onto its row slice of BFL's fused weights); the kohya layout names modules as Black
+Forest Labs' code does (:mod:`lightning_lora.formats.bfl`), q/k/v (and the single blocks' MLP input) fused as
+sd-scripts needs them, and loads in ComfyUI, sd-scripts and diffusers. :meth:`Flux.lora_coverage` says which layers
+each tool applies.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -31,13 +39,18 @@ from lightning_lora.families.base import (
     DiffusionFamily,
     ModelSource,
     PromptLimit,
+    SampleSettings,
+    SampleText,
     compute_dtype,
     load_component,
     load_weights,
 )
 from lightning_lora.families.encoders import CLIP_L, T5_XXL
-from lightning_lora.formats import kohya, kohya_read
-from lightning_lora.formats.clients import Coverage, flux_coverage
+from lightning_lora.families.facts import Architecture, Compiling, LoraFiles, Planning
+from lightning_lora.formats.bfl import flux_lora_slices, flux_slices_of
+from lightning_lora.formats.clients import COMFY_DORA, COMFY_PEFT_DORA, DIFFUSERS_DORA, Coverage
+from lightning_lora.formats.diffusers import DiffusersLayout
+from lightning_lora.formats.kohya import KohyaLayout, KohyaNetwork, flux_from_kohya, fused_to_kohya, separate_parts
 from lightning_lora.objectives import TimestepSampling
 
 __all__ = ["FLUX1_VAE", "Flux", "pack_latents", "unpack_latents", "latent_image_ids"]
@@ -46,6 +59,12 @@ _ATTENTION = r"attn\.(to_q|to_k|to_v|to_out\.0)"
 _TEXT_ATTENTION = r"attn\.(add_q_proj|add_k_proj|add_v_proj|to_add_out)"
 _MLP = r"(ff|ff_context)\.net\.(0\.proj|2)"
 _SINGLE = r"(proj_mlp|proj_out)"
+# The modules outside the blocks (diffusers' kohya converter drops them; sd-scripts makes no LoRA modules there).
+_OUTSIDE_BLOCKS = re.compile(r"^(x_embedder|context_embedder|time_text_embed\..+|proj_out|norm_out\.linear)$")
+# The joint attention's layers of a diffusers file (Qwen-Image's blocks name theirs alike).
+_JOINT_ATTENTION = re.compile(
+    r"transformer\.transformer_blocks\.\d+\.attn\.(to_[qkv]|to_out\.0|add_[qkv]_proj|to_add_out)\."
+)
 
 
 FLUX1_TRANSFORMER: dict[str, Any] = {
@@ -123,37 +142,49 @@ class Flux(DiffusionFamily):
     """
 
     name: ClassVar[str] = "flux"
-    denoiser_class: ClassVar[str] = "FluxTransformer2DModel"
-    pipeline_classes: ClassVar[tuple[str, ...]] = ("FluxPipeline",)
-    denoiser_subfolder: ClassVar[str] = "transformer"
-    latent_divisor: ClassVar[int] = 16
-    known_denoisers: ClassVar[dict[str, dict[str, Any]]] = {
-        "black-forest-labs/FLUX.1-dev": FLUX1_TRANSFORMER,
-        "black-forest-labs/FLUX.1-schnell": {**FLUX1_TRANSFORMER, "guidance_embeds": False},
-    }
-    known_text_encoders: ClassVar[dict[str, dict[str, dict[str, Any]]]] = dict.fromkeys(
-        ("black-forest-labs/FLUX.1-dev", "black-forest-labs/FLUX.1-schnell"),
-        {"text_encoder": CLIP_L, "text_encoder_2": T5_XXL},
+    architecture: ClassVar[Architecture] = Architecture(
+        pipeline_classes=("FluxPipeline",),
+        denoiser_class="FluxTransformer2DModel",
+        denoiser_subfolder="transformer",
+        text_encoders=("text_encoder", "text_encoder_2"),  # CLIP-L (pooled), T5-XXL
+        latent_divisor=16,
+        lora_presets={
+            # The set the public FLUX LoRA recipes (and our reference benchmark) use.
+            "attention": rf".*transformer_blocks\.\d+\.{_ATTENTION}",
+            # Plus the text stream's projections in the double blocks.
+            "attention_all": rf".*transformer_blocks\.\d+\.({_ATTENTION}|{_TEXT_ATTENTION})",
+            # Every linear layer inside the blocks (attention, feed-forward, single-block MLP and output).
+            "all_linear": rf".*(transformer_blocks\.\d+\.({_ATTENTION}|{_TEXT_ATTENTION}|{_MLP}|{_SINGLE}))",
+        },
     )
-    vae_architecture: ClassVar[dict[str, Any] | None] = FLUX1_VAE
-    text_encoders: ClassVar[tuple[str, ...]] = ("text_encoder", "text_encoder_2")  # CLIP-L (pooled), T5-XXL
-    stream_sources: ClassVar[tuple[str, ...]] = ("x_embedder", "context_embedder")
-    joined_streams: ClassVar[tuple[str, ...]] = ("transformer_blocks",)
+    compiling: ClassVar[Compiling] = Compiling(
+        stream_sources=("x_embedder", "context_embedder"), joined_streams=("transformer_blocks",)
+    )
+    planning: ClassVar[Planning] = Planning(
+        known_denoisers={
+            "black-forest-labs/FLUX.1-dev": FLUX1_TRANSFORMER,
+            "black-forest-labs/FLUX.1-schnell": {**FLUX1_TRANSFORMER, "guidance_embeds": False},
+        },
+        known_text_encoders=dict.fromkeys(
+            ("black-forest-labs/FLUX.1-dev", "black-forest-labs/FLUX.1-schnell"),
+            {"text_encoder": CLIP_L, "text_encoder_2": T5_XXL},
+        ),
+        vae_architecture=FLUX1_VAE,
+    )
     # diffusers: compact, loads in diffusers and (part by part) in ComfyUI; kohya: BFL module names, q/k/v (and the
     # single blocks' MLP input) fused, as sd-scripts needs them.
-    lora_formats: ClassVar[tuple[str, ...]] = ("diffusers", "kohya")
-    lora_modelspec: ClassVar[dict[str, str]] = {
-        "architecture": "flux-1-dev/lora",
-        "implementation": "https://github.com/black-forest-labs/flux",
-    }
-    lora_presets: ClassVar[dict[str, str]] = {
-        # The set the public FLUX LoRA recipes (and our reference benchmark) use.
-        "attention": rf".*transformer_blocks\.\d+\.{_ATTENTION}",
-        # Plus the text stream's projections in the double blocks.
-        "attention_all": rf".*transformer_blocks\.\d+\.({_ATTENTION}|{_TEXT_ATTENTION})",
-        # Every linear layer inside the blocks (attention, feed-forward, single-block MLP and output).
-        "all_linear": rf".*(transformer_blocks\.\d+\.({_ATTENTION}|{_TEXT_ATTENTION}|{_MLP}|{_SINGLE}))",
-    }
+    lora_files: ClassVar[LoraFiles] = LoraFiles(
+        layouts=(
+            DiffusersLayout("transformer"),
+            KohyaLayout(
+                KohyaNetwork("networks.lora_flux", "flux1"),
+                to_kohya=partial(fused_to_kohya, slices=flux_lora_slices),
+                from_kohya=flux_from_kohya,
+            ),
+        ),
+        modelspec={"architecture": "flux-1-dev/lora", "implementation": "https://github.com/black-forest-labs/flux"},
+        markers=("flux",),  # kohya's flux1, ModelSpec's flux-1-dev/lora and flux-1-schnell/lora
+    )
 
     def __init__(
         self,
@@ -266,65 +297,53 @@ class Flux(DiffusionFamily):
         return objectives.per_sample_mse(prediction, target)
 
     # -- sampling ----------------------------------------------------------------------------------------------
-    def pipeline(self, denoiser: DiffusersModel, vae: DiffusersModel, source: ModelSource) -> Any:
-        from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
-
-        scheduler = load_component(FlowMatchEulerDiscreteScheduler.from_pretrained, source, "scheduler")
-        pipe: Any = FluxPipeline(
-            scheduler=scheduler,
-            vae=vae,
-            text_encoder=None,
-            tokenizer=None,
-            text_encoder_2=None,
-            tokenizer_2=None,
-            transformer=denoiser,
-        )
-        pipe.set_progress_bar_config(disable=True)
-        return pipe
-
-    def generate(
-        self,
-        pipeline: Any,
-        embeddings: dict[str, torch.Tensor],
-        *,
-        seed: int,
-        height: int,
-        width: int,
-        steps: int,
-        guidance_scale: float,
-        negative: dict[str, torch.Tensor] | None = None,  # FLUX.1-dev has distilled guidance, no negative prompt
-    ) -> Any:
-        dtype = compute_dtype(pipeline.transformer)
-        device = pipeline.transformer.device
-        return self.run_pipeline(
-            pipeline,
-            seed=seed,
-            height=height,
-            width=width,
-            steps=steps,
-            guidance_scale=guidance_scale,
-            prompt_embeds=embeddings["prompt_embeds"].to(device=device, dtype=dtype),
-            pooled_prompt_embeds=embeddings["pooled_prompt_embeds"].to(device=device, dtype=dtype),
-        )
-
-    # -- interop -----------------------------------------------------------------------------------------------
     @override
-    def kohya_lora(
-        self, state: Mapping[str, torch.Tensor], scale: float, *, dtype: torch.dtype | None = None
-    ) -> dict[str, torch.Tensor]:
-        return kohya.flux_to_kohya(state, scale, dtype=dtype)
+    def sampling_inputs(self, pipeline: Any, text: SampleText, settings: SampleSettings) -> dict[str, Any]:
+        """The prompt's embeddings and ``guidance_scale``, FLUX.1-dev's distilled guidance input (no negative
+        prompt)."""
+        return {
+            "prompt_embeds": text.to_denoiser(text.embeddings["prompt_embeds"]),
+            "pooled_prompt_embeds": text.to_denoiser(text.embeddings["pooled_prompt_embeds"]),
+            "guidance_scale": settings.guidance_scale,
+        }
 
-    @override
-    def lora_from_kohya(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return kohya_read.flux_from_kohya(tensors)
-
-    @override
-    def kohya_metadata(self, summary: kohya.NetworkSummary) -> dict[str, str]:
-        return kohya.kohya_metadata(summary, kohya.FLUX_NETWORK)
-
+    # -- interop: what diffusers, ComfyUI and sd-scripts make of a FLUX LoRA file (lightning_lora.formats.clients) --
     @override
     def lora_coverage(self, format: str, variants: Mapping[str, str]) -> Coverage:
-        return flux_coverage(format, variants)
+        c = Coverage()
+        modules = list(variants)
+        outside = [m for m in modules if _OUTSIDE_BLOCKS.match(m)]
+        dora = [m for m, v in variants.items() if v == "DoRA"]
+        lycoris = [m for m, v in variants.items() if v in ("LoKr", "LoHa")]
+        if format == "diffusers":
+            c.approx("ComfyUI", dora, COMFY_PEFT_DORA)
+            c.skip("kohya", modules, "sd-scripts reads lora_unet_<BFL module> keys, not diffusers names")
+            return c
+        separate = sorted(separate_parts(variants, flux_slices_of(variants)))
+        c.skip("diffusers", lycoris, "diffusers' kohya converter reads lora_down/lora_up only")
+        c.skip("diffusers", separate, "diffusers' kohya converter reads lora_unet_ keys only")
+        c.skip(
+            "kohya",
+            separate,
+            "no fused form (LoKr, or DoRA on part of q/k/v/mlp): written under ComfyUI's per-part names",
+        )
+        c.skip("diffusers", outside, "diffusers' kohya FLUX converter drops the layers outside the blocks")
+        c.approx("diffusers", dora, DIFFUSERS_DORA)
+        c.approx("ComfyUI", dora, COMFY_DORA)
+        plain = [m for m in outside if variants[m] == "LoRA"]  # DoRA/LoKr/LoHa load through LyCORIS: every module
+        c.skip("kohya", plain, "networks/lora_flux.py makes LoRA modules inside the double/single blocks only")
+        return c
+
+    @classmethod
+    @override
+    def claims_lora_keys(cls, tensors: Mapping[str, torch.Tensor]) -> int:
+        """1 for FLUX's module names (diffusers' under ``transformer.``, BFL's ``double_blocks`` / ``single_blocks``),
+        which the other transformer families' files share in part; 0 for joint-attention layers alone, which
+        Qwen-Image names alike."""
+        keys = list(tensors)
+        if not any(k.startswith("transformer.") or "double_blocks" in k or "single_blocks" in k for k in keys):
+            return 0
+        return 0 if all(_JOINT_ATTENTION.match(k) for k in keys) else 1
 
     # -- memory planning ---------------------------------------------------------------------------------------
     def example_inputs(
@@ -346,6 +365,24 @@ class Flux(DiffusionFamily):
 
     def block_count(self, model: DiffusersModel) -> int:
         return model.config.num_layers + model.config.num_single_layers
+
+    @override
+    def cached_latent_shape(self, config: Mapping[str, Any], height: int, width: int) -> tuple[int, int, int]:
+        return (config["in_channels"] // 4, height // 8, width // 8)  # 2x2 patches of 16 channels packed
+
+    @override
+    def example_text(
+        self, config: Mapping[str, Any], batch: int, text_len: int, generator: torch.Generator | None = None
+    ) -> dict[str, torch.Tensor]:
+        """T5 padded to ``text_len`` (the denoiser attends over every position), CLIP's pooled vector."""
+        embeds = torch.randn(batch, text_len, config["joint_attention_dim"], generator=generator)
+        pooled = torch.randn(batch, config["pooled_projection_dim"], generator=generator)
+        return {"prompt_embeds": embeds.bfloat16(), "pooled_prompt_embeds": pooled.bfloat16()}
+
+    @classmethod
+    @override
+    def text_length_options(cls, text_len: int) -> tuple[dict[str, Any], int]:
+        return {"max_sequence_length": text_len}, text_len
 
     def sampling_bytes(self, model: DiffusersModel, height: int, width: int, text_len: int) -> float:
         c = model.config

@@ -8,7 +8,7 @@ Shapes, for an image of ``H x W`` pixels and a batch ``B``:
   ``(i, j)`` of the patch of channel ``c``), ``[B, 32, H/8, W/8] -> [B, 128, H/16, W/16]``, then normalised per channel
   by the VAE's own batch-norm statistics: ``(z - running_mean) / sqrt(running_var + eps)`` (the pipeline decodes
   ``x * std + mean``, then unpatchifies). The cache stores exactly that: ``[B, 128, H/16, W/16]``, so image sides are
-  multiples of 16 (:attr:`Flux2.latent_divisor`).
+  multiples of 16 (:attr:`Flux2.architecture.latent_divisor`).
 * The transformer sees one token per latent position (``patch_size`` 1): ``[B, (H/16)(W/16), 128]``, row-major. Its
   rotary positions have *four* axes ``(t, h, w, l)``: image token ``(r, c)`` is ``(0, r, c, 0)``, text token ``l`` is
   ``(0, 0, 0, l)`` (:func:`image_ids`, :func:`text_ids`).
@@ -36,10 +36,21 @@ dev's ``tokenizer`` folder is Mistral-Small-3.1's ``PixtralProcessor``, which tr
 torchvision; the pipeline only applies its chat template to text, so the tokenizer is loaded alone (``AutoTokenizer``:
 the same tokens, since the template starts with ``<s>`` and neither adds special tokens).
 
-LoRA files: the diffusers layout (``transformer.<module>``), which ``Flux2KleinPipeline.load_lora_weights`` and
-``Flux2Pipeline.load_lora_weights`` load; and
-the ComfyUI layout (``--format kohya``): ComfyUI builds FLUX.2 with Black Forest Labs' module names, and its loader
-maps ``lora_unet_<BFL module>`` keys onto every weight of the model. See :mod:`lightning_lora.formats.flux2`.
+LoRA files
+----------
+The diffusers layout (``transformer.<module>``), which ``Flux2KleinPipeline.load_lora_weights`` and
+``Flux2Pipeline.load_lora_weights`` load; and the ComfyUI layout (``--format kohya``): ComfyUI builds FLUX.2 with Black
+Forest Labs' module names (:mod:`lightning_lora.formats.bfl`), and its loader (``comfy/lora.py``
+``model_lora_keys_unet``) maps ``lora_unet_<BFL module with _>`` onto every weight of the model it built. The file
+holds ``lora_down`` / ``lora_up`` / ``alpha`` per BFL module (LyCORIS tensors for DoRA and LoHa), the separate q/k/v
+LoRAs fused exactly into one block-diagonal LoRA of rank ``3r`` (:mod:`lightning_lora.formats.kohya` explains the
+algebra). diffusers reads the same file (``Flux2LoraLoaderMixin``: ``_convert_kohya_flux2_lora_to_diffusers``, which
+splits a block-diagonal qkv back into rank-``r`` parts) except the modulation layers, dev's guidance embedder and the
+final modulation, which it drops. A LoKr on q/k/v has no fused form: those parts are written one by one under
+``lycoris_<diffusers name>``, which neither ComfyUI (as far as lightning-lora knows its FLUX.2 rules) nor diffusers
+applies; export says so. kohya's sd-scripts has no FLUX.2 network. Whether ComfyUI also maps diffusers-named FLUX.2
+LoRAs is not known to lightning-lora, so :meth:`Flux2.lora_coverage` reports the diffusers file as not loaded there:
+the kohya file is the one for ComfyUI.
 """
 
 from __future__ import annotations
@@ -49,6 +60,7 @@ import hashlib
 import inspect
 import json
 import math
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -64,15 +76,19 @@ from lightning_lora.families.base import (
     DiffusionFamily,
     ModelSource,
     PromptLimit,
+    SampleSettings,
+    SampleText,
     check_source,
     compute_dtype,
     load_component,
     load_weights,
 )
 from lightning_lora.families.encoders import MISTRAL_SMALL_31, QWEN3_4B_LM, QWEN3_8B_LM
-from lightning_lora.formats import kohya
+from lightning_lora.families.facts import Architecture, Compiling, LoraFiles, Planning
+from lightning_lora.formats.bfl import flux2_lora_slices, flux2_slices_of
 from lightning_lora.formats.clients import Coverage
-from lightning_lora.formats.flux2 import FLUX2_NETWORK, flux2_coverage, flux2_from_kohya, flux2_to_kohya
+from lightning_lora.formats.diffusers import DiffusersLayout
+from lightning_lora.formats.kohya import KohyaLayout, KohyaNetwork, from_kohya_by, fused_to_kohya, separate_parts
 
 __all__ = [
     "FLUX2_DEV_TRANSFORMER",
@@ -157,6 +173,22 @@ _ATTENTION = r"attn\.(to_q|to_k|to_v|to_out\.0)"
 _TEXT_ATTENTION = r"attn\.(add_q_proj|add_k_proj|add_v_proj|to_add_out)"
 _SINGLE = r"attn\.(to_qkv_mlp_proj|to_out)"
 _MLP = r"(ff|ff_context)\.(linear_in|linear_out)"
+# The modules diffusers' kohya FLUX.2 converter reads (the rest it drops with a warning).
+_DIFFUSERS_KOHYA = re.compile(
+    r"^(transformer_blocks\.\d+\.(attn\.(to_[qkv]|add_[qkv]_proj|to_out\.0|to_add_out)|(ff|ff_context)\.linear_(in|out))"
+    r"|single_transformer_blocks\.\d+\.attn\.(to_qkv_mlp_proj|to_out)"
+    r"|x_embedder|context_embedder|time_guidance_embed\.timestep_embedder\.linear_[12]|proj_out)$"
+)
+_COMFY_DORA = (
+    "ComfyUI divides dora_scale by the row norms of the base weight, not of the patched one (ComfyUI PR #15458): close "
+    "to the trained DoRA, not equal"
+)
+_DIFFUSERS_DORA = "diffusers drops dora_scale (the layer loads as a plain LoRA)"
+# Names only FLUX.2's transformer has (diffusers names: its BFL names are FLUX.1's).
+_OWN_MODULES = re.compile(
+    r"(single_transformer_blocks\.\d+\.attn\.(to_qkv_mlp_proj|to_out)\.|\.(ff|ff_context)\.linear_(in|out)\."
+    r"|stream_modulation|time_guidance_embed)"
+)
 
 # compute_empirical_mu's fit (FLUX.2's sampling code): mu = A2 tokens + B2 at 200 steps (and above 4300 tokens for any
 # step count), mu = A1 tokens + B1 at 10 steps, linear in the step count between those two.
@@ -244,46 +276,57 @@ class Flux2(DiffusionFamily):
     """
 
     name: ClassVar[str] = "flux2"
-    denoiser_class: ClassVar[str] = "Flux2Transformer2DModel"
-    pipeline_classes: ClassVar[tuple[str, ...]] = tuple(_PIPELINES.values())
-    denoiser_subfolder: ClassVar[str] = "transformer"
-    latent_divisor: ClassVar[int] = 16
-    # Compiled by inductor, full-width klein 4B blocks at 1024x1024 with 512-token captions kept 0.75 (double-stream)
-    # and 0.72 (single-stream) of what their eager forward saves, 0.73 of the whole model (dev/probes/saved_share.py on
-    # the CPU; FLUX.1's measured 0.86 there against the 0.78 calibrated on the GPU, so this errs high, the safe side).
-    # That was a share of the eager count as the CPU runs it; of the count made as the GPU runs (autocast, the fused
-    # rms_norm) the same compiled bytes are 0.80.
-    compiled_saved_fraction: ClassVar[float] = 0.80
-    known_denoisers: ClassVar[dict[str, dict[str, Any]]] = {
-        **dict.fromkeys(_KLEIN_4B, FLUX2_KLEIN_4B_TRANSFORMER),
-        **dict.fromkeys(_KLEIN_9B, FLUX2_KLEIN_9B_TRANSFORMER),
-        _DEV: FLUX2_DEV_TRANSFORMER,
-    }
-    known_text_encoders: ClassVar[dict[str, dict[str, dict[str, Any]]]] = {
-        **dict.fromkeys(_KLEIN_4B, {"text_encoder": QWEN3_4B_LM}),
-        **dict.fromkeys(_KLEIN_9B, {"text_encoder": QWEN3_8B_LM}),
-        _DEV: {"text_encoder": MISTRAL_SMALL_31},
-    }
-    vae_architecture: ClassVar[dict[str, Any] | None] = FLUX2_VAE
-    text_encoders: ClassVar[tuple[str, ...]] = ("text_encoder",)  # Qwen3 (klein) / Mistral-Small-3.1 (dev)
-    stream_sources: ClassVar[tuple[str, ...]] = ("x_embedder", "context_embedder")
-    lora_formats: ClassVar[tuple[str, ...]] = ("diffusers", "kohya")
-    lora_tools: ClassVar[tuple[str, ...]] = ("diffusers", "ComfyUI")  # sd-scripts has no FLUX.2 network
-    lora_modelspec: ClassVar[dict[str, str]] = {
-        "architecture": "flux-2/lora",
-        "implementation": "https://github.com/black-forest-labs/flux2",
-    }
-    lora_presets: ClassVar[dict[str, str]] = {
-        # The image attention of the double blocks, and the single blocks' two projections (FLUX.2 fuses q, k, v
-        # with the MLP input, and the attention output with the MLP output: there is no attention-only layer there).
-        "attention": rf".*(transformer_blocks\.\d+\.{_ATTENTION}|single_transformer_blocks\.\d+\.{_SINGLE})",
-        # Plus the text stream's attention projections in the double blocks.
-        "attention_all": rf".*(transformer_blocks\.\d+\.({_ATTENTION}|{_TEXT_ATTENTION})"
-        rf"|single_transformer_blocks\.\d+\.{_SINGLE})",
-        # Plus the double blocks' SwiGLU MLPs: every linear layer inside the blocks.
-        "all_linear": rf".*(transformer_blocks\.\d+\.({_ATTENTION}|{_TEXT_ATTENTION}|{_MLP})"
-        rf"|single_transformer_blocks\.\d+\.{_SINGLE})",
-    }
+    architecture: ClassVar[Architecture] = Architecture(
+        pipeline_classes=tuple(_PIPELINES.values()),
+        denoiser_class="Flux2Transformer2DModel",
+        denoiser_subfolder="transformer",
+        text_encoders=("text_encoder",),  # Qwen3 (klein) / Mistral-Small-3.1 (dev)
+        latent_divisor=16,
+        lora_presets={
+            # The image attention of the double blocks, and the single blocks' two projections (FLUX.2 fuses q, k, v
+            # with the MLP input, and the attention output with the MLP output: there is no attention-only layer there).
+            "attention": rf".*(transformer_blocks\.\d+\.{_ATTENTION}|single_transformer_blocks\.\d+\.{_SINGLE})",
+            # Plus the text stream's attention projections in the double blocks.
+            "attention_all": rf".*(transformer_blocks\.\d+\.({_ATTENTION}|{_TEXT_ATTENTION})"
+            rf"|single_transformer_blocks\.\d+\.{_SINGLE})",
+            # Plus the double blocks' SwiGLU MLPs: every linear layer inside the blocks.
+            "all_linear": rf".*(transformer_blocks\.\d+\.({_ATTENTION}|{_TEXT_ATTENTION}|{_MLP})"
+            rf"|single_transformer_blocks\.\d+\.{_SINGLE})",
+        },
+    )
+    compiling: ClassVar[Compiling] = Compiling(stream_sources=("x_embedder", "context_embedder"))
+    planning: ClassVar[Planning] = Planning(
+        known_denoisers={
+            **dict.fromkeys(_KLEIN_4B, FLUX2_KLEIN_4B_TRANSFORMER),
+            **dict.fromkeys(_KLEIN_9B, FLUX2_KLEIN_9B_TRANSFORMER),
+            _DEV: FLUX2_DEV_TRANSFORMER,
+        },
+        known_text_encoders={
+            **dict.fromkeys(_KLEIN_4B, {"text_encoder": QWEN3_4B_LM}),
+            **dict.fromkeys(_KLEIN_9B, {"text_encoder": QWEN3_8B_LM}),
+            _DEV: {"text_encoder": MISTRAL_SMALL_31},
+        },
+        vae_architecture=FLUX2_VAE,
+        # Compiled by inductor, full-width klein 4B blocks at 1024x1024 with 512-token captions kept 0.75
+        # (double-stream) and 0.72 (single-stream) of what their eager forward saves, 0.73 of the whole model
+        # (dev/probes/saved_share.py on the CPU; FLUX.1's measured 0.86 there against the 0.78 calibrated on the GPU, so
+        # this errs high, the safe side). That was a share of the eager count as the CPU runs it; of the count made as
+        # the GPU runs (autocast, the fused rms_norm) the same compiled bytes are 0.80.
+        compiled_saved_fraction=0.80,
+    )
+    lora_files: ClassVar[LoraFiles] = LoraFiles(
+        layouts=(
+            DiffusersLayout("transformer"),
+            KohyaLayout(  # ComfyUI's layout: BFL's names, q/k/v fused (module docstring)
+                KohyaNetwork("networks.lora_flux2", "flux2"),  # sd-scripts has none: its FLUX.1 names, for FLUX.2
+                to_kohya=functools.partial(fused_to_kohya, slices=flux2_lora_slices),
+                from_kohya=functools.partial(from_kohya_by, loader="Flux2LoraLoaderMixin"),
+            ),
+        ),
+        tools=("diffusers", "ComfyUI"),  # sd-scripts has no FLUX.2 network
+        modelspec={"architecture": "flux-2/lora", "implementation": "https://github.com/black-forest-labs/flux2"},
+        markers=("flux2", "flux-2"),  # kohya's, ModelSpec's
+    )
 
     def __init__(
         self,
@@ -330,7 +373,7 @@ class Flux2(DiffusionFamily):
             raise ConfigError(
                 f"{e} FLUX.2 {other} is model.family.init_args.variant: {other} (it is {self.variant})."
             ) from None
-        known = self.known_denoisers.get(source.pretrained)
+        known = self.planning.known_denoisers.get(source.pretrained)
         if not source.is_local and known is not None and known["guidance_embeds"] != (self.variant == "dev"):
             raise ConfigError(
                 f"model.family.init_args.variant: {source.pretrained} is FLUX.2 {other}, not {self.variant}; "
@@ -357,7 +400,7 @@ class Flux2(DiffusionFamily):
                 model = Flux2Transformer2DModel.from_single_file(
                     weights,
                     config=source.local_path,
-                    subfolder=self.denoiser_subfolder,
+                    subfolder=self.architecture.denoiser_subfolder,
                     torch_dtype=source.dtype,
                     local_files_only=source.is_local,
                 )
@@ -525,73 +568,69 @@ class Flux2(DiffusionFamily):
             return False
         return bool(config.get("is_distilled", False))
 
-    def pipeline(self, denoiser: DiffusersModel, vae: DiffusersModel, source: ModelSource) -> Any:
-        import diffusers
-        from diffusers import FlowMatchEulerDiscreteScheduler
+    @property
+    @override
+    def pipeline_class(self) -> str:
+        return _PIPELINES[self.variant]
 
-        scheduler = load_component(FlowMatchEulerDiscreteScheduler.from_pretrained, source, "scheduler")
-        parts: dict[str, Any] = {"scheduler": scheduler, "vae": vae, "transformer": denoiser}
-        if self.variant == "klein":
-            parts["is_distilled"] = self.is_distilled(source)
-        pipe: Any = getattr(diffusers, _PIPELINES[self.variant])(text_encoder=None, tokenizer=None, **parts)
-        pipe.set_progress_bar_config(disable=True)
-        return pipe
+    @override
+    def pipeline_options(self, source: ModelSource) -> dict[str, Any]:
+        return {"is_distilled": self.is_distilled(source)} if self.variant == "klein" else {}
 
-    def generate(
-        self,
-        pipeline: Any,
-        embeddings: dict[str, torch.Tensor],
-        *,
-        seed: int,
-        height: int,
-        width: int,
-        steps: int,
-        guidance_scale: float,
-        negative: dict[str, torch.Tensor] | None = None,
-    ) -> Any:
-        """One image as ``pipe(prompt, guidance_scale=...)`` draws it: klein base models with classifier-free guidance
-        above 1 (the cached empty prompt as the negative), distilled klein without, dev with ``guidance_scale`` as its
-        guidance input."""
-        dtype = compute_dtype(pipeline.transformer)
-        device = pipeline.transformer.device
+    @override
+    def sampling_inputs(self, pipeline: Any, text: SampleText, settings: SampleSettings) -> dict[str, Any]:
+        """As ``pipe(prompt, guidance_scale=...)`` draws it: klein base models with classifier-free guidance above 1
+        (the cached empty prompt as the negative), distilled klein without, dev with ``guidance_scale`` as its guidance
+        input."""
         extra: dict[str, Any] = {}
-        guided = self.variant == "klein" and guidance_scale > 1 and not pipeline.config.is_distilled
+        guided = self.variant == "klein" and settings.guidance_scale > 1 and not pipeline.config.is_distilled
         if guided:
-            if negative is None:
+            if text.negative is None:
                 raise ConfigError(
-                    f"SampleImages guidance_scale: {guidance_scale} needs the empty prompt's embeddings; use 1.0 "
-                    "(no classifier-free guidance)."
+                    f"SampleImages guidance_scale: {settings.guidance_scale} needs the empty prompt's embeddings; use "
+                    "1.0 (no classifier-free guidance)."
                 )
-            extra["negative_prompt_embeds"] = negative["prompt_embeds"].to(device=device, dtype=dtype)
-        return self.run_pipeline(
-            pipeline,
-            seed=seed,
-            height=height,
-            width=width,
-            steps=steps,
-            guidance_scale=guidance_scale,
-            prompt_embeds=embeddings["prompt_embeds"].to(device=device, dtype=dtype),
+            extra["negative_prompt_embeds"] = text.to_denoiser(text.negative["prompt_embeds"])
+        return {
+            "prompt_embeds": text.to_denoiser(text.embeddings["prompt_embeds"]),
+            "guidance_scale": settings.guidance_scale,
             **extra,
-        )
+        }
 
-    # -- interop -----------------------------------------------------------------------------------------------
-    @override
-    def kohya_lora(
-        self, state: Mapping[str, torch.Tensor], scale: float, *, dtype: torch.dtype | None = None
-    ) -> dict[str, torch.Tensor]:
-        return flux2_to_kohya(state, scale, dtype=dtype)
-
-    @override
-    def lora_from_kohya(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return flux2_from_kohya(tensors)
-
-    @override
-    def kohya_metadata(self, summary: kohya.NetworkSummary) -> dict[str, str]:
-        return kohya.kohya_metadata(summary, FLUX2_NETWORK)
-
+    # -- interop: what diffusers, ComfyUI and sd-scripts make of a FLUX.2 LoRA file (module docstring) ---------------
     @override
     def lora_coverage(self, format: str, variants: Mapping[str, str]) -> Coverage:
-        return flux2_coverage(format, variants)
+        c = Coverage()
+        modules = list(variants)
+        c.skip("kohya", modules, "kohya's sd-scripts has no FLUX.2 network")
+        if format == "diffusers":
+            c.skip(
+                "ComfyUI",
+                modules,
+                "lightning-lora knows no ComfyUI rules for diffusers-named FLUX.2 LoRAs; the kohya-format file (BFL "
+                "names) is ComfyUI's",
+            )
+            return c
+        separate = sorted(separate_parts(variants, flux2_slices_of(variants)))
+        dora = [m for m, v in variants.items() if v == "DoRA" and m not in separate]
+        lycoris = [m for m, v in variants.items() if v in ("LoKr", "LoHa")]
+        c.skip("ComfyUI", separate, "no fused form (LoKr, or DoRA on part of q/k/v): written under per-part names")
+        c.approx("ComfyUI", dora, _COMFY_DORA)
+        c.skip("diffusers", lycoris, "diffusers' FLUX.2 kohya converter reads lora_down/lora_up only")
+        c.skip("diffusers", [m for m in separate if m not in lycoris], "written under per-part names")
+        outside = [m for m in modules if not _DIFFUSERS_KOHYA.match(m) and m not in lycoris]
+        c.skip(
+            "diffusers", outside, "diffusers' kohya FLUX.2 converter drops it (modulation, guidance, final modulation)"
+        )
+        c.approx("diffusers", [m for m in dora if m not in outside], _DIFFUSERS_DORA)
+        return c
+
+    @classmethod
+    @override
+    def claims_lora_keys(cls, tensors: Mapping[str, torch.Tensor]) -> int:
+        """2 for FLUX.2's own diffusers names (its fused single-block projections, SwiGLU MLPs, shared modulation); its
+        BFL names are FLUX.1's."""
+        return 2 if any(_OWN_MODULES.search(k) for k in tensors) else 0
 
     # -- memory planning ---------------------------------------------------------------------------------------
     def example_inputs(
@@ -611,6 +650,23 @@ class Flux2(DiffusionFamily):
 
     def block_count(self, model: DiffusersModel) -> int:
         return model.config.num_layers + model.config.num_single_layers
+
+    @override
+    def cached_latent_shape(self, config: Mapping[str, Any], height: int, width: int) -> tuple[int, int, int]:
+        return (config["in_channels"], height // 16, width // 16)  # patchified, batch-normalised
+
+    @override
+    def example_text(
+        self, config: Mapping[str, Any], batch: int, text_len: int, generator: torch.Generator | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Three LLM layers side by side, every one of the ``text_len`` positions (no mask)."""
+        embeds = torch.randn(batch, text_len, config["joint_attention_dim"], generator=generator)
+        return {"prompt_embeds": embeds.bfloat16()}
+
+    @classmethod
+    @override
+    def text_length_options(cls, text_len: int) -> tuple[dict[str, Any], int]:
+        return {"max_sequence_length": text_len}, text_len  # the denoiser attends over every padded position
 
     def sampling_bytes(self, model: DiffusersModel, height: int, width: int, text_len: int) -> float:
         c = model.config

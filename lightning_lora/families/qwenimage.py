@@ -47,7 +47,7 @@ checkpoints unconverted), and ``comfy/lora.py`` maps a Qwen-Image LoRA's ``trans
 diffusers file is ComfyUI's file too. The ``kohya`` layout is musubi-tuner's (``networks.lora_qwen_image``):
 ``lora_unet_<module with _>`` with one ``.alpha`` per module, which ComfyUI maps for every model and diffusers'
 Qwen-Image converter reads (plain LoRA); it also holds LoKr and LoHa (LyCORIS tensors), which only ComfyUI applies.
-See :func:`lightning_lora.formats.clients.qwenimage_coverage`.
+See :meth:`QwenImage.lora_coverage`.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -71,14 +72,18 @@ from lightning_lora.families.base import (
     DiffusionFamily,
     ModelSource,
     PromptLimit,
+    SampleSettings,
+    SampleText,
     compute_dtype,
     load_component,
     load_weights,
 )
 from lightning_lora.families.encoders import QWEN25_VL_7B
+from lightning_lora.families.facts import Architecture, Compiling, LoraFiles, Planning
 from lightning_lora.families.flux import pack_latents, unpack_latents
-from lightning_lora.formats import kohya
-from lightning_lora.formats.clients import Coverage, qwenimage_coverage
+from lightning_lora.formats.clients import COMFY_DORA, COMFY_PEFT_DORA, DIFFUSERS_DORA, Coverage
+from lightning_lora.formats.diffusers import DiffusersLayout
+from lightning_lora.formats.kohya import KohyaLayout, KohyaNetwork, from_kohya_by, unet_to_kohya
 
 __all__ = [
     "QWEN_IMAGE_NETWORK",
@@ -97,6 +102,7 @@ QwenTimestepSampling = Literal["qwen_shift", "logit_normal", "uniform"]
 _ATTENTION = r"attn\.(to_q|to_k|to_v|to_out\.0)"
 _TEXT_KV = r"attn\.(add_k_proj|add_v_proj)"
 _IMAGE_MLP = r"img_mlp\.net\.(0\.proj|2)"
+_OWN_MODULES = re.compile(r"transformer_blocks[._]\d+[._](img|txt)_(mlp|mod)[._]")
 
 QWEN_IMAGE_TRANSFORMER: dict[str, Any] = {
     "_class_name": "QwenImageTransformer2DModel",
@@ -125,7 +131,7 @@ QWEN_IMAGE_VAE: dict[str, Any] = {
 down (2x per level after the first of ``dim_mult``) into ``z_dim`` channels, one frame per image; the decode's input
 is :meth:`QwenImage.sampling_latent_shape`."""
 
-QWEN_IMAGE_NETWORK = kohya.KohyaNetwork("networks.lora_qwen_image", "qwen_image")
+QWEN_IMAGE_NETWORK = KohyaNetwork("networks.lora_qwen_image", "qwen_image")
 """kohya metadata of a Qwen-Image file: musubi-tuner's network module (sd-scripts has no Qwen-Image network)."""
 
 # Qwen/Qwen-Image's scheduler_config.json: the dynamic shift's mu is linear from base_shift (0.5) at
@@ -176,37 +182,50 @@ class QwenImage(DiffusionFamily):
     """
 
     name: ClassVar[str] = "qwenimage"
-    denoiser_class: ClassVar[str] = "QwenImageTransformer2DModel"
-    pipeline_classes: ClassVar[tuple[str, ...]] = ("QwenImagePipeline",)
-    denoiser_subfolder: ClassVar[str] = "transformer"
-    latent_divisor: ClassVar[int] = 16
-    # Not measured for Qwen-Image: FLUX's 0.78 of the eager count as it was first made, rebased to the count made
-    # as the GPU runs, under autocast (21% larger), so the compiled plan stays as measured (+4.8%, on an H200).
-    compiled_saved_fraction: ClassVar[float] = 0.64
-    known_denoisers: ClassVar[dict[str, dict[str, Any]]] = {"Qwen/Qwen-Image": QWEN_IMAGE_TRANSFORMER}
-    known_text_encoders: ClassVar[dict[str, dict[str, dict[str, Any]]]] = {
-        "Qwen/Qwen-Image": {"text_encoder": QWEN25_VL_7B}
-    }
-    vae_architecture: ClassVar[dict[str, Any] | None] = QWEN_IMAGE_VAE
-    text_encoders: ClassVar[tuple[str, ...]] = ("text_encoder",)  # Qwen2.5-VL-7B
-    stream_sources: ClassVar[tuple[str, ...]] = ("img_in", "txt_in")
-    lora_formats: ClassVar[tuple[str, ...]] = ("diffusers", "kohya")
-    lora_tools: ClassVar[tuple[str, ...]] = ("diffusers", "ComfyUI")  # sd-scripts has no network for it
-    lora_modelspec: ClassVar[dict[str, str]] = {  # as musubi-tuner writes them (utils/sai_model_spec.py)
-        "architecture": "Qwen-Image/lora",
-        "implementation": "https://github.com/QwenLM/Qwen-Image",
-    }
-    # Only layers that reach the image in every block. The last block's text output is discarded (the transformer's
-    # output is its image tokens), so a LoRA on its text query (add_q_proj), text output (to_add_out) or text MLP
-    # would never train; a targets pattern of your own can add those layers (they train in the other blocks).
-    lora_presets: ClassVar[dict[str, str]] = {
-        # The image stream's attention: the default targets of diffusers' Qwen-Image LoRA script.
-        "attention": rf".*transformer_blocks\.\d+\.{_ATTENTION}",
-        # Plus the text keys and values the image attends to in the joint attention.
-        "attention_all": rf".*transformer_blocks\.\d+\.({_ATTENTION}|{_TEXT_KV})",
-        # Plus the image stream's MLP (the modulation layers img_mod / txt_mod stay frozen, as in musubi-tuner).
-        "all_linear": rf".*transformer_blocks\.\d+\.({_ATTENTION}|{_TEXT_KV}|{_IMAGE_MLP})",
-    }
+    architecture: ClassVar[Architecture] = Architecture(
+        pipeline_classes=("QwenImagePipeline",),
+        denoiser_class="QwenImageTransformer2DModel",
+        denoiser_subfolder="transformer",
+        text_encoders=("text_encoder",),  # Qwen2.5-VL-7B
+        latent_divisor=16,
+        # Only layers that reach the image in every block. The last block's text output is discarded (the transformer's
+        # output is its image tokens), so a LoRA on its text query (add_q_proj), text output (to_add_out) or text MLP
+        # would never train; a targets pattern of your own can add those layers (they train in the other blocks).
+        lora_presets={
+            # The image stream's attention: the default targets of diffusers' Qwen-Image LoRA script.
+            "attention": rf".*transformer_blocks\.\d+\.{_ATTENTION}",
+            # Plus the text keys and values the image attends to in the joint attention.
+            "attention_all": rf".*transformer_blocks\.\d+\.({_ATTENTION}|{_TEXT_KV})",
+            # Plus the image stream's MLP (the modulation layers img_mod / txt_mod stay frozen, as in musubi-tuner).
+            "all_linear": rf".*transformer_blocks\.\d+\.({_ATTENTION}|{_TEXT_KV}|{_IMAGE_MLP})",
+        },
+    )
+    compiling: ClassVar[Compiling] = Compiling(stream_sources=("img_in", "txt_in"))
+    planning: ClassVar[Planning] = Planning(
+        known_denoisers={"Qwen/Qwen-Image": QWEN_IMAGE_TRANSFORMER},
+        known_text_encoders={"Qwen/Qwen-Image": {"text_encoder": QWEN25_VL_7B}},
+        vae_architecture=QWEN_IMAGE_VAE,
+        # Not measured for Qwen-Image: FLUX's 0.78 of the eager count as it was first made, rebased to the count made
+        # as the GPU runs, under autocast (21% larger), so the compiled plan stays as measured (+4.8%, on an H200).
+        compiled_saved_fraction=0.64,
+    )
+    lora_files: ClassVar[LoraFiles] = LoraFiles(
+        layouts=(
+            DiffusersLayout("transformer"),
+            # musubi-tuner's names are the diffusers modules with "_", like sd-scripts' SD1.x names.
+            KohyaLayout(
+                QWEN_IMAGE_NETWORK,
+                to_kohya=unet_to_kohya,
+                from_kohya=functools.partial(
+                    from_kohya_by, loader="QwenImageLoraLoaderMixin"
+                ),  # alpha / rank folded in
+            ),
+        ),
+        tools=("diffusers", "ComfyUI"),  # sd-scripts has no network for it
+        # as musubi-tuner writes them (utils/sai_model_spec.py)
+        modelspec={"architecture": "Qwen-Image/lora", "implementation": "https://github.com/QwenLM/Qwen-Image"},
+        markers=("qwen_image", "Qwen-Image/"),  # kohya's, ModelSpec's (musubi-tuner)
+    )
 
     def __init__(
         self,
@@ -246,7 +265,7 @@ class QwenImage(DiffusionFamily):
         model = QwenImageTransformer2DModel.from_single_file(
             weights,
             config=source.local_path,
-            subfolder=self.denoiser_subfolder,
+            subfolder=self.architecture.denoiser_subfolder,
             torch_dtype=source.dtype,
             local_files_only=source.is_local,
         )
@@ -395,88 +414,61 @@ class QwenImage(DiffusionFamily):
         return objectives.per_sample_mse(prediction, target)
 
     # -- sampling ----------------------------------------------------------------------------------------------
-    def pipeline(self, denoiser: DiffusersModel, vae: DiffusersModel, source: ModelSource) -> Any:
-        from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+    @override
+    def sampling_inputs(self, pipeline: Any, text: SampleText, settings: SampleSettings) -> dict[str, Any]:
+        """Classifier-free guidance ``true_cfg_scale = guidance_scale`` (none at 1 or below), the empty prompt as the
+        negative, as ``pipe(prompt, negative_prompt="", true_cfg_scale=...)`` draws it."""
 
-        scheduler = load_component(FlowMatchEulerDiscreteScheduler.from_pretrained, source, "scheduler")
-        pipe: Any = QwenImagePipeline(
-            scheduler=scheduler,
-            vae=vae,
-            text_encoder=None,  # type: ignore[arg-type]
-            tokenizer=None,  # type: ignore[arg-type]
-            transformer=denoiser,
-        )
-        pipe.set_progress_bar_config(disable=True)
-        return pipe
-
-    def generate(
-        self,
-        pipeline: Any,
-        embeddings: dict[str, torch.Tensor],
-        *,
-        seed: int,
-        height: int,
-        width: int,
-        steps: int,
-        guidance_scale: float,
-        negative: dict[str, torch.Tensor] | None = None,
-    ) -> Any:
-        """One image with classifier-free guidance ``true_cfg_scale = guidance_scale`` (none at 1 or below), the
-        empty prompt as the negative, as ``pipe(prompt, negative_prompt="", true_cfg_scale=...)`` draws it."""
-        dtype = compute_dtype(pipeline.transformer)
-        device = pipeline.transformer.device
-
-        def text(cached: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        def trimmed(cached: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             n = max(int(cached["prompt_embeds_mask"].sum(dim=1).max()), 1)  # a batch of one: its own length
             return {
-                "embeds": cached["prompt_embeds"][:, :n].to(device=device, dtype=dtype),
-                "mask": cached["prompt_embeds_mask"][:, :n].to(device=device),
+                "embeds": text.to_denoiser(cached["prompt_embeds"][:, :n]),
+                "mask": cached["prompt_embeds_mask"][:, :n].to(device=text.device),
             }
 
-        prompt = text(embeddings)
+        prompt = trimmed(text.embeddings)
         guided: dict[str, Any] = {}
-        if guidance_scale > 1:
-            if negative is None:
+        if settings.guidance_scale > 1:
+            if text.negative is None:
                 raise ValueError(
                     "classifier-free guidance (guidance_scale > 1) needs the empty prompt's embeddings as `negative`"
                 )
-            neg = text(negative)
+            neg = trimmed(text.negative)
             guided = {"negative_prompt_embeds": neg["embeds"], "negative_prompt_embeds_mask": neg["mask"]}
-        return pipeline(
-            prompt_embeds=prompt["embeds"],
-            prompt_embeds_mask=prompt["mask"],
-            true_cfg_scale=guidance_scale,
-            height=height,
-            width=width,
-            num_inference_steps=steps,
-            max_sequence_length=self.max_sequence_length,
-            generator=self.seed_generator(seed),
-            output_type="pil",
+        return {
+            "prompt_embeds": prompt["embeds"],
+            "prompt_embeds_mask": prompt["mask"],
+            "true_cfg_scale": settings.guidance_scale,
+            "max_sequence_length": self.max_sequence_length,
             **guided,
-        ).images[0]
+        }
 
-    # -- interop -----------------------------------------------------------------------------------------------
-    @override
-    def kohya_lora(
-        self, state: Mapping[str, torch.Tensor], scale: float, *, dtype: torch.dtype | None = None
-    ) -> dict[str, torch.Tensor]:
-        # musubi-tuner's names are the diffusers modules with "_", like sd-scripts' SD1.x names.
-        return kohya.unet_to_kohya(state, scale, None, dtype=dtype)
-
-    @override
-    def lora_from_kohya(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        from diffusers.loaders import QwenImageLoraLoaderMixin
-
-        converted: Any = QwenImageLoraLoaderMixin.lora_state_dict(dict(tensors))  # alpha / rank folded in
-        return {k.removeprefix("transformer."): v for k, v in converted.items()}
-
-    @override
-    def kohya_metadata(self, summary: kohya.NetworkSummary) -> dict[str, str]:
-        return kohya.kohya_metadata(summary, QWEN_IMAGE_NETWORK)
-
+    # -- interop: what diffusers, ComfyUI and sd-scripts make of a Qwen-Image LoRA file (formats.clients) ------------
     @override
     def lora_coverage(self, format: str, variants: Mapping[str, str]) -> Coverage:
-        return qwenimage_coverage(format, variants)
+        """ComfyUI maps both layouts onto its own (diffusers-named) modules, diffusers reads both (a kohya file as plain
+        LoRA), kohya's sd-scripts reads neither."""
+        c = Coverage()
+        modules = list(variants)
+        dora = [m for m, v in variants.items() if v == "DoRA"]
+        lycoris = [m for m, v in variants.items() if v in ("LoKr", "LoHa")]
+        c.skip("kohya", modules, "kohya's sd-scripts has no Qwen-Image network (musubi-tuner trains Qwen-Image LoRAs)")
+        if format == "diffusers":
+            c.approx("ComfyUI", dora, COMFY_PEFT_DORA)
+            return c
+        c.skip(
+            "diffusers", lycoris, "diffusers' Qwen-Image converter reads lora_down/lora_up only (it refuses the file)"
+        )
+        c.approx("diffusers", dora, DIFFUSERS_DORA)
+        c.approx("ComfyUI", dora, COMFY_DORA)
+        return c
+
+    @classmethod
+    @override
+    def claims_lora_keys(cls, tensors: Mapping[str, torch.Tensor]) -> int:
+        """2 for Qwen-Image's own image/text-stream MLPs and modulation (in diffusers' or musubi-tuner's names); its
+        joint-attention layers alone are named as FLUX's are."""
+        return 2 if any(_OWN_MODULES.search(k) for k in tensors) else 0
 
     # -- memory planning ---------------------------------------------------------------------------------------
     def example_inputs(
@@ -504,6 +496,26 @@ class QwenImage(DiffusionFamily):
 
     def block_count(self, model: DiffusersModel) -> int:
         return model.config.num_layers
+
+    @override
+    def cached_latent_shape(self, config: Mapping[str, Any], height: int, width: int) -> tuple[int, int, int]:
+        return (config["out_channels"], height // 8, width // 8)  # one frame of the video VAE, without its axis
+
+    @override
+    def example_text(
+        self, config: Mapping[str, Any], batch: int, text_len: int, generator: torch.Generator | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Qwen2.5-VL's last hidden state of ``text_len`` tokens, zeros to the cached length, an int64 mask."""
+        embeds = torch.zeros(batch, self.max_sequence_length, config["joint_attention_dim"])
+        embeds[:, :text_len] = torch.randn(batch, text_len, config["joint_attention_dim"], generator=generator)
+        mask = (torch.arange(self.max_sequence_length) < text_len).expand(batch, -1)
+        return {"prompt_embeds": embeds.bfloat16(), "prompt_embeds_mask": mask.long()}
+
+    @classmethod
+    @override
+    def text_length_options(cls, text_len: int) -> tuple[dict[str, Any], int]:
+        # The denoiser sees the caption's tokens alone: the cache keeps its default length (512, the shipped configs').
+        return {"max_sequence_length": max(text_len, 512)}, text_len
 
     def sampling_bytes(self, model: DiffusersModel, height: int, width: int, text_len: int) -> float:
         c = model.config

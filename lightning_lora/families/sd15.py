@@ -12,17 +12,20 @@ Classifier-free guidance at sampling time uses the embedding of the empty prompt
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 from typing_extensions import override
 
-from lightning_lora.families.base import DiffusersModel, ModelSource, load_component, load_weights
+from lightning_lora.families.base import ModelSource, SampleSettings, SampleText, load_component, load_weights
 from lightning_lora.families.encoders import CLIP_L
+from lightning_lora.families.facts import Architecture, Compiling, LoraFiles, Planning
 from lightning_lora.families.sdxl import SDXL_VAE
-from lightning_lora.families.unet import UNetFamily
-from lightning_lora.formats import kohya, kohya_read
+from lightning_lora.families.unet import UNetFamily, cross_attention_widths
+from lightning_lora.formats.diffusers import DiffusersLayout
+from lightning_lora.formats.kohya import KohyaLayout, KohyaNetwork, unet_from_kohya, unet_to_kohya
 
 __all__ = ["SD15", "SD15_VAE"]
 
@@ -41,6 +44,8 @@ SD15_UNET: dict[str, Any] = {
 }
 """Stable Diffusion 1.5's ``unet/config.json`` (the fields that decide shapes; 860 M parameters)."""
 
+_HUB_IDS = ("stable-diffusion-v1-5/stable-diffusion-v1-5", "runwayml/stable-diffusion-v1-5")
+
 SD15_VAE: dict[str, Any] = {**SDXL_VAE, "sample_size": 512, "scaling_factor": 0.18215}
 """Stable Diffusion 1.5's ``vae/config.json``: SDXL's VAE architecture (SDXL's VAE is a retrained SD VAE)."""
 
@@ -53,28 +58,36 @@ class SD15(UNetFamily):
     """
 
     name: ClassVar[str] = "sd15"
-    pipeline_classes: ClassVar[tuple[str, ...]] = ("StableDiffusionPipeline",)
-    text_encoders: ClassVar[tuple[str, ...]] = ("text_encoder",)  # CLIP-L (OpenCLIP-H for SD2)
-    # kohya: diffusers' module names with "_", as sd-scripts trains SD1.x.
-    lora_formats: ClassVar[tuple[str, ...]] = ("diffusers", "kohya")
-    lora_modelspec: ClassVar[dict[str, str]] = {
-        "architecture": "stable-diffusion-v1/lora",
-        "implementation": "diffusers",  # what sd-scripts writes for an SD1.x LoRA (library/sai_model_spec.py)
-    }
-    known_denoisers: ClassVar[dict[str, dict[str, Any]]] = {
-        "stable-diffusion-v1-5/stable-diffusion-v1-5": SD15_UNET,
-        "runwayml/stable-diffusion-v1-5": SD15_UNET,
-    }
-    known_text_encoders: ClassVar[dict[str, dict[str, dict[str, Any]]]] = dict.fromkeys(
-        ("stable-diffusion-v1-5/stable-diffusion-v1-5", "runwayml/stable-diffusion-v1-5"),
-        {"text_encoder": CLIP_L},
+    architecture: ClassVar[Architecture] = replace(
+        UNetFamily.architecture,
+        pipeline_classes=("StableDiffusionPipeline",),
+        text_encoders=("text_encoder",),  # CLIP-L (OpenCLIP-H for SD2)
     )
-    vae_architecture: ClassVar[dict[str, Any] | None] = SD15_VAE
     # The first transformer block's input: the first level's first attention.
-    stream_sources: ClassVar[tuple[str, ...]] = ("down_blocks.0.attentions.0.proj_in",)
-    # The whole forward's share of the eager count with the transformer blocks compiled and the ResNets eager (the
-    # UNets' compiled regions): calibrated on an H100's 3.72 / 9.73 GiB at batch 2 / 8 (planned 3.86 / 9.36).
-    compiled_saved_fraction: ClassVar[float] = 0.70
+    compiling: ClassVar[Compiling] = replace(
+        UNetFamily.compiling, stream_sources=("down_blocks.0.attentions.0.proj_in",)
+    )
+    planning: ClassVar[Planning] = replace(
+        UNetFamily.planning,
+        known_denoisers=dict.fromkeys(_HUB_IDS, SD15_UNET),
+        known_text_encoders=dict.fromkeys(_HUB_IDS, {"text_encoder": CLIP_L}),
+        vae_architecture=SD15_VAE,
+        # The whole forward's share of the eager count with the transformer blocks compiled and the ResNets eager (the
+        # UNets' compiled regions): calibrated on an H100's 3.72 / 9.73 GiB at batch 2 / 8 (planned 3.86 / 9.36).
+        compiled_saved_fraction=0.70,
+    )
+    # kohya: diffusers' module names with "_", as sd-scripts trains SD1.x.
+    lora_files: ClassVar[LoraFiles] = LoraFiles(
+        layouts=(
+            DiffusersLayout("unet"),
+            KohyaLayout(KohyaNetwork("networks.lora", "sd_v1"), to_kohya=unet_to_kohya, from_kohya=unet_from_kohya),
+        ),
+        modelspec={
+            "architecture": "stable-diffusion-v1/lora",
+            "implementation": "diffusers",  # what sd-scripts writes for an SD1.x LoRA (library/sai_model_spec.py)
+        },
+        markers=("sd_v1", "v1/"),  # kohya's sd_v1, ModelSpec's stable-diffusion-v1/lora
+    )
 
     # -- loading -----------------------------------------------------------------------------------------------
     def load_text_encoders(self, source: ModelSource) -> Any:
@@ -123,19 +136,11 @@ class SD15(UNetFamily):
         return f"sd15-{self._clip_tag()}"
 
     # -- interop -----------------------------------------------------------------------------------------------
+    @classmethod
     @override
-    def kohya_lora(
-        self, state: Mapping[str, torch.Tensor], scale: float, *, dtype: torch.dtype | None = None
-    ) -> dict[str, torch.Tensor]:
-        return kohya.sd15_to_kohya(state, scale, dtype=dtype)
-
-    @override
-    def lora_from_kohya(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return kohya_read.unet_from_kohya(tensors, None)
-
-    @override
-    def kohya_metadata(self, summary: kohya.NetworkSummary) -> dict[str, str]:
-        return kohya.kohya_metadata(summary, kohya.SD15_NETWORK)
+    def claims_lora_keys(cls, tensors: Mapping[str, torch.Tensor]) -> int:
+        """2 for a cross attention as wide as CLIP-L (768, SD1.x) or OpenCLIP-H (1024, SD2.x)."""
+        return 2 if cross_attention_widths(tensors) & {768, 1024} else 0
 
     # -- training ----------------------------------------------------------------------------------------------
     def unet_conditions(
@@ -143,45 +148,24 @@ class SD15(UNetFamily):
     ) -> dict[str, Any]:
         return {"encoder_hidden_states": batch["prompt_embeds"].to(dtype)}
 
+    @override
+    def example_text(
+        self, config: Mapping[str, Any], batch: int, text_len: int, generator: torch.Generator | None = None
+    ) -> dict[str, torch.Tensor]:
+        """CLIP-L's 77 tokens; no pooled vector."""
+        return {"prompt_embeds": torch.randn(batch, 77, config["cross_attention_dim"], generator=generator).bfloat16()}
+
     # -- sampling ----------------------------------------------------------------------------------------------
-    def pipeline(self, denoiser: DiffusersModel, vae: DiffusersModel, source: ModelSource) -> Any:
-        from diffusers import StableDiffusionPipeline
+    @override
+    def pipeline_options(self, source: ModelSource) -> dict[str, Any]:
+        return {"safety_checker": None, "feature_extractor": None, "requires_safety_checker": False}
 
-        pipe: Any = StableDiffusionPipeline(
-            vae=vae,
-            text_encoder=None,
-            tokenizer=None,
-            unet=denoiser,
-            scheduler=self.sampling_scheduler(source),
-            safety_checker=None,
-            feature_extractor=None,
-            requires_safety_checker=False,
-        )
-        pipe.set_progress_bar_config(disable=True)
-        return pipe
-
-    def generate(
-        self,
-        pipeline: Any,
-        embeddings: dict[str, torch.Tensor],
-        *,
-        seed: int,
-        height: int,
-        width: int,
-        steps: int,
-        guidance_scale: float,
-        negative: dict[str, torch.Tensor] | None = None,
-    ) -> Any:
-        self._require_negative(negative, guidance_scale)
-        device, dtype = self._device_dtype(pipeline)
-        negative_embeds = None if negative is None else negative["prompt_embeds"].to(device=device, dtype=dtype)
-        return self.run_pipeline(
-            pipeline,
-            seed=seed,
-            height=height,
-            width=width,
-            steps=steps,
-            guidance_scale=guidance_scale,
-            prompt_embeds=embeddings["prompt_embeds"].to(device=device, dtype=dtype),
-            negative_prompt_embeds=negative_embeds,
-        )
+    @override
+    def sampling_inputs(self, pipeline: Any, text: SampleText, settings: SampleSettings) -> dict[str, Any]:
+        self._require_negative(text.negative, settings.guidance_scale)
+        negative = None if text.negative is None else text.to_denoiser(text.negative["prompt_embeds"])
+        return {
+            "prompt_embeds": text.to_denoiser(text.embeddings["prompt_embeds"]),
+            "negative_prompt_embeds": negative,
+            "guidance_scale": settings.guidance_scale,
+        }

@@ -22,17 +22,21 @@ The objective and LoRA presets are in :mod:`lightning_lora.families.unet`.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 from typing_extensions import override
 
-from lightning_lora.families.base import DiffusersModel, ModelSource, load_component, load_weights
+from lightning_lora.families.base import ModelSource, SampleSettings, SampleText, load_component, load_weights
 from lightning_lora.families.encoders import CLIP_L, OPENCLIP_BIGG
+from lightning_lora.families.facts import Architecture, Compiling, LoraFiles, Planning
 from lightning_lora.families.flux import FLUX1_VAE
-from lightning_lora.families.unet import UNetFamily
-from lightning_lora.formats import kohya, kohya_read
+from lightning_lora.families.unet import UNetFamily, cross_attention_widths
+from lightning_lora.formats.diffusers import DiffusersLayout
+from lightning_lora.formats.kohya import KohyaLayout, KohyaNetwork, unet_from_kohya, unet_to_kohya
 from lightning_lora.formats.ldm import SDXL_LAYOUT
 
 __all__ = ["SDXL", "SDXL_VAE", "sdxl_time_ids"]
@@ -93,25 +97,40 @@ class SDXL(UNetFamily):
     """
 
     name: ClassVar[str] = "sdxl"
-    pipeline_classes: ClassVar[tuple[str, ...]] = ("StableDiffusionXLPipeline",)
-    text_encoders: ClassVar[tuple[str, ...]] = ("text_encoder", "text_encoder_2")  # CLIP-L, OpenCLIP-G
-    # kohya: the original SGM UNet's module names, as sd-scripts trains SDXL.
-    lora_formats: ClassVar[tuple[str, ...]] = ("diffusers", "kohya")
-    lora_modelspec: ClassVar[dict[str, str]] = {
-        "architecture": "stable-diffusion-xl-v1-base/lora",
-        # what sd-scripts writes for an SDXL LoRA (library/sai_model_spec.py)
-        "implementation": "https://github.com/Stability-AI/generative-models",
-    }
-    known_denoisers: ClassVar[dict[str, dict[str, Any]]] = {"stabilityai/stable-diffusion-xl-base-1.0": SDXL_BASE_UNET}
-    known_text_encoders: ClassVar[dict[str, dict[str, dict[str, Any]]]] = {
-        "stabilityai/stable-diffusion-xl-base-1.0": {
-            "text_encoder": CLIP_L,
-            "text_encoder_2": OPENCLIP_BIGG,
-        }
-    }
-    vae_architecture: ClassVar[dict[str, Any] | None] = SDXL_VAE
+    architecture: ClassVar[Architecture] = replace(
+        UNetFamily.architecture,
+        pipeline_classes=("StableDiffusionXLPipeline",),
+        text_encoders=("text_encoder", "text_encoder_2"),  # CLIP-L, OpenCLIP-G
+    )
     # The first transformer block's input: SDXL's first level has ResNets alone, its second the first attention.
-    stream_sources: ClassVar[tuple[str, ...]] = ("down_blocks.1.attentions.0.proj_in",)
+    compiling: ClassVar[Compiling] = replace(
+        UNetFamily.compiling, stream_sources=("down_blocks.1.attentions.0.proj_in",)
+    )
+    planning: ClassVar[Planning] = replace(
+        UNetFamily.planning,
+        known_denoisers={"stabilityai/stable-diffusion-xl-base-1.0": SDXL_BASE_UNET},
+        known_text_encoders={
+            "stabilityai/stable-diffusion-xl-base-1.0": {"text_encoder": CLIP_L, "text_encoder_2": OPENCLIP_BIGG}
+        },
+        vae_architecture=SDXL_VAE,
+    )
+    # kohya: the original SGM UNet's module names, as sd-scripts trains SDXL.
+    lora_files: ClassVar[LoraFiles] = LoraFiles(
+        layouts=(
+            DiffusersLayout("unet"),
+            KohyaLayout(
+                KohyaNetwork("networks.lora", "sdxl_base_v1-0"),
+                to_kohya=partial(unet_to_kohya, layout=SDXL_LAYOUT),
+                from_kohya=partial(unet_from_kohya, layout=SDXL_LAYOUT),
+            ),
+        ),
+        modelspec={
+            "architecture": "stable-diffusion-xl-v1-base/lora",
+            # what sd-scripts writes for an SDXL LoRA (library/sai_model_spec.py)
+            "implementation": "https://github.com/Stability-AI/generative-models",
+        },
+        markers=("sdxl", "stable-diffusion-xl"),  # kohya's sdxl_base_v1-0, ModelSpec's
+    )
 
     # -- loading -----------------------------------------------------------------------------------------------
     def load_text_encoders(self, source: ModelSource) -> Any:
@@ -157,19 +176,15 @@ class SDXL(UNetFamily):
         return f"sdxl-{self._clip_tag()}"
 
     # -- interop -----------------------------------------------------------------------------------------------
+    @classmethod
     @override
-    def kohya_lora(
-        self, state: Mapping[str, torch.Tensor], scale: float, *, dtype: torch.dtype | None = None
-    ) -> dict[str, torch.Tensor]:
-        return kohya.sdxl_to_kohya(state, scale, dtype=dtype)
-
-    @override
-    def lora_from_kohya(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return kohya_read.unet_from_kohya(tensors, SDXL_LAYOUT)
-
-    @override
-    def kohya_metadata(self, summary: kohya.NetworkSummary) -> dict[str, str]:
-        return kohya.kohya_metadata(summary, kohya.SDXL_NETWORK)
+    def claims_lora_keys(cls, tensors: Mapping[str, torch.Tensor]) -> int:
+        """2 for the original SGM UNet's names (``input_blocks``..., its size embedding) or a 2048-wide cross
+        attention (CLIP-L and OpenCLIP-G side by side)."""
+        sgm = ("input_blocks", "output_blocks", "middle_block", "label_emb", "add_embedding")
+        if any(s in k for k in tensors for s in sgm):
+            return 2
+        return 2 if 2048 in cross_attention_widths(tensors) else 0
 
     # -- training ----------------------------------------------------------------------------------------------
     def unet_conditions(
@@ -184,57 +199,46 @@ class SDXL(UNetFamily):
             "added_cond_kwargs": {"text_embeds": pooled, "time_ids": time_ids.to(dtype)},
         }
 
+    @override
+    def example_text(
+        self, config: Mapping[str, Any], batch: int, text_len: int, generator: torch.Generator | None = None
+    ) -> dict[str, torch.Tensor]:
+        """CLIP-L and OpenCLIP-G side by side, 77 tokens; the pooled vector is what the size conditioning leaves of the
+        added embedding's input."""
+        embeds = torch.randn(batch, 77, config["cross_attention_dim"], generator=generator)
+        pooled = config["projection_class_embeddings_input_dim"] - 6 * config["addition_time_embed_dim"]
+        return {
+            "prompt_embeds": embeds.bfloat16(),
+            "pooled_prompt_embeds": torch.randn(batch, pooled, generator=generator).bfloat16(),
+        }
+
     # -- sampling ----------------------------------------------------------------------------------------------
     @override
     def sampling_vae_dtype(self, vae_config: dict[str, Any], dtype: torch.dtype) -> torch.dtype:
         # StableDiffusionXLPipeline decodes a float16 VAE in float32 when its config says force_upcast (SDXL's does).
         return torch.float32 if dtype == torch.float16 and vae_config.get("force_upcast", True) else dtype
 
-    def pipeline(self, denoiser: DiffusersModel, vae: DiffusersModel, source: ModelSource) -> Any:
+    @override
+    def pipeline_options(self, source: ModelSource) -> dict[str, Any]:
         from diffusers import StableDiffusionXLPipeline
 
         index = load_component(StableDiffusionXLPipeline.load_config, source, "")
-        pipe: Any = StableDiffusionXLPipeline(
-            vae=vae,
-            text_encoder=None,
-            text_encoder_2=None,
-            tokenizer=None,
-            tokenizer_2=None,
-            unet=denoiser,
-            scheduler=self.sampling_scheduler(source),
-            force_zeros_for_empty_prompt=bool(index.get("force_zeros_for_empty_prompt", True)),
-        )
-        pipe.set_progress_bar_config(disable=True)
-        return pipe
+        return {"force_zeros_for_empty_prompt": bool(index.get("force_zeros_for_empty_prompt", True))}
 
-    def generate(
-        self,
-        pipeline: Any,
-        embeddings: dict[str, torch.Tensor],
-        *,
-        seed: int,
-        height: int,
-        width: int,
-        steps: int,
-        guidance_scale: float,
-        negative: dict[str, torch.Tensor] | None = None,
-    ) -> Any:
-        device, dtype = self._device_dtype(pipeline)
-        prompt = {k: v.to(device=device, dtype=dtype) for k, v in embeddings.items()}
+    @override
+    def sampling_inputs(self, pipeline: Any, text: SampleText, settings: SampleSettings) -> dict[str, Any]:
+        """The prompt's embeddings and the negative's (zeros when the model's pipeline config says
+        ``force_zeros_for_empty_prompt``: what the pipeline does for "no negative prompt" with it)."""
+        prompt = {k: text.to_denoiser(v) for k, v in text.embeddings.items()}
+        negative = text.negative
         if pipeline.config.force_zeros_for_empty_prompt:
-            # What the pipeline does for "no negative prompt" with this model.
             negative = {k: torch.zeros_like(v) for k, v in prompt.items()}
-        self._require_negative(negative, guidance_scale)
-        negative = {k: v.to(device=device, dtype=dtype) for k, v in (negative or {}).items()}
-        return self.run_pipeline(
-            pipeline,
-            seed=seed,
-            height=height,
-            width=width,
-            steps=steps,
-            guidance_scale=guidance_scale,
-            prompt_embeds=prompt["prompt_embeds"],
-            pooled_prompt_embeds=prompt["pooled_prompt_embeds"],
-            negative_prompt_embeds=negative.get("prompt_embeds"),
-            negative_pooled_prompt_embeds=negative.get("pooled_prompt_embeds"),
-        )
+        self._require_negative(negative, settings.guidance_scale)
+        negative = {k: text.to_denoiser(v) for k, v in (negative or {}).items()}
+        return {
+            "prompt_embeds": prompt["prompt_embeds"],
+            "pooled_prompt_embeds": prompt["pooled_prompt_embeds"],
+            "negative_prompt_embeds": negative.get("prompt_embeds"),
+            "negative_pooled_prompt_embeds": negative.get("pooled_prompt_embeds"),
+            "guidance_scale": settings.guidance_scale,
+        }

@@ -23,6 +23,11 @@ LoRA targets (``model.lora.targets``) are presets over diffusers module names:
   ``time_emb_proj``) and of the down/upsamplers: kohya's LoRA-C3Lier / LyCORIS LoCon. A 3x3 convolution gets a 3x3
   ``lora_A`` (``[r, in, 3, 3]``) and a 1x1 ``lora_B`` (``[out, r, 1, 1]``), as in kohya's files.
 
+LoRA files: the diffusers layout (``unet.<module>``) loads in diffusers, and in ComfyUI without its attention layers
+(ComfyUI maps diffusers-named attention layers only in an older spelling); the kohya layout (sd-scripts' names: SDXL's
+the original SGM UNet's, :mod:`lightning_lora.formats.ldm`; SD1.x's the diffusers ones with ``_``) loads in ComfyUI,
+Forge/A1111, sd-scripts and diffusers. :meth:`UNetFamily.lora_coverage` says which layers each tool applies.
+
 Only the UNet gets LoRA. Text-encoder LoRA is deliberately not offered: the text embeddings are computed once into
 the cache, so a text-encoder adapter would never see a gradient (kohya's ``network_train_unet_only``).
 """
@@ -30,6 +35,7 @@ the cache, so a text-encoder adapter would never see a gradient (kohya's ``netwo
 from __future__ import annotations
 
 import inspect
+import re
 from abc import abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -48,13 +54,17 @@ from lightning_lora.families.base import (
     compute_dtype,
     load_component,
 )
-from lightning_lora.formats.clients import Coverage, unet_coverage
+from lightning_lora.families.facts import Architecture, Compiling, Planning
+from lightning_lora.formats.clients import COMFY_DORA, COMFY_PEFT_DORA, DIFFUSERS_DORA, Coverage
 from lightning_lora.objectives import PredictionType
 
-__all__ = ["NoiseSchedule", "UNetFamily", "noise_schedule_of"]
+__all__ = ["NoiseSchedule", "UNetFamily", "cross_attention_widths", "noise_schedule_of"]
 
 _ATTENTION = r"attn[12]\.(to_q|to_k|to_v|to_out\.0)"
 _TRANSFORMER = rf"attentions\.\d+\.(proj_in|proj_out|transformer_blocks\.\d+\.({_ATTENTION}|ff\.net\.(0\.proj|2)))"
+# What sd-scripts' networks/lora.py makes no LoRA modules for, and ComfyUI's diffusers-named attention layers.
+_OUTSIDE_BLOCKS = re.compile(r"^(conv_in|conv_out|time_embedding\..+|add_embedding\..+|class_embedding\..+)$")
+_ATTENTION_LAYER = re.compile(r"\.to_(q|k|v|out\.0)$")
 _CONV = r"resnets\.\d+\.(conv1|conv2|conv_shortcut|time_emb_proj)|(downsamplers|upsamplers)\.0\.conv"
 
 
@@ -69,6 +79,16 @@ class NoiseSchedule:
     @property
     def num_train_timesteps(self) -> int:
         return int(self.alphas_cumprod.shape[0])
+
+
+def cross_attention_widths(tensors: Mapping[str, torch.Tensor]) -> set[int]:
+    """The input widths of the cross-attention keys (``attn2.to_k``) adapted in a LoRA file: the text encoder's width,
+    which tells the UNet families apart (SD1.x 768, SD2.x 1024, SDXL 2048)."""
+    return {
+        int(t.shape[1])
+        for k, t in tensors.items()
+        if "attn2" in k and "to_k" in k and k.endswith(("lora_A.weight", "lora_down.weight"))
+    }
 
 
 def noise_schedule_of(denoiser: DiffusersModel) -> NoiseSchedule:
@@ -99,30 +119,38 @@ class UNetFamily(DiffusionFamily):
             for anime SD1.5 models). Changes the cached embeddings; pass the same ``clip_skip`` at inference.
     """
 
-    denoiser_subfolder: ClassVar[str] = "unet"
-    denoiser_class: ClassVar[str] = "UNet2DConditionModel"
-    # ``model.compile_blocks`` compiles the transformer blocks alone (``compiled_regions`` stays the base's empty
-    # tuple): compiled, the ResNets add 12-14 graphs to the blocks' 3, each traced again at every start, and they did
-    # not make the step faster where it was measured. On an H100, transformer blocks alone
-    # against ResNets compiled too: SD1.5 (sd15_8gb, 512²) 0.118 against 0.129 s a step, first step 28.6 against 91.5 s
-    # cold; SDXL (sdxl_24gb, 1024²) 0.209 against 0.210-0.218 s, first step 15.8 against 61.5 s cold, a second start
-    # 20.0 against 24.5 s to the first step (eager: 16.8). The ResNets compiled kept less memory: 0.4 GiB (SD1.5) and
-    # 0.7 GiB (SDXL, 9.65 against 10.34) less. Both steps were the host's; on a smaller GPU, where the GPU is the
-    # limit, fusing the ResNets' norms saves an estimated 1-2% of an SDXL step (their elementwise traffic).
-    # ``tools/bench.py --compile-regions ResnetBlock2D`` measures them compiled (BENCHMARKS.md, "What each option
-    # measured").
-    checkpoints_only_repeated_blocks: ClassVar[bool] = False  # diffusers also checkpoints the ResNets
-    latent_divisor: ClassVar[int] = 8
+    # ``model.compile_blocks`` compiles the transformer blocks alone (``compiling.regions`` stays empty): compiled,
+    # the ResNets add 12-14 graphs to the blocks' 3, each traced again at every start, and they did not make the step
+    # faster where it was measured. On an H100, transformer blocks alone against ResNets compiled too: SD1.5
+    # (sd15_8gb, 512²) 0.118 against 0.129 s a step, first step 28.6 against 91.5 s cold; SDXL (sdxl_24gb, 1024²) 0.209
+    # against 0.210-0.218 s, first step 15.8 against 61.5 s cold, a second start 20.0 against 24.5 s to the first step
+    # (eager: 16.8). The ResNets compiled kept less memory: 0.4 GiB (SD1.5) and 0.7 GiB (SDXL, 9.65 against 10.34)
+    # less. Both steps were the host's; on a smaller GPU, where the GPU is the limit, fusing the ResNets' norms saves an
+    # estimated 1-2% of an SDXL step (their elementwise traffic). ``tools/bench.py --compile-regions ResnetBlock2D``
+    # measures them compiled (BENCHMARKS.md, "What each option measured"). diffusers' checkpointing of a UNet also
+    # recomputes its ResNets, which are no repeated blocks. Each UNet family adds its ``stream_sources``.
+    compiling: ClassVar[Compiling] = Compiling(checkpoints_only_repeated_blocks=False)
+    architecture: ClassVar[Architecture] = Architecture(
+        pipeline_classes=(),  # each UNet family names its pipeline and text encoders
+        denoiser_class="UNet2DConditionModel",
+        denoiser_subfolder="unet",
+        text_encoders=(),
+        latent_divisor=8,
+        lora_presets={
+            "attention": rf".*attentions\.\d+\.transformer_blocks\.\d+\.{_ATTENTION}",
+            "attention_ff": rf".*{_TRANSFORMER}",
+            "locon": rf".*({_TRANSFORMER}|{_CONV})",
+        },
+    )
     # The whole forward's share of the eager count with the transformer blocks compiled and the ResNets eager, for SDXL:
-    # sdxl_24gb (rank 32, 1024², batch 1) planned 10.31 GiB against 10.34 measured (an H100). SD1.5 has its own.
-    compiled_saved_fraction: ClassVar[float] = 0.60
+    # sdxl_24gb (rank 32, 1024², batch 1) planned 10.31 GiB against 10.34 measured (an H100). SD1.5 has its own. Each
+    # UNet family adds its known models and VAE.
+    planning: ClassVar[Planning] = Planning(
+        sampling_batch=2,  # classifier-free guidance: the prompt and the negative in one batch
+        compiled_saved_fraction=0.60,
+    )
     vae_scale_factor: ClassVar[int] = 8
-    sampling_batch: ClassVar[int] = 2  # classifier-free guidance: the prompt and the negative in one batch
-    lora_presets: ClassVar[dict[str, str]] = {
-        "attention": rf".*attentions\.\d+\.transformer_blocks\.\d+\.{_ATTENTION}",
-        "attention_ff": rf".*{_TRANSFORMER}",
-        "locon": rf".*({_TRANSFORMER}|{_CONV})",
-    }
+    """The VAE's downscale: latents are ``[B, 4, H/8, W/8]``."""
 
     def __init__(
         self,
@@ -280,7 +308,29 @@ class UNetFamily(DiffusionFamily):
     # -- interop: what ComfyUI, diffusers and sd-scripts make of a UNet LoRA file (lightning_lora.formats.clients) --
     @override
     def lora_coverage(self, format: str, variants: Mapping[str, str]) -> Coverage:
-        return unet_coverage(format, variants)
+        c = Coverage()
+        modules = list(variants)
+        dora = [m for m, v in variants.items() if v == "DoRA"]
+        lycoris = [m for m, v in variants.items() if v in ("LoKr", "LoHa")]
+        if format == "diffusers":
+            c.skip(
+                "ComfyUI",
+                [m for m in modules if _ATTENTION_LAYER.search(m)],
+                "ComfyUI maps diffusers attention layers only in the old '.processor.to_q' spelling",
+            )
+            c.approx("ComfyUI", dora, COMFY_PEFT_DORA)
+            c.skip("kohya", modules, "sd-scripts reads lora_unet_<module> keys, not diffusers/peft keys")
+            return c
+        c.skip("diffusers", lycoris, "diffusers' kohya converter reads lora_down/lora_up only")
+        c.approx("diffusers", dora, DIFFUSERS_DORA)
+        c.approx("ComfyUI", dora, COMFY_DORA)
+        plain = [m for m, v in variants.items() if v == "LoRA"]  # DoRA/LoKr/LoHa load through LyCORIS: every module
+        c.skip(
+            "kohya",
+            [m for m in plain if _OUTSIDE_BLOCKS.match(m)],
+            "networks/lora.py makes LoRA modules inside the transformer, ResNet and resampler blocks only",
+        )
+        return c
 
     # -- memory planning ---------------------------------------------------------------------------------------
     def example_inputs(
@@ -313,10 +363,6 @@ class UNetFamily(DiffusionFamily):
         unet = 2 * latent * model.config.block_out_channels[0] * 2 * 8
         vae = height * width * 128 * 2 * 4
         return float(unet + vae + 84e6 * 2)
-
-    @staticmethod
-    def _device_dtype(pipeline: Any) -> tuple[torch.device, torch.dtype]:
-        return pipeline.unet.device, compute_dtype(pipeline.unet)
 
     @staticmethod
     def _require_negative(negative: dict[str, torch.Tensor] | None, guidance_scale: float) -> None:

@@ -39,12 +39,13 @@ samples with CFG (``pos + scale * (pos - neg)``, the empty prompt as negative), 
 ``guidance_scale > 0``.
 
 LoRA files: the diffusers layout only, because ComfyUI reads that layout itself (q/k/v onto their rows of its fused
-``qkv``; :mod:`lightning_lora.formats.zimage`), so a ComfyUI-specific file would add nothing; LoKr and LoHa have no
+``qkv``; :mod:`lightning_lora.formats.nextdit`), so a ComfyUI-specific file would add nothing; LoKr and LoHa have no
 file format for this family.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
@@ -59,14 +60,18 @@ from lightning_lora.families.base import (
     DiffusionFamily,
     ModelSource,
     PromptLimit,
+    SampleSettings,
+    SampleText,
     compute_dtype,
     load_component,
     load_weights,
 )
 from lightning_lora.families.encoders import QWEN3_4B
+from lightning_lora.families.facts import Architecture, Compiling, LoraFiles, Planning
 from lightning_lora.families.flux import FLUX1_VAE
-from lightning_lora.formats.clients import Coverage
-from lightning_lora.formats.zimage import zimage_coverage
+from lightning_lora.formats.clients import COMFY_PEFT_DORA, Coverage
+from lightning_lora.formats.diffusers import DiffusersLayout
+from lightning_lora.formats.nextdit import comfy_target
 from lightning_lora.objectives import TimestepSampling
 
 __all__ = ["ZIMAGE_TRANSFORMER", "ZImage", "caption_features"]
@@ -74,6 +79,12 @@ __all__ = ["ZIMAGE_TRANSFORMER", "ZImage", "caption_features"]
 _BLOCK = r"(layers|noise_refiner|context_refiner)\.\d+"
 _ATTENTION = r"attention\.(to_q|to_k|to_v|to_out\.0)"
 _FEED_FORWARD = r"feed_forward\.(w1|w2|w3)"
+_OWN_MODULES = re.compile(  # its blocks ("attention", not FLUX's "attn") and its own embedders and final layer
+    r"(^|[._])((layers|noise_refiner|context_refiner)[._]\d+[._](attention|feed_forward|adaLN_modulation)"
+    r"|all_x_embedder|all_final_layer|cap_embedder|t_embedder[._]mlp)[._]"
+)
+
+_HUB_IDS = ("Tongyi-MAI/Z-Image-Turbo", "Tongyi-MAI/Z-Image")
 
 ZIMAGE_TRANSFORMER: dict[str, Any] = {
     "_class_name": "ZImageTransformer2DModel",
@@ -122,40 +133,39 @@ class ZImage(DiffusionFamily):
     """
 
     name: ClassVar[str] = "zimage"
-    denoiser_class: ClassVar[str] = "ZImageTransformer2DModel"
-    pipeline_classes: ClassVar[tuple[str, ...]] = ("ZImagePipeline",)
-    denoiser_subfolder: ClassVar[str] = "transformer"
-    latent_divisor: ClassVar[int] = 16
-    known_denoisers: ClassVar[dict[str, dict[str, Any]]] = {
-        "Tongyi-MAI/Z-Image-Turbo": ZIMAGE_TRANSFORMER,
-        "Tongyi-MAI/Z-Image": ZIMAGE_TRANSFORMER,
-    }
-    known_text_encoders: ClassVar[dict[str, dict[str, dict[str, Any]]]] = dict.fromkeys(
-        ("Tongyi-MAI/Z-Image-Turbo", "Tongyi-MAI/Z-Image"), {"text_encoder": QWEN3_4B}
+    architecture: ClassVar[Architecture] = Architecture(
+        pipeline_classes=("ZImagePipeline",),
+        denoiser_class="ZImageTransformer2DModel",
+        denoiser_subfolder="transformer",
+        text_encoders=("text_encoder",),  # Qwen3-4B
+        latent_divisor=16,
+        lora_presets={
+            # q, k, v and the output projection of every block (refiners and main blocks).
+            "attention": rf".*{_BLOCK}\.{_ATTENTION}",
+            # Plus each block's SwiGLU feed-forward (w1, w3 in, w2 out): every linear layer that mixes tokens' features.
+            "attention_ff": rf".*{_BLOCK}\.({_ATTENTION}|{_FEED_FORWARD})",
+            # Plus each block's timestep modulation (adaLN_modulation.0; the context refiners have none).
+            "all_linear": rf".*{_BLOCK}\.({_ATTENTION}|{_FEED_FORWARD}|adaLN_modulation\.0)",
+        },
     )
-    text_encoders: ClassVar[tuple[str, ...]] = ("text_encoder",)  # Qwen3-4B
-    stream_sources: ClassVar[tuple[str, ...]] = ("all_x_embedder", "cap_embedder")
-    vae_architecture: ClassVar[dict[str, Any] | None] = FLUX1_VAE  # Z-Image decodes with FLUX.1's VAE
-    # Its six RMSNorms per block (four full-width "sandwich" norms, q and k) each keep a float32 copy of their input in
-    # the eager forward, 37% of what a block saves; compiled, those fuse away. A full-width block (3840, 4608 tokens)
-    # compiled by inductor on the CPU kept 15.5 of the 31.1 units of one activation the eager forward keeps.
-    compiled_saved_fraction: ClassVar[float] = 0.5
+    compiling: ClassVar[Compiling] = Compiling(stream_sources=("all_x_embedder", "cap_embedder"))
+    planning: ClassVar[Planning] = Planning(
+        known_denoisers=dict.fromkeys(_HUB_IDS, ZIMAGE_TRANSFORMER),
+        known_text_encoders=dict.fromkeys(_HUB_IDS, {"text_encoder": QWEN3_4B}),
+        vae_architecture=FLUX1_VAE,  # Z-Image decodes with FLUX.1's VAE
+        # Its six RMSNorms per block (four full-width "sandwich" norms, q and k) each keep a float32 copy of their input
+        # in the eager forward, 37% of what a block saves; compiled, those fuse away. A full-width block (3840, 4608
+        # tokens) compiled by inductor on the CPU kept 15.5 of the 31.1 units of one activation the eager forward keeps.
+        compiled_saved_fraction=0.5,
+    )
     # Only diffusers: ComfyUI maps the diffusers names itself (see the module docstring).
-    lora_formats: ClassVar[tuple[str, ...]] = ("diffusers",)
-    lora_tools: ClassVar[tuple[str, ...]] = ("diffusers", "ComfyUI")  # sd-scripts has no network for it
-    # The IDs kohya-ss/musubi-tuner writes for Z-Image LoRAs (src/musubi_tuner/utils/sai_model_spec.py).
-    lora_modelspec: ClassVar[dict[str, str]] = {
-        "architecture": "Z-Image/lora",
-        "implementation": "https://github.com/Tongyi-MAI/Z-Image",
-    }
-    lora_presets: ClassVar[dict[str, str]] = {
-        # q, k, v and the output projection of every block (refiners and main blocks).
-        "attention": rf".*{_BLOCK}\.{_ATTENTION}",
-        # Plus each block's SwiGLU feed-forward (w1, w3 in, w2 out): every linear layer that mixes tokens' features.
-        "attention_ff": rf".*{_BLOCK}\.({_ATTENTION}|{_FEED_FORWARD})",
-        # Plus each block's timestep modulation (adaLN_modulation.0; the context refiners have none).
-        "all_linear": rf".*{_BLOCK}\.({_ATTENTION}|{_FEED_FORWARD}|adaLN_modulation\.0)",
-    }
+    lora_files: ClassVar[LoraFiles] = LoraFiles(
+        layouts=(DiffusersLayout("transformer"),),
+        tools=("diffusers", "ComfyUI"),  # sd-scripts has no network for it
+        # The IDs kohya-ss/musubi-tuner writes for Z-Image LoRAs (src/musubi_tuner/utils/sai_model_spec.py).
+        modelspec={"architecture": "Z-Image/lora", "implementation": "https://github.com/Tongyi-MAI/Z-Image"},
+        markers=("Z-Image/",),  # ModelSpec's (musubi-tuner's, ours)
+    )
 
     def __init__(
         self,
@@ -278,53 +288,48 @@ class ZImage(DiffusionFamily):
         return objectives.per_sample_mse(torch.stack(prediction).squeeze(2), target)
 
     # -- sampling ----------------------------------------------------------------------------------------------
-    def pipeline(self, denoiser: DiffusersModel, vae: DiffusersModel, source: ModelSource) -> Any:
-        from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline
-
-        scheduler = load_component(FlowMatchEulerDiscreteScheduler.from_pretrained, source, "scheduler")
-        pipe: Any = ZImagePipeline(
-            scheduler=scheduler, vae=vae, text_encoder=None, tokenizer=None, transformer=denoiser
-        )
-        pipe.set_progress_bar_config(disable=True)
-        return pipe
-
-    def generate(
-        self,
-        pipeline: Any,
-        embeddings: dict[str, torch.Tensor],
-        *,
-        seed: int,
-        height: int,
-        width: int,
-        steps: int,
-        guidance_scale: float,
-        negative: dict[str, torch.Tensor] | None = None,
-    ) -> Any:
-        dtype = compute_dtype(pipeline.transformer)
-        device = pipeline.transformer.device
+    @override
+    def sampling_inputs(self, pipeline: Any, text: SampleText, settings: SampleSettings) -> dict[str, Any]:
         negative_embeds = None
-        if guidance_scale > 0:  # ZImagePipeline's CFG: pos + scale * (pos - neg), the empty prompt as negative
-            if negative is None:
+        if settings.guidance_scale > 0:  # ZImagePipeline's CFG: pos + scale * (pos - neg), the empty prompt as negative
+            if text.negative is None:
                 raise ConfigError(
-                    f"SampleImages guidance_scale: {guidance_scale} needs the empty prompt's embeddings; use 0.0 "
-                    "(Z-Image-Turbo samples without guidance)."
+                    f"SampleImages guidance_scale: {settings.guidance_scale} needs the empty prompt's embeddings; use "
+                    "0.0 (Z-Image-Turbo samples without guidance)."
                 )
-            negative_embeds = caption_features(negative["prompt_embeds"], negative["prompt_mask"], device, dtype)
-        return self.run_pipeline(
-            pipeline,
-            seed=seed,
-            height=height,
-            width=width,
-            steps=steps,
-            guidance_scale=guidance_scale,
-            prompt_embeds=caption_features(embeddings["prompt_embeds"], embeddings["prompt_mask"], device, dtype),
-            negative_prompt_embeds=negative_embeds,
-        )
+            negative_embeds = caption_features(
+                text.negative["prompt_embeds"], text.negative["prompt_mask"], text.device, text.dtype
+            )
+        return {
+            "prompt_embeds": caption_features(
+                text.embeddings["prompt_embeds"], text.embeddings["prompt_mask"], text.device, text.dtype
+            ),
+            "negative_prompt_embeds": negative_embeds,
+            "guidance_scale": settings.guidance_scale,
+        }
 
     # -- interop -----------------------------------------------------------------------------------------------
     @override
     def lora_coverage(self, format: str, variants: Mapping[str, str]) -> Coverage:
-        return zimage_coverage(format, variants)
+        """diffusers loads its layout; ComfyUI every layer its key map lists (all linear layers:
+        :func:`~lightning_lora.formats.nextdit.comfy_target`), DoRA as a plain LoRA; sd-scripts nothing."""
+        c = Coverage()
+        modules = list(variants)
+        if format != "diffusers":
+            c.skip("diffusers", modules, f"lightning-lora knows no diffusers rules for Z-Image {format} files")
+            c.skip("ComfyUI", modules, f"lightning-lora knows no ComfyUI rules for Z-Image {format} files")
+        else:
+            c.skip("ComfyUI", [m for m in modules if comfy_target(m, 1) is None], "ComfyUI's Z-Image key map lacks it")
+            c.approx("ComfyUI", [m for m, v in variants.items() if v == "DoRA"], COMFY_PEFT_DORA)
+        c.skip("kohya", modules, "sd-scripts reads lora_unet_<module> keys, not diffusers/peft keys")
+        return c
+
+    @classmethod
+    @override
+    def claims_lora_keys(cls, tensors: Mapping[str, torch.Tensor]) -> int:
+        """2 for Z-Image's own names: its blocks (``attention``, not FLUX's ``attn``) and its embedders and final
+        layer, in any layout."""
+        return 2 if any(_OWN_MODULES.search(k) for k in tensors) else 0
 
     # -- memory planning ---------------------------------------------------------------------------------------
     def example_inputs(
@@ -342,6 +347,22 @@ class ZImage(DiffusionFamily):
 
     def block_count(self, model: DiffusersModel) -> int:
         return model.config.n_layers + 2 * model.config.n_refiner_layers
+
+    @override
+    def example_text(
+        self, config: Mapping[str, Any], batch: int, text_len: int, generator: torch.Generator | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Qwen3 features of ``text_len`` tokens, zeros to the cached length, with a bool mask."""
+        embeds = torch.zeros(batch, self.max_sequence_length, config["cap_feat_dim"])
+        embeds[:, :text_len] = torch.randn(batch, text_len, config["cap_feat_dim"], generator=generator)
+        mask = (torch.arange(self.max_sequence_length) < text_len).expand(batch, -1)
+        return {"prompt_embeds": embeds.bfloat16(), "prompt_mask": mask}
+
+    @classmethod
+    @override
+    def text_length_options(cls, text_len: int) -> tuple[dict[str, Any], int]:
+        # The denoiser sees the caption's tokens alone: the cache keeps its default length (512, the shipped configs').
+        return {"max_sequence_length": max(text_len, 512)}, text_len
 
     def sampling_bytes(self, model: DiffusersModel, height: int, width: int, text_len: int) -> float:
         c = model.config

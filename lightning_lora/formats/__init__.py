@@ -16,48 +16,42 @@ its scale. Two things vary between formats:
   lightning-lora folds the scale into their weights (the config says ``lora_alpha = r``) and the file means the same in
   every loader that reads its keys.
 
-A format is pure key and tensor algebra (torch only, no diffusers, no model): each module here maps names, and the
-conversions are exact (same function, not an approximation), checked in the tests against diffusers' own converters.
+A format is pure key and tensor algebra (torch only, no model; diffusers only to read files made elsewhere): each module
+here maps names, and the conversions are exact (same function, not an approximation), checked in the tests against
+diffusers' own converters.
 
-The modules
------------
-* :mod:`.adapters`: one adapted layer of any variant (LoRA, DoRA, LoKr, LoHa) under peft's tensor names, and the rank
-  each loader divides ``alpha`` by.
-* :mod:`.diffusers`: the diffusers/peft LoRA layout (peft keys under the family's denoiser subfolder, ``transformer.``
-  or ``unet.``, the scale folded into ``lora_B``, the peft ``LoraConfig`` as ``lora_adapter_metadata``). What
-  ``pipe.load_lora_weights`` reads; ComfyUI reads it too for FLUX.
-* :mod:`.kohya`: the kohya/ComfyUI LoRA layout (``lora_unet_<module>`` keys with ``lora_down`` / ``lora_up`` /
-  ``alpha``, LyCORIS tensors for the variants): FLUX in BFL names with fused q/k/v, SDXL in SGM names, SD1.5 in
-  diffusers names. What ComfyUI, Forge/A1111, kohya's sd-scripts (and LyCORIS) and diffusers read.
-* :mod:`.kohya_read`: kohya files made elsewhere back to peft keys, through diffusers' own converters.
-* :mod:`.clients`: which layers of a file each of those loaders applies, by its key rules (export prints it).
-* :mod:`.bfl`: diffusers <-> Black Forest Labs names of the FLUX transformer (single-file checkpoints, kohya FLUX).
-* :mod:`.ldm`: diffusers <-> LDM/SGM names of a Stable Diffusion UNet (single-file checkpoints, kohya SDXL).
-* :mod:`.flux2`: diffusers <-> BFL names of the FLUX.2 transformer, and its ComfyUI LoRA layout.
+The modules: one per layout
+--------------------------
+Two layouts of LoRA *files*, each a module with a :class:`LoraLayout` object that a family binds to its names:
 
-Which family writes which format
+* :mod:`.diffusers`: the diffusers/peft layout (peft keys under the family's denoiser subfolder, ``transformer.`` or
+  ``unet.``, the scale folded into ``lora_B``, the peft ``LoraConfig`` as ``lora_adapter_metadata``): what
+  ``pipe.load_lora_weights`` reads. :class:`.diffusers.DiffusersLayout`.
+* :mod:`.kohya`: the kohya/ComfyUI layout (``lora_unet_<module>`` keys with ``lora_down`` / ``lora_up`` / ``alpha``,
+  LyCORIS tensors for the variants; a model's layers under the names its original code gives them, fused where that
+  code fuses them), and the reading of such files made elsewhere through diffusers' own converters: what ComfyUI,
+  Forge/A1111, kohya's sd-scripts and musubi-tuner (and LyCORIS) and diffusers read. :class:`.kohya.KohyaLayout`.
+
+Three layouts of model *weights* (a checkpoint's names against diffusers'), which the kohya layout names modules by,
+and single-file checkpoints and the tests use:
+
+* :mod:`.bfl`: Black Forest Labs' names of the FLUX.1 and FLUX.2 transformers (fused q/k/v);
+* :mod:`.ldm`: the LDM/SGM names of a Stable Diffusion UNet;
+* :mod:`.nextdit`: Z-Image's original names (ComfyUI's NextDiT).
+
+And what they share: :mod:`.adapters` (one adapted layer of any variant under peft's tensor names, and the rank each
+loader divides ``alpha`` by) and :mod:`.clients` (which layers of a file each of those loaders applies, by its key
+rules: export prints it).
+
+Which family writes which layout
 --------------------------------
-A family declares the LoRA formats it can write (:attr:`~lightning_lora.families.base.DiffusionFamily.lora_formats`)
-and provides the kohya conversion itself (:meth:`~lightning_lora.families.base.DiffusionFamily.kohya_lora`), so a new
-family is one module and needs nothing here unless it brings a new layout:
-
-=========  ============================================  ======================================================
-family     diffusers                                     kohya
-=========  ============================================  ======================================================
-``flux``   diffusers; ComfyUI (part by part, compact)    ComfyUI, sd-scripts, diffusers: BFL names, q/k/v (and
-                                                         the single blocks' MLP) fused
-``sdxl``   diffusers (ComfyUI skips attention layers)    ComfyUI, Forge/A1111, sd-scripts, diffusers: SGM names
-``sd15``   diffusers (ComfyUI skips attention layers)    ComfyUI, Forge/A1111, sd-scripts, diffusers: diffusers
-                                                         names with ``_``
-=========  ============================================  ======================================================
-
-``qwenimage`` writes both too: its diffusers file is ComfyUI's (ComfyUI builds Qwen-Image with diffusers' names); its
-kohya file is musubi-tuner's layout (diffusers names with ``_``), which ComfyUI and diffusers (plain LoRA) read.
-
-``flux2`` writes both: its diffusers file is what ``Flux2KleinPipeline.load_lora_weights`` reads; its kohya file is the
-ComfyUI layout (BFL names, q/k/v fused), which diffusers reads too (:mod:`.flux2`).
-
-A training run writes both by default (``<name>.safetensors`` and ``<name>.kohya.safetensors``).
+This package names no family. A family lists the layouts it writes in ``lora_files.layouts``
+(:class:`~lightning_lora.families.facts.LoraFiles`), each bound to its names (``DiffusersLayout("transformer")``;
+``KohyaLayout`` with its kohya network, its names from one of the weight layouts, its reader), and says in its own
+module docstring which tools read each file; its ``lora_coverage`` applies the loaders' rules, and ``lightning-lora
+export`` prints them for every file. So a new family is one module and needs nothing here unless it brings a new
+layout. A training run writes every layout of its family by default (``<name>.safetensors``,
+``<name>.kohya.safetensors``).
 
 Which adapter variant fits which format
 ---------------------------------------
@@ -69,9 +63,14 @@ layer and the format, instead of writing a file that does something else than wh
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, Protocol, get_args
 
-__all__ = ["FORMATS", "VARIANTS", "LoraFormat"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["FORMATS", "VARIANTS", "FileFacts", "LoraFormat", "LoraLayout"]
 
 LoraFormat = Literal["diffusers", "kohya"]
 """A LoRA file format lightning-lora writes (``lightning-lora export --format``, ``LoraExport(formats=...)``)."""
@@ -81,3 +80,44 @@ FORMATS: tuple[str, ...] = get_args(LoraFormat)
 
 VARIANTS: dict[str, tuple[str, ...]] = {"diffusers": ("LoRA", "DoRA"), "kohya": ("LoRA", "DoRA", "LoKr", "LoHa")}
 """Format -> the adapter variants (:attr:`lightning_lora.lora.AdapterKey.variant`) a file of that format holds."""
+
+
+@dataclass(frozen=True)
+class FileFacts:
+    """What a LoRA file is written with besides its tensors, in any layout."""
+
+    scale: float
+    """Every update is multiplied by this (peft's ``alpha / r`` of a trained LoRA; 1 for a file whose scale is in)."""
+    rank: int
+    """The trained rank the header reports."""
+    alpha: float
+    """The trained alpha the header reports."""
+    title: str = ""
+    """The file's name without suffix (kohya's ``ss_output_name``)."""
+    init: str = "gaussian"
+    """The ``init_lora_weights`` a peft config records."""
+    dtype: torch.dtype | None = None
+    """The weights' dtype in the file (None: as given)."""
+
+
+class LoraLayout(Protocol):
+    """One layout of LoRA files as one family serves it: a layout module's code bound to the family's names
+    (:class:`.diffusers.DiffusersLayout`, :class:`.kohya.KohyaLayout`). A family lists its layouts in
+    ``lora_files.layouts``; export writes and reads files through them."""
+
+    @property
+    def format(self) -> LoraFormat:
+        """The layout's name (``--format``)."""
+        ...
+
+    def write(
+        self, state: Mapping[str, torch.Tensor], file: FileFacts
+    ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """A peft state dict (no prefix, no adapter name) as the file's ``(tensors, header entries)``, every update
+        scaled by ``file.scale``. ``ValueError`` naming a module the layout has no name or exact form for."""
+        ...
+
+    def read(self, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> dict[str, torch.Tensor]:
+        """A file of this layout made elsewhere as a peft state dict, its scale folded in; ``ValueError`` naming what
+        cannot be read."""
+        ...

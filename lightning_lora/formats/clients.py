@@ -1,10 +1,11 @@
 """Which layers of a LoRA file each tool applies, by the key rules of its loader.
 
 A LoRA file is only as good as what the tools that read it make of it, and they differ: a file can load without an
-error and apply nothing, or apply some layers and skip others with a log line nobody reads. This module writes down,
-per family and layout, what each of three loaders does with each adapted layer, so that export can say it
-(``lightning-lora export`` and the training run's ``LoraExport`` print it, and the file's ``lightning_lora.loads_in``
-records the tools that apply every layer exactly). The rules, with where each comes from:
+error and apply nothing, or apply some layers and skip others with a log line nobody reads. This module writes down
+what each of three loaders does with each adapted layer, so that export can say it (``lightning-lora export`` and the
+training run's ``LoraExport`` print it, and the file's ``lightning_lora.loads_in`` records the tools that apply every
+layer exactly). The rules, with where each comes from (each family applies those for its files in its
+``lora_coverage``, :meth:`lightning_lora.families.base.DiffusionFamily.lora_coverage`):
 
 ComfyUI (``comfy/lora.py`` ``model_lora_keys_unet`` builds a map from LoRA key prefixes to model weights;
 ``load_lora`` reads ``<prefix>.lora_up.weight`` / ``.lora_B.weight`` / ``.lokr_w1`` / ``.hada_w1_a``..., ``.alpha`` and
@@ -56,28 +57,29 @@ and skipped):
   ``lora_unet_<diffusers module with _>`` names the kohya layout of this family uses).
 
 :class:`Coverage` is the answer for one file: per tool, the layers it skips and the layers it applies only
-not as trained, each with the reason.
+not as trained, each with the reason. Z-Image's and FLUX.2's rules are in their families' modules, with the key maps
+they come from.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-__all__ = ["TOOLS", "Coverage", "flux_coverage", "qwenimage_coverage", "unet_coverage"]
+__all__ = ["COMFY_DORA", "COMFY_PEFT_DORA", "DIFFUSERS_DORA", "TOOLS", "TOOL_NAMES", "Coverage", "rules_unknown"]
 
 TOOLS = ("diffusers", "ComfyUI", "kohya")
 """The loaders :class:`Coverage` speaks for: diffusers' ``load_lora_weights``, ComfyUI's LoRA loader, kohya's sd-scripts
 (with LyCORIS for DoRA, LoKr, LoHa)."""
 
-_FLUX_GLOBAL = re.compile(r"^(x_embedder|context_embedder|time_text_embed\..+|proj_out|norm_out\.linear)$")
-_UNET_OUTSIDE_BLOCKS = re.compile(r"^(conv_in|conv_out|time_embedding\..+|add_embedding\..+|class_embedding\..+)$")
-_UNET_ATTENTION = re.compile(r"\.to_(q|k|v|out\.0)$")
+TOOL_NAMES = {"diffusers": "diffusers", "ComfyUI": "ComfyUI", "kohya": "kohya's sd-scripts"}
+"""Each of :data:`TOOLS` as messages name it."""
 
-_COMFY_DORA = "ComfyUI divides an output-axis dora_scale by the base weight's row norms, not the patched weight's"
-_DIFFUSERS_DORA = "diffusers drops kohya files' dora_scale (the layer loads as a plain LoRA)"
-_COMFY_PEFT_DORA = "ComfyUI reads dora_scale, not peft's lora_magnitude_vector (the layer loads as a plain LoRA)"
+COMFY_DORA = "ComfyUI divides an output-axis dora_scale by the base weight's row norms, not the patched weight's"
+DIFFUSERS_DORA = "diffusers drops kohya files' dora_scale (the layer loads as a plain LoRA)"
+COMFY_PEFT_DORA = "ComfyUI reads dora_scale, not peft's lora_magnitude_vector (the layer loads as a plain LoRA)"
+"""Why a DoRA layer loads close to, not as, trained: the reasons :class:`Coverage` gives (:data:`COMFY_DORA` for a kohya
+file in ComfyUI, :data:`DIFFUSERS_DORA` for one in diffusers, this one for a diffusers file in ComfyUI)."""
 
 
 @dataclass
@@ -126,74 +128,12 @@ class Coverage:
         return lines
 
 
-def flux_coverage(format: str, variants: Mapping[str, str]) -> Coverage:
-    """The :class:`Coverage` of a FLUX LoRA file of ``format`` whose layers (diffusers names) have these
-    ``variants`` (``{module: "LoRA" | "DoRA" | "LoKr" | "LoHa"}``)."""
-    c = Coverage()
-    modules = list(variants)
-    outside = [m for m in modules if _FLUX_GLOBAL.match(m)]
-    dora = [m for m, v in variants.items() if v == "DoRA"]
-    lycoris = [m for m, v in variants.items() if v in ("LoKr", "LoHa")]
-    if format == "diffusers":
-        c.approx("ComfyUI", dora, _COMFY_PEFT_DORA)
-        c.skip("kohya", modules, "sd-scripts reads lora_unet_<BFL module> keys, not diffusers names")
-        return c
-    from lightning_lora.formats.kohya import flux_separate_parts
-
-    separate = sorted(flux_separate_parts(variants))
-    c.skip("diffusers", lycoris, "diffusers' kohya converter reads lora_down/lora_up only")
-    c.skip("diffusers", separate, "diffusers' kohya converter reads lora_unet_ keys only")
-    c.skip(
-        "kohya", separate, "no fused form (LoKr, or DoRA on part of q/k/v/mlp): written under ComfyUI's per-part names"
-    )
-    c.skip("diffusers", outside, "diffusers' kohya FLUX converter drops the layers outside the blocks")
-    c.approx("diffusers", dora, _DIFFUSERS_DORA)
-    c.approx("ComfyUI", dora, _COMFY_DORA)
-    plain = [m for m in outside if variants[m] == "LoRA"]  # DoRA/LoKr/LoHa load through LyCORIS: every module
-    c.skip("kohya", plain, "networks/lora_flux.py makes LoRA modules inside the double/single blocks only")
-    return c
-
-
-def unet_coverage(format: str, variants: Mapping[str, str]) -> Coverage:
-    """The :class:`Coverage` of an SDXL or SD1.x UNet LoRA file of ``format`` (see :func:`flux_coverage`)."""
-    c = Coverage()
-    modules = list(variants)
-    dora = [m for m, v in variants.items() if v == "DoRA"]
-    lycoris = [m for m, v in variants.items() if v in ("LoKr", "LoHa")]
-    if format == "diffusers":
-        c.skip(
-            "ComfyUI",
-            [m for m in modules if _UNET_ATTENTION.search(m)],
-            "ComfyUI maps diffusers attention layers only in the old '.processor.to_q' spelling",
-        )
-        c.approx("ComfyUI", dora, _COMFY_PEFT_DORA)
-        c.skip("kohya", modules, "sd-scripts reads lora_unet_<module> keys, not diffusers/peft keys")
-        return c
-    c.skip("diffusers", lycoris, "diffusers' kohya converter reads lora_down/lora_up only")
-    c.approx("diffusers", dora, _DIFFUSERS_DORA)
-    c.approx("ComfyUI", dora, _COMFY_DORA)
-    plain = [m for m, v in variants.items() if v == "LoRA"]  # DoRA/LoKr/LoHa load through LyCORIS: every module
-    c.skip(
-        "kohya",
-        [m for m in plain if _UNET_OUTSIDE_BLOCKS.match(m)],
-        "networks/lora.py makes LoRA modules inside the transformer, ResNet and resampler blocks only",
-    )
-    return c
-
-
-def qwenimage_coverage(format: str, variants: Mapping[str, str]) -> Coverage:
-    """The :class:`Coverage` of a Qwen-Image LoRA file of ``format`` (see :func:`flux_coverage`): ComfyUI maps both
-    layouts onto its own (diffusers-named) modules, diffusers reads both (a kohya file as plain LoRA), kohya's
-    sd-scripts reads neither."""
-    c = Coverage()
-    modules = list(variants)
-    dora = [m for m, v in variants.items() if v == "DoRA"]
-    lycoris = [m for m, v in variants.items() if v in ("LoKr", "LoHa")]
-    c.skip("kohya", modules, "kohya's sd-scripts has no Qwen-Image network (musubi-tuner trains Qwen-Image LoRAs)")
-    if format == "diffusers":
-        c.approx("ComfyUI", dora, _COMFY_PEFT_DORA)
-        return c
-    c.skip("diffusers", lycoris, "diffusers' Qwen-Image converter reads lora_down/lora_up only (it refuses the file)")
-    c.approx("diffusers", dora, _DIFFUSERS_DORA)
-    c.approx("ComfyUI", dora, _COMFY_DORA)
-    return c
+def rules_unknown(family: str, format: str, variants: Mapping[str, str]) -> Coverage:
+    """The :class:`Coverage` of a ``format`` file of a family whose loaders' key rules lightning-lora does not know:
+    diffusers loads its own layout; the other tools' rules are unknown (reported as not loaded)."""
+    coverage = Coverage()
+    for tool in ("ComfyUI", "kohya"):
+        coverage.skip(tool, variants, f"lightning-lora knows no {tool} key rules for the {family} family")
+    if format != "diffusers":
+        coverage.skip("diffusers", variants, f"lightning-lora knows no diffusers rules for {format} files")
+    return coverage

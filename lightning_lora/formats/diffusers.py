@@ -45,17 +45,20 @@ import json
 import math
 import re
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
+from lightning_lora.formats import FileFacts, LoraFormat
 from lightning_lora.formats.adapters import adapters_from_peft, cast
 from lightning_lora.lora import LoraOptions, parse_key, peft_config
 
 __all__ = [
     "METADATA_KEY",
     "PREFIXES",
+    "DiffusersLayout",
     "adapter_config",
     "common_rank_of",
     "from_diffusers",
@@ -213,3 +216,26 @@ def is_diffusers_file(tensors: Mapping[str, Tensor]) -> bool:
     return bool(tensors) and all(
         key.partition(".")[0] in PREFIXES and (key.endswith(".alpha") or parse_key(key) is not None) for key in tensors
     )
+
+
+@dataclass(frozen=True)
+class DiffusersLayout:
+    """The diffusers / peft layout as one family serves it: the keys under the family's denoiser subfolder. A family
+    lists it in its ``lora_files.layouts``."""
+
+    prefix: str
+    """The family's denoiser subfolder (``transformer``, ``unet``): the keys' prefix, the pipeline component."""
+    format: ClassVar[LoraFormat] = "diffusers"
+
+    def write(self, state: Mapping[str, Tensor], file: FileFacts) -> tuple[dict[str, Tensor], dict[str, str]]:
+        """The file's tensors and header entries (:func:`to_diffusers`; the rank, alpha and title are not needed: the
+        scale is folded into the weights and the config says so)."""
+        return to_diffusers(state, self.prefix, scale=file.scale, init=file.init, dtype=file.dtype)
+
+    def read(self, tensors: Mapping[str, Tensor], metadata: Mapping[str, str]) -> dict[str, Tensor]:
+        """A diffusers file as a peft state dict, the scale folded in (:func:`from_diffusers`); ``ValueError`` for a
+        file of another denoiser."""
+        prefix, state = from_diffusers(tensors, metadata)
+        if prefix != self.prefix:
+            raise ValueError(f"holds a {prefix} LoRA, but the family's denoiser is the {self.prefix}.")
+        return state

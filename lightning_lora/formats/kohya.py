@@ -61,15 +61,17 @@ the part's row slice), which ComfyUI applies exactly and sd-scripts / LyCORIS do
 The other layers map one to one (``to_out.0`` -> ``img_attn.proj``, ``proj_out`` -> ``linear2``, ...), except
 ``norm_out.linear`` -> ``final_layer.adaLN_modulation.1``, whose output halves swap: its output rows swap too.
 
-SDXL and SD1.5
---------------
-UNet LoRAs need no fusing: every peft module becomes one kohya module. Only the names differ, per family as in
-sd-scripts:
+Renamed layers: the UNets, Qwen-Image
+------------------------------------
+UNet LoRAs need no fusing: every peft module becomes one kohya module (:func:`unet_to_kohya`). Only the names differ,
+as in sd-scripts:
 
 * SD1.x: sd-scripts trains on a diffusers-structured UNet (``library/original_unet.py``), so the names are the diffusers
   ones with ``_`` (``lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q``);
 * SDXL: sd-scripts trains on Stability AI's original UNet (``library/sdxl_original_unet.py``), so the names are the
   SGM ones (``lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q``, see :mod:`lightning_lora.formats.ldm`).
+
+kohya's musubi-tuner names Qwen-Image's modules as diffusers does (``networks.lora_qwen_image``), the SD1.x way.
 
 Convolution LoRAs (the ``locon`` preset) keep their 4-D shapes (``lora_down [r, in, k, k]``, ``lora_up [out, r, 1,
 1]``), as sd-scripts' LoCon ("LoRA-C3Lier") files have them.
@@ -84,44 +86,68 @@ Metadata
 ``lora_adapter_metadata``: diffusers converts a kohya file to peft keys with alpha already folded into the weights and
 would then apply that config's ``lora_alpha`` a second time (0.42 refuses the combination outright).
 
-Files made elsewhere are read back by :mod:`lightning_lora.formats.kohya_read`. This module is pure tensor code
-(torch only). The families call it from
-:meth:`~lightning_lora.families.base.DiffusionFamily.kohya_lora` and
-:meth:`~lightning_lora.families.base.DiffusionFamily.kohya_metadata`; :func:`lightning_lora.export.export_lora` writes
-the file.
+Reading files made elsewhere
+----------------------------
+``lightning-lora export some_kohya_lora.safetensors --format diffusers`` needs the inverse: kohya names to diffusers
+names, fused modules split into their parts, each module's ``alpha / rank`` folded into its weights. diffusers already
+does that for ``pipe.load_lora_weights`` (``FluxLoraLoaderMixin.lora_state_dict`` ->
+``_convert_kohya_flux_lora_to_diffusers``; ``StableDiffusionLoraLoaderMixin.lora_state_dict`` ->
+``_maybe_map_sgm_blocks_to_diffusers`` and ``_convert_non_diffusers_lora_to_diffusers``; the FLUX.2 and Qwen-Image
+loaders' own), and using it means a converted file is what diffusers itself would have loaded. Two gaps are closed
+here (:func:`flux_from_kohya`):
+
+* FLUX layers outside the blocks (``img_in`` ... ``final_layer``): diffusers' converter returns them without the
+  ``transformer.`` prefix (so ``load_lora_weights`` drops them) and ``final_layer`` without its alpha; they map one to
+  one, so they are converted here (``final_layer.adaLN_modulation.1`` with its output halves swapped back);
+* zero rank components: a fused module that is not an exact block-diagonal of equal parts comes out of diffusers'
+  converter as every part holding the whole ``lora_down`` (:func:`drop_unused_ranks`).
+
+Plain LoRA only: diffusers' converters read ``lora_down`` / ``lora_up`` / ``alpha`` (they drop ``dora_scale`` and do not
+read LyCORIS' LoKr / LoHa tensors). diffusers is imported when a reading function runs.
+
+One layout, every family
+------------------------
+This module names no family. A family that writes this layout lists a :class:`KohyaLayout` in its
+``lora_files.layouts``: its kohya network (:class:`KohyaNetwork`), its names (:func:`fused_to_kohya` with its table of
+:mod:`lightning_lora.formats.bfl`, or :func:`unet_to_kohya`) and its reader; :func:`lightning_lora.export.export_lora`
+writes the file through it. Apart from the readers, this module is pure tensor code (torch only).
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
+from lightning_lora.errors import first_line
+from lightning_lora.formats import FileFacts, LoraFormat
 from lightning_lora.formats.adapters import Adapter, adapters_from_peft, alpha_rank, cast
-from lightning_lora.formats.bfl import BflSlice, FluxDims, bfl_slice, swap_halves
-from lightning_lora.formats.ldm import SDXL_LAYOUT, UNetLayout, diffusers_to_ldm
+from lightning_lora.formats.bfl import GLOBAL_MODULES, BflSlice, FluxDims, bfl_slice, swap_halves
+from lightning_lora.formats.ldm import UNetLayout, diffusers_to_ldm
 
 __all__ = [
-    "FLUX_NETWORK",
     "KOHYA_PREFIX",
     "LYCORIS_PREFIX",
-    "SD15_NETWORK",
-    "SDXL_NETWORK",
+    "KohyaLayout",
     "KohyaNetwork",
     "NetworkSummary",
+    "Slices",
     "adapter_to_kohya",
-    "flux_lora_dims",
-    "flux_separate_parts",
-    "flux_to_kohya",
+    "drop_unused_ranks",
+    "flux_from_kohya",
+    "from_kohya_by",
+    "fused_to_kohya",
+    "is_kohya_file",
     "kohya_metadata",
     "kohya_name",
     "network_summary",
-    "sd15_to_kohya",
-    "sdxl_to_kohya",
+    "separate_parts",
+    "unet_from_kohya",
     "unet_to_kohya",
 ]
 
@@ -131,8 +157,6 @@ KOHYA_PREFIX = "lora_unet_"
 #: ``comfy/lora.py`` ``model_lora_keys_unet``), used for the parts of fused layers that have no fused form.
 LYCORIS_PREFIX = "lycoris_"
 
-# Modules whose LoRA input is the transformer width (``inner_dim``) and that are parts of a fused BFL layer.
-_FUSED_PART = re.compile(r"(^|\.)(attn\.(to_[qkv]|add_[qkv]_proj)|proj_mlp)$")
 # Convolutions with a kernel larger than 1x1 in a diffusers UNet (sd-scripts' "conv" LoRA; a 1x1 convolution is a
 # linear LoRA there: networks/lora.py ``is_conv2d_1x1``).
 _CONV3 = re.compile(r"(^|\.)(conv_in|conv_out|conv1|conv2|conv)$")
@@ -202,63 +226,43 @@ def _dora_scale(magnitude: Tensor, lora_b: Tensor, swap: bool = False) -> Tensor
     return m.reshape(-1, *([1] * (lora_b.ndim - 1)))
 
 
-# --------------------------------------------------------------------------------------------- FLUX
+# --------------------------------------------------------------------------------------------- fused layers (BFL)
+
+Slices = Callable[[Mapping[str, Adapter]], Mapping[str, BflSlice]]
+"""Where each adapted module of a LoRA (diffusers names) lives in a layout that fuses some of them
+(:func:`lightning_lora.formats.bfl.flux_lora_slices`...); ``ValueError`` naming a module that has no place there."""
 
 
-def flux_lora_dims(adapters: Mapping[str, Adapter]) -> FluxDims:
-    """The :class:`FluxDims` that the fused layers of a FLUX LoRA need, read from the LoRA's own shapes.
-
-    Every part of a fused layer takes the transformer width as input (``inner_dim``); the single blocks' MLP width is
-    ``proj_mlp``'s output when it has a LoRA and FLUX.1's ``4 * inner_dim`` otherwise. A LoRA without fused parts
-    needs no dims (zeros are returned).
-    """
-    inner = next((a.in_features for m, a in adapters.items() if _FUSED_PART.search(m)), 0)
-    mlp = next((a.out_features for m, a in adapters.items() if m.endswith(".proj_mlp")), 4 * inner)
-    return FluxDims(inner_dim=inner, mlp_hidden_dim=mlp)
-
-
-def flux_to_kohya(
-    state: Mapping[str, Tensor], scale: float, dims: FluxDims | None = None, dtype: torch.dtype | None = None
+def fused_to_kohya(
+    state: Mapping[str, Tensor], scale: float, dtype: torch.dtype | None = None, *, slices: Slices
 ) -> dict[str, Tensor]:
-    """Convert a FLUX transformer LoRA from peft keys to kohya / ComfyUI keys (see the module docstring).
+    """A LoRA from peft keys to kohya / ComfyUI keys in a layout that fuses some of its layers (BFL's FLUX.1 and
+    FLUX.2; see the module docstring).
 
     Args:
         state: a peft state dict without prefix or adapter name (``transformer_blocks.0.attn.to_q.lora_A.weight``;
             DoRA, LoKr and LoHa tensors too).
         scale: every module's update is multiplied by this (peft's ``alpha / r``).
-        dims: FLUX widths for the row offsets of fused layers; default: read from the LoRA (:func:`flux_lora_dims`).
         dtype: dtype of the weights (default: as given). ``alpha`` and ``dora_scale`` stay float32. The fusing itself
             only copies values.
+        slices: where each module lives in the layout (the family's table, e.g. ``bfl.flux_lora_slices``).
 
     Returns:
-        ``{"lora_unet_<bfl module>.<tensor>": tensor}`` in module order.
+        ``{"lora_unet_<module>.<tensor>": tensor}`` in module order; the parts of a fused layer that have no exact
+        fused form under ComfyUI's per-part ``lycoris_<diffusers name>`` names.
 
     Raises:
-        ValueError: naming the module, for a module that is not a layer of the FLUX transformer, a convolution, a
-        LoKr on a part of a fused layer, a DoRA on some but not all parts of one, or parts of different variants.
+        ValueError: naming the module, for one ``slices`` places nowhere, a LoKr on a part of a fused layer, a DoRA on
+        some but not all parts of one, or parts of different variants.
     """
     adapters = adapters_from_peft(state)
-    dims = dims or flux_lora_dims(adapters)
+    placed = slices(adapters)
     groups: dict[str, list[tuple[BflSlice, str, Adapter]]] = {}
     for module, adapter in adapters.items():
-        if adapter.variant in ("LoRA", "DoRA") and adapter["lora_A"].ndim != 2:
-            raise ValueError(f"{module}: a convolution LoRA; the FLUX transformer has no convolutions")
-        try:
-            where = bfl_slice(module, dims)
-        except KeyError:
-            raise ValueError(
-                f"{module}: not a layer of the FLUX transformer, so it has no kohya/ComfyUI name. Export in the "
-                "diffusers format instead (--format diffusers)."
-            ) from None
-        if where.fused and adapter.out_features != where.size:
-            raise ValueError(
-                f"{module}: its adapter has {adapter.out_features} rows, the FLUX widths {dims} say {where.size}"
-            )
-        groups.setdefault(where.module, []).append((where, module, adapter))
-
-    separate = flux_separate_parts({m: a.variant for m, a in adapters.items()})
+        groups.setdefault(placed[module].module, []).append((placed[module], module, adapter))
+    separate = separate_parts({m: a.variant for m, a in adapters.items()}, placed)
     out: dict[str, Tensor] = {}
-    for bfl_module, parts in groups.items():
+    for fused_module, parts in groups.items():
         where, module, adapter = parts[0]
         if where.fused and module in separate:
             for _, part, part_adapter in parts:  # no exact fused form: ComfyUI's per-part names (module docstring)
@@ -266,30 +270,28 @@ def flux_to_kohya(
                 out.update({f"{LYCORIS_PREFIX}{part.replace('.', '_')}.{s}": t for s, t in tensors.items()})
             continue
         if where.fused:
-            tensors = _fuse(bfl_module, parts, scale, dtype)
+            tensors = _fuse(fused_module, parts, scale, dtype)
         else:
             tensors = adapter_to_kohya(adapter, scale, dtype=dtype, swap=where.swap, module=module)
-        name = kohya_name(bfl_module)
+        name = kohya_name(fused_module)
         out.update({f"{name}.{suffix}": t for suffix, t in tensors.items()})
     return out
 
 
-def flux_separate_parts(variants: Mapping[str, str]) -> set[str]:
-    """The parts of fused FLUX layers (diffusers names) that have no exact fused form and are written one by one
-    under ComfyUI's per-part names: every part of a fused layer that has a LoKr on some part, or DoRA on some but not
-    all of its parts (module docstring). ``variants``: ``{module: variant}``."""
+def separate_parts(variants: Mapping[str, str], slices: Mapping[str, BflSlice]) -> set[str]:
+    """The parts of fused layers (diffusers names) that have no exact fused form and are written one by one under
+    ComfyUI's per-part names: every part of a fused layer that has a LoKr on some part, or DoRA on some but not all of
+    its parts (module docstring). ``variants``: ``{module: variant}``; ``slices``: where they live (modules without a
+    slice are not parts)."""
     groups: dict[str, list[str]] = {}
     for module in variants:
-        try:
-            where = bfl_slice(module, FluxDims(1, 4))
-        except KeyError:
-            continue
-        if where.fused:
+        where = slices.get(module)
+        if where is not None and where.fused:
             groups.setdefault(where.module, []).append(module)
     separate: set[str] = set()
-    for bfl_module, parts in groups.items():
+    for parts in groups.values():
         kinds = {variants[p] for p in parts}
-        complete = len(parts) == (4 if bfl_module.endswith("linear1") else 3)
+        complete = sum(slices[p].size or 0 for p in parts) == slices[parts[0]].total
         if "LoKr" in kinds or ("DoRA" in kinds and not complete):
             separate.update(parts)
     return separate
@@ -331,21 +333,22 @@ def _fuse(
     return out
 
 
-# --------------------------------------------------------------------------------------------- SDXL, SD1.5
+# --------------------------------------------------------------------------------------------- renamed layers
 
 
 def unet_to_kohya(
-    state: Mapping[str, Tensor], scale: float, layout: UNetLayout | None, dtype: torch.dtype | None = None
+    state: Mapping[str, Tensor], scale: float, dtype: torch.dtype | None = None, *, layout: UNetLayout | None = None
 ) -> dict[str, Tensor]:
-    """Convert a UNet LoRA from peft keys to kohya / ComfyUI keys (see the module docstring).
+    """A LoRA from peft keys to kohya / ComfyUI keys, one kohya module per peft module (see the module docstring): the
+    UNets, and any model whose kohya names are its diffusers names.
 
     Args:
         state: a peft state dict without prefix or adapter name (``down_blocks.1.attentions.0.proj_in.lora_A.weight``;
             DoRA, LoKr and LoHa tensors too).
         scale: every module's update is multiplied by this (peft's ``alpha / r``).
-        layout: name modules by the original (SGM/LDM) UNet of this layout (SDXL); ``None`` keeps the diffusers
-            names (SD1.x).
         dtype: dtype of the weights (default: as given).
+        layout: name modules by the original (SGM/LDM) UNet of this layout (SDXL's,
+            :data:`~lightning_lora.formats.ldm.SDXL_LAYOUT`); ``None`` keeps the diffusers names (SD1.x, Qwen-Image).
     """
     out: dict[str, Tensor] = {}
     for module, adapter in adapters_from_peft(state).items():
@@ -365,31 +368,17 @@ def unet_to_kohya(
     return out
 
 
-def sdxl_to_kohya(state: Mapping[str, Tensor], scale: float, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
-    """An SDXL UNet LoRA in sd-scripts' SDXL names (the original SGM UNet's modules)."""
-    return unet_to_kohya(state, scale, SDXL_LAYOUT, dtype=dtype)
-
-
-def sd15_to_kohya(state: Mapping[str, Tensor], scale: float, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
-    """An SD1.x UNet LoRA in sd-scripts' SD1 names (the diffusers modules with ``_``)."""
-    return unet_to_kohya(state, scale, None, dtype=dtype)
-
-
 # --------------------------------------------------------------------------------------------- metadata
 
 
 @dataclass(frozen=True)
 class KohyaNetwork:
-    """The family's constants in kohya's metadata: the sd-scripts network module of a plain LoRA and
+    """A family's constants in kohya's metadata: the sd-scripts network module of a plain LoRA and
     ``ss_base_model_version`` (``library/train_util.py``, ``train_network.py``)."""
 
     network_module: str
     base_model_version: str
 
-
-FLUX_NETWORK = KohyaNetwork("networks.lora_flux", "flux1")
-SDXL_NETWORK = KohyaNetwork("networks.lora", "sdxl_base_v1-0")
-SD15_NETWORK = KohyaNetwork("networks.lora", "sd_v1")
 
 _ALGO = {"LoRA": "lora", "DoRA": "lora", "LoKr": "lokr", "LoHa": "loha"}
 
@@ -469,3 +458,148 @@ def kohya_metadata(summary: NetworkSummary, network: KohyaNetwork) -> dict[str, 
     if summary.module_ranks:
         meta["lightning_lora.module_ranks"] = json.dumps(summary.module_ranks)
     return meta
+
+
+# --------------------------------------------------------------------------------------------- reading
+
+
+def flux_from_kohya(tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """A FLUX kohya LoRA file's tensors as a peft state dict (diffusers names), every module's ``alpha / rank`` folded
+    into its weights.
+
+    The block layers go through diffusers' own converter (``FluxLoraLoaderMixin.lora_state_dict``, which splits fused
+    q/k/v back into parts); the layers outside the blocks (``img_in`` ... ``final_layer``), which that converter drops
+    or loads without their alpha, are mapped here one to one (``final_layer.adaLN_modulation.1`` with its output
+    halves swapped back). Like diffusers' converter, it expects FLUX.1's widths for ``linear1``.
+    """
+    from diffusers.loaders import FluxLoraLoaderMixin
+
+    outside = {kohya_name(bfl_slice(m, FluxDims(0, 0)).module): m for m in GLOBAL_MODULES}
+    rest = dict(tensors)
+    state: dict[str, Tensor] = {}
+    for name, module in outside.items():
+        if f"{name}.lora_down.weight" not in rest:
+            continue
+        a, b = _scaled_pair(rest, name)
+        state[f"{module}.lora_A.weight"] = a
+        state[f"{module}.lora_B.weight"] = swap_halves(b) if module == "norm_out.linear" else b
+    if rest:
+        converted = FluxLoraLoaderMixin.lora_state_dict(rest)
+        converted = converted[0] if isinstance(converted, tuple) else converted
+        state.update({k.removeprefix("transformer."): v for k, v in converted.items()})
+    return drop_unused_ranks(state)
+
+
+def unet_from_kohya(tensors: Mapping[str, Tensor], *, layout: UNetLayout | None = None) -> dict[str, Tensor]:
+    """An SD/SDXL kohya LoRA file's tensors as a peft state dict (diffusers names), every module's ``alpha / rank``
+    folded into its weights, through diffusers' own converter (``StableDiffusionLoraLoaderMixin.lora_state_dict``,
+    with the SGM block numbering of ``layout`` for SDXL names)."""
+    from types import SimpleNamespace
+
+    from diffusers.loaders import StableDiffusionLoraLoaderMixin
+    from diffusers.utils import convert_unet_state_dict_to_peft
+
+    config = SimpleNamespace(layers_per_block=layout.layers_per_block) if layout is not None else None
+    converted, alphas = StableDiffusionLoraLoaderMixin.lora_state_dict(dict(tensors), unet_config=config)
+    alphas = alphas or {}
+    state: dict[str, Tensor] = {}
+    # diffusers' old names: <module>.lora.down.weight, <attention>.processor.to_q_lora.down.weight...
+    for key, down in converted.items():
+        if not key.endswith(".down.weight"):
+            continue
+        up = converted[key.removesuffix("down.weight") + "up.weight"]
+        alpha = alphas.get(f"{key}.alpha", alphas.get(key.removesuffix(".lora.down.weight") + ".alpha"))
+        scale = float(alpha) / down.shape[0] if alpha is not None else 1.0
+        (name,) = convert_unet_state_dict_to_peft({key: down})  # diffusers' own renaming to peft keys
+        module = name.removeprefix("unet.").removesuffix(".lora_A.weight")
+        state[f"{module}.lora_A.weight"] = down
+        state[f"{module}.lora_B.weight"] = up if scale == 1 else (up.float() * scale).to(up.dtype)
+    return drop_unused_ranks(state)
+
+
+def drop_unused_ranks(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """``state`` (plain LoRA) without the rank components that contribute nothing: the columns of ``lora_B`` that are
+    all zero (and their rows of ``lora_A``), and the modules left with none. The same function, exactly; every tensor
+    its own copy.
+
+    A fused kohya module that is not an exact block-diagonal of equal parts (FLUX's ``linear1`` with only q, k, v
+    trained: rank ``3r`` over four parts) comes out of diffusers' converter as every part holding the whole
+    ``lora_down`` and its rows of ``lora_up``: mostly zero columns, and a ``proj_mlp`` adapter of zeros. Dropping them
+    gives back one rank-``r`` adapter per trained part.
+    """
+    out: dict[str, Tensor] = {}
+    for module, adapter in adapters_from_peft(state).items():
+        a, b = adapter["lora_A"], adapter["lora_B"]
+        used = b.reshape(b.shape[0], b.shape[1], -1).abs().amax(dim=(0, 2)) > 0  # per rank component
+        if not bool(used.any()):
+            continue
+        if not bool(used.all()):
+            a, b = a[used], b[:, used]
+        out[f"{module}.lora_A.weight"] = a.clone()
+        out[f"{module}.lora_B.weight"] = b.clone()
+    return out
+
+
+def _scaled_pair(tensors: dict[str, Tensor], name: str) -> tuple[Tensor, Tensor]:
+    """Pop one kohya module's ``(lora_down, lora_up * alpha / rank)``."""
+    down, up = tensors.pop(f"{name}.lora_down.weight"), tensors.pop(f"{name}.lora_up.weight")
+    alpha = tensors.pop(f"{name}.alpha", None)
+    scale = float(alpha) / down.shape[0] if alpha is not None else 1.0
+    return down, up if scale == 1 else (up.float() * scale).to(up.dtype)
+
+
+def from_kohya_by(tensors: Mapping[str, Tensor], *, loader: str) -> dict[str, Tensor]:
+    """A kohya-layout LoRA file (plain LoRA) as a peft state dict, through the ``lora_state_dict`` of the diffusers
+    loader ``loader`` (``Flux2LoraLoaderMixin``, ``QwenImageLoraLoaderMixin``: each folds ``alpha / rank`` in and
+    splits fused layers back into their parts)."""
+    import diffusers.loaders
+
+    converted: Any = getattr(diffusers.loaders, loader).lora_state_dict(dict(tensors))
+    return {k.removeprefix("transformer."): v for k, v in converted.items()}
+
+
+def is_kohya_file(tensors: Mapping[str, Tensor]) -> bool:
+    """Whether every key is a kohya / ComfyUI module's (``lora_unet_<module>.*``, ComfyUI's per-part ``lycoris_``)."""
+    return bool(tensors) and all(k.startswith((KOHYA_PREFIX, LYCORIS_PREFIX)) for k in tensors)
+
+
+# --------------------------------------------------------------------------------------------- the layout
+
+
+@dataclass(frozen=True)
+class KohyaLayout:
+    """The kohya / ComfyUI layout as one family serves it: the family's names in it, its kohya network, how files made
+    elsewhere are read back. A family lists it in its ``lora_files.layouts``."""
+
+    network: KohyaNetwork
+    """What ``ss_network_module`` / ``ss_base_model_version`` say of the family's files."""
+    to_kohya: Callable[..., dict[str, Tensor]]
+    """``(state, scale, dtype)`` -> the file's tensors: :func:`fused_to_kohya` or :func:`unet_to_kohya` with the
+    family's names."""
+    from_kohya: Callable[[Mapping[str, Tensor]], dict[str, Tensor]]
+    """A file's tensors (plain LoRA) -> a peft state dict, ``alpha / rank`` folded in (diffusers' converter for the
+    family: :func:`flux_from_kohya`, :func:`unet_from_kohya`, :func:`from_kohya_by`)."""
+    format: ClassVar[LoraFormat] = "kohya"
+
+    def write(self, state: Mapping[str, Tensor], file: FileFacts) -> tuple[dict[str, Tensor], dict[str, str]]:
+        """The file's tensors and its ``ss_*`` header entries (:func:`kohya_metadata`)."""
+        tensors = self.to_kohya(state, file.scale, file.dtype)
+        summary = network_summary(tensors, state, file.rank, file.alpha, output_name=file.title)
+        return tensors, kohya_metadata(summary, self.network)
+
+    def read(self, tensors: Mapping[str, Tensor], metadata: Mapping[str, str]) -> dict[str, Tensor]:
+        """A kohya file made elsewhere (plain LoRA) as a peft state dict; ``ValueError`` naming what it cannot read."""
+        variants = sorted(
+            {k.split(".", 1)[1] for k in tensors if not k.endswith(("lora_down.weight", "lora_up.weight", ".alpha"))}
+        )
+        if variants:
+            raise ValueError(
+                f"has {', '.join(variants[:3])} tensors (DoRA, LoKr or LoHa); lightning-lora converts kohya files of "
+                "plain LoRA (diffusers' converter reads lora_down / lora_up / alpha only)."
+            )
+        try:
+            return self.from_kohya(tensors)
+        except (ValueError, KeyError, AssertionError) as e:
+            raise ValueError(
+                f"diffusers' converter could not read it as a kohya LoRA of this family ({first_line(e)})."
+            ) from None

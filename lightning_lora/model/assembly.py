@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,7 @@ __all__ = [
     "build_lora_model",
     "compile_repeated_blocks",
     "configure_attention",
+    "gradients_outside_graphs",
     "uncompiled",
 ]
 
@@ -53,7 +55,30 @@ as a CUDA graph (one per input shape, in one memory pool) and replays it, so a b
 instead of a few hundred. For steps the host's CPU bounds: ``sdxl_24gb`` on an H100 took 0.154 s a step against 0.431
 with the default mode in the same command, at 10.52 against 10.39 GiB reserved; a step the GPU bounds gains nothing
 (``flux_h100``: 0.698 against 0.702 s; FLUX bf16 512x768: 0.184 against 0.187; BENCHMARKS.md, "CUDA graphs"). On a
-CPU inductor runs the blocks without graphs."""
+CPU inductor runs the blocks without graphs.
+
+The graphs' outputs live in one memory pool that torch's CUDA graph trees hand out again at each new *generation*;
+a tensor of an earlier generation still in use is then overwritten ("accessing tensor output of CUDAGraphs that has
+been overwritten by a subsequent run"). By itself torch starts a generation at any compiled call made after a backward
+pass, and a training step makes two such calls: the second micro-batch of gradient accumulation, whose backward adds
+into gradients the first one's backward left in the pool (``flux_8gb``, NF4 with accumulation 4, failed so in its first
+step: dev/LOG.md, 2026-12-02), and a block that checkpointing outside its compiled region recomputes in the
+backward pass. So a training step with graphs marks its own generation
+(:func:`~torch.compiler.cudagraph_mark_step_begin` at each micro-batch: ``LoraModule.training_step``) and keeps the
+LoRA's gradients out of the pool (:func:`gradients_outside_graphs`, zeroed instead of freed between steps)."""
+
+
+def gradients_outside_graphs(params: Iterable[nn.Parameter]) -> int:
+    """Give each of ``params`` without a gradient a zero one, allocated outside any CUDA graph pool; returns how many
+    it gave. Kept (zeroed, not set to ``None``, between optimizer steps), the gradient is where autograd adds each
+    backward's result in place, so no gradient is a graph's output that the next micro-batch's graphs overwrite
+    (:data:`CUDA_GRAPHS_MODE`)."""
+    given = 0
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+            given += 1
+    return given
 
 
 def build_lora_model(recipe: ModelRecipe, device: torch.device | None = None) -> nn.Module:
@@ -75,10 +100,10 @@ def build_lora_model(recipe: ModelRecipe, device: torch.device | None = None) ->
     for p in trainable_parameters(denoiser):
         p.data = p.data.to(torch.float32)
     if recipe.gradient_checkpointing:
-        in_blocks = recipe.compile_blocks and family.checkpoints_only_repeated_blocks
+        in_blocks = recipe.compile_blocks and family.compiling.checkpoints_only_repeated_blocks
         apply_gradient_checkpointing(denoiser, recipe.checkpoint_every, recipe.offload_activations, in_blocks)
     offload_blocks(denoiser, offloaded, device)
-    configure_attention(denoiser, recipe.attention, device, family.cudnn_attention_in_auto)
+    configure_attention(denoiser, recipe.attention, device, family.compiling.cudnn_attention_in_auto)
     if recipe.cuda_graphs and device.type != "cuda":
         warnings.warn(
             f"model.cuda_graphs: true, but the model is built on {device.type}: CUDA graphs need a CUDA (or ROCm) GPU, "
@@ -89,9 +114,9 @@ def build_lora_model(recipe: ModelRecipe, device: torch.device | None = None) ->
         compile_repeated_blocks(
             denoiser,
             mode=CUDA_GRAPHS_MODE if recipe.cuda_graphs else None,
-            extra=family.compiled_regions,
-            streams=family.stream_sources,
-            joins=family.joined_streams,
+            extra=family.compiling.regions,
+            streams=family.compiling.stream_sources,
+            joins=family.compiling.joined_streams,
         )
     return denoiser.train()
 
@@ -142,8 +167,8 @@ def configure_attention(
     """Choose the attention kernel.
 
     ``auto`` lets PyTorch's SDPA pick among its backends, with cuDNN's switched off unless ``cudnn_in_auto`` (the
-    family's ``cudnn_attention_in_auto``). ``sdpa`` is PyTorch's own choice among all its backends. ``flash`` /
-    ``efficient`` / ``cudnn`` / ``math`` allow only that SDPA backend (the process-wide ``torch.backends.cuda``
+    family's ``compiling.cudnn_attention_in_auto``). ``sdpa`` is PyTorch's own choice among all its backends. ``flash``
+    / ``efficient`` / ``cudnn`` / ``math`` allow only that SDPA backend (the process-wide ``torch.backends.cuda``
     switches); ``xformers`` uses diffusers' xformers processors (CUDA only). Wherever cuDNN's SDPA is allowed, its
     backward is handed the output's gradient in the output's strides (:mod:`lightning_lora.model.attention`: without it,
     cuDNN's backward read out of bounds in full-size FLUX on an H200).
@@ -180,10 +205,10 @@ def compile_repeated_blocks(
     joins: tuple[str, ...] = (),
 ) -> None:
     """Regional compilation: compile each repeated transformer block in place (diffusers' ``compile_repeated_blocks``),
-    and each module of the ``extra`` classes (the family's ``compiled_regions``); the outputs of the ``streams``
-    modules (the family's ``stream_sources``) require gradients while training (:func:`stream_needs_gradients`), and
-    the two streams out of the last module of each ``joins`` container (the family's ``joined_streams``) come as
-    slices of one tensor (:func:`slices_of_one_tensor`).
+    and each module of the ``extra`` classes (the family's ``compiling.regions``); the outputs of the ``streams``
+    modules (the family's ``compiling.stream_sources``) require gradients while training
+    (:func:`stream_needs_gradients`), and the two streams out of the last module of each ``joins`` container (the
+    family's ``compiling.joined_streams``) come as slices of one tensor (:func:`slices_of_one_tensor`).
 
     Compiling the whole 12B model did not finish in 150 s on an H200; the blocks compile once and are reused by
     every layer, and parameter names stay unchanged (no ``_orig_mod.`` prefix in checkpoints).

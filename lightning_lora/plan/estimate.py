@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_lora.data.recipe import DataRecipe
 from lightning_lora.families.base import DiffusionFamily
 from lightning_lora.lora import LoraOptions, inject_lora
 from lightning_lora.model.offload import offloaded_blocks, repeated_blocks
@@ -337,14 +338,14 @@ def plan_training(
     if recipe.compile_blocks and not recipe.gradient_checkpointing:
         # Compiled blocks keep fewer tensors than the eager count (the family's share); checkpointed blocks keep only
         # their inputs, which compiling cannot shrink.
-        saved *= recipe.family.compiled_saved_fraction
+        saved *= recipe.family.planning.compiled_saved_fraction
     elif recipe.compile_blocks and recipe.checkpoint_every > 1:  # the blocks not checkpointed keep the family's share
         eager = recipe.replace(gradient_checkpointing=False, checkpoint_every=1, offload_activations=False)
         saved = compiled_saved_bytes(
             saved,
             uncheckpointed=_count(eager, height, width, batch, text_len).saved,
             all_checkpointed=_count(recipe.replace(checkpoint_every=1), height, width, batch, text_len).saved,
-            share=recipe.family.compiled_saved_fraction,
+            share=recipe.family.planning.compiled_saved_fraction,
         )
     per_block = (saved + moved) / max(counted.blocks, 1)
     transient = TRANSIENT_BLOCKS * per_block
@@ -437,35 +438,34 @@ def _caching_peaks(
 
 
 def optimizer_name(factory: Any) -> str:
-    """The class name of the optimizer ``factory`` (an injected ``OptimizerCallable``) builds, probed on a dummy
-    parameter."""
-    probe = torch.nn.Parameter(torch.zeros(64, 64))
-    try:
-        return type(factory([probe])).__name__
-    except Exception:  # noqa: BLE001 - an optimizer that cannot run here (e.g. needs CUDA): assume AdamW
-        return "AdamW"
+    """The class name of the optimizer ``factory`` (an injected ``OptimizerCallable``) builds, read without calling it
+    (a factory is code; planning runs none): an optimizer class itself, or a ``functools.partial`` of one (what
+    jsonargparse makes of a config's ``model.optimizer``, and ``partial(AdamW8bit, lr=1e-4)`` in Python). AdamW, the
+    default, for any other callable."""
+    candidates = (factory, getattr(factory, "func", None), *getattr(factory, "args", ()))
+    for candidate in candidates:
+        if isinstance(candidate, type) and issubclass(candidate, torch.optim.Optimizer):
+            return candidate.__name__
+    return "AdamW"
 
 
 def plan_for(
     recipe: ModelRecipe,
-    datamodule: Any,
+    data: DataRecipe,
     optimizer: str = "AdamW",
     sample_size: tuple[int, int] | None = None,
     shards: int = 1,
 ) -> MemoryPlan:
-    """The plan of a run: ``recipe`` at the data module's largest resolution and batch size, the family's text
-    length, on each GPU (``shards``: :func:`plan_training`; :func:`~lightning_lora.model.parallel.shard_count` of a
-    trainer or a config)."""
-    resolution = getattr(datamodule, "resolution", 512)
-    side = max(resolution) if isinstance(resolution, list | tuple) else int(resolution)
+    """The plan of a run: ``recipe`` at the data's largest resolution and batch size, the family's text length, on each
+    GPU (``shards``: :func:`plan_training`; :func:`~lightning_lora.model.parallel.shard_count` of a trainer or a
+    config)."""
+    side = data.resolution
     text_len = recipe.family.text_tokens
     plan = plan_training(
-        recipe, side, side, datamodule.batch_size, text_len, optimizer=optimizer, sample_size=sample_size, shards=shards
+        recipe, side, side, data.batch_size, text_len, optimizer=optimizer, sample_size=sample_size, shards=shards
     )
-    text_quantization = getattr(datamodule, "text_encoder_quantization", "none")
-    encode_batch = int(getattr(datamodule, "encode_batch_size", 4))
     plan.caching_text, plan.caching_images, text_host, notes = caching_peaks(
-        recipe, text_quantization, encode_batch, side
+        recipe, data.text_encoder_quantization, data.encode_batch_size, side
     )
     plan.notes += notes
     # Loading passes the base's weights through CPU memory in its dtype; offloaded blocks stay there, pinned.

@@ -69,7 +69,7 @@ def sampling_pieces(
     if key in _SAMPLING:
         return _SAMPLING[key]
     inputs = family.example_inputs(
-        model, family.sampling_batch, height, width, text_len, device="meta", dtype=source.dtype
+        model, family.planning.sampling_batch, height, width, text_len, device="meta", dtype=source.dtype
     )
     running = module_copy(model)  # a forward may fill a model's caches (RoPE tables): the next one counts them too
     with flash_like_attention():

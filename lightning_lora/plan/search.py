@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any
 
+from lightning_lora.data.recipe import DataRecipe
 from lightning_lora.errors import ConfigError
 from lightning_lora.model.parallel import LoraFSDPStrategy, check_strategy
 from lightning_lora.model.recipe import ModelRecipe
@@ -43,7 +43,8 @@ OFFLOAD_TRIES = (3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48)  # 1-2 save nothing
 
 
 Changes = tuple[str, dict[str, Any], dict[str, Any]]
-"""An alternative: (command-line options, the recipe fields they change, the data options they change)."""
+"""An alternative: (command-line options, the recipe fields they change, the data options they change: ``batch_size``,
+``resolution``)."""
 
 
 _MODEL_OPTIONS = ("gradient_checkpointing", "checkpoint_every", "offload_activations", "offload_blocks")
@@ -76,7 +77,7 @@ def _changes(recipe: ModelRecipe, alternatives: list[tuple[dict[str, Any], dict[
     return tries
 
 
-def _candidates(recipe: ModelRecipe, datamodule: Any) -> list[Changes]:
+def _candidates(recipe: ModelRecipe, data: DataRecipe) -> list[Changes]:
     """Alternatives to try, fastest first (offloading, tried last, is :data:`OFFLOAD_TRIES`): ways to run the same
     training with less memory, then smaller batches and images (a different training: only when nothing else fits)."""
     checkpointing = {"gradient_checkpointing": True, "checkpoint_every": 1}
@@ -94,9 +95,7 @@ def _candidates(recipe: ModelRecipe, datamodule: Any) -> list[Changes]:
     # The least memory without changing the training: the smallest base, every block checkpointed, inputs in CPU.
     least = {**smallest, **checkpointing, "offload_activations": True}
     tries.append((least, {}))
-    batch = int(getattr(datamodule, "batch_size", 1))
-    resolution = getattr(datamodule, "resolution", 512)
-    side = max(resolution) if isinstance(resolution, list | tuple) else int(resolution)
+    batch, side = data.batch_size, data.resolution
     if batch > 1:
         tries.append((least, {"batch_size": 1}))
     tries += [(least, {"batch_size": 1, "resolution": smaller}) for smaller in (768, 512) if smaller < side]
@@ -137,11 +136,19 @@ class Fit:
         return f"{self.flags or 'as configured'}   (~{self.peak_gib:.1f} GiB{slower})"
 
 
-class _Planner:
-    """Plans of a recipe and its alternatives for one data module, each planned once."""
+def _with_data_options(data: DataRecipe, options: dict[str, Any]) -> DataRecipe:
+    """``data`` with the data options of a :data:`Changes` (``resolution``: one size, as ``--data.resolution`` sets)."""
+    if not options:
+        return data
+    sizes = {"resolutions": (options["resolution"],)} if "resolution" in options else {}
+    return data.replace(batch_size=options.get("batch_size", data.batch_size), **sizes)
 
-    def __init__(self, recipe: ModelRecipe, datamodule: Any, optimizer: str, shards: int = 1) -> None:
-        self.recipe, self.datamodule, self.optimizer, self.shards = recipe, datamodule, optimizer, shards
+
+class _Planner:
+    """Plans of a recipe and its alternatives for one data recipe, each planned once."""
+
+    def __init__(self, recipe: ModelRecipe, data: DataRecipe, optimizer: str, shards: int = 1) -> None:
+        self.recipe, self.data, self.optimizer, self.shards = recipe, data, optimizer, shards
         self._peaks: dict[str, float | None] = {}
         # A sharded run takes only what its strategy takes (a bf16 base, not offloaded): the strategy's own check.
         self._strategy = LoraFSDPStrategy() if shards > 1 else None
@@ -149,17 +156,11 @@ class _Planner:
     def peak(self, flags: str, changes: dict[str, Any], data: dict[str, Any] | None = None) -> float | None:
         """The planned peak with ``changes`` (and data options ``data``), or None when the recipe refuses them."""
         if flags not in self._peaks:
-            datamodule = self.datamodule
-            if data:
-                datamodule = SimpleNamespace(
-                    resolution=data.get("resolution", getattr(datamodule, "resolution", 512)),
-                    batch_size=data.get("batch_size", datamodule.batch_size),
-                )
             try:
                 changed = self.recipe.replace(**changes)
                 if self._strategy is not None:
                     check_strategy(self._strategy, changed)
-                plan = plan_for(changed, datamodule, self.optimizer, shards=self.shards)
+                plan = plan_for(changed, _with_data_options(self.data, data or {}), self.optimizer, shards=self.shards)
                 self._peaks[flags] = plan.run_peak  # the samples must fit too
             except ConfigError:  # a change the other settings refuse (e.g. NF4 with model.offload_blocks): not a fix
                 self._peaks[flags] = None
@@ -183,13 +184,13 @@ class _Planner:
     def fits(self, vram: float, first: bool = False) -> list[Fit]:
         """The alternatives that fit in ``vram`` GiB (5% kept free), fastest first (only the fastest with ``first``);
         offloading with the fewest blocks that fit (it costs PCIe copies per block and step), before changes of the
-        data. One that needs as much memory as a faster one (the same GiB, as printed) is left out: it would only be
-        slower."""
+        data. One that needs as much memory as a faster one on the same base format (the same GiB, as printed) is left
+        out: it would only be slower (:func:`_without_ties`)."""
         limit = vram * HEADROOM
         found: list[Fit] = []
         if limit <= FIXED_OVERHEAD_GIB:  # not even the CUDA context fits
             return found
-        tries = _candidates(self.recipe, self.datamodule)
+        tries = _candidates(self.recipe, self.data)
         same = [t for t in tries if not t[2]]
         for flags, changes, data in same:
             peak = self.peak(flags, changes, data)
@@ -259,7 +260,7 @@ def merged_batches(batch_size: int, accumulate: int) -> tuple[int, int] | None:
 
 
 def larger_batches(
-    recipe: ModelRecipe, datamodule: Any, vram: float, accumulate: int, optimizer: str = "AdamW", shards: int = 1
+    recipe: ModelRecipe, data: DataRecipe, vram: float, accumulate: int, optimizer: str = "AdamW", shards: int = 1
 ) -> Fit | None:
     """The same images per optimizer step as fewer, larger batches (:func:`merged_batches`), when that fits ``vram``
     GiB with :data:`OUTSIDE_ALLOCATOR_GIB` kept for the process and 5% of the rest free; None otherwise. A step that
@@ -267,34 +268,34 @@ def larger_batches(
     and every block checkpointed trained 4 images in 1.10 s as 2 x 2 against 2.01-2.14 as 4 x 1 (torch's AdamW at
     both) on an H200, and needed 7.34 GiB for it, which an 8 GB card does not have (out of memory under a
     7.5 GiB cap)."""
-    merged = merged_batches(datamodule.batch_size, accumulate)
+    merged = merged_batches(data.batch_size, accumulate)
     if merged is None:
         return None
     batch, steps = merged
     flags = f"--data.batch_size {batch} --trainer.accumulate_grad_batches {steps}"
-    peak = _Planner(recipe, datamodule, optimizer, shards).peak(flags, {}, {"batch_size": batch})
+    peak = _Planner(recipe, data, optimizer, shards).peak(flags, {}, {"batch_size": batch})
     if peak is None or peak > (vram - OUTSIDE_ALLOCATOR_GIB) * HEADROOM:
         return None
     return Fit(flags, peak, data={"batch_size": batch})
 
 
 def choose_for_memory(
-    recipe: ModelRecipe, datamodule: Any, vram: float, optimizer: str = "AdamW", shards: int = 1
+    recipe: ModelRecipe, data: DataRecipe, vram: float, optimizer: str = "AdamW", shards: int = 1
 ) -> Fit | None:
     """The fastest way to run the same training in ``vram`` GiB (``model.memory``, :meth:`_Planner.fastest`): less
     checkpointing or offloading than configured when that fits, as configured when it fits, else the first
     alternative that fits without changing the data (batch, resolution); None when none does. ``shards``:
     :func:`~lightning_lora.plan.estimate.plan_training`'s (a sharded base takes no quantized or offloaded
     alternative)."""
-    return _Planner(recipe, datamodule, optimizer, shards).fastest(vram)
+    return _Planner(recipe, data, optimizer, shards).fastest(vram)
 
 
 def fitting_changes(
-    recipe: ModelRecipe, datamodule: Any, vram: float, optimizer: str = "AdamW", shards: int = 1
+    recipe: ModelRecipe, data: DataRecipe, vram: float, optimizer: str = "AdamW", shards: int = 1
 ) -> list[str]:
     """Changes (as command-line options, with the planned peak) that bring the plan under ``vram`` GiB, fastest first;
     each is tried as a new recipe (``recipe.replace``), so a combination the recipe refuses is never suggested."""
-    return [fit.line() for fit in _Planner(recipe, datamodule, optimizer, shards).fits(vram)]
+    return [fit.line() for fit in _Planner(recipe, data, optimizer, shards).fits(vram)]
 
 
 CARDS: dict[str, float] = {
@@ -361,7 +362,7 @@ def visible_card_memory() -> tuple[float, str]:
 
 def cards_table(
     recipe: ModelRecipe,
-    datamodule: Any,
+    data: DataRecipe,
     optimizer: str = "AdamW",
     sizes: tuple[int, ...] = CARD_SIZES,
     shards: int = 1,
@@ -369,7 +370,7 @@ def cards_table(
     """For each card size (GiB): the fastest way to run the same training that fits (:meth:`_Planner.fastest`: less
     checkpointing than configured on a larger card, as configured, or a memory-saving change), else the first change
     of the data that fits, or None; with ``shards`` > 1, on each of that many cards of the size."""
-    planner = _Planner(recipe, datamodule, optimizer, shards)
+    planner = _Planner(recipe, data, optimizer, shards)
     rows: list[tuple[int, Fit | None]] = []
     for size in sizes:
         fit = planner.fastest(size)

@@ -11,36 +11,7 @@ the adapters. Here the base layers are swapped first; peft then wraps the quanti
 float32.
 """
 
-from lightning_lora.precision.plugins import (
-    BF16,
-    DTYPES,
-    FP8,
-    NF4,
-    PRECISIONS,
-    TRAINER_PRECISIONS,
-    BaseDtype,
-    BasePrecision,
-    FP8Compute,
-    check_trainer_precision,
-    dtype_name,
-    for_trainer_precision,
-    precision_of,
-    text_encoder_precision,
-)
+from lightning_lora.precision import plugins
+from lightning_lora.precision.plugins import *  # noqa: F403 - the names of the plugins module, listed once (its __all__)
 
-__all__ = [
-    "BF16",
-    "DTYPES",
-    "FP8",
-    "NF4",
-    "PRECISIONS",
-    "TRAINER_PRECISIONS",
-    "BaseDtype",
-    "BasePrecision",
-    "FP8Compute",
-    "check_trainer_precision",
-    "dtype_name",
-    "for_trainer_precision",
-    "precision_of",
-    "text_encoder_precision",
-]
+__all__ = plugins.__all__

@@ -37,7 +37,8 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 import torch
-from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import nn
 from typing_extensions import override
 
@@ -53,6 +54,7 @@ __all__ = [
     "FP8",
     "NF4",
     "PRECISIONS",
+    "PRECISION_ALIASES",
     "TRAINER_PRECISIONS",
     "BaseDtype",
     "BasePrecision",
@@ -85,6 +87,18 @@ TRAINER_PRECISIONS = tuple(_LIGHTNING_NAME.values())
 module, LoRA included: ``bf16-true`` / ``16-true`` would train the LoRA and keep its optimizer state in 16 bits
 (updates smaller than a bf16 step of the weight are lost) and turn float8 base weights back into bf16; ``64-true``
 doubles the base; Lightning's ``transformer-engine`` and bitsandbytes plugins would quantize the adapters."""
+
+PRECISION_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed", "64": "64-true"}
+"""Lightning's short spellings of ``trainer.precision`` and what they mean (as Lightning's Trainer documents them)."""
+
+_WHY_NOT = {
+    "bf16-true": "trains the LoRA and keeps its optimizer state in bf16 (updates smaller than a bf16 step of a weight "
+    "are lost) and casts float8 or NF4 base weights back to bf16",
+    "16-true": "trains the LoRA and keeps its optimizer state in fp16 (small updates are lost, large ones overflow) "
+    "and casts float8 or NF4 base weights back to fp16",
+    "64-true": "casts the whole model, the frozen base included, to float64: twice the memory of float32 for nothing a "
+    "LoRA needs",
+}
 
 
 class BasePrecision(MixedPrecision):
@@ -134,6 +148,23 @@ class BasePrecision(MixedPrecision):
             return
         with self.autocast_context_manager():
             yield
+
+    @override
+    def clip_gradients(
+        self,
+        optimizer: torch.optim.Optimizer,
+        clip_val: int | float = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+    ) -> None:
+        """``trainer.gradient_clip_val`` with any optimizer, torch's fused ones too (``torch.optim.AdamW`` with
+        ``fused: true``, one kernel for every LoRA tensor). Lightning's mixed precision refuses to clip for an optimizer
+        that can unscale gradients itself, since with a gradient scaler (fp16) the gradients it would clip are still
+        scaled; without one (bf16, fp32) there is nothing to unscale and the gradients are the true ones. With fp16
+        Lightning's refusal stands."""
+        if self.scaler is not None:
+            super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
+            return
+        Precision.clip_gradients(self, optimizer, clip_val, gradient_clip_algorithm)
 
     # -- the model's side ----------------------------------------------------------------------------------------
     @property
@@ -361,22 +392,26 @@ PRECISIONS: dict[str, type[BasePrecision]] = {cls.__name__: cls for cls in (BF16
 
 def check_trainer_precision(precision: str) -> None:
     """Refuse a ``trainer.precision`` (or a precision plugin not of this package) that casts or quantizes the LoRA
-    itself (:data:`TRAINER_PRECISIONS`)."""
-    if str(precision) in TRAINER_PRECISIONS:
+    itself (:data:`TRAINER_PRECISIONS`); Lightning's aliases (:data:`PRECISION_ALIASES`) are what they stand for."""
+    meant = PRECISION_ALIASES.get(str(precision), str(precision))
+    if meant in TRAINER_PRECISIONS:
         return
+    spelled = f"{precision} ({meant})" if meant != str(precision) else str(precision)
+    why = _WHY_NOT.get(meant, "casts or quantizes the whole model, the LoRA and its optimizer state included")
     raise ConfigError(
-        f"trainer.precision: {precision} is not supported: it casts the whole model, LoRA and optimizer state "
-        "included (a bf16 LoRA loses small updates; float8 or NF4 base weights would be cast back). Use "
-        "trainer.precision: bf16-mixed (autocast; the LoRA stays float32), and choose the frozen base's format with "
+        f"trainer.precision: {spelled} is not supported: it {why}. Use trainer.precision: bf16-mixed (autocast; the "
+        "LoRA stays float32) or 32-true (float32 throughout), and choose the frozen base's format with "
         "trainer.plugins: lightning_lora.precision.BF16, FP8, FP8Compute or NF4."
     )
 
 
 def for_trainer_precision(precision: str) -> BF16:
-    """The plugin a plain ``trainer.precision`` means: ``bf16-mixed`` / ``16-mixed`` / ``32-true`` are :class:`BF16`
-    with dtype bf16 / fp16 / fp32; the others are refused (:func:`check_trainer_precision`)."""
+    """The plugin a plain ``trainer.precision`` means: ``bf16-mixed`` / ``16-mixed`` / ``32-true`` (and Lightning's
+    aliases ``bf16`` / ``16`` / ``32``) are :class:`BF16` with dtype bf16 / fp16 / fp32; the others are refused
+    (:func:`check_trainer_precision`)."""
     check_trainer_precision(precision)
-    dtype = {lightning: ours for ours, lightning in _LIGHTNING_NAME.items()}[str(precision)]
+    meant = PRECISION_ALIASES.get(str(precision), str(precision))
+    dtype = {lightning: ours for ours, lightning in _LIGHTNING_NAME.items()}[meant]
     return BF16(dtype=dtype)  # type: ignore[arg-type]
 
 

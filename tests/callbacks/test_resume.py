@@ -42,6 +42,27 @@ def test_stop_and_resume_twice_is_exact(tmp_path: Path, tiny_flux_dir: Path, pho
     assert_same_run(uninterrupted[1], config, after_step=3)
 
 
+def test_fused_adamw_with_gradient_clipping_resumes_exactly(
+    tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path
+) -> None:
+    """torch's AdamW with ``fused: true`` (one kernel for every LoRA tensor; its step counts are tensors on the
+    parameters' device) under ``trainer.gradient_clip_val``, with gradient accumulation: stopped between optimizer steps
+    and resumed, the same LoRA bit for bit and the same losses. Lightning refused to clip for a fused optimizer before
+    the precision plugins said that without a gradient scaler there is nothing to unscale."""
+    fused = {
+        "model.optimizer": {"class_path": "torch.optim.AdamW", "init_args": {"lr": 0.01, "fused": True}},
+        "trainer.gradient_clip_val": 0.01,  # below the tiny model's gradient norms: every step is clipped
+    }
+    reference = resume_config(tmp_path, tiny_flux_dir, photos_dir, "a", accumulate=2, steps=6, **fused)
+    assert run_cli(["fit", "--config", str(reference)]).trainer.global_step == 6
+    config = resume_config(tmp_path, tiny_flux_dir, photos_dir, "b", accumulate=2, steps=6, **fused)
+    run_cli(["fit", "--config", str(config), "--trainer.max_steps", "3"])
+    cli = run_cli(["fit", "--config", str(config), "--ckpt_path", "last"])
+    assert cli.trainer.global_step == 6
+    assert cli.model.optimizers().optimizer.defaults["fused"] is True
+    assert_same_run(reference, config, after_step=3)
+
+
 def test_the_control_would_fail_without_rng_restore(
     tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path, uninterrupted, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -403,3 +424,112 @@ def test_an_interrupted_fit_exits_non_zero_after_saving(
     last = torch.load(config.parent / "run" / "checkpoints" / "last.ckpt", weights_only=True)
     assert last["global_step"] == 3
     assert f"stopped by {signal_name} at step 3" in capsys.readouterr().out
+
+
+# -- one run per folder -----------------------------------------------------------------------------------------------
+def test_the_same_command_again_in_a_run_folder_with_checkpoints_is_refused_before_writing(
+    tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path, capsys
+) -> None:
+    """Users run the same command again: without --ckpt_path it used to train from step 0 over the finished run,
+    replace its exported LoRA and write last-v1.ckpt. Now one line, exit status 2, and the folder is untouched;
+    --ckpt_path last continues the run, another folder starts a new one."""
+    from helpers import tree_digest
+
+    from lightning_lora.cli import main
+
+    config = resume_config(tmp_path, tiny_flux_dir, photos_dir, "b", **{"trainer.max_steps": 2})
+    run_cli(["fit", "--config", str(config)])
+    run = config.parent / "run"
+    before = tree_digest(run)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(config), "--trainer.max_steps", "4"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        f"lightning-lora: error: {run} holds checkpoints of an earlier run (step 2): add --ckpt_path last to continue "
+        "it, or choose another trainer.default_root_dir for a new run."
+    )
+    assert tree_digest(run) == before  # not a byte: no config.yaml, run log, checkpoint or LoRA
+    cli = run_cli(["fit", "--config", str(config), "--ckpt_path", "last", "--trainer.max_steps", "3"])
+    assert cli.trainer.global_step == 3
+    elsewhere = run_cli(["fit", "--config", str(config), "--trainer.default_root_dir", str(tmp_path / "new")])
+    assert elsewhere.trainer.global_step == 2
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
+        "last.ckpt",
+        "step0001.ckpt",
+        "step0002.ckpt",
+        "step0003.ckpt",
+    ]
+
+
+def test_a_second_fit_into_a_run_folder_in_use_is_refused_naming_the_first(
+    tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path, capsys
+) -> None:
+    """The folder's lock is held by another process (taken through the same RunLock a fit takes): a fit into it is one
+    line naming that process, exit status 2, writing nothing. Killed with SIGKILL, the holder leaves no stale lock."""
+    import socket
+    import subprocess
+    import sys
+
+    from helpers import command_env, tree_digest
+
+    from lightning_lora.cli import main
+
+    config = resume_config(tmp_path, tiny_flux_dir, photos_dir, "b", **{"trainer.max_steps": 1})
+    run = config.parent / "run"
+    hold = "import sys; from lightning_lora.callbacks.resume import RunLock; RunLock(sys.argv[1]).acquire(); "
+    hold += "print('locked', flush=True); sys.stdin.read()"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", hold, str(run)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=command_env(),
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        before = tree_digest(run)
+        with pytest.raises(SystemExit) as exit_info:
+            main(["fit", "--config", str(config)])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1, err
+        holder_named = f"(pid {holder.pid} on {socket.gethostname()}, started "
+        assert f"trainer.default_root_dir: {run} is in use by another run {holder_named}" in err, err
+        assert f"-c {run}" in err and "choose another trainer.default_root_dir" in err, err
+        assert tree_digest(run) == before
+    finally:
+        holder.kill()  # SIGKILL
+        holder.wait()
+    assert run_cli(["fit", "--config", str(config)]).trainer.global_step == 1
+
+
+def test_a_moved_base_model_resumes_and_another_model_at_its_path_is_refused(
+    tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path, capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run trained on a model named by a relative path continues after the model moved to another disk and is named
+    by an absolute path (its cache entries are reused: the same model); a model with other weights copied to that
+    path is refused in one line, though model.pretrained is written the same."""
+    import shutil
+
+    from helpers import other_weights
+
+    from lightning_lora.cli import main
+
+    shutil.copytree(tiny_flux_dir, tmp_path / "disk1" / "flux")
+    monkeypatch.chdir(tmp_path)
+    config = resume_config(tmp_path, tiny_flux_dir, photos_dir, "b", **{"model.pretrained": "disk1/flux"})
+    run_cli(["fit", "--config", str(config), "--trainer.max_steps", "2"])
+    shutil.move(tmp_path / "disk1", tmp_path / "disk2")
+    moved = str(tmp_path / "disk2" / "flux")
+    resume = ["fit", "--config", str(config), "--ckpt_path", "last", "--model.pretrained", moved]
+    cli = run_cli([*resume, "--trainer.max_steps", "3"])
+    assert cli.trainer.global_step == 3
+    report = cli.datamodule.report
+    assert report is not None and report.latents_encoded == 0 and report.texts_encoded == 0
+    other_weights(tmp_path / "disk2" / "flux")  # another model of the same shapes
+    with pytest.raises(SystemExit) as exit_info:
+        main([*resume, "--trainer.max_steps", "4"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert f"model.pretrained '{moved}' is not the model the run was trained on: their files differ" in err, err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err

@@ -71,3 +71,19 @@ def test_ctrl_c_during_cache_keeps_what_was_written(
     assert not list((tmp_path / "cache").rglob("*.tmp"))
     assert cache_main(["--config", str(config)]) == 0
     assert "latents:         2 encoded, 2 reused" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("where", ["flag", "file"])
+def test_a_bad_folder_entry_names_the_field(
+    tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path, capsys, where: str
+) -> None:
+    """``--data.images '[{path: x, repeats: many}]'`` was "folder '[{path: x, repeats: many}]' does not exist"; in a
+    config file, a screen of usage and every type the parser tried."""
+    entry = {"path": str(photos_dir), "repeats": "many"}
+    config = write_config(tmp_path, tiny_flux_dir, photos_dir, **({"data.images": [entry]} if where == "file" else {}))
+    flag = ["--data.images", f"[{{path: {photos_dir}, repeats: many}}]"] if where == "flag" else []
+    assert cache_main(["--config", str(config), *flag]) == 2
+    captured = capsys.readouterr()
+    lines = [line for line in (captured.out + captured.err).splitlines() if line and "LightningCLI's args" not in line]
+    assert lines == ["lightning-lora cache: error: data.images[0].repeats must be an integer (1 or more), got 'many'."]
+    assert not (tmp_path / "cache").exists()

@@ -160,3 +160,43 @@ def test_export_command_bad_input(checkpoint: Path, tmp_path: Path, capsys) -> N
     assert export_main([str(no_lora), "--format", "diffusers", "--out", str(out)]) == 2
     assert "holds no LoRA tensors" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corrupt.ckpt", "no_lora.ckpt", "plain.ckpt"]
+
+
+@pytest.mark.parametrize(
+    ("error", "where", "expected"),
+    [("EROFS", "folder", "read-only: choose another --out"), ("ENOSPC", "write", "disk is full")],
+)
+def test_an_output_that_cannot_be_written_is_one_line_and_leaves_nothing(
+    checkpoint: Path, tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch, error: str, where: str, expected: str
+) -> None:
+    """A read-only folder (the temporary file cannot be made) or a full disk (part of the bytes land, then the write
+    fails, naming no file): one line naming the --out file and the fix, exit status 2, and nothing left behind, not
+    even the folder made for the file."""
+    import errno
+    import os
+    import tempfile
+
+    from lightning_lora import io
+
+    code = getattr(errno, error)
+    if where == "folder":
+
+        def mkstemp(prefix: str = "", suffix: str = "", dir: str | None = None) -> tuple[int, str]:
+            raise OSError(code, os.strerror(code), os.path.join(dir or ".", f"{prefix}abc{suffix}"))
+
+        monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
+    else:
+
+        def write_bytes(self: Path, data: bytes) -> int:
+            with open(self, "wb") as f:
+                f.write(data[: len(data) // 3])
+            raise OSError(code, os.strerror(code))
+
+        monkeypatch.setattr(io.Path, "write_bytes", write_bytes)
+    out = tmp_path / "new" / "lora.safetensors"
+    assert export_main([str(checkpoint), "--format", "kohya", "--out", str(out)]) == 2
+    monkeypatch.undo()
+    err = capsys.readouterr().err
+    assert f"cannot write {out} (" in err and expected in err and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []

@@ -23,6 +23,27 @@ from lightning_lora.cli import main
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 
 
+@pytest.mark.gpu
+def test_fit_on_a_gpu_logs_its_memory_beside_the_plan(tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path) -> None:
+    """On a GPU the VRAMMonitor logs the static footprint once the model is set up, the planner's prediction, and each
+    logging window's peak allocated and reserved memory per rank (on the CPU it logs nothing)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    options = {"trainer.accelerator": "gpu", "trainer.max_steps": 4, "trainer.callbacks": []}
+    cli = run_cli(["fit", "--config", str(write_config(tmp_path, tiny_flux_dir, photos_dir, **options))])
+    assert cli.trainer.global_step == 4 and cli.model.device.type == "cuda"
+    events = EventAccumulator(str(tmp_path / "run")).Reload()
+    tags = {"vram/static_GiB", "vram/planned_peak_GiB", "vram/rank0/peak_allocated_GiB", "vram/rank0/peak_reserved_GiB"}
+    assert tags <= set(events.Tags()["scalars"])
+    (static,) = [e.value for e in events.Scalars("vram/static_GiB")]
+    (planned,) = [e.value for e in events.Scalars("vram/planned_peak_GiB")]
+    allocated = [e.value for e in events.Scalars("vram/rank0/peak_allocated_GiB")]
+    reserved = [e.value for e in events.Scalars("vram/rank0/peak_reserved_GiB")]
+    assert len(allocated) == len(reserved) >= 2  # a window per logged step (log_every_n_steps: 1)
+    assert 0 < static <= min(allocated) and all(a <= r for a, r in zip(allocated, reserved, strict=True))
+    assert planned > max(allocated) / 10  # the tiny model: mostly the planner's fixed allowance, not a wild number
+
+
 def test_fit_trains_and_writes_the_run_folder(
     tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -405,6 +426,30 @@ def test_a_full_disk_while_checkpointing_keeps_the_last_checkpoint(
     assert not list(checkpoints.glob(".*.tmp")), "a temporary file was left behind"
     cli = run_cli(["fit", "--config", str(config), "--ckpt_path", "last"])
     assert cli.trainer.global_step == 8
+
+
+@pytest.mark.parametrize("limit", [None, 1 << 20])
+def test_a_file_size_limit_while_checkpointing_is_one_line_naming_the_limit(
+    tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path, capsys, monkeypatch: pytest.MonkeyPatch, limit: int | None
+) -> None:
+    """EFBIG (a file larger than FAT32 holds, or than ``ulimit -f`` allows) names the file and the limit, exit 2;
+    tests/test_io.py shows that a real ``ulimit -f`` gives EFBIG (not a SIGXFSZ kill) through the atomic writer."""
+    import errno
+
+    from lightning_lora import io
+
+    monkeypatch.setattr(io, "file_size_limit", lambda: limit)
+    config = write_config(tmp_path, tiny_flux_dir, photos_dir, **{"trainer.max_steps": 4})
+    _failing_writes(monkeypatch, ".ckpt", after=0, error=errno.EFBIG)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(config)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert f"cannot write {tmp_path / 'run' / 'checkpoints'}" in err and ".ckpt (File too large)" in err, err
+    expected = "file-size limit of 1.0 MiB (ulimit -f)" if limit else "FAT32 holds at most 4 GiB"
+    assert expected in err, err
+    assert not list((tmp_path / "run" / "checkpoints").glob("*")), "a partial checkpoint was left behind"
 
 
 @pytest.mark.parametrize("error", ["ENOSPC", "EACCES"])

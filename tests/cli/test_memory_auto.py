@@ -10,6 +10,7 @@ import pytest
 import yaml
 from helpers import run_cli, write_config
 
+from lightning_lora.data.recipe import DataRecipe
 from lightning_lora.families import Flux
 from lightning_lora.families.base import ModelSource
 from lightning_lora.lora import LoraOptions
@@ -22,7 +23,7 @@ def test_the_fastest_settings_that_fit_each_card(gib: int) -> None:
     """FLUX.1-dev in bf16 at 512x512, rank 16 (as flux_4090.yaml without its memory options): each card gets settings
     the planner says fit, and nothing faster fits (the settings are tried fastest first)."""
     recipe = ModelRecipe(Flux(), ModelSource("black-forest-labs/FLUX.1-dev"), LoraOptions(rank=16))
-    data = SimpleNamespace(resolution=512, batch_size=1)
+    data = DataRecipe(resolutions=(512,), batch_size=1)
     fit = choose_for_memory(recipe, data, gib)
     assert fit is not None and fit.peak_gib <= 0.95 * gib
     chosen = recipe.replace(**fit.changes)
@@ -79,3 +80,12 @@ def test_nothing_that_fits_is_one_clear_line(
     err = capsys.readouterr().err
     assert "model.memory: 4.0: no setting that keeps this training fits in 4 GiB" in err and "plan" in err, err
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("gib", [0.0, -3.0, float("nan"), float("inf")])
+def test_a_memory_that_is_no_card_size_is_refused(tiny_flux_dir: Path, gib: float) -> None:
+    from lightning_lora.errors import ConfigError
+    from lightning_lora.module import LoraModule
+
+    with pytest.raises(ConfigError, match="model.memory: .* GiB must be positive"):
+        LoraModule(pretrained=str(tiny_flux_dir), memory=gib)

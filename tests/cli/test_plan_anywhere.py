@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from lightning_lora.cli import main
+from lightning_lora.data.recipe import DataRecipe
 from lightning_lora.errors import ConfigError
 from lightning_lora.families import SD15, SDXL, Flux
 from lightning_lora.families.base import ModelSource
@@ -66,14 +67,50 @@ def test_every_shipped_config_plans_here_in_seconds(
     assert seconds < 10, f"plan --config {config}: {seconds:.1f} s of CPU time"
 
 
+def _plan_rows(out: str) -> dict[str, float]:
+    """The GiB of each component row of ``plan``'s report."""
+    rows = {}
+    for line in out.splitlines():
+        name, _, value = line.strip().rpartition("  ")
+        if value.endswith(" GiB") and name:
+            rows[name.strip()] = float(value.split()[0])
+    return rows
+
+
+def test_the_plan_counts_the_optimizer_state_the_config_names(tmp_path: Path, monkeypatch, capsys) -> None:
+    """``sdxl_12gb`` as shipped (bitsandbytes' 8-bit AdamW: two 8-bit moments, about half the LoRA's own float32
+    bytes) and with torch's fused AdamW (two float32 moments: twice the LoRA's bytes)."""
+    import yaml
+
+    monkeypatch.chdir(tmp_path)
+    shipped = yaml.safe_load((CONFIGS / "sdxl_12gb.yaml").read_text())
+    assert shipped["model"]["optimizer"]["class_path"] == "bitsandbytes.optim.AdamW8bit"
+    fused = dict(shipped, model={**shipped["model"], "optimizer": {"class_path": "torch.optim.AdamW"}})
+    fused["model"]["optimizer"]["init_args"] = {"lr": 1e-4, "fused": True}
+    rows = {}
+    for name, config in (("8bit", shipped), ("fused", fused)):
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(config))
+        with pytest.raises(SystemExit) as exit_info:
+            main(["plan", "--config", str(path)])
+        out = capsys.readouterr().out
+        assert exit_info.value.code == 0, out
+        rows[name] = _plan_rows(out)
+    lora = rows["fused"]["LoRA parameters (fp32)"]
+    assert lora == rows["8bit"]["LoRA parameters (fp32)"] > 0.05
+    assert rows["fused"]["optimizer state"] == pytest.approx(2 * lora, abs=0.015)
+    assert rows["8bit"]["optimizer state"] == pytest.approx(2.05 / 4 * lora, abs=0.015)
+    assert rows["fused"]["training peak"] > rows["8bit"]["training peak"]
+
+
 def _local_copy(tmp_path: Path, family: type, hub_id: str) -> Path:
     """A local pipeline folder that holds only the configs of ``hub_id``'s architecture (no weights)."""
     folder = tmp_path / "local"
-    (folder / family.denoiser_subfolder).mkdir(parents=True)
-    (folder / "model_index.json").write_text(json.dumps({"_class_name": family.pipeline_classes[0]}))
-    config = family.known_denoisers[hub_id]
-    (folder / family.denoiser_subfolder / "config.json").write_text(json.dumps(config))
-    for component, encoder in family.known_text_encoders[hub_id].items():
+    (folder / family.architecture.denoiser_subfolder).mkdir(parents=True)
+    (folder / "model_index.json").write_text(json.dumps({"_class_name": family.architecture.pipeline_classes[0]}))
+    config = family.planning.known_denoisers[hub_id]
+    (folder / family.architecture.denoiser_subfolder / "config.json").write_text(json.dumps(config))
+    for component, encoder in family.planning.known_text_encoders[hub_id].items():
         (folder / component).mkdir()
         config = {"architectures": [encoder["_class"]], **{k: v for k, v in encoder.items() if k != "_class"}}
         (folder / component / "config.json").write_text(json.dumps(config))
@@ -93,7 +130,7 @@ def _local_copy(tmp_path: Path, family: type, hub_id: str) -> Path:
     ],
 )
 def test_the_shipped_architecture_plans_like_a_local_folder(tmp_path: Path, family: type, hub_id: str) -> None:
-    data = SimpleNamespace(resolution=256, batch_size=1)
+    data = DataRecipe(resolutions=(256,), batch_size=1)
     lora = LoraOptions(rank=8)
     from_hub = plan_for(ModelRecipe(family(), ModelSource(hub_id), lora), data)
     from_folder = plan_for(ModelRecipe(family(), ModelSource(str(_local_copy(tmp_path, family, hub_id))), lora), data)
@@ -144,7 +181,7 @@ def test_the_cards_table_gives_the_fastest_fit_per_size(tiny_flux_dir: Path, mon
 
     monkeypatch.setattr(search, "plan_for", fake_plan)
     recipe = ModelRecipe(Flux(), ModelSource(str(tiny_flux_dir)))
-    rows = dict(cards_table(recipe, SimpleNamespace(resolution=1024, batch_size=2), sizes=(8, 12, 24, 48)))
+    rows = dict(cards_table(recipe, DataRecipe(resolutions=(1024,), batch_size=2), sizes=(8, 12, 24, 48)))
     assert rows[48] is not None and rows[48].flags == "" and rows[48].peak_gib == 40.0  # as configured
     fp8, nf4 = ("--trainer.plugins lightning_lora.precision." + name for name in ("FP8", "NF4"))
     assert rows[24] is not None and rows[24].flags == f"{fp8} --model.gradient_checkpointing true"
@@ -170,7 +207,7 @@ def test_a_larger_card_is_told_to_checkpoint_less(tiny_flux_dir: Path, monkeypat
     saving = ModelRecipe(Flux(), ModelSource(str(tiny_flux_dir))).replace(
         gradient_checkpointing=True, offload_activations=True
     )
-    data = SimpleNamespace(resolution=512, batch_size=1)
+    data = DataRecipe(resolutions=(512,), batch_size=1)
     rows = dict(cards_table(saving, data, sizes=(12, 16, 24, 48)))
     copies = " --model.offload_activations false"
     assert rows[48] is not None and rows[48].flags == "--model.gradient_checkpointing false" + copies
@@ -274,7 +311,7 @@ def test_plan_names_larger_batches_where_a_card_has_room_for_them(tmp_path: Path
         ),
     )
     recipe = ModelRecipe(Flux(), ModelSource("black-forest-labs/FLUX.1-dev"))
-    data = SimpleNamespace(resolution=512, batch_size=1)
+    data = DataRecipe(resolutions=(512,), batch_size=1)
     assert search.larger_batches(recipe, data, 8, 4) is None  # (8 - 0.67) x 0.95 = 6.96 < 7.26
     fit = search.larger_batches(recipe, data, 8.5, 4)  # 7.44
     assert fit is not None and fit.data == {"batch_size": 2} and fit.peak_gib == 7.26

@@ -45,3 +45,19 @@ def test_plan_verb_plans_each_gpu_of_a_sharded_base(
     assert "sharded over 2 GPUs (trainer.strategy: fsdp)" in report(
         **{"trainer.strategy": "fsdp", "trainer.devices": 2}
     )
+
+
+@pytest.mark.parametrize(
+    "args", [["--vram", "-3"], ["--vram", "0"], ["--vram", "nan"], ["--vram", "inf"], ["--gpu", "RTX 0GB"]]
+)
+def test_a_card_size_that_is_no_memory_is_one_line(
+    tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path, capsys, args: list[str]
+) -> None:
+    """``--vram -3`` got "does NOT fit in -3 GiB" and ``--vram inf`` "fits": no verdict means anything there."""
+    config = write_config(tmp_path, tiny_flux_dir, photos_dir)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--config", str(config), *args])
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    lines = [line for line in (captured.out + captured.err).splitlines() if line]
+    assert len(lines) == 1 and f"{args[0]} " in lines[0] and "is not a card's memory" in lines[0], lines

@@ -12,12 +12,13 @@ import subprocess
 import sys
 import time
 import weakref
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from helpers import REPO, tree_digest
+from helpers import REPO, other_weights, tree_digest
 from PIL import Image
 from safetensors.torch import load_file
 
@@ -176,18 +177,21 @@ def test_keys_follow_resolution_model_and_text_options(tmp_path: Path, tiny_flux
     assert (report.latents_encoded, report.texts_encoded) == (0, 3)
     report = _build(_cache(tmp_path / "cache", tiny_flux_dir, dtype=torch.bfloat16), data)
     assert (report.latents_encoded, report.texts_encoded) == (2, 3)  # another dtype is another model
+    # A copy of the model in another folder is the same model (a model moved to another disk keeps its cache); other
+    # VAE weights in it are another VAE: new latents, the same text embeddings.
     other = tmp_path / "other-model"
     shutil.copytree(tiny_flux_dir, other)
     report = _build(_cache(tmp_path / "cache", other), data)
-    assert (report.latents_encoded, report.texts_encoded) == (2, 3)
+    assert (report.latents_encoded, report.texts_encoded) == (0, 0)
+    other_weights(other, "vae")
+    report = _build(_cache(tmp_path / "cache", other), data)
+    assert (report.latents_encoded, report.texts_encoded) == (2, 0)
     report = _build(_cache(tmp_path / "cache", tiny_flux_dir), data, spec=_spec(background=(0, 0, 0)))
     assert report.latents_encoded == 2 and report.texts_encoded == 0
     # A folder whose T5 tokenizer changed (another vocabulary or chat template, the same encoder weights): new text
     # embeddings, the same latents.
     retokenized = tmp_path / "retokenized"
     shutil.copytree(tiny_flux_dir, retokenized)
-    report = _build(_cache(tmp_path / "cache", retokenized), data)
-    assert (report.latents_encoded, report.texts_encoded) == (2, 3)  # another folder is another model
     config = retokenized / "tokenizer_2" / "tokenizer_config.json"
     config.write_text(config.read_text().replace("{", '{"model_max_length": 77, ', 1))
     report = _build(_cache(tmp_path / "cache", retokenized), data)
@@ -448,7 +452,9 @@ def test_text_encoders_in_fp8_for_caching(tmp_path: Path, tiny_flux_dir: Path) -
     text = "a photo of sks cat"
     assert plain.text_key(text) != fp8.text_key(text)  # both can live in one cache folder
     encoders = plain.family.load_text_encoders(plain.source)
-    swapped = quantize_text_encoders(encoders, Flux.text_encoders, "fp8", torch.device("cpu"), torch.float32)
+    swapped = quantize_text_encoders(
+        encoders, Flux.architecture.text_encoders, "fp8", torch.device("cpu"), torch.float32
+    )
     t5 = encoders.text_encoder_2
     layers = {n: type(m) for n, m in t5.named_modules() if isinstance(m, nn.Linear)}
     both = [*encoders.text_encoder.modules(), *t5.modules()]
@@ -456,7 +462,10 @@ def test_text_encoders_in_fp8_for_caching(tmp_path: Path, tiny_flux_dir: Path) -
     assert all(t is nn.Linear for n, t in layers.items() if n.endswith(".wo"))  # kept as the model wants
     assert any(t is FP8Linear for n, t in layers.items() if n.endswith((".q", ".wi_0")))
     assert any(isinstance(m, FP8Linear) for m in encoders.text_encoder.modules())  # CLIP too
-    assert quantize_text_encoders(encoders, Flux.text_encoders, "none", torch.device("cpu"), torch.float32) == 0
+    assert (
+        quantize_text_encoders(encoders, Flux.architecture.text_encoders, "none", torch.device("cpu"), torch.float32)
+        == 0
+    )
     plain.encode_texts([text], torch.device("cpu"))
     fp8.encode_texts([text], torch.device("cpu"))
     a, b = plain.load_text(plain.text_key(text)), fp8.load_text(fp8.text_key(text))
@@ -669,7 +678,7 @@ def test_a_third_text_encoder_is_part_of_the_text_key(tmp_path: Path) -> None:
     gives new keys (a key made of the first two would serve the old encoder's embeddings)."""
 
     class ThreeEncoders(Flux):  # not registered: no `name` of its own
-        text_encoders = ("text_encoder", "text_encoder_2", "text_encoder_3")
+        architecture = replace(Flux.architecture, text_encoders=("text_encoder", "text_encoder_2", "text_encoder_3"))
 
     model = _encoder_folders(tmp_path / "model", "text_encoder", "text_encoder_2", "text_encoder_3")
     source = ModelSource(str(model))
@@ -696,7 +705,9 @@ def test_nf4_text_encoders_keep_their_other_weights_in_the_load_dtype(tmp_path: 
 
     folder = save_tiny_flux(tmp_path / "flux64", seed=0, dim64=True)  # NF4 needs widths that are multiples of 64
     encoders = Flux().load_text_encoders(ModelSource(str(folder), dtype=torch.bfloat16))
-    swapped = quantize_text_encoders(encoders, Flux.text_encoders, "nf4", torch.device("cpu"), torch.bfloat16)
+    swapped = quantize_text_encoders(
+        encoders, Flux.architecture.text_encoders, "nf4", torch.device("cpu"), torch.bfloat16
+    )
     t5 = encoders.text_encoder_2
     assert swapped > 0 and any(isinstance(m, bnb.nn.Linear4bit) for m in t5.modules())
     others = {n: p.dtype for n, p in t5.named_parameters() if p.is_floating_point() and p.dtype != torch.uint8}

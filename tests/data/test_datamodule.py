@@ -98,7 +98,7 @@ def test_random_choices_depend_only_on_seed_epoch_and_index(tmp_path: Path, tiny
     # Same batches in the main process and in persistent worker processes, epoch after epoch; epochs differ.
     main_process = dm.train_dataloader()
     reference = [_epoch(main_process, e) for e in (0, 1, 2)]
-    dm.num_workers = 2
+    dm.recipe = dm.recipe.replace(num_workers=2)
     workers = dm.train_dataloader()
     for e in (0, 1, 2):
         got = _epoch(workers, e)
@@ -169,8 +169,8 @@ def test_options_are_validated_early(tmp_path: Path, tiny_flux_dir: Path) -> Non
         ("min_resolution", 1024, "data.min_resolution"),
     ]:
         with pytest.raises(ConfigError, match=message):
-            _module(tmp_path, data, **{option: value}).spec(flux)
-    spec = _module(tmp_path, data, resolution=[1024, 512]).spec(flux)
+            _module(tmp_path, data, **{option: value}).recipe.spec(flux)
+    spec = _module(tmp_path, data, resolution=[1024, 512]).recipe.spec(flux)
     assert spec.buckets.step == 64 and spec.buckets.min_resolution == 256 and spec.buckets.resolutions == (1024, 512)
 
 

@@ -77,6 +77,42 @@ def test_default_caption_folder_options_and_repeats(tmp_path: Path) -> None:
         as_folders([ImageFolder("x", repeats=0)], "data.images")
 
 
+@pytest.mark.parametrize(
+    ("value", "named"),
+    [
+        ("[{path: x, repeats: many}]", "data.images[0].repeats must be an integer (1 or more), got 'many'"),
+        ("[{path: x, repeats: 1.5}]", "data.images[0].repeats must be an integer (1 or more), got 1.5"),
+        ("[x, {path: y, repeats: 0}]", "data.images[1]: repeats of 'y' is 0"),
+        ("[{path: x, repeat: 2}]", "data.images[0]: unknown field 'repeat'; a folder entry has path, repeats"),
+        ("[{repeats: 2}]", "data.images[0]: a folder entry needs path"),
+        ("[{path: 2024}]", "data.images[0].path must be a folder, got 2024 (a folder named 2024 is written path: "),
+        ("[{path: x, default_caption: [a]}]", "data.images[0].default_caption must be text (or null), got ['a']"),
+        ("[{path: x, trigger: 3}]", "data.images[0].trigger must be text (or null), got 3"),
+        ("{path: x, repeats: many}", "data.images.repeats must be an integer"),
+        ("[{path: x, repeats: 2]", "data.images: '[{path: x, repeats: 2]' is written as a list of folders but is not"),
+        ("[3]", "data.images[0]: 3 is not a folder"),
+    ],
+)
+def test_a_bad_folder_entry_names_its_field(value: str, named: str) -> None:
+    """A list written on the command line (``--data.images '[{path: x, repeats: many}]'``) reaches the data module as
+    one string when an entry does not fit: the message names the field, not a missing folder named by the whole
+    value."""
+    with pytest.raises(ConfigError) as refused:
+        as_folders(value, "data.images")
+    assert named in str(refused.value)
+
+
+def test_a_list_the_parser_passes_as_one_string_in_a_list_is_read_too() -> None:
+    with pytest.raises(ConfigError, match=r"data.images\[0\].repeats must be an integer"):
+        as_folders(["[{path: x, repeats: many}]"], "data.images")
+
+
+def test_a_folder_whose_name_looks_like_a_list_is_a_folder(tmp_path: Path) -> None:
+    folder = tmp_path / "[draft]"
+    folder.mkdir()
+    assert as_folders(str(folder), "data.images") == [ImageFolder(str(folder))]
+
+
 def test_bad_captions_are_skipped_with_a_reason(tmp_path: Path) -> None:
     _touch(tmp_path, "latin1.png", "empty.png", "none.png", "tag.png", "ok.png")
     (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait".encode("latin-1"))
@@ -314,3 +350,37 @@ def test_links_and_metadata_rows_that_match_no_image_are_named(tmp_path: Path) -
         "metadata.jsonl:5: names sub/y.png, which is not an image in this folder (subfolders are not searched)",
     ]
     assert all(s.kind == "metadata" and s.path == tmp_path for s in skips if s.note)
+
+
+def test_a_binary_file_named_like_a_caption_is_no_caption(tmp_path: Path) -> None:
+    """A PNG saved as ``photo.txt`` (NUL bytes) or a file of control characters is no caption, in any encoding: it is
+    named, and the image takes the default caption or the trigger word alone, as without a caption file; without
+    either the image is skipped. Text with a few control characters (an escape sequence pasted in) stays a caption.
+    """
+    import io
+
+    from PIL import Image
+
+    png = io.BytesIO()
+    Image.new("RGB", (8, 8), (200, 10, 10)).save(png, format="PNG")
+    _touch(tmp_path, "photo.png", "noise.png", "escape.png")
+    (tmp_path / "photo.txt").write_bytes(png.getvalue())
+    (tmp_path / "noise.txt").write_bytes(bytes(range(1, 32)) * 4)  # control characters, no NUL
+    (tmp_path / "escape.txt").write_bytes(b"\x1b[1ma red hat\x1b[0m on a beach")
+    items, skips = _scan(tmp_path)
+    assert [(i.image.name, i.caption) for i in items] == [("escape.png", "\x1b[1ma red hat\x1b[0m on a beach")]
+    assert "photo.txt is not a caption" in skips["photo.png"] and "NUL bytes" in skips["photo.png"]
+    assert "noise.txt is not a caption" in skips["noise.png"] and "control characters" in skips["noise.png"]
+    assert "data.default_caption" in skips["photo.png"] and "\x89PNG" not in str(items)
+    items, all_skips = scan([ImageFolder(str(tmp_path))], default_caption="a photo")
+    assert {i.image.name: i.caption for i in items} == {
+        "escape.png": "\x1b[1ma red hat\x1b[0m on a beach",
+        "noise.png": "a photo",
+        "photo.png": "a photo",
+    }
+    notes = {s.path.name: s for s in all_skips}
+    assert notes.keys() == {"photo.txt", "noise.txt"} and all(s.note and s.kind == "not text" for s in all_skips)
+    assert "the default caption is used" in notes["photo.txt"].reason
+    items, all_skips = scan([ImageFolder(str(tmp_path))], trigger="sks")
+    assert {i.image.name: i.caption for i in items}["photo.png"] == ""  # the trigger word alone
+    assert all("the trigger word alone is used" in s.reason for s in all_skips)

@@ -7,9 +7,10 @@ puts it in :data:`~lightning_lora.families.base.FAMILIES`) and giving it a tiny 
 family object for what differs between families, never the family's name:
 
 * the class path that chooses it in a config (its module and class name);
-* the image side (32 pixels, rounded up to a multiple of its ``latent_divisor``);
-* the LoRA targets: every layer of every one of its presets (``lora_presets``), the convolutions of a LoCon preset too;
-* the LoRA file formats it writes (``lora_formats``);
+* the image side (32 pixels, rounded up to a multiple of its ``architecture.latent_divisor``);
+* the LoRA targets: every layer of every one of its presets (``architecture.lora_presets``), the convolutions of a LoCon
+  preset too;
+* the LoRA file formats it writes (``lora_files.formats``);
 * the denoiser's inputs (``example_inputs``, the planner's) and its pipeline (``model_index.json``'s class, loaded by
   ``DiffusionPipeline.from_pretrained``).
 
@@ -23,14 +24,23 @@ For each family:
 (d) the fit's LoRA file in each format the family declares loads into a fresh diffusers pipeline with
     ``load_lora_weights`` and gives the trained model's output, and the pipeline's image changes with it (diffusers'
     kohya converter for FLUX is made to read the tiny widths, :mod:`helpers.diffusers_quirks`; it is not used for the
-    other families' files).
+    other families' files), every trained layer loaded and, from a diffusers file, no tensor left over; the file's
+    header (ModelSpec) names the family, so a copy without our family entry is read back as this family;
+(e) offloaded and checkpointed repeated blocks train the same gradients as the plain model;
+(f) each LoRA preset matches layers of the model, and the adapter sits on exactly those;
+(g) the text encoders stored in FP8 / NF4 for caching give close embeddings under keys of their own;
+(h) a hub id the family knows is checked without a download, fails to load offline with a clear line, and plans as a
+    folder of its shipped configs does;
+(i) the batch it describes without data (``example_batch``, the benchmark's) is the batch it encodes, key by key.
 
 One fit of ``STEPS`` steps is the reference of (b), (c) and (d); a second one stops at ``STOP`` and resumes.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,10 +50,12 @@ import pytest
 import torch
 from helpers import (
     assert_same_run,
+    build_tiny,
     check_fit_lowers_eval_loss,
     denoiser_output,
     diffusers_kohya_reads_flux_widths,
     family_class_path,
+    lora_layers,
     lora_model,
     loss_curve,
     random_inputs,
@@ -52,6 +64,7 @@ from helpers import (
 )
 
 from lightning_lora.cli.fit import LoraCLI
+from lightning_lora.errors import ConfigError
 from lightning_lora.families import FAMILIES, DiffusionFamily, ModelSource
 
 STEPS, STOP = 8, 3  # 4 photos in batches of 2: the stop is inside the second epoch
@@ -60,12 +73,12 @@ PROMPT = "a photo of sks cat"
 
 def resolution(family: DiffusionFamily) -> int:
     """The image side of the contract's runs: 32 pixels, rounded up to what the family's latents need."""
-    return math.ceil(32 / family.latent_divisor) * family.latent_divisor
+    return math.ceil(32 / family.architecture.latent_divisor) * family.architecture.latent_divisor
 
 
 def every_preset(family: DiffusionFamily) -> str:
     """LoRA targets: the layers of all the family's presets (one regular expression)."""
-    return "|".join(f"(?:{pattern})" for pattern in family.lora_presets.values())
+    return "|".join(f"(?:{pattern})" for pattern in family.architecture.lora_presets.values())
 
 
 @dataclass
@@ -117,7 +130,10 @@ def runs(
     case: str, family: DiffusionFamily, model_dir: Path, photos_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Runs:
     root = tmp_path_factory.mktemp(f"contract-{case}")
-    export = {"class_path": "lightning_lora.callbacks.LoraExport", "init_args": {"formats": list(family.lora_formats)}}
+    export = {
+        "class_path": "lightning_lora.callbacks.LoraExport",
+        "init_args": {"formats": list(family.lora_files.formats)},
+    }
     options = {
         "model.family": {"class_path": family_class_path(family), "init_args": CASES[case][1]},
         "model.lora.targets": every_preset(family),
@@ -149,13 +165,21 @@ def test_the_registry_holds_the_families() -> None:
     assert FAMILIES and all(FAMILIES[name].name == name for name in FAMILIES)
 
 
-def test_training_loss_is_finite_and_reaches_every_lora_tensor(family: DiffusionFamily, model_dir: Path) -> None:
+@pytest.fixture(scope="module")
+def batch(family: DiffusionFamily, model_dir: Path) -> dict[str, torch.Tensor]:
+    """Two images (not square: no transposes) and two prompts, encoded by the family itself from its tiny pipeline."""
     source = ModelSource(str(model_dir), dtype=torch.float32)
-    side = resolution(family)
-    g = torch.Generator().manual_seed(0)
-    pixels = torch.rand(2, 3, side, side + family.latent_divisor, generator=g) * 2 - 1  # not square: no transposes
+    side, d = resolution(family), family.architecture.latent_divisor
+    pixels = torch.rand(2, 3, side, side + d, generator=torch.Generator().manual_seed(0)) * 2 - 1
     latents = family.encode_images(family.load_vae(source), pixels)
-    batch = {"latents": latents, **family.encode_prompts(family.load_text_encoders(source), [PROMPT, ""])}
+    return {"latents": latents, **family.encode_prompts(family.load_text_encoders(source), [PROMPT, ""])}
+
+
+def test_training_loss_is_finite_and_reaches_every_lora_tensor(
+    family: DiffusionFamily, model_dir: Path, batch: dict[str, torch.Tensor]
+) -> None:
+    g = torch.Generator().manual_seed(0)
+    latents = batch["latents"]
     model = lora_model(family, model_dir, every_preset(family), train=True)
     noise, timesteps = family.sample_noise(latents, g), family.sample_timesteps(latents, g)
     losses = family.loss(model, batch, noise, timesteps)
@@ -171,10 +195,10 @@ def test_training_loss_is_finite_and_reaches_every_lora_tensor(family: Diffusion
 def test_checkpointing_recomputes_the_repeated_blocks_as_the_family_says(
     family: DiffusionFamily, model_dir: Path
 ) -> None:
-    """``checkpoints_only_repeated_blocks``: compiled blocks are checkpointed inside each repeated block rather than by
-    diffusers (``assembly.apply_gradient_checkpointing``), the same checkpointing only where diffusers recomputes the
-    repeated blocks that run and nothing else. Recorded: the modules diffusers hands its checkpointing function, and
-    the repeated blocks that ran (a family's optional blocks, Z-Image's SigLIP refiner, may not run)."""
+    """``compiling.checkpoints_only_repeated_blocks``: compiled blocks are checkpointed inside each repeated block
+    rather than by diffusers (``assembly.apply_gradient_checkpointing``), the same checkpointing only where diffusers
+    recomputes the repeated blocks that run and nothing else. Recorded: the modules diffusers hands its checkpointing
+    function, and the repeated blocks that ran (a family's optional blocks, Z-Image's SigLIP refiner, may not run)."""
     from lightning_lora.model.offload import repeated_blocks
 
     model = family.load_denoiser(ModelSource(str(model_dir), dtype=torch.float32)).train()
@@ -190,7 +214,167 @@ def test_checkpointing_recomputes_the_repeated_blocks_as_the_family_says(
         block.register_forward_pre_hook(lambda module, args: ran.append(id(module)))
     model(**random_inputs(family, model, 1))
     assert handed and ran
-    assert (sorted(handed) == sorted(ran)) is family.checkpoints_only_repeated_blocks
+    assert (sorted(handed) == sorted(ran)) is family.compiling.checkpoints_only_repeated_blocks
+
+
+def test_the_example_batch_has_the_cached_batchs_keys_and_shapes(
+    family: DiffusionFamily, model_dir: Path, batch: dict[str, torch.Tensor]
+) -> None:
+    """``example_batch`` (what the benchmark trains on with no data) has every key of a batch the family encodes, each
+    of its shape, in its dtype or the cache's bf16, and the family's loss takes it."""
+    model = lora_model(family, model_dir, train=True)
+    side, d = resolution(family), family.architecture.latent_divisor
+    example = family.example_batch(dict(model.config), 2, side, side + d, family.text_tokens)
+    for key, value in batch.items():
+        assert key in example and example[key].shape == value.shape, (key, example.get(key, value).shape, value.shape)
+        assert example[key].dtype in (value.dtype, torch.bfloat16), key
+    latents = example["latents"]
+    losses = family.loss(model, example, family.sample_noise(latents), family.sample_timesteps(latents))
+    assert losses.shape == (2,) and torch.isfinite(losses).all()
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_offloading_and_checkpointing_train_the_same_gradients(
+    family: DiffusionFamily, model_dir: Path, batch: dict[str, torch.Tensor], checkpointing: bool
+) -> None:
+    """``model.offload_blocks`` (every repeated block but the last) and ``gradient_checkpointing`` on the family's
+    repeated blocks (``_repeated_blocks``, in the order they run): the gradients of two steps of the family's loss are
+    the plain model's, and each offloaded block is copied in once per pass, in the order they run."""
+    from lightning_lora.model.offload import repeated_blocks
+
+    x0 = batch["latents"]
+
+    def grads(model: torch.nn.Module) -> list[dict[str, torch.Tensor]]:
+        out = []
+        for seed in (1, 3):
+            model.zero_grad()
+            g = torch.Generator().manual_seed(seed)
+            family.loss(model, batch, family.sample_noise(x0, g), family.sample_timesteps(x0, g)).mean().backward()
+            out.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
+        return out
+
+    plain = grads(build_tiny(model_dir, 0, checkpointing, family=family))
+    offloaded = len(repeated_blocks(lora_model(family, model_dir))) - 1
+    model = build_tiny(model_dir, offloaded, checkpointing, family=family)
+    for before, after in zip(plain, grads(model), strict=True):
+        assert before.keys() == after.keys()
+        for name, grad in before.items():
+            assert grad.abs().max() > 0, name
+            torch.testing.assert_close(after[name], grad)
+    assert model._lora_offloader.loads == (2 * offloaded - 1) + (2 * offloaded - 2)  # no extra copies
+
+
+def test_each_preset_adapts_exactly_the_layers_it_names(family: DiffusionFamily, model_dir: Path) -> None:
+    """Every LoRA preset (``architecture.lora_presets``) matches layers of the model, and the injected adapter sits on
+    exactly the linear and convolution layers it matches, no more."""
+    for preset, pattern in family.architecture.lora_presets.items():
+        model = lora_model(family, model_dir, preset)
+        layers = {n for n, m in model.named_modules() if isinstance(getattr(m, "base_layer", m), _ADAPTABLE)}
+        matched = {n for n in layers if re.fullmatch(pattern, n)}
+        assert matched and lora_layers(model) == matched, preset
+
+
+_ADAPTABLE = (torch.nn.Linear, torch.nn.Conv2d)
+
+
+# NF4's relative error grows with the padded positions the cache keeps: FLUX.2 klein's 512 (its default) give 0.30.
+@pytest.mark.parametrize(("mode", "tolerance"), [("fp8", 0.1), ("nf4", 0.35)])
+def test_the_text_encoders_in_fp8_and_nf4_for_caching(
+    family: DiffusionFamily, model_dir: Path, tmp_path: Path, mode: str, tolerance: float
+) -> None:
+    """``data.text_encoder_quantization``: every linear layer of the family's text encoders (those its
+    ``architecture.text_encoders`` names) that the format stores (NF4: inputs a multiple of 64 wide; the tiny CLIP and
+    T5 encoders are narrower) and the encoder does not keep in float32 is stored in FP8 / NF4 while caching, the
+    embeddings close to the plain ones, under keys of their own."""
+    import bitsandbytes as bnb
+
+    from lightning_lora.data.cache import LatentCache, quantize_text_encoders
+    from lightning_lora.precision.fp8 import FP8Linear
+
+    source = ModelSource(str(model_dir), dtype=torch.float32)
+    plain = LatentCache(tmp_path, family, source)
+    plain.encode_texts([PROMPT], torch.device("cpu"))
+    reference = plain.load_text(plain.text_key(PROMPT))
+    cache = LatentCache(tmp_path, family, source, text_encoder_quantization=mode)
+    assert cache.text_key(PROMPT) != plain.text_key(PROMPT)
+    encoders = family.load_text_encoders(source)
+    components = family.architecture.text_encoders
+    swapped = quantize_text_encoders(encoders, components, mode, torch.device("cpu"), torch.float32)
+    kind = {"fp8": FP8Linear, "nf4": bnb.nn.Linear4bit}[mode]
+    stored = sum(isinstance(m, kind) for c in components for m in getattr(encoders, c).modules())
+    assert swapped == stored
+    for component in components:
+        encoder = getattr(encoders, component)
+        kept = getattr(encoder, "_keep_in_fp32_modules", None) or []
+        left = [
+            name
+            for name, m in encoder.named_modules()
+            if type(m) is torch.nn.Linear
+            and not any(name == k or name.endswith("." + k) for k in kept)
+            and not (mode == "nf4" and m.in_features % 64)
+        ]
+        assert not left, f"{component}: {left[:3]} not stored in {mode}"
+    cache.encode_texts([PROMPT], torch.device("cpu"))
+    got = cache.load_text(cache.text_key(PROMPT))
+    assert got.keys() == reference.keys()
+    for key, value in got.items():
+        if not value.is_floating_point():  # masks
+            assert torch.equal(value, reference[key]), key
+        elif swapped:
+            a, b = value.float(), reference[key].float()
+            assert not torch.equal(a, b) and (a - b).norm() < tolerance * b.norm(), key
+
+
+def known_hub_id(family: DiffusionFamily) -> str:
+    """A hub id whose architecture the family ships (``planning.known_denoisers``) and that its options accept."""
+    for hub_id in family.planning.known_denoisers:
+        try:
+            family.check_source(ModelSource(hub_id))
+        except ConfigError:
+            continue
+        return hub_id
+    raise AssertionError(f"{family.name}: no hub id its options accept among {list(family.planning.known_denoisers)}")
+
+
+def test_a_hub_id_is_accepted_offline_and_loading_it_fails_clearly(
+    family: DiffusionFamily, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hub id passes ``check_source`` before anything is loaded; offline and not downloaded, loading from it fails
+    with one line naming the option, the id and why."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    hub_id = known_hub_id(family)
+    with pytest.raises(ConfigError, match=rf"model\.pretrained.*{re.escape(hub_id)}.*offline"):
+        family.load_text_encoders(ModelSource(hub_id))
+
+
+def test_the_hub_model_plans_with_nothing_downloaded_like_its_local_configs(
+    family: DiffusionFamily, tmp_path: Path
+) -> None:
+    """``plan`` on a hub id the family knows reads no file (the real configs ship with the family:
+    ``planning.known_denoisers`` and ``known_text_encoders``) and plans as a local folder holding those configs does."""
+    from lightning_lora.data.recipe import DataRecipe
+    from lightning_lora.lora import LoraOptions
+    from lightning_lora.model.recipe import ModelRecipe
+    from lightning_lora.plan import plan_for
+
+    hub_id = known_hub_id(family)
+    folder = tmp_path / "local"
+    (folder / family.architecture.denoiser_subfolder).mkdir(parents=True)
+    (folder / "model_index.json").write_text(json.dumps({"_class_name": family.pipeline_class}))
+    config = family.planning.known_denoisers[hub_id]
+    (folder / family.architecture.denoiser_subfolder / "config.json").write_text(json.dumps(config))
+    for component, encoder in family.planning.known_text_encoders[hub_id].items():
+        (folder / component).mkdir()
+        config = {"architectures": [encoder["_class"]], **{k: v for k, v in encoder.items() if k != "_class"}}
+        (folder / component / "config.json").write_text(json.dumps(config))
+    (folder / "scheduler").mkdir()  # a UNet family reads its noise schedule from a local folder when it is checked
+    schedule = {"beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear"}
+    (folder / "scheduler" / "scheduler_config.json").write_text(json.dumps(schedule))
+    data = DataRecipe(resolutions=(512,), batch_size=1)
+    # Without gradient checkpointing: checkpointed, SDXL's plans of the same configs differ by up to 4% of the
+    # activations between a hub id and a folder, and from one process to the next (the planner's, seen on main too).
+    hub = ModelRecipe(family, ModelSource(hub_id), LoraOptions(rank=8))
+    assert plan_for(hub, data) == plan_for(hub.replace(source=ModelSource(str(folder))), data)
 
 
 def test_fit_lowers_the_fixed_eval_loss(runs: Runs) -> None:
@@ -205,15 +389,17 @@ def test_stopped_and_resumed_run_is_exact(runs: Runs) -> None:
     assert_same_run(runs.a, runs.b, after_step=STOP)
 
 
-def test_exported_files_load_into_a_fresh_pipeline(runs: Runs, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_exported_files_load_into_a_fresh_pipeline(runs: Runs, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from diffusers import DiffusionPipeline
+    from safetensors.torch import load_file, save_file
 
     from lightning_lora.callbacks import LoraExport
+    from lightning_lora.export import _family_from_keys, read_lora_file, read_metadata
 
     family, trained = runs.family, runs.cli_a.model.denoiser.eval()
     export = next(cb for cb in runs.cli_a.trainer.callbacks if isinstance(cb, LoraExport))
     files = export.paths(runs.cli_a.trainer, export.name)
-    assert sorted(files) == sorted(family.lora_formats) and all(f.is_file() for f in files.values())
+    assert sorted(files) == sorted(family.lora_files.formats) and all(f.is_file() for f in files.values())
     inputs = random_inputs(family, trained, 1)
     expected = denoiser_output(trained, inputs)
     side = resolution(family)
@@ -225,14 +411,26 @@ def test_exported_files_load_into_a_fresh_pipeline(runs: Runs, monkeypatch: pyte
         return pipe
 
     base = fresh()
-    base_output = denoiser_output(getattr(base, family.denoiser_subfolder), inputs)
+    base_output = denoiser_output(getattr(base, family.architecture.denoiser_subfolder), inputs)
     base_image = base(generator=torch.Generator().manual_seed(0), **draw).images
     assert (expected - base_output).abs().max() > 1e-3, "the trained LoRA does not change the output"
     diffusers_kohya_reads_flux_widths(monkeypatch)  # the tiny FLUX is narrower than FLUX.1 (no effect on the others)
     for fmt, path in files.items():
         pipe = fresh()
         pipe.load_lora_weights(path)  # as a user does: no .eval() (the run trained with lora dropout 0.1)
-        loaded = denoiser_output(getattr(pipe, family.denoiser_subfolder), inputs)
+        denoiser = getattr(pipe, family.architecture.denoiser_subfolder)
+        assert lora_layers(denoiser) == lora_layers(trained), f"{fmt}: not every LoRA layer was loaded"
+        tensors = load_file(path)
+        if fmt == "diffusers":  # every tensor of the file went into the adapter, none left over
+            assert sum(".lora_" in n for n, _ in denoiser.named_parameters()) == len(tensors)
+            assert _family_from_keys(tensors) in (None, type(family))  # no other family claims its names
+        # A file without our family entry (made elsewhere) is told apart by what its header says of the model.
+        meta = read_metadata(path)
+        assert {k: meta[f"modelspec.{k}"] for k in family.lora_files.modelspec} == dict(family.lora_files.modelspec)
+        unnamed = tmp_path / f"unnamed.{fmt}.safetensors"
+        save_file(tensors, unnamed, metadata={k: v for k, v in meta.items() if k != "lightning_lora.family"})
+        assert type(read_lora_file(unnamed).family) is type(family), fmt
+        loaded = denoiser_output(denoiser, inputs)
         torch.testing.assert_close(loaded, expected, atol=1e-5, rtol=1e-4, msg=lambda m, f=fmt: f"{f} file: {m}")
         image = pipe(generator=torch.Generator().manual_seed(0), **draw).images
         assert not torch.allclose(base_image, image, atol=1e-4), f"{fmt}: the LoRA did not change the image"

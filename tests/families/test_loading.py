@@ -71,14 +71,6 @@ def test_fit_with_a_single_file_transformer(tmp_path: Path, tiny_flux_dir: Path,
     assert read_metadata(tmp_path / "run" / "lora" / "lora.safetensors")["lightning_lora.denoiser_file"] == file.name
 
 
-def test_hub_id_offline_fails_with_a_clear_message(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    source = ModelSource("black-forest-labs/FLUX.1-dev")
-    Flux().check_source(source)  # a hub id is accepted before anything is loaded
-    with pytest.raises(ConfigError, match=r"model\.pretrained.*black-forest-labs/FLUX\.1-dev.*offline"):
-        Flux().load_vae(source)
-
-
 @pytest.mark.parametrize("damage", ["truncated", "not safetensors"])
 def test_a_damaged_denoiser_file_is_refused_before_loading(tmp_path: Path, tiny_flux_dir: Path, damage: str) -> None:
     file = tmp_path / "flux1-dev.safetensors"

@@ -30,7 +30,7 @@ from torch.utils.data import default_collate
 from lightning_lora.errors import ConfigError
 from lightning_lora.export import export_lora, read_lora_file
 from lightning_lora.families import QwenImage
-from lightning_lora.families.base import ModelSource
+from lightning_lora.families.base import ModelSource, SampleSettings
 from lightning_lora.families.qwenimage import QWEN_IMAGE_TRANSFORMER, pack_latents, unpack_latents
 from lightning_lora.lora import LoraOptions
 
@@ -168,7 +168,7 @@ def test_the_text_encoder_in_fp8_or_nf4_for_caching(source: ModelSource, tmp_pat
     family, source = QwenImage(max_sequence_length=MAX_LEN), ModelSource(source.pretrained, dtype=dtype)
     plain = family.encode_prompts(family.load_text_encoders(source), PROMPTS)
     encoders = family.load_text_encoders(source)
-    swapped = quantize_text_encoders(encoders, QwenImage.text_encoders, mode, torch.device("cpu"), dtype)
+    swapped = quantize_text_encoders(encoders, QwenImage.architecture.text_encoders, mode, torch.device("cpu"), dtype)
     layers = [type(m).__name__ for m in encoders.text_encoder.model.language_model.modules()]
     assert swapped > 0 and any(name in ("FP8Linear", "AutocastLinear4bit") for name in layers)
     quantized = family.encode_prompts(encoders, PROMPTS)
@@ -296,9 +296,7 @@ def test_samples_are_the_pipelines_images(
     prompt = {k: v[:1] for k, v in encoded.items()}
     draw = {"height": 32, "width": 32, "num_inference_steps": 2}
     for scale in (1.0, 4.0):
-        ours = family.generate(
-            sampler, prompt, seed=3, height=32, width=32, steps=2, guidance_scale=scale, negative=negative
-        )
+        ours = family.generate(sampler, prompt, SampleSettings(3, 32, 32, 2, scale), negative=negative)
         theirs = pipe(
             PROMPTS[0],
             negative_prompt="" if scale > 1 else None,
@@ -310,14 +308,14 @@ def test_samples_are_the_pipelines_images(
         difference = np.abs(np.asarray(ours, dtype=np.int16) - np.asarray(theirs, dtype=np.int16))
         assert difference.max() <= 1, scale
     with pytest.raises(ValueError, match="negative"):
-        family.generate(sampler, prompt, seed=3, height=32, width=32, steps=2, guidance_scale=4.0)
+        family.generate(sampler, prompt, SampleSettings(3, 32, 32, 2, 4.0))
 
 
 # -- LoRA ----------------------------------------------------------------------------------------------------------
 
 
 def _matches(preset: str, model: torch.nn.Module) -> set[str]:
-    regex = re.compile(QwenImage.lora_presets[preset])
+    regex = re.compile(QwenImage.architecture.lora_presets[preset])
     return {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and regex.fullmatch(n)}
 
 
@@ -495,8 +493,8 @@ def test_the_shipped_architecture_plans_like_a_local_folder(tmp_path: Path) -> N
     (folder / "transformer").mkdir(parents=True)
     (folder / "text_encoder").mkdir()
     (folder / "model_index.json").write_text(json.dumps({"_class_name": "QwenImagePipeline"}))
-    (folder / "transformer" / "config.json").write_text(json.dumps(QwenImage.known_denoisers[hub_id]))
-    encoder = QwenImage.known_text_encoders[hub_id]["text_encoder"]
+    (folder / "transformer" / "config.json").write_text(json.dumps(QwenImage.planning.known_denoisers[hub_id]))
+    encoder = QwenImage.planning.known_text_encoders[hub_id]["text_encoder"]
     config = {"architectures": [encoder["_class"]], **{k: v for k, v in encoder.items() if k != "_class"}}
     (folder / "text_encoder" / "config.json").write_text(json.dumps(config))
     hub, local = ModelSource(hub_id), ModelSource(str(folder))

@@ -20,11 +20,8 @@ from helpers import (
     RANK,
     check_exact_resume,
     check_fit_lowers_eval_loss,
-    denoiser_output,
     family_config,
-    lora_layers,
     lora_model,
-    random_inputs,
     run_cli,
 )
 from peft.utils import get_peft_model_state_dict
@@ -33,7 +30,7 @@ from safetensors.torch import load_file, save_file
 from lightning_lora.errors import ConfigError
 from lightning_lora.export import save_lora
 from lightning_lora.families import SD15
-from lightning_lora.families.base import ModelSource
+from lightning_lora.families.base import ModelSource, SampleSettings
 from lightning_lora.families.unet import noise_schedule_of
 from lightning_lora.formats.ldm import UNetLayout, unet_state_dict_to_ldm
 from lightning_lora.lora import LoraOptions
@@ -112,8 +109,8 @@ def test_guidance_needs_the_negative_embedding(source: ModelSource) -> None:
     pipe = family.pipeline(family.load_denoiser(source), family.load_vae(source), source)
     embeddings = {"prompt_embeds": torch.zeros(1, 77, 32)}
     with pytest.raises(ValueError, match="negative"):
-        family.generate(pipe, embeddings, seed=0, height=32, width=32, steps=2, guidance_scale=5.0)
-    image = family.generate(pipe, embeddings, seed=0, height=32, width=16, steps=2, guidance_scale=1.0)
+        family.generate(pipe, embeddings, SampleSettings(seed=0, height=32, width=32, steps=2, guidance_scale=5.0))
+    image = family.generate(pipe, embeddings, SampleSettings(seed=0, height=32, width=16, steps=2, guidance_scale=1.0))
     assert image.size == (16, 32)
 
 
@@ -128,7 +125,10 @@ def test_single_file_unet_in_the_original_layout(tmp_path: Path, tiny_sd15_dir: 
     assert loaded.keys() == reference.keys() and all(torch.equal(loaded[k], reference[k]) for k in reference)
 
 
-def test_fit_lowers_the_fixed_eval_loss(tmp_path: Path, tiny_sd15_dir: Path, photos_dir: Path) -> None:
+def test_fit_with_min_snr_weighting_lowers_the_fixed_eval_loss(
+    tmp_path: Path, tiny_sd15_dir: Path, photos_dir: Path
+) -> None:
+    """Beyond the family contract's fit: min-SNR weighting (a UNet family option) trains too."""
     config = family_config(
         tmp_path, tiny_sd15_dir, photos_dir, "SD15", {"min_snr_gamma": 5.0}, **{"trainer.max_steps": 16}
     )
@@ -137,11 +137,10 @@ def test_fit_lowers_the_fixed_eval_loss(tmp_path: Path, tiny_sd15_dir: Path, pho
     check_fit_lowers_eval_loss(cli)
 
 
-def test_export_both_formats_load_into_a_fresh_pipeline(tmp_path: Path, tiny_sd15_dir: Path) -> None:
-    """diffusers file == kohya file (loaded by diffusers' own converter) == the in-memory model, LoCon layers too."""
+def test_the_kohya_file_has_sd_scripts_names_and_the_trained_alpha(tmp_path: Path, tiny_sd15_dir: Path) -> None:
+    """The kohya file of a LoCon LoRA (the contract loads both files into diffusers, every layer, as trained): the keys
+    diffusers' own converter gives, the convolutions' 4-D shapes, the trained alpha."""
     model = lora_model(SD15(), tiny_sd15_dir, "locon")
-    inputs = random_inputs(SD15(), model, 2)
-    expected = denoiser_output(model, inputs)
     lora = LoraOptions(rank=RANK, alpha=ALPHA, targets="locon")
     files = {
         fmt: save_lora(model, tmp_path / f"{fmt}.safetensors", family=SD15(), lora=lora, info={}, format=fmt)
@@ -154,16 +153,6 @@ def test_export_both_formats_load_into_a_fresh_pipeline(tmp_path: Path, tiny_sd1
     assert kohya.keys() == reference.keys()
     assert kohya["lora_unet_down_blocks_0_attentions_0_proj_in.lora_down.weight"].shape == (RANK, 16, 1, 1)
     assert all(float(v) == ALPHA for k, v in kohya.items() if k.endswith(".alpha"))
-    outputs = {}
-    for fmt, file in files.items():
-        pipe = StableDiffusionPipeline.from_pretrained(tiny_sd15_dir)
-        base = denoiser_output(pipe.unet, inputs)
-        pipe.load_lora_weights(file)
-        assert lora_layers(pipe.unet) == lora_layers(model), f"{fmt}: not every LoRA layer was loaded"
-        outputs[fmt] = denoiser_output(pipe.unet, inputs)
-        assert (expected - base).abs().max() > 0.05
-    torch.testing.assert_close(outputs["diffusers"], expected, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(outputs["kohya"], expected, atol=1e-5, rtol=1e-4)
 
 
 def test_exact_resume_with_the_unet_options(tmp_path: Path, tiny_sd15_dir: Path, photos_dir: Path) -> None:

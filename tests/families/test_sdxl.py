@@ -19,11 +19,8 @@ from helpers import (
     ALPHA,
     RANK,
     check_fit_lowers_eval_loss,
-    denoiser_output,
     family_config,
-    lora_layers,
     lora_model,
-    random_inputs,
     run_cli,
 )
 from safetensors.torch import load_file, save_file
@@ -235,7 +232,11 @@ def test_ldm_names_of_the_sdxl_unet() -> None:
 # -- training, export, resume --------------------------------------------------------------------------------------
 
 
-def test_fit_lowers_the_fixed_eval_loss(tmp_path: Path, tiny_sdxl_dir: Path, photos_dir: Path) -> None:
+def test_fit_with_noise_offset_exports_the_sgm_names_from_its_checkpoint(
+    tmp_path: Path, tiny_sdxl_dir: Path, photos_dir: Path
+) -> None:
+    """Beyond the family contract's fit: noise offset (a UNet family option) trains, the samples are written, and the
+    checkpoint knows its family and options."""
     config = family_config(
         tmp_path,
         tiny_sdxl_dir,
@@ -260,11 +261,10 @@ def test_fit_lowers_the_fixed_eval_loss(tmp_path: Path, tiny_sdxl_dir: Path, pho
     assert any(k.startswith("lora_unet_input_blocks_") for k in load_file(kohya))
 
 
-def test_export_both_formats_load_into_a_fresh_pipeline(tmp_path: Path, tiny_sdxl_dir: Path) -> None:
-    """diffusers file == kohya file (loaded by diffusers' own converter) == the in-memory model, LoCon layers too."""
+def test_the_kohya_file_has_sgm_names_and_the_trained_alpha(tmp_path: Path, tiny_sdxl_dir: Path) -> None:
+    """The kohya file of a LoCon LoRA (the contract loads both files into diffusers, every layer, as trained): the
+    original SGM UNet's names, the convolutions' 4-D shapes, the trained alpha."""
     model = lora_model(SDXL(), tiny_sdxl_dir, "locon")
-    inputs = random_inputs(SDXL(), model, 2)
-    expected = denoiser_output(model, inputs)
     lora = LoraOptions(rank=RANK, alpha=ALPHA, targets="locon")
     files = {
         fmt: save_lora(model, tmp_path / f"{fmt}.safetensors", family=SDXL(), lora=lora, info={}, format=fmt)
@@ -274,16 +274,6 @@ def test_export_both_formats_load_into_a_fresh_pipeline(tmp_path: Path, tiny_sdx
     assert "lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q.lora_down.weight" in kohya
     assert kohya["lora_unet_input_blocks_1_0_in_layers_2.lora_down.weight"].shape == (RANK, 16, 3, 3)
     assert all(float(v) == ALPHA for k, v in kohya.items() if k.endswith(".alpha"))
-    outputs = {}
-    for fmt, file in files.items():
-        pipe = StableDiffusionXLPipeline.from_pretrained(tiny_sdxl_dir)
-        base = denoiser_output(pipe.unet, inputs)
-        pipe.load_lora_weights(file)
-        assert lora_layers(pipe.unet) == lora_layers(model), f"{fmt}: not every LoRA layer was loaded"
-        outputs[fmt] = denoiser_output(pipe.unet, inputs)
-        assert (expected - base).abs().max() > 0.05  # the LoRA matters: a wrong scale would show
-    torch.testing.assert_close(outputs["diffusers"], expected, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(outputs["kohya"], expected, atol=1e-5, rtol=1e-4)
 
 
 def test_pipeline_folder_of_another_family_is_refused(tiny_sd15_dir: Path) -> None:

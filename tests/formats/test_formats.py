@@ -6,7 +6,9 @@ Everything here runs on small random tensors and crafted checkpoints: no model i
 
 from __future__ import annotations
 
+import functools
 import json
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -20,6 +22,9 @@ from lightning_lora.errors import ConfigError
 from lightning_lora.export import checkpoint_lora, export_lora, read_metadata
 from lightning_lora.families import FAMILIES, SD15, SDXL, DiffusionFamily, Flux
 from lightning_lora.formats import FORMATS, VARIANTS, kohya
+from lightning_lora.formats.bfl import flux_lora_slices
+from lightning_lora.formats.diffusers import DiffusersLayout
+from lightning_lora.formats.ldm import SDXL_LAYOUT
 from lightning_lora.lora import LoraOptions, peft_config
 
 RANK = 4
@@ -40,13 +45,10 @@ UNET_STATE = {"down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q": (16,
 
 
 class NoKohya(Flux):
-    """A family with no kohya layout: the defaults of :class:`DiffusionFamily` (not registered: ``name`` is set after
-    the class is made)."""
+    """A family with no kohya layout: FLUX's diffusers layout alone (not registered: ``name`` is set after the class is
+    made)."""
 
-    lora_formats = ("diffusers",)
-    kohya_lora = DiffusionFamily.kohya_lora
-    kohya_metadata = DiffusionFamily.kohya_metadata
-    lora_from_kohya = DiffusionFamily.lora_from_kohya
+    lora_files = replace(Flux.lora_files, layouts=(DiffusersLayout("transformer"),))
 
 
 NoKohya.name = "nokohya"
@@ -58,21 +60,41 @@ NoKohya.name = "nokohya"
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_every_family_declares_its_formats_and_text_encoders(name: str) -> None:
     cls = FAMILIES[name]
-    assert "diffusers" in cls.lora_formats and set(cls.lora_formats) <= set(FORMATS)
-    writes_kohya = "kohya" in cls.lora_formats
-    assert (cls.kohya_lora is not DiffusionFamily.kohya_lora) == writes_kohya, "kohya listed iff implemented"
-    assert (cls.kohya_metadata is not DiffusionFamily.kohya_metadata) == writes_kohya
-    assert (cls.lora_from_kohya is not DiffusionFamily.lora_from_kohya) == writes_kohya
-    assert cls.lora_modelspec and set(cls.lora_modelspec) == {"architecture", "implementation"}
-    assert cls.text_encoders and all(e.startswith("text_encoder") for e in cls.text_encoders)
+    formats = cls.lora_files.formats
+    assert "diffusers" in formats and set(formats) <= set(FORMATS) and len(set(formats)) == len(formats)
+    family = cls()
+    assert all(family.lora_layout(f) is layout for f, layout in zip(formats, cls.lora_files.layouts, strict=True))
+    assert family.lora_layout("diffusers").prefix == cls.architecture.denoiser_subfolder  # type: ignore[attr-defined]
+    assert cls.lora_files.modelspec and set(cls.lora_files.modelspec) == {"architecture", "implementation"}
+    assert cls.architecture.text_encoders and all(e.startswith("text_encoder") for e in cls.architecture.text_encoders)
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_every_family_is_recognised_by_the_header_it_writes(name: str) -> None:
+    """A LoRA file made elsewhere is read as the family whose markers its header holds: the ModelSpec architecture
+    every family writes, and the ``ss_base_model_version`` of its kohya files, pick that family and no other (each
+    family is asked, :func:`export._family_of`)."""
+    from lightning_lora.export import _claimed
+
+    cls = FAMILIES[name]
+    headers = [{"modelspec.architecture": cls.lora_files.modelspec["architecture"]}]
+    headers += [{"ss_base_model_version": layout.network.base_model_version} for layout in cls.lora_files.layouts
+                if isinstance(layout, kohya.KohyaLayout)]  # fmt: skip
+    for header in headers:
+        assert _claimed({c: c.claims_lora_metadata(header) for c in FAMILIES.values()}) is cls, header
+    assert cls.claims_lora_metadata({"modelspec.architecture": "some-other-model/lora"}) == 0
+
+
+FLUX_KOHYA = functools.partial(kohya.fused_to_kohya, slices=flux_lora_slices)
+SDXL_KOHYA = functools.partial(kohya.unet_to_kohya, layout=SDXL_LAYOUT)
 
 
 @pytest.mark.parametrize(
     ("family", "modules", "convert", "network"),
     [
-        (Flux(), FLUX_STATE, kohya.flux_to_kohya, kohya.FLUX_NETWORK),
-        (SDXL(), UNET_STATE, kohya.sdxl_to_kohya, kohya.SDXL_NETWORK),
-        (SD15(), UNET_STATE, kohya.sd15_to_kohya, kohya.SD15_NETWORK),
+        (Flux(), FLUX_STATE, FLUX_KOHYA, kohya.KohyaNetwork("networks.lora_flux", "flux1")),
+        (SDXL(), UNET_STATE, SDXL_KOHYA, kohya.KohyaNetwork("networks.lora", "sdxl_base_v1-0")),
+        (SD15(), UNET_STATE, kohya.unet_to_kohya, kohya.KohyaNetwork("networks.lora", "sd_v1")),
     ],
     ids=["flux", "sdxl", "sd15"],
 )
@@ -104,8 +126,8 @@ def test_export_asks_the_family_object_not_its_name(tmp_path: Path) -> None:
     """An SD1.5-named family whose kohya layout is SDXL's: the file follows the object (a name lookup would not)."""
 
     class SD15WithSGMNames(SD15):
-        def kohya_lora(self, state, scale, *, dtype=None):  # type: ignore[no-untyped-def]
-            return kohya.sdxl_to_kohya(state, scale, dtype=dtype)
+        sgm = replace(SD15.lora_files.layouts[1], to_kohya=SDXL_KOHYA)  # type: ignore[type-var]
+        lora_files = replace(SD15.lora_files, layouts=(SD15.lora_files.layouts[0], sgm))
 
     assert SD15WithSGMNames.name == "sd15" and FAMILIES["sd15"] is SD15  # not registered over SD1.5
     state = _state(UNET_STATE)
@@ -126,13 +148,9 @@ def test_a_family_without_a_kohya_layout_refuses_clearly(tmp_path: Path) -> None
         export_lora(state, path, format="kohya", lora=LoraOptions(rank=RANK), family=family, info={})
     assert str(refused.value) == message
     assert not path.exists()
-    # The defaults of DiffusionFamily refuse the same way when called directly.
+    # Asked for the layout directly, the family refuses the same way.
     with pytest.raises(ConfigError, match="use --format diffusers"):
-        family.kohya_lora(state, 1.0)
-    with pytest.raises(ConfigError, match="use --format diffusers"):
-        family.kohya_metadata(kohya.NetworkSummary(RANK, 1.0))
-    with pytest.raises(ConfigError, match="use --format diffusers"):
-        family.lora_from_kohya({})
+        family.lora_layout("kohya")
     # The diffusers format needs nothing of the family but its denoiser subfolder.
     path = export_lora(state, path, format="diffusers", lora=LoraOptions(rank=RANK), family=family, info={})
     assert set(load_file(path)) == {f"transformer.{k}" for k in state}
@@ -151,7 +169,7 @@ def test_export_takes_the_options_and_the_family(tmp_path: Path, family: Diffusi
     state = _state(FLUX_STATE if isinstance(family, Flux) else UNET_STATE)
     lora = LoraOptions(rank=RANK, alpha=None, targets=["to_q"], dropout=0.25, init="kaiming")  # alpha null: rank
     path = export_lora(state, tmp_path / "d.safetensors", format="diffusers", lora=lora, family=family, info={"a": 1})
-    prefix = family.denoiser_subfolder
+    prefix = family.architecture.denoiser_subfolder
     assert set(load_file(path)) == {f"{prefix}.{k}" for k in state}
     meta = read_metadata(path)
     assert (meta["lightning_lora.rank"], meta["lightning_lora.alpha"]) == ("4", "4.0")

@@ -25,6 +25,7 @@ The ``lightning-lora export`` command (checkpoint to file) is tested in tests/cl
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -38,11 +39,12 @@ from safetensors.torch import load_file
 from lightning_lora.export import export_lora, read_metadata
 from lightning_lora.families.flux import Flux, latent_image_ids
 from lightning_lora.formats.adapters import adapters_from_peft
-from lightning_lora.formats.bfl import FluxDims, bfl_to_diffusers, diffusers_to_bfl
-from lightning_lora.formats.kohya import flux_lora_dims, flux_to_kohya, kohya_name
+from lightning_lora.formats.bfl import FluxDims, bfl_to_diffusers, diffusers_to_bfl, flux_lora_dims, flux_lora_slices
+from lightning_lora.formats.kohya import fused_to_kohya, kohya_name
 from lightning_lora.lora import LoraOptions, split_lora_state
 
 INFO = {"family": "flux", "base_model": "tiny", "steps": 3}
+flux_to_kohya = functools.partial(fused_to_kohya, slices=flux_lora_slices)  # FLUX's kohya names (its KohyaLayout)
 INNER, MLP = 32, 128  # the tiny FLUX of lightning_lora.tiny.flux (dim64=False)
 
 

@@ -49,6 +49,7 @@ from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 
 from lightning_lora.callbacks.lora_export import LoraExport
+from lightning_lora.data.recipe import DataRecipe
 from lightning_lora.errors import ConfigError
 from lightning_lora.export import convert_lora_file, export_lora, file_coverage, read_lora_file, read_metadata
 from lightning_lora.families import FAMILIES, DiffusionFamily, ModelSource
@@ -60,15 +61,15 @@ from lightning_lora.formats.bfl import (
     flux_dims_from_state_dict,
     swap_halves,
 )
+from lightning_lora.formats.bfl import flux2_diffusers_to_bfl as flux2_to_bfl
 from lightning_lora.formats.clients import TOOLS
-from lightning_lora.formats.flux2 import diffusers_to_bfl as flux2_to_bfl
 from lightning_lora.formats.ldm import UNetLayout, diffusers_to_ldm
-from lightning_lora.formats.zimage import diffusers_to_original
+from lightning_lora.formats.nextdit import diffusers_to_original
 from lightning_lora.lora import LoraOptions, parse_key, peft_config, resolve_targets
 
 RANK, ALPHA = 4, 2.0  # alpha = rank / 2
 VARIANT_NAMES = {"lora": "LoRA", "dora": "DoRA", "lokr": "LoKr", "loha": "LoHa"}
-CASES = [(name, preset) for name in sorted(FAMILIES) for preset in FAMILIES[name].lora_presets]
+CASES = [(name, preset) for name in sorted(FAMILIES) for preset in FAMILIES[name].architecture.lora_presets]
 _ADAPTER = ("lora_", "lokr_", "hada_")
 
 
@@ -137,10 +138,10 @@ def base_weights(base: torch.nn.Module) -> dict[str, torch.Tensor]:
 def diffusers_apply(family: DiffusionFamily, base: torch.nn.Module, file: Path) -> dict[str, torch.Tensor] | None:
     """``pipe.load_lora_weights(file)`` on a pipeline holding a copy of ``base`` (its other components None); the
     denoiser's merged weights, or None when diffusers refuses the file."""
-    cls = getattr(diffusers, family.pipeline_classes[0])
+    cls = getattr(diffusers, family.architecture.pipeline_classes[0])
     parameters = inspect.signature(cls.__init__).parameters
     components: dict[str, Any] = {n: None for n, p in parameters.items() if n != "self" and p.default is p.empty}
-    components[family.denoiser_subfolder] = copy.deepcopy(base)
+    components[family.architecture.denoiser_subfolder] = copy.deepcopy(base)
     pipe = cls(**components)
     try:
         with warnings.catch_warnings():
@@ -156,7 +157,7 @@ def diffusers_apply(family: DiffusionFamily, base: torch.nn.Module, file: Path) 
         if any(refusal in str(e) for refusal in refusals):
             return None
         raise
-    return merged_weights(getattr(pipe, family.denoiser_subfolder))
+    return merged_weights(getattr(pipe, family.architecture.denoiser_subfolder))
 
 
 # ------------------------------------------------------------------------------------------ ComfyUI
@@ -501,7 +502,7 @@ def test_every_file_means_the_same_in_every_tool(
     modules = sorted({parsed.module for k in state if (parsed := parse_key(k)) is not None})
     diffusers_kohya_reads_flux_widths(monkeypatch)
     written = 0
-    for fmt in family.lora_formats:
+    for fmt in family.lora_files.formats:
         path = tmp_path / f"{fmt}.safetensors"
         if VARIANT_NAMES[variant] not in VARIANTS[fmt]:
             with pytest.raises(ConfigError, match=rf"--format {fmt}: the LoRA is a {VARIANT_NAMES[variant]} adapter"):
@@ -528,7 +529,7 @@ def test_every_file_means_the_same_in_every_tool(
                 torch.testing.assert_close(
                     patched[f"{module}.weight"], expected[f"{module}.weight"], atol=1e-5, rtol=1e-4
                 )
-    assert written or "kohya" not in family.lora_formats, "no format holds this variant"
+    assert written or "kohya" not in family.lora_files.formats, "no format holds this variant"
 
 
 def test_comfyui_skips_peft_attention_names_of_a_unet(bases: dict, tmp_path: Path) -> None:
@@ -556,7 +557,7 @@ def test_comfyui_skips_peft_attention_names_of_a_unet(bases: dict, tmp_path: Pat
 def writes_kohya(name: str) -> None:
     """Skip a test of the kohya layout for a family that writes none (Z-Image: ComfyUI reads its diffusers files;
     tests/families/test_zimage.py checks their metadata)."""
-    if "kohya" not in FAMILIES[name].lora_formats:
+    if "kohya" not in FAMILIES[name].lora_files.formats:
         pytest.skip(f"the {name} family writes no kohya layout")
 
 
@@ -569,7 +570,7 @@ def test_kohya_to_diffusers_to_kohya_is_exact(
     same weights in every tool each file names (to float32 rounding); and diffusers -> kohya -> diffusers the same
     tensors."""
     family, base = bases[name]
-    targets = "|".join(f"(?:{p})" for p in family.lora_presets.values())
+    targets = "|".join(f"(?:{p})" for p in family.architecture.lora_presets.values())
     model, options = adapted(family, base, targets, "lora", seed=3)
     state = get_peft_model_state_dict(model)
     diffusers_kohya_reads_flux_widths(monkeypatch)
@@ -743,7 +744,7 @@ def test_lokr_and_loha_are_refused_by_the_diffusers_format_with_the_reason(bases
 def test_metadata_tools_read(bases: dict, tmp_path: Path, name: str) -> None:
     writes_kohya(name)
     family, base = bases[name]
-    preset = "locon" if "locon" in family.lora_presets else "attention"
+    preset = "locon" if "locon" in family.architecture.lora_presets else "attention"
     model, options = adapted(family, base, preset, "lora")
     state = get_peft_model_state_dict(model)
     info = {"resolution": 768, "trigger": "sks dog", "title": "my-lora", "steps": 12}
@@ -756,8 +757,8 @@ def test_metadata_tools_read(bases: dict, tmp_path: Path, name: str) -> None:
         export_lora(state, tmp_path / "my-lora.safetensors", format="diffusers", lora=options, family=family, info=info)
     )
     for meta in (kohya, ours):
-        assert meta["modelspec.architecture"] == family.lora_modelspec["architecture"]
-        assert meta["modelspec.implementation"] == family.lora_modelspec["implementation"]
+        assert meta["modelspec.architecture"] == family.lora_files.modelspec["architecture"]
+        assert meta["modelspec.implementation"] == family.lora_files.modelspec["implementation"]
         assert meta["modelspec.title"] == "my-lora" and meta["modelspec.resolution"] == "768x768"
         assert meta["modelspec.trigger_phrase"] == "sks dog" and meta["modelspec.sai_model_spec"] == "1.0.1"
         assert datetime.datetime.fromisoformat(meta["modelspec.date"]).date() == datetime.date.today()
@@ -775,7 +776,7 @@ def test_metadata_tools_read(bases: dict, tmp_path: Path, name: str) -> None:
     assert args == ({"conv_dim": str(RANK), "conv_alpha": str(ALPHA)} if preset == "locon" else {})
     assert "lora_adapter_metadata" not in kohya and not any(k.startswith("ss_") for k in ours)
     adapter = json.loads(ours["lora_adapter_metadata"])
-    prefix = family.denoiser_subfolder
+    prefix = family.architecture.denoiser_subfolder
     assert adapter[f"{prefix}.r"] == RANK and adapter[f"{prefix}.lora_alpha"] == RANK  # the scale is in lora_B
 
 
@@ -824,14 +825,14 @@ def test_default_output_of_a_shipped_config_loads_in_comfyui(bases: dict, tmp_pa
         default_root_dir=str(tmp_path),
         global_step=7,
         is_global_zero=True,
-        datamodule=SimpleNamespace(resolution=1024),
+        datamodule=SimpleNamespace(recipe=DataRecipe(resolutions=(1024,))),
         strategy=SimpleNamespace(barrier=lambda name: None),
     )
     callback.setup(trainer, module, "fit")  # type: ignore[arg-type]
     callback.on_fit_start(trainer, module)  # type: ignore[arg-type]
     callback.export(trainer, module, callback.name)  # type: ignore[arg-type]
     files = dict(zip(callback.formats, callback.written, strict=True))
-    assert set(files) == set(family.lora_formats)
+    assert set(files) == set(family.lora_files.formats)
     comfy = [f for f, p in files.items() if "ComfyUI" in json.loads(read_metadata(p)["lightning_lora.loads_in"])]
     assert comfy, f"no file for ComfyUI among {files}"
     expected, before = merged_weights(model), base_weights(base)
@@ -850,7 +851,7 @@ def _stub_run(tmp_path: Path, family: DiffusionFamily, model: torch.nn.Module, o
         default_root_dir=str(tmp_path),
         global_step=3,
         is_global_zero=True,
-        datamodule=SimpleNamespace(resolution=64),
+        datamodule=SimpleNamespace(recipe=DataRecipe(resolutions=(64,))),
         strategy=SimpleNamespace(barrier=lambda name: None),
     )
     return trainer, module

@@ -5,12 +5,14 @@ No test module imports another test module: what two of them need lives here, on
 * :mod:`helpers.cli`: a tiny-run config, the command in-process (:func:`run_cli`) and as a user runs it
   (:func:`fit_in_subprocess`), the fixed evaluation loss of a fit, a digest of a folder (to prove it was not modified);
 * :mod:`helpers.models`: the trainable model of a recipe, tiny LoRA models whose ``lora_B`` are not zero (a fresh LoRA
-  is a no-op), random denoiser inputs for any family (:func:`random_inputs`) and the gradients of two steps;
+  is a no-op), random denoiser inputs for any family (:func:`random_inputs`), the gradients of two steps, and another
+  model of the same shapes in a saved pipeline (:func:`other_weights`);
 * :mod:`helpers.resume`: run configs that checkpoint every step, and the bit-for-bit comparison of two runs;
 * :mod:`helpers.nodes`: a run on several simulated nodes (one process each, with the environment torchrun or SLURM
   gives it: :func:`fit_on_nodes`);
 * :mod:`helpers.crash`: callbacks that kill or interrupt a run, loaded by class path (``helpers.crash.KillAt``) in a
   config, in-process or in a subprocess (:func:`fit_in_subprocess` puts tests/ on its ``PYTHONPATH``);
+* :mod:`helpers.counted`: an optimizer and a callback that count their instances (what a verb builds);
 * :mod:`helpers.graphs`: what dynamo compiles, counted per module class with a recording backend (no code
   generation);
 * :mod:`helpers.diffusers_quirks`: the two places where diffusers' converters hard-code FLUX.1's widths, made to read
@@ -48,6 +50,8 @@ from helpers.models import (
     lora_layers,
     lora_model,
     nonzero_lora_b,
+    on_device,
+    other_weights,
     precision_for,
     random_inputs,
     two_step_grads,
@@ -95,6 +99,8 @@ __all__ = [
     "loss_curve",
     "node_env",
     "nonzero_lora_b",
+    "on_device",
+    "other_weights",
     "precision_for",
     "random_inputs",
     "resume_config",

@@ -154,7 +154,7 @@ def eval_history(cli: LoraCLI) -> list[tuple[int, float]]:
     """The ``(step, eval/loss)`` pairs the fit's :class:`~lightning_lora.callbacks.FixedEvalLoss` recorded."""
     from lightning_lora.callbacks import FixedEvalLoss
 
-    return next(cb for cb in cli.trainer.callbacks if isinstance(cb, FixedEvalLoss)).history
+    return next(cb for cb in cli.trainer.callbacks if isinstance(cb, FixedEvalLoss)).history  # type: ignore[attr-defined]
 
 
 def check_fit_lowers_eval_loss(cli: LoraCLI, factor: float = 0.97) -> None:

@@ -68,7 +68,7 @@ def step(model_dir: str, run: dict[str, Any], double: int, single: int) -> dict[
     for name, kept in (("transformer_blocks", double), ("single_transformer_blocks", single)):
         blocks: torch.nn.ModuleList = getattr(model, name)
         setattr(model, name, blocks[:kept])
-    compile_repeated_blocks(model, extra=family.compiled_regions, streams=family.stream_sources)
+    compile_repeated_blocks(model, extra=family.compiling.regions, streams=family.compiling.stream_sources)
     model.train()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=run["lr"])
     start = time.perf_counter()

@@ -33,7 +33,7 @@ def allow_any_flux_width(monkeypatch: pytest.MonkeyPatch, dims: FluxDims) -> Non
     def split(tensor: torch.Tensor, sizes: int | list[int] | tuple[int, ...], dim: int = 0) -> tuple[torch.Tensor, ...]:
         if isinstance(sizes, (tuple, list)) and tuple(sizes) == FLUX1_LINEAR1:
             sizes = ours
-        return real_split(tensor, sizes, dim)
+        return real_split(tensor, sizes, dim)  # type: ignore[arg-type]  # a tuple of sizes, as torch takes it too
 
     monkeypatch.setattr(torch, "split", split)
 

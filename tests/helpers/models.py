@@ -126,7 +126,7 @@ def random_inputs(
     ``[0, 1000)``, drawn from ``seed``. ``size`` is the image size in pixels (default: about 32 x 48, rounded up to
     the family's ``latent_divisor``). The call returns ``(prediction,)`` (``return_dict=False``).
     """
-    d = family.latent_divisor
+    d = family.architecture.latent_divisor
     height, width = size or (math.ceil(32 / d) * d, math.ceil(48 / d) * d)
     inputs = family.example_inputs(model, batch, height, width, text_len, device="cpu", dtype=dtype)
     generator = torch.Generator().manual_seed(seed)
@@ -143,6 +143,14 @@ def random_inputs(
     return fill(inputs)
 
 
+def on_device(value: Any, device: str | torch.device) -> Any:
+    """``value`` (:func:`random_inputs`' keyword arguments: tensors, nested dicts, anything else) with every tensor
+    moved to ``device``."""
+    if isinstance(value, dict):
+        return {k: on_device(v, device) for k, v in value.items()}
+    return value.to(device) if torch.is_tensor(value) else value
+
+
 def two_step_grads(model: nn.Module, family: DiffusionFamily | None = None) -> list[dict[str, torch.Tensor]]:
     """The gradients of two backward passes of ``model`` (FLUX by default) on :func:`random_inputs` of seeds 1 and 3
     (loss: the mean square of the prediction), one dict ``{name: grad}`` of the trainable parameters per step."""
@@ -152,7 +160,7 @@ def two_step_grads(model: nn.Module, family: DiffusionFamily | None = None) -> l
     for seed in (1, 3):
         model.zero_grad()
         model(**random_inputs(family or Flux(), model, seed=seed))[0].square().mean().backward()
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})  # type: ignore[union-attr]
     return grads
 
 
@@ -167,3 +175,12 @@ def denoiser_output(denoiser: nn.Module, inputs: dict[str, Any]) -> torch.Tensor
 def lora_layers(model: nn.Module) -> set[str]:
     """Names of the modules that carry a LoRA adapter."""
     return {n for n, m in model.named_modules() if hasattr(m, "lora_A") and len(getattr(m, "lora_A", {})) > 0}
+
+
+def other_weights(model_dir: Path, component: str = "transformer") -> None:
+    """Every weight of ``component`` in the saved pipeline ``model_dir`` changed, the shapes kept: another model (a
+    fine-tune) that the same config loads."""
+    from safetensors.torch import load_file, save_file
+
+    for file in (model_dir / component).glob("*.safetensors"):
+        save_file({k: v + 0.01 for k, v in load_file(file).items()}, file)

@@ -102,7 +102,7 @@ def assert_same_run(a: Path, b: Path, after_step: int) -> None:
 def check_exact_resume(root: Path, model_dir: Path, photos: Path, family: str, init_args: dict[str, Any]) -> None:
     """A UNet family (``lightning_lora.families.<family>`` with ``init_args``) with a LoCon LoRA: 6 steps, stopped at
     step 3 (inside an epoch: 2 batches per epoch) and resumed, ends with the same LoRA, bit for bit."""
-    options = {
+    options: dict[str, Any] = {
         "model.family": {"class_path": f"lightning_lora.families.{family}", "init_args": init_args},
         "model.lora.targets": "locon",
     }

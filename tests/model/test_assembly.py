@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import os
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -126,7 +127,7 @@ def test_regex_and_preset_targets() -> None:
     model.block.to_q = torch.nn.Linear(4, 4)
     model.block.other = torch.nn.LayerNorm(4)
     family = Flux()
-    assert resolve_targets("attention", family, _TinyAttn()) == Flux.lora_presets["attention"]
+    assert resolve_targets("attention", family, _TinyAttn()) == Flux.architecture.lora_presets["attention"]
     assert resolve_targets(r".*to_q", family, model) == r".*to_q"
     with pytest.raises(ConfigError, match=r"model\.lora\.targets.*matches no linear or convolution layer"):
         resolve_targets(r".*other", family, model)  # a norm is neither
@@ -237,7 +238,7 @@ def test_compiled_blocks_are_checkpointed_inside_and_run_once_a_step_not_twice(
     family = Flux(max_sequence_length=8)
     per_step, grads, blocks = {}, {}, 0
     for inside in (True, False):
-        monkeypatch.setattr(Flux, "checkpoints_only_repeated_blocks", inside)
+        monkeypatch.setattr(Flux, "compiling", replace(Flux.compiling, checkpoints_only_repeated_blocks=inside))
         torch._dynamo.reset()
         try:
             torch.manual_seed(0)
@@ -392,7 +393,7 @@ def test_cuda_graphs_compile_every_block_in_reduce_overhead_mode(
         build_model(Flux(), source, LoraOptions(rank=2), cuda_graphs=True)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+@pytest.mark.gpu
 def test_cuda_graphed_blocks_train_as_the_default_compiled_blocks(tiny_flux_dir: Path) -> None:
     """On a GPU: a few optimizer steps through CUDA-graphed blocks, with an image size that changes in between (a
     graph recorded per size), end at the same LoRA weights as the default compiled blocks. The graphs read the
@@ -426,6 +427,98 @@ def test_cuda_graphed_blocks_train_as_the_default_compiled_blocks(tiny_flux_dir:
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
+def _graphs_fit(
+    folder: Path, model_dir: Path, photos: Path, graphs: bool, **options: object
+) -> dict[str, torch.Tensor]:
+    """A tiny fit with compiled blocks, with or without ``model.cuda_graphs``, and ``options`` (dotted config keys); no
+    callbacks (samples, checkpoints). Returns the trained LoRA."""
+    from helpers import run_cli, write_config
+
+    overrides = {"model.compile_blocks": True, "model.cuda_graphs": graphs, "trainer.callbacks": [], **options}
+    (folder / f"graphs{int(graphs)}").mkdir()
+    config = write_config(folder / f"graphs{int(graphs)}", model_dir, photos, **overrides)  # type: ignore[arg-type]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "model.cuda_graphs: true, but the model is built on cpu", UserWarning)
+        cli = run_cli(["fit", "--config", str(config)])
+    return {k: v.detach().cpu().clone() for k, v in cli.model.trainable_state_dict().items()}
+
+
+def test_cuda_graphs_training_marks_each_micro_batch_and_keeps_its_gradients(
+    tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``model.cuda_graphs`` each micro-batch is one generation of the graphs' memory (torch's own rule starts one
+    at the second micro-batch of an accumulated step, and at a block recomputed in the backward pass, and overwrites
+    what is still in use), and the LoRA's gradients are tensors of their own, added into in place and zeroed between
+    optimizer steps, never a graph's output. On the CPU (no graphs: the blocks compiled with a recording backend) the
+    run trains the same LoRA, bit for bit, as without the option."""
+    from lightning_lora.module import LoraModule
+
+    count_compiled_graphs(monkeypatch)
+    marks: list[int] = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    seen: list[list[torch.Tensor]] = []
+
+    def record(self: LoraModule, optimizer: torch.optim.Optimizer) -> None:
+        seen.append([p.grad for p in trainable_parameters(self._require_model())])  # type: ignore[misc]
+
+    monkeypatch.setattr(LoraModule, "on_before_optimizer_step", record, raising=False)
+    options = {"trainer.accumulate_grad_batches": 2, "trainer.max_steps": 3}
+    trained = {}
+    for graphs in (True, False):
+        marks.clear()
+        seen.clear()
+        trained[graphs] = _graphs_fit(tmp_path, tiny_flux_dir, photos_dir, graphs, **options)
+        assert len(marks) == (6 if graphs else 0)  # 3 steps of 2 micro-batches
+        assert len(seen) == 3 and all(g is not None for grads in seen for g in grads)
+        kept = [all(a is b for a, b in zip(seen[0], later, strict=True)) for later in seen[1:]]
+        assert kept == [graphs, graphs]  # the same tensors every step only with graphs
+    for name, value in trained[True].items():
+        assert torch.equal(value, trained[False][name]), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "layout",
+    [
+        "flux-nf4-checkpointed-inside-accumulate-2",  # flux_8gb's: NF4, every block checkpointed inside its region
+        "sd15-checkpointed-outside",  # a UNet's checkpointing wraps the compiled block: recomputed in the backward
+    ],
+)
+def test_cuda_graphed_blocks_train_through_fit_as_the_default_compiled_blocks(
+    tmp_path: Path, tiny_sd15_dir: Path, photos_dir: Path, layout: str
+) -> None:
+    """On a GPU, through ``fit``: the layouts that failed in their first step with CUDA graphs (an accumulated step's
+    second micro-batch, a block recomputed in the backward pass, each starting a new generation of the graphs' memory
+    while the last one's tensors were in use) train the same LoRA as the default compiled blocks."""
+    from lightning_lora.tiny.flux import save_tiny_flux
+
+    options: dict[str, object] = {
+        "trainer.accelerator": "gpu",
+        "trainer.max_steps": 4,
+        "model.gradient_checkpointing": True,
+    }
+    if layout.startswith("flux"):
+        model_dir = save_tiny_flux(tmp_path / "tiny-flux64", seed=0, dim64=True)  # bitsandbytes' blocks of 64
+        options |= {
+            "trainer.precision": None,
+            "trainer.plugins": {"class_path": "lightning_lora.precision.NF4"},
+            "trainer.accumulate_grad_batches": 2,
+        }
+    else:
+        model_dir = tiny_sd15_dir
+        options["model.family"] = {"class_path": "lightning_lora.families.SD15", "init_args": {}}
+    trained = {}
+    for graphs in (False, True):
+        torch._dynamo.reset()
+        try:
+            trained[graphs] = _graphs_fit(tmp_path, model_dir, photos_dir, graphs, **options)
+        finally:
+            torch._dynamo.reset()
+    assert trained[True].keys() == trained[False].keys()
+    for name, value in trained[True].items():
+        torch.testing.assert_close(value, trained[False][name], rtol=1e-3, atol=1e-4, msg=name)
+
+
 def test_compiled_code_is_cached_where_a_reboot_keeps_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """torch's default compile cache is under /tmp (emptied by a reboot or a fresh container): ours is in the user's
     cache folder, unless TORCHINDUCTOR_CACHE_DIR says otherwise."""
@@ -451,7 +544,7 @@ def test_a_new_bucket_shape_compiles_once_not_every_step(
     try:
         family = Flux(max_sequence_length=8)
         model = build_model(family, ModelSource(str(tiny_flux_dir), dtype=torch.float32), LoraOptions(rank=2))
-        compile_repeated_blocks(model, extra=family.compiled_regions, streams=family.stream_sources)
+        compile_repeated_blocks(model, extra=family.compiling.regions, streams=family.compiling.stream_sources)
         caplog.set_level("WARNING", logger="torch._dynamo")
         counts = []
         for size in [(32, 32), (32, 32), (32, 48), (32, 48), (48, 32), (32, 32), (48, 48), (32, 48)]:
@@ -490,8 +583,8 @@ def test_identical_blocks_are_traced_once_per_class_not_once_per_block(
             for name, count in [("transformer_blocks", double), ("single_transformer_blocks", single)]:
                 blocks: torch.nn.ModuleList = getattr(model, name)  # more: copies of the tiny model's two blocks
                 blocks.extend(copy.deepcopy(blocks[i % 2]) for i in range(len(blocks), count))
-            streams, joins = (family.stream_sources, family.joined_streams) if hooked else ((), ())
-            compile_repeated_blocks(model, extra=family.compiled_regions, streams=streams, joins=joins)
+            streams, joins = (family.compiling.stream_sources, family.compiling.joined_streams) if hooked else ((), ())
+            compile_repeated_blocks(model, extra=family.compiling.regions, streams=streams, joins=joins)
             graphs.clear()
             model.train()(**random_inputs(family, model, 1, size=(32, 32)))[0].square().mean().backward()
             traced[double + single, hooked] = graph_count(graphs)
@@ -525,7 +618,7 @@ def test_the_unets_first_transformer_block_shares_the_graph_of_the_others(
         try:
             torch.manual_seed(0)
             model = build_model(family, ModelSource(str(folder), dtype=torch.float32), LoraOptions(rank=2))
-            compile_repeated_blocks(model, streams=family.stream_sources if hooked else ())
+            compile_repeated_blocks(model, streams=family.compiling.stream_sources if hooked else ())
             graphs.clear()
             model.train()(**random_inputs(family, model, 1))[0].square().mean().backward()
             traced[hooked] = graph_count(graphs)
@@ -547,9 +640,9 @@ def test_the_unets_stream_sources_name_modules_of_their_real_architectures(famil
     from lightning_lora.families.sdxl import SDXL
 
     family = {"sdxl": SDXL(), "sd15": SD15()}[family_name]
-    for config in family.known_denoisers.values():
+    for config in family.planning.known_denoisers.values():
         with torch.device("meta"):
             unet = UNet2DConditionModel.from_config(config)
         first = next(m for m in unet.modules() if type(m).__name__ == "BasicTransformerBlock")
         owner = next(m for m in unet.modules() if first in m.modules() and hasattr(m, "proj_in"))  # Transformer2DModel
-        assert [unet.get_submodule(name) for name in family.stream_sources] == [owner.proj_in]
+        assert [unet.get_submodule(name) for name in family.compiling.stream_sources] == [owner.proj_in]

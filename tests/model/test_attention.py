@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import build_model, count_compiled_graphs, graph_count, random_inputs
+from helpers import build_model, count_compiled_graphs, graph_count, nonzero_lora_b, on_device, random_inputs
 
-from lightning_lora import attention
 from lightning_lora.families.base import ModelSource
 from lightning_lora.families.flux import Flux
-from lightning_lora.lora import LoraOptions
+from lightning_lora.lora import LoraOptions, trainable_parameters
+from lightning_lora.model import attention
 from lightning_lora.model.assembly import compile_repeated_blocks
 
 
@@ -144,8 +144,29 @@ def test_flux_blocks_compile_to_as_many_graphs_with_it(
         for name in ("transformer_blocks", "single_transformer_blocks"):
             blocks: torch.nn.ModuleList = getattr(model, name)
             blocks.append(copy.deepcopy(blocks[0]))
-        compile_repeated_blocks(model, extra=family.compiled_regions, streams=family.stream_sources)
+        compile_repeated_blocks(model, extra=family.compiling.regions, streams=family.compiling.stream_sources)
         model.train()(**random_inputs(family, model, 1, size=(32, 32)))[0].square().mean().backward()
         assert graph_count(graphs) == 3
     finally:
         torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+def test_xformers_attention_trains_as_sdpa_on_a_gpu(tiny_sdxl_dir: Path) -> None:
+    """``model.attention: xformers`` (diffusers' xformers processors, an optional extra with CUDA kernels only): the
+    tiny SDXL's LoRA gradients are SDPA's."""
+    pytest.importorskip("xformers", reason="xformers is not installed (lightning-lora[xformers]: a large wheel)")
+    from lightning_lora.families.sdxl import SDXL
+
+    family, grads = SDXL(), {}
+    for backend in ("sdpa", "xformers"):
+        torch.manual_seed(0)
+        source = ModelSource(str(tiny_sdxl_dir), dtype=torch.float32)
+        model = build_model(family, source, LoraOptions(rank=2), torch.device("cuda"), attention=backend)
+        model = nonzero_lora_b(model).cuda().train()
+        inputs = on_device(random_inputs(family, model, 1, seed=1), "cuda")
+        model(**inputs)[0].square().mean().backward()
+        grads[backend] = [p.grad.cpu() for p in trainable_parameters(model) if p.grad is not None]
+    assert len(grads["xformers"]) == len(grads["sdpa"]) > 0
+    for a, b in zip(grads["xformers"], grads["sdpa"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)

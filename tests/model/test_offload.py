@@ -8,7 +8,17 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import build_model, build_tiny, precision_for, random_inputs, run_cli, two_step_grads, write_config
+from helpers import (
+    build_model,
+    build_tiny,
+    lora_model,
+    on_device,
+    precision_for,
+    random_inputs,
+    run_cli,
+    two_step_grads,
+    write_config,
+)
 
 from lightning_lora.errors import ConfigError
 from lightning_lora.families.base import ModelSource
@@ -39,6 +49,41 @@ def test_offloading_trains_the_same_gradients(tiny_flux_dir: Path, checkpointing
     # first block still loaded from the end of the backward.
     assert offloader.loads == (2 * count - 1) + (2 * count - 2)
     assert len(offloader.resident) <= 2
+
+
+def _cuda_grads(model: torch.nn.Module) -> list[dict[str, torch.Tensor]]:
+    """:func:`helpers.two_step_grads` on the GPU: the tiny FLUX's LoRA gradients of two backward passes."""
+    grads = []
+    for seed in (1, 3):
+        model.zero_grad()
+        model(**on_device(random_inputs(Flux(), model, seed=seed), "cuda"))[0].square().mean().backward()
+        grads.append({n: p.grad.cpu() for n, p in model.named_parameters() if p.requires_grad})
+    return grads
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_offloaded_blocks_stream_in_on_a_side_stream_on_a_gpu(tiny_flux_dir: Path, checkpointing: bool) -> None:
+    """On a GPU each offloaded block's tensors come from pinned memory on a side CUDA stream, one block ahead, and the
+    compute stream waits for the copy before the block runs: the gradients are those of the model kept whole."""
+
+    def built(count: int) -> torch.nn.Module:  # build_tiny's model, built for the GPU (pinned host copies)
+        options = {"gradient_checkpointing": checkpointing, "offload_blocks": count, "device": torch.device("cuda")}
+        return lora_model(Flux(), tiny_flux_dir, rank=2, alpha=None, scale=0.1, train=True, **options).cuda()
+
+    plain = _cuda_grads(built(0))
+    model = built(3)
+    offloader = model._lora_offloader
+    assert all(slot.host.is_pinned() for block in offloader.blocks for slot in block.slots)
+    offloaded = _cuda_grads(model)
+    (stream,) = offloader._streams.values()
+    assert stream != torch.cuda.current_stream()  # the copies ran beside the compute
+    for before, after in zip(plain, offloaded, strict=True):
+        assert before.keys() == after.keys()
+        for name, grad in before.items():
+            assert grad.abs().max() > 0, name
+            torch.testing.assert_close(after[name], grad)
+    assert offloader.loads == (2 * 3 - 1) + (2 * 3 - 2) and len(offloader.resident) <= 2
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import build_model, build_tiny, random_inputs, two_step_grads
+from helpers import build_model, build_tiny, on_device, random_inputs, two_step_grads
 
 from lightning_lora.errors import ConfigError
 from lightning_lora.families.base import ModelSource
@@ -43,6 +43,27 @@ def test_offloaded_inputs_give_the_same_gradients(tiny_flux_dir: Path, every: in
         for name, grad in before.items():
             assert grad.abs().max() > 0, name
             torch.testing.assert_close(after[name], grad, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_offloaded_inputs_go_through_pinned_memory_on_a_side_stream_on_a_gpu(tiny_flux_dir: Path) -> None:
+    """On a GPU the checkpointed blocks' inputs are copied to pinned CPU memory on a side CUDA stream as the forward
+    saves them, and back when the backward recomputes each block: the gradients are those kept on the device."""
+    grads = {}
+    for offload in (False, True):
+        model = build_tiny(tiny_flux_dir, 0, True, 1, None, offload).cuda()
+        offloader = model._lora_input_offloader
+        if offloader is not None:
+            offloader.min_bytes = 0  # the tiny model's inputs are small: move them all
+        model.zero_grad()
+        model(**on_device(random_inputs(Flux(), model, seed=1), "cuda"))[0].square().mean().backward()
+        grads[offload] = {n: p.grad.cpu() for n, p in model.named_parameters() if p.requires_grad}
+    assert offloader is not None and offloader.moved_bytes > 0
+    (stream,) = offloader._streams.values()
+    assert stream != torch.cuda.current_stream()
+    for name, grad in grads[False].items():
+        assert grad.abs().max() > 0, name
+        torch.testing.assert_close(grads[True][name], grad)
 
 
 def test_with_offloaded_blocks_too(tiny_flux_dir: Path) -> None:

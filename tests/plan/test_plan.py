@@ -4,6 +4,7 @@ Its accuracy against measured GPU peaks is in BENCHMARKS.md (tools/bench.py prin
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -101,7 +102,9 @@ def test_plan_of_the_tiny_flux(tiny_flux_dir: Path, photos_dir: Path) -> None:
     assert plan(precision=FP8()).weights < full.weights
     from lightning_lora.families.flux import Flux
 
-    assert plan(compile_blocks=True).activations == pytest.approx(Flux.compiled_saved_fraction * full.activations)
+    assert plan(compile_blocks=True).activations == pytest.approx(
+        Flux.planning.compiled_saved_fraction * full.activations
+    )
     # Checkpointed blocks keep only their inputs: compiling does not shrink those.
     assert plan(compile_blocks=True, gradient_checkpointing=True).activations == checkpointed.activations
     assert full.lora > 0 and full.optimizer == pytest.approx(2 * full.lora)  # AdamW: two fp32 moments per weight
@@ -117,6 +120,7 @@ def test_suggestions_try_partial_checkpointing_first(tiny_flux_dir: Path, monkey
     a new recipe; one the recipe refuses (NF4 with offloading) is left out."""
     from types import SimpleNamespace
 
+    from lightning_lora.data.recipe import DataRecipe
     from lightning_lora.families.base import ModelSource
     from lightning_lora.families.flux import Flux
     from lightning_lora.model.recipe import ModelRecipe
@@ -138,7 +142,8 @@ def test_suggestions_try_partial_checkpointing_first(tiny_flux_dir: Path, monkey
 
     monkeypatch.setattr(search, "plan_for", fake_plan)
     recipe = ModelRecipe(Flux(), ModelSource(str(tiny_flux_dir)))
-    fits = search.fitting_changes(recipe, None, vram=26.0)  # 0.95 x 26 = 24.7: every 2 and every 1 fit, 3 does not
+    data = DataRecipe()  # the data options' defaults: 512 pixels, batch 1
+    fits = search.fitting_changes(recipe, data, vram=26.0)  # 0.95 x 26 = 24.7: every 2 and every 1 fit, 3 does not
     assert fits[0].startswith("--model.gradient_checkpointing true --model.checkpoint_every 2")
     assert fits[1].startswith("--model.gradient_checkpointing true   ")
     assert fits[2].startswith("--model.gradient_checkpointing true --model.offload_activations true   ")
@@ -147,15 +152,15 @@ def test_suggestions_try_partial_checkpointing_first(tiny_flux_dir: Path, monkey
     # The fewest offloaded blocks that fit, without checkpointing: 30 - 0.5 x 12 = 24 <= 24.7 (10 gives 25).
     assert [f.split("   ")[0] for f in fits if "offload_blocks" in f] == ["--model.offload_blocks 12"]
     assert recipe.gradient_checkpointing is False and recipe.offload_blocks == 0  # a recipe never changes
-    assert not any("offload_blocks" in f for f in search.fitting_changes(recipe, None, vram=10.0))  # 16: not enough
+    assert not any("offload_blocks" in f for f in search.fitting_changes(recipe, data, vram=10.0))  # 16: not enough
     # Already offloading: the NF4 alternatives, which the recipe refuses with offloading, are left out.
     offloading = recipe.replace(gradient_checkpointing=True, offload_blocks=4)
-    suggested = search.fitting_changes(offloading, None, vram=10.0)
+    suggested = search.fitting_changes(offloading, data, vram=10.0)
     assert suggested and not any("NF4" in f for f in suggested) and any("precision.FP8" in f for f in suggested)
     partial = recipe.replace(gradient_checkpointing=True, checkpoint_every=3)
-    assert search.fitting_changes(partial, None, vram=22.0)[0].startswith("--model.checkpoint_every 1")
+    assert search.fitting_changes(partial, data, vram=22.0)[0].startswith("--model.checkpoint_every 1")
     checkpointed = recipe.replace(gradient_checkpointing=True)
-    assert search.fitting_changes(checkpointed, None, vram=20.5)[0].startswith("--model.offload_activations true   ")
+    assert search.fitting_changes(checkpointed, data, vram=20.5)[0].startswith("--model.offload_activations true   ")
 
 
 def _applied(recipe: Any, flags: str) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -189,15 +194,14 @@ def test_each_suggestion_writes_exactly_what_it_changes(tiny_flux_dir: Path, con
     configured run, make the recipe it planned: no option repeats the configured value (``--model.checkpoint_every 1``
     on a run that checkpoints every block), none is left out (a run checkpointing one block in 3 that is planned with
     every block checkpointed says ``--model.checkpoint_every 1``), and no two alternatives write the same options."""
-    from types import SimpleNamespace
-
+    from lightning_lora.data.recipe import DataRecipe
     from lightning_lora.families.base import ModelSource
     from lightning_lora.families.flux import Flux
     from lightning_lora.model.recipe import ModelRecipe
     from lightning_lora.plan import search
 
     recipe = ModelRecipe(Flux(), ModelSource(str(tiny_flux_dir))).replace(**configured)
-    tries = search._candidates(recipe, SimpleNamespace(batch_size=2, resolution=1024)) + search._faster(recipe)
+    tries = search._candidates(recipe, DataRecipe(resolutions=(1024,), batch_size=2)) + search._faster(recipe)
     assert tries
     for flags, changes, data in tries:
         try:
@@ -214,6 +218,7 @@ def test_a_slower_way_to_the_same_gib_is_not_suggested(tiny_flux_dir: Path, monk
     """Where the sample images set the run's peak, inputs in CPU memory on top of checkpointing every block save
     nothing: the slower of two suggestions at the same GiB on the same base is left out; another base format at the
     same GiB is another choice, kept."""
+    from lightning_lora.data.recipe import DataRecipe
     from lightning_lora.families.base import ModelSource
     from lightning_lora.families.flux import Flux
     from lightning_lora.model.recipe import ModelRecipe
@@ -227,7 +232,7 @@ def test_a_slower_way_to_the_same_gib_is_not_suggested(tiny_flux_dir: Path, monk
 
     monkeypatch.setattr(search, "plan_for", fake_plan)
     recipe = ModelRecipe(Flux(), ModelSource(str(tiny_flux_dir)))
-    fits = [f.split("   ")[0] for f in search.fitting_changes(recipe, None, vram=17.0)]
+    fits = [f.split("   ")[0] for f in search.fitting_changes(recipe, DataRecipe(), vram=17.0)]
     fp8, nf4 = ("--trainer.plugins lightning_lora.precision." + name for name in ("FP8", "NF4"))
     assert fits == [
         "--model.gradient_checkpointing true --model.checkpoint_every 3",  # 15.5 GiB: the samples' peak
@@ -242,6 +247,7 @@ def test_the_sample_images_must_fit_too(tiny_flux_dir: Path, monkeypatch: pytest
     """A run whose steps fit but whose sample images do not (the decode at full resolution beside the resident base)
     does not fit: ``model.memory: auto`` and ``plan --vram`` pick a change under which both fit."""
 
+    from lightning_lora.data.recipe import DataRecipe
     from lightning_lora.families.base import ModelSource
     from lightning_lora.families.flux import Flux
     from lightning_lora.model.recipe import ModelRecipe
@@ -254,11 +260,12 @@ def test_the_sample_images_must_fit_too(tiny_flux_dir: Path, monkeypatch: pytest
 
     monkeypatch.setattr(search, "plan_for", fake_plan)
     recipe = ModelRecipe(Flux(), ModelSource(str(tiny_flux_dir)))
-    chosen = search.choose_for_memory(recipe, None, vram=16.0)  # 15.2 usable: the steps fit, the samples do not
+    data = DataRecipe()  # the data options' defaults: 512 pixels, batch 1
+    chosen = search.choose_for_memory(recipe, data, vram=16.0)  # 15.2 usable: the steps fit, the samples do not
     assert chosen is not None and chosen.changes, chosen  # not "as configured"
     assert chosen.peak_gib <= 15.2
-    assert search.fitting_changes(recipe, None, vram=16.0)
-    assert search.choose_for_memory(recipe, None, vram=17.0) == search.Fit("", 15.5)  # 16.15 usable: both fit
+    assert search.fitting_changes(recipe, data, vram=16.0)
+    assert search.choose_for_memory(recipe, data, vram=17.0) == search.Fit("", 15.5)  # 16.15 usable: both fit
 
 
 def test_sdxl_sampling_peak_holds_the_measured_decode_at_1024() -> None:
@@ -323,7 +330,7 @@ def test_sampling_without_a_vae_architecture_uses_the_family_estimate(tiny_flux_
     from lightning_lora.plan import sampling_bytes, sampling_pieces
 
     class NoVae(Flux):
-        vae_architecture = None
+        planning = replace(Flux.planning, vae_architecture=None)
 
     recipe = ModelRecipe(NoVae(), ModelSource(str(tiny_flux_dir)))
     model = recipe.family.denoiser_skeleton(recipe.source)
@@ -356,9 +363,9 @@ def test_compiled_blocks_keep_their_familys_measured_share_of_the_eager_saved_te
     recipe = ModelRecipe(family, source, lora=LoraOptions(rank=16, targets="attention"), compile_blocks=True)
     compiled = plan_training(recipe, 1024, 1024, 1, 512, optimizer="AdamW")
     eager = plan_training(recipe.replace(compile_blocks=False), 1024, 1024, 1, 512, optimizer="AdamW")
-    assert "compiled_saved_fraction" in vars(type(family))
-    assert family.compiled_saved_fraction != Flux.compiled_saved_fraction
-    assert compiled.activations == pytest.approx(family.compiled_saved_fraction * eager.activations)
+    assert "planning" in vars(type(family))  # its own facts, its own share
+    assert family.planning.compiled_saved_fraction != Flux.planning.compiled_saved_fraction
+    assert compiled.activations == pytest.approx(family.planning.compiled_saved_fraction * eager.activations)
     assert abs(compiled.peak_gib - measured_gib) / measured_gib < 0.10, compiled.peak_gib
 
 
@@ -475,7 +482,7 @@ def test_sd15_compiled_plan_is_within_ten_percent_of_the_gpu(batch: int, measure
     lora = LoraOptions(rank=16, alpha=8, targets="attention_ff")
     recipe = ModelRecipe(SD15(), source, lora=lora, compile_blocks=True)
     plan = plan_training(recipe, 512, 512, batch, 77, optimizer="AdamW8bit")
-    assert SD15.compiled_regions == ()  # what the share was measured with
+    assert SD15.compiling.regions == ()  # what the share was measured with
     assert abs(plan.peak_gib - measured_gib) / measured_gib < 0.10, plan.peak_gib
 
 
@@ -489,7 +496,7 @@ def test_sdxl_compiled_plan_is_within_ten_percent_of_the_gpu() -> None:
     source = ModelSource("stabilityai/stable-diffusion-xl-base-1.0", dtype=torch.bfloat16)
     recipe = ModelRecipe(SDXL(), source, lora=LoraOptions(rank=32, alpha=32, targets="attention"), compile_blocks=True)
     plan = plan_training(recipe, 1024, 1024, 1, 77, optimizer="Adafactor")
-    assert SDXL.compiled_regions == ()  # what the share was measured with
+    assert SDXL.compiling.regions == ()  # what the share was measured with
     assert abs(plan.peak_gib - 10.34) / 10.34 < 0.10, plan.peak_gib
 
 
@@ -565,8 +572,8 @@ def test_the_planner_builds_the_model_once_and_computes_each_op_once(monkeypatch
     before with the same arguments are not computed again (FLUX.1's 57 blocks run the same ops: most of a forward
     pass's time was torch's Python shape functions)."""
     from collections import Counter
-    from types import SimpleNamespace
 
+    from lightning_lora.data.recipe import DataRecipe
     from lightning_lora.families.base import DiffusionFamily, ModelSource
     from lightning_lora.families.flux import Flux
     from lightning_lora.lora import LoraOptions
@@ -595,7 +602,7 @@ def test_the_planner_builds_the_model_once_and_computes_each_op_once(monkeypatch
     spy(estimate, "saved_activation_bytes")
     spy(sampling, "peak_bytes")
     recipe = ModelRecipe(Flux(), ModelSource("black-forest-labs/FLUX.1-dev"), LoraOptions(rank=16))
-    data = SimpleNamespace(resolution=512, batch_size=1)
+    data = DataRecipe(resolutions=(512,), batch_size=1)
 
     plan = plan_for(recipe, data)
     # One build, one LoRA, one training forward pass, the sample's denoiser pass and VAE decode.

@@ -40,7 +40,7 @@ def test_sample_decode_is_measured_at_1024(
     from lightning_lora.families.base import build_from_config
     from lightning_lora.plan.live_bytes import flash_like_attention, peak_bytes
 
-    assert family.vae_architecture is vae_config
+    assert family.planning.vae_architecture is vae_config
     source = ModelSource(hub_id, dtype=torch.bfloat16)
     recipe = ModelRecipe(family, source, lora=LoraOptions(rank=16, targets="attention"))
     skeleton = family.denoiser_skeleton(source)

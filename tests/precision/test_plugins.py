@@ -97,6 +97,32 @@ def test_a_plain_trainer_precision_is_the_bf16_plugin_or_refused(precision: str)
     assert (plugin.scaler is not None) is (precision == "16-mixed")  # fp16 autocast needs a gradient scaler
 
 
+@pytest.mark.filterwarnings(FP16_ON_CPU)
+@pytest.mark.parametrize(
+    ("alias", "dtype"), [("32", "fp32"), (32, "fp32"), ("16", "fp16"), (16, "fp16"), ("bf16", "bf16")]
+)
+def test_lightnings_precision_aliases_are_what_they_stand_for(alias: object, dtype: str) -> None:
+    """Lightning documents ``32``, ``16`` and ``bf16`` as ``32-true``, ``16-mixed`` and ``bf16-mixed`` (a YAML
+    ``precision: 32`` is the number): each is the same plugin as its full name."""
+    assert for_trainer_precision(alias) == BF16(dtype=dtype)  # type: ignore[arg-type]
+
+
+def test_the_64_alias_is_refused_for_what_it_does() -> None:
+    """``64`` means ``64-true``: refused for casting the base to float64, not with the 16-bit LoRA's reason."""
+    with pytest.raises(ConfigError, match=r"trainer.precision: 64 \(64-true\) is not supported.*float64") as refused:
+        for_trainer_precision("64")
+    assert "bf16" not in str(refused.value).split("Use ")[0]
+
+
+def test_a_precision_alias_on_the_command_line_plans(tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path) -> None:
+    """``--trainer.precision 32`` (a full-fp32 request) plans a float32 base instead of being refused."""
+    from lightning_lora.cli.plan import PlanCLI
+
+    config = write_config(tmp_path, tiny_flux_dir, photos_dir)
+    cli = PlanCLI(args=["--config", str(config), "--trainer.precision", "32"], run=False)
+    assert cli.model.recipe.precision == BF16(dtype="fp32")
+
+
 def test_autocast_follows_the_dtype_on_the_bound_device() -> None:
     bf16, fp32 = BF16(), BF16(dtype="fp32")
     for plugin in (bf16, fp32):
@@ -147,5 +173,34 @@ def test_memory_auto_switches_the_trainers_plugin_and_the_written_config(
     assert saved["precision"] is None
     assert saved["plugins"][-1] == {"class_path": "lightning_lora.precision.FP8", "init_args": precision.options()}
     monkeypatch.setattr(hardware, "free_memory_gib", lambda device: 80.0)  # the written config is the choice itself
-    again = run_cli(["fit", "--config", str(tmp_path / "run" / "config.yaml"), "--model.memory", "as_configured"])
+    written = str(tmp_path / "run" / "config.yaml")
+    again = run_cli(
+        ["fit", "--config", written, "--model.memory", "as_configured", "--trainer.default_root_dir", str(tmp_path)]
+    )
     assert again.model.recipe.precision == FP8(dtype="fp32")
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_gradients_of_a_fused_optimizer_are_clipped_without_a_gradient_scaler(dtype: str) -> None:
+    """``torch.optim.AdamW(fused=True)`` steps every LoRA tensor in one kernel, and it may unscale gradients itself:
+    Lightning's mixed precision then refused ``trainer.gradient_clip_val`` outright. Without a gradient scaler (bf16,
+    fp32) the gradients are the true ones: clipped by their norm as for any optimizer."""
+    params = [torch.nn.Parameter(torch.zeros(3, 4)), torch.nn.Parameter(torch.zeros(5))]
+    for p in params:
+        p.grad = torch.full_like(p, 3.0)
+    optimizer = torch.optim.AdamW(params, lr=1e-3, fused=True)
+    assert optimizer._step_supports_amp_scaling  # what Lightning's refusal reads
+    BF16(dtype=dtype).clip_gradients(optimizer, 1.0)  # type: ignore[arg-type]
+    norm = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in params]))  # type: ignore[union-attr]
+    assert norm.item() == pytest.approx(1.0, rel=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:torch.cuda.amp.GradScaler is enabled, but CUDA is not available")
+def test_a_fused_optimizer_with_a_gradient_scaler_is_still_refused_clipping() -> None:
+    """With fp16's gradient scaler the gradients would be clipped while still scaled: Lightning's refusal stands."""
+    plugin = BF16(dtype="fp16")
+    assert plugin.scaler is not None
+    param = torch.nn.Parameter(torch.zeros(4))
+    param.grad = torch.ones(4)
+    with pytest.raises(RuntimeError, match="fused"):
+        plugin.clip_gradients(torch.optim.AdamW([param], fused=True), 1.0)

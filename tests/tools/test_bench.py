@@ -77,7 +77,7 @@ def test_bench_batches_have_the_caches_layout(family: str) -> None:
     real = FAMILIES[family](max_sequence_length=512)
     cached = {"latents": real.encode_images(pipe.vae, torch.zeros(1, 3, 64, 96))[0]}
     cached.update({k: v[0] for k, v in real.encode_prompts(pipe, ["a photo of a dog"]).items()})
-    random = bench.random_family(family, config, "cpu", **bench.family_options(family, 24))
+    random = bench.random_family(family, config, "cpu", **bench.RANDOM[family].text_length_options(24)[0])
     item = bench.Synthetic(family, config, 64, 96, 24, family_obj=random)[0]
     for key, value in cached.items():
         assert item[key].shape == value.shape and item[key].dtype in (value.dtype, torch.bfloat16), key
@@ -140,6 +140,8 @@ def test_bench_config_takes_the_shipped_settings(path) -> None:
     assert a.tlen == (77 if family in ("sdxl", "sd15") else text)
     assert any(n.startswith("model.scheduler") for n in a.not_reproduced)  # listed, not silently dropped
     assert bench.optimizer_options(a) == model["optimizer"]["init_args"]
+    assert a.clip == trainer.get("gradient_clip_val", 0.0)  # run, as fit runs it: not in not_reproduced
+    assert not any("gradient_clip" in n for n in a.not_reproduced)
 
 
 def test_bench_config_takes_cuda_graphs_as_fit_does(tmp_path) -> None:
@@ -154,6 +156,32 @@ def test_bench_config_takes_cuda_graphs_as_fit_does(tmp_path) -> None:
     path.write_text(yaml.safe_dump(doc))
     a = bench.parse_args(["--config", str(path)])
     assert a.cuda_graphs == 1 and a.compile == 1
+
+
+def test_bench_clips_gradients_as_the_config_and_steps_a_fused_adamw(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A config's ``trainer.gradient_clip_val`` is the Trainer's (every optimizer step clips, the fused AdamW's too);
+    ``--opt adamw-fused`` is torch's AdamW with ``fused=True``, planned as AdamW (two float32 moments)."""
+    import torch
+
+    clipped: list[float] = []
+    clip = torch.nn.utils.clip_grad_norm_
+
+    def recorded(parameters, max_norm, *args, **kwargs):  # type: ignore[no-untyped-def]
+        clipped.append(max_norm)
+        return clip(parameters, max_norm, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", recorded)
+    path = str(REPO / "configs" / "sd15_8gb.yaml")
+    argv = ["--config", path, "--tiny", "--h", "64", "--w", "64", "--steps", "1", "--warm", "1", "--callbacks", "0"]
+    a = bench.parse_args([*argv, "--compile", "0", "--opt", "adamw-fused", "--workers", "0"])
+    assert a.clip == 1.0
+    out = bench.run(a)
+    assert out["clip"] == 1.0 and out["opt"] == "adamw-fused" and out["s_per_step"] > 0
+    assert clipped == [1.0, 1.0]  # the warm-up step and the timed one
+    optimizer = bench.make_optimizer("adamw-fused")([torch.nn.Parameter(torch.zeros(2))])
+    assert isinstance(optimizer, torch.optim.AdamW) and optimizer.defaults["fused"] is True
+    assert out["planned"]["optimizer"] == pytest.approx(2 * out["planned"]["lora"])
+    assert bench.parse_args([*argv, "--clip", "0"]).clip == 0.0
 
 
 def test_bench_config_flags_on_the_command_line_win() -> None:
@@ -398,7 +426,7 @@ def test_bench_builds_the_denoiser_a_config_names() -> None:
     dev = bench.parse_args(["--config", str(REPO / "configs" / "flux2_dev_24gb.yaml")])
     assert dev.denoiser == "black-forest-labs/FLUX.2-dev" and bench.header(dev)["denoiser"] == dev.denoiser
     assert not any(s.startswith("model.pretrained") for s in dev.not_reproduced)
-    assert Flux2.known_denoisers[dev.denoiser] != bench.CONFIGS["flux2"][0]  # a different (32 B) transformer
+    assert Flux2.planning.known_denoisers[dev.denoiser] != bench.CONFIGS["flux2"][0]  # a different (32 B) transformer
     assert bench.parse_args(["--family", "flux2"]).denoiser is None  # flags alone: the family's default
 
 
@@ -492,9 +520,9 @@ def test_bench_compile_seconds_grow_by_phase_when_dynamo_traces() -> None:
 @pytest.mark.parametrize(("flag", "extra"), [([], ()), (["--compile-regions", "ResnetBlock2D"], ("ResnetBlock2D",))])
 def test_bench_compile_regions_replace_the_familys_extra_compiled_classes(monkeypatch, flag, extra) -> None:
     """``--compile-regions`` (an experiment: SDXL's ResNets compiled beside its transformer blocks) reaches the
-    assembly's compile as the family's ``compiled_regions``; without it the family's own. The compile is recorded, not
+    assembly's compile as the family's ``compiling.regions``; without it the family's own. The compile is recorded, not
     run (compiling takes minutes on the CPU)."""
-    from lightning_lora import assembly
+    from lightning_lora.model import assembly
 
     seen: list[tuple[str, ...]] = []
     monkeypatch.setattr(

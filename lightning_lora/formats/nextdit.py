@@ -1,4 +1,4 @@
-"""Z-Image's two names for the same weights, and which layers of a Z-Image LoRA file each tool applies.
+"""The NextDiT layout: Z-Image's original names (Tongyi-MAI's checkpoint, ComfyUI's model), against diffusers' names.
 
 Two layouts of the transformer
 ------------------------------
@@ -34,7 +34,7 @@ their rows of the fused ``qkv`` (offsets ``0``, ``dim``, ``2 * dim``). The list 
 ``lora_B``). So the diffusers file (``transformer.<module>.lora_A/B.weight``) applies exactly in ComfyUI, part by
 part, like FLUX's; a second, ComfyUI-specific layout would hold the same numbers under other names, and
 lightning-lora writes none for Z-Image. kohya's sd-scripts reads only ``lora_unet_`` names, so it loads nothing of a
-diffusers file (:func:`zimage_coverage`).
+diffusers file (the family's ``lora_coverage``: :class:`lightning_lora.families.ZImage`).
 
 This module only needs torch; it does not import diffusers.
 """
@@ -47,9 +47,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from lightning_lora.formats.clients import Coverage
-
-__all__ = ["comfy_target", "diffusers_to_original", "original_name", "zimage_coverage"]
+__all__ = ["comfy_target", "diffusers_to_original", "original_name"]
 
 _BLOCK = r"(?:layers|noise_refiner|context_refiner)\.\d+"
 _QKV = re.compile(rf"^({_BLOCK})\.attention\.to_([qkv])$")
@@ -64,7 +62,6 @@ _COMFY_LINEAR = re.compile(
     rf"^(?:{_BLOCK}\.(?:attention\.to_out\.0|feed_forward\.w[123]|adaLN_modulation\.0)"
     r"|all_final_layer\.2-1\.(?:linear|adaLN_modulation\.1)|all_x_embedder\.2-1|cap_embedder\.1|t_embedder\.mlp\.[02])$"
 )
-_PEFT_DORA = "ComfyUI reads dora_scale, not peft's lora_magnitude_vector (the layer loads as a plain LoRA)"
 
 
 def original_name(module: str) -> str:
@@ -106,19 +103,3 @@ def diffusers_to_original(state_dict: Mapping[str, Tensor], prefix: str = "") ->
             raise ValueError(f"{target}: got {sorted(found)} of q, k, v (an unfused part is absent)")
         out[prefix + target] = torch.cat([found["q"], found["k"], found["v"]], dim=0)
     return out
-
-
-def zimage_coverage(format: str, variants: Mapping[str, str]) -> Coverage:
-    """The :class:`~lightning_lora.formats.clients.Coverage` of a Z-Image LoRA file of ``format`` whose layers
-    (diffusers names) have these ``variants`` (``{module: "LoRA" | "DoRA" | ...}``): diffusers loads its layout; ComfyUI
-    every layer its key map lists (all linear layers), DoRA as a plain LoRA; sd-scripts nothing."""
-    c = Coverage()
-    modules = list(variants)
-    if format != "diffusers":
-        c.skip("diffusers", modules, f"lightning-lora knows no diffusers rules for Z-Image {format} files")
-        c.skip("ComfyUI", modules, f"lightning-lora knows no ComfyUI rules for Z-Image {format} files")
-    else:
-        c.skip("ComfyUI", [m for m in modules if comfy_target(m, 1) is None], "ComfyUI's Z-Image key map lacks it")
-        c.approx("ComfyUI", [m for m, v in variants.items() if v == "DoRA"], _PEFT_DORA)
-    c.skip("kohya", modules, "sd-scripts reads lora_unet_<module> keys, not diffusers/peft keys")
-    return c
