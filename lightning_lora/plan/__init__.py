@@ -6,7 +6,7 @@ loads, and the changes that make a run fit a card.
 * :mod:`.search`: the search over changes (checkpointing, offloading, base format, batches) for the fastest way to run
   the same training in a card's memory: :func:`choose_for_memory`, :func:`fitting_changes`, :func:`cards_table`;
 * :mod:`.sampling`: what drawing sample images adds, and :mod:`.live_bytes`: what a computation holds, both measured
-  on the ``meta`` device.
+  on the ``meta`` device (each op's shapes computed once per process, the model built once: a plan takes seconds).
 """
 
 from __future__ import annotations

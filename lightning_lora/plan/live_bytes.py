@@ -15,9 +15,13 @@ have held is counted as it runs:
   low-precision inputs to float32 and return float32. The casts are real ops, so their copies are counted. That is why
   a VAE decode under autocast holds three times its widest bf16 activation at a group norm: the bf16 input, its float32
   copy and the float32 output (``tests/plan/test_live_bytes.py``).
+* :class:`MetaOpCache` computes each op's output shapes once per process: on the meta device that computation is most
+  of the time (torch's shape functions are Python), and a model's repeated blocks, and the alternatives the planner
+  tries, run the same ops on the same shapes again; :func:`module_copy` copies a model to change and run in a fraction
+  of ``copy.deepcopy``'s time.
 
-:func:`peak_bytes` runs a function under both. Attention should run under :func:`flash_like_attention` (what the
-GPU's flash / memory-efficient kernels allocate: no score matrix).
+:func:`peak_bytes` runs a function under the first three. Attention should run under :func:`flash_like_attention`
+(what the GPU's flash / memory-efficient kernels allocate: no score matrix).
 
 :func:`saved_activation_bytes` counts the tensors autograd saves in a forward pass, as the GPU runs it: attention as
 its fused kernels keep it (:func:`flash_like_attention`), ``rms_norm`` as its fused kernel keeps it

@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
+import lightning_lora.cli.plan  # noqa: F401  # the verb's imports (torch, Lightning), before any timing below
 from lightning_lora.cli import main
 from lightning_lora.data.recipe import DataRecipe
 from lightning_lora.errors import ConfigError
