@@ -4,6 +4,7 @@ from lightning_lora.families.base import FAMILIES, DiffusionFamily, ModelSource
 from lightning_lora.families.flux import Flux
 from lightning_lora.families.flux2 import Flux2
 from lightning_lora.families.kontext import FluxKontext
+from lightning_lora.families.krea2 import Krea2
 from lightning_lora.families.qwenimage import QwenImage
 from lightning_lora.families.qwenimage_edit import QwenImageEdit, QwenImageEditPlus
 from lightning_lora.families.sd15 import SD15
@@ -18,6 +19,7 @@ __all__ = [
     "Flux",
     "Flux2",
     "FluxKontext",
+    "Krea2",
     "ModelSource",
     "QwenImage",
     "QwenImageEdit",

@@ -133,8 +133,8 @@ def tiny_qwen_transformer(seed: int, **options: Any) -> QwenImageTransformer2DMo
     ))  # fmt: skip
 
 
-def tiny_qwen_vae(seed: int) -> AutoencoderKLQwenImage:
-    """The tiny Qwen-Image VAE (module docstring)."""
+def tiny_qwen_vae(seed: int = 0) -> AutoencoderKLQwenImage:
+    """The tiny ``AutoencoderKLQwenImage`` (see the module docstring): Qwen-Image's VAE, which Krea 2 uses too."""
     return _build(seed, "vae", lambda: AutoencoderKLQwenImage(
         base_dim=8,
         z_dim=_LATENT_CHANNELS,
