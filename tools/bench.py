@@ -21,7 +21,12 @@ base sharded with FSDP2 over the N GPUs: ``trainer.strategy: fsdp``,
     python tools/bench.py --quant none --opt adamw --devices 2 --strategy fsdp
 
 Families (``--family``): ``flux`` (FLUX.1-dev), ``sdxl`` (SDXL base 1.0), ``sd15`` (Stable Diffusion 1.5),
-``zimage`` (Z-Image-Turbo), ``qwenimage`` (Qwen-Image), ``flux2`` (FLUX.2 klein base 4B) and ``krea2`` (Krea 2 Raw).
+``zimage`` (Z-Image-Turbo), ``qwenimage`` (Qwen-Image), ``flux2`` (FLUX.2 klein base 4B), ``krea2`` (Krea 2 Raw) and
+the edit models ``flux_kontext`` (FLUX.1 Kontext [dev]), ``qwenimage_edit`` (Qwen-Image-Edit) and
+``qwenimage_edit_plus`` (Qwen-Image-Edit-2511). ``--controls N``: N control / reference images of the target's size
+per sample (an edit config's ``data.images[].controls`` by default; FLUX.2 takes references too), their cached latents
+in the batch as the cache serves them, the planner counting their tokens, and the samples drawn from N random control
+images of the samples' size.
 Each is the real family class (:func:`random_family`) with its denoiser built from the family's ``known_denoisers``
 config, or a tiny config with ``--tiny``; the batches have exactly the keys and shapes its ``loss`` reads from the
 cache, as the family describes them (:func:`cached_item`).
@@ -86,7 +91,21 @@ from lightning_lora.checkpoint import AtomicCheckpointIO
 from lightning_lora.cli.fit import default_checkpoint
 from lightning_lora.cli.peek import config_allocator
 from lightning_lora.data.recipe import DataRecipe
-from lightning_lora.families import SD15, SDXL, DiffusionFamily, Flux, Flux2, Krea2, QwenImage, ZImage
+from lightning_lora.data.sources import as_folders
+from lightning_lora.errors import ConfigError
+from lightning_lora.families import (
+    SD15,
+    SDXL,
+    DiffusionFamily,
+    Flux,
+    Flux2,
+    FluxKontext,
+    Krea2,
+    QwenImage,
+    QwenImageEdit,
+    QwenImageEditPlus,
+    ZImage,
+)
 from lightning_lora.families.base import ModelSource, build_from_config
 from lightning_lora.families.flux import FLUX1_VAE
 from lightning_lora.families.flux2 import FLUX2_VAE
@@ -176,6 +195,9 @@ KREA2_TINY = dict(  # lightning_lora.tiny.krea2's transformer: 2 blocks, 4 heads
     text_intermediate_size=128,
     axes_dims_rope=[4, 6, 6],
 )
+KONTEXT_DEV = dict(FluxKontext.planning.known_denoisers["black-forest-labs/FLUX.1-Kontext-dev"])  # FLUX.1-dev's
+QWEN_IMAGE_EDIT = dict(QwenImageEdit.planning.known_denoisers["Qwen/Qwen-Image-Edit"])  # Qwen-Image's
+QWEN_IMAGE_EDIT_2511 = dict(QwenImageEditPlus.planning.known_denoisers["Qwen/Qwen-Image-Edit-2511"])  # zero_cond_t
 CONFIGS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "flux": (FLUX_DEV, FLUX_TINY),  # FLUX.1-dev, 11.9 B
     "sdxl": (SDXL_BASE, SDXL_TINY),  # SDXL base 1.0's UNet, 2.6 B
@@ -184,6 +206,9 @@ CONFIGS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "qwenimage": (QWEN_IMAGE, QWEN_IMAGE_TINY),  # Qwen-Image, 20.4 B
     "flux2": (FLUX2_KLEIN, FLUX2_TINY),  # FLUX.2 klein base 4B, 3.9 B
     "krea2": (KREA2_RAW, KREA2_TINY),  # Krea 2 Raw, 12.8 B
+    "flux_kontext": (KONTEXT_DEV, FLUX_TINY),  # FLUX.1 Kontext [dev]: FLUX.1-dev's transformer, 11.9 B
+    "qwenimage_edit": (QWEN_IMAGE_EDIT, QWEN_IMAGE_TINY),  # Qwen-Image-Edit, 20.4 B
+    "qwenimage_edit_plus": (QWEN_IMAGE_EDIT_2511, dict(QWEN_IMAGE_TINY, zero_cond_t=True)),  # -2511, 20.4 B
 }
 """The denoiser configs by family: the real one (the family's ``known_denoisers``) and a tiny one for CPU runs."""
 
@@ -200,6 +225,9 @@ VAES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "qwenimage": (QWEN_IMAGE_VAE, QWEN_TINY_VAE),
     "flux2": (FLUX2_VAE, dict(FLUX2_VAE, **SMALL, latent_channels=16)),  # the tiny transformer's 64 = 16 x 2 x 2
     "krea2": (QWEN_IMAGE_VAE, QWEN_TINY_VAE),  # Krea 2 decodes with Qwen-Image's VAE
+    "flux_kontext": (FLUX1_VAE, dict(FLUX1_VAE, **SMALL)),
+    "qwenimage_edit": (QWEN_IMAGE_VAE, QWEN_TINY_VAE),
+    "qwenimage_edit_plus": (QWEN_IMAGE_VAE, QWEN_TINY_VAE),
 }
 """The VAE configs by family (real, tiny), for sample generation: the tiny ones have the tiny denoisers' latent
 channels. Only the decoder runs while sampling."""
@@ -281,9 +309,32 @@ class RandomKrea2(RandomWeights, Krea2):
     pass
 
 
+class RandomFluxKontext(RandomWeights, FluxKontext):
+    pass
+
+
+class RandomQwenImageEdit(RandomWeights, QwenImageEdit):
+    pass
+
+
+class RandomQwenImageEditPlus(RandomWeights, QwenImageEditPlus):
+    pass
+
+
 RANDOM: dict[str, type[DiffusionFamily]] = {
     cls.name: cls
-    for cls in (RandomFlux, RandomSDXL, RandomSD15, RandomZImage, RandomQwenImage, RandomFlux2, RandomKrea2)
+    for cls in (
+        RandomFlux,
+        RandomSDXL,
+        RandomSD15,
+        RandomZImage,
+        RandomQwenImage,
+        RandomFlux2,
+        RandomKrea2,
+        RandomFluxKontext,
+        RandomQwenImageEdit,
+        RandomQwenImageEditPlus,
+    )
 }
 
 
@@ -296,18 +347,26 @@ def random_family(name: str, config: dict[str, Any], device: str, **options: Any
 
 
 def cached_item(
-    family: DiffusionFamily, config: dict[str, Any], height: int, width: int, tlen: int, g: torch.Generator
+    family: DiffusionFamily,
+    config: dict[str, Any],
+    height: int,
+    width: int,
+    tlen: int,
+    g: torch.Generator,
+    controls: int = 0,
 ) -> dict[str, torch.Tensor]:
     """One training sample as the latent cache serves it: the family's example batch of one
-    (:meth:`~lightning_lora.families.base.DiffusionFamily.example_batch`: latents, size conditioning, cached text)."""
-    return {k: v[0] for k, v in family.example_batch(config, 1, height, width, tlen, g).items()}
+    (:meth:`~lightning_lora.families.base.DiffusionFamily.example_batch`: latents, size conditioning, cached text, and
+    ``controls`` control latents of the target's size, ``[N, C, h, w]``)."""
+    return {k: v[0] for k, v in family.example_batch(config, 1, height, width, tlen, g, controls=controls).items()}
 
 
 class Synthetic(Dataset):
     """Cached-latent batches of the family's shapes (what the latent cache serves): four distinct samples, repeated.
 
     ``buckets``: more image sizes; then batch ``k`` (``batch`` samples in order) has size ``k`` of ``[(height, width),
-    *buckets]``, cycling, as aspect-ratio buckets change the shape from one batch to the next (``--buckets``)."""
+    *buckets]``, cycling, as aspect-ratio buckets change the shape from one batch to the next (``--buckets``).
+    ``controls``: each sample's control images, in its bucket (``--controls``)."""
 
     def __init__(
         self,
@@ -320,19 +379,25 @@ class Synthetic(Dataset):
         family_obj: Any = None,
         buckets: Sequence[tuple[int, int]] = (),
         batch: int = 1,
+        controls: int = 0,
     ) -> None:
         g = torch.Generator().manual_seed(0)
         described = family_obj if family_obj is not None else RANDOM[family]()  # the family describes its batches
         self.family = family_obj
         self.sizes = [(height, width), *buckets]
-        self.by_size = [[cached_item(described, config, h, w, tlen, g) for _ in range(4)] for h, w in self.sizes]
+        self.by_size = [
+            [cached_item(described, config, h, w, tlen, g, controls) for _ in range(4)] for h, w in self.sizes
+        ]
         self.batch = batch
         self.n = n
         self._text = (described, config, tlen)
 
-    def text_embeddings(self, prompts: list[str], device: Any = None) -> list[dict[str, torch.Tensor]]:
+    def text_embeddings(
+        self, prompts: list[str], device: Any = None, controls: Any = None, background: Any = None
+    ) -> list[dict[str, torch.Tensor]]:
         """What the text cache's ``text_embeddings`` returns for ``prompts`` (random embeddings of the cached shapes,
-        a batch of 1 each, on the CPU): the sample prompts of :class:`~lightning_lora.callbacks.SampleImages`."""
+        a batch of 1 each, on the CPU): the sample prompts of :class:`~lightning_lora.callbacks.SampleImages`, with
+        their ``controls`` for an edit family whose prompt sees them (the same shapes here)."""
         g = torch.Generator().manual_seed(1)
         family, config, tlen = self._text
         return [family.example_text(config, 1, tlen, g) for _ in prompts]
@@ -800,7 +865,9 @@ SCHEDULERS = {  # family -> the scheduler class and its config, as lightning_lor
     "qwenimage": ("FlowMatchEulerDiscreteScheduler", "lightning_lora.tiny.qwenimage", "QWEN_IMAGE_SCHEDULER_CONFIG"),
     "flux2": ("FlowMatchEulerDiscreteScheduler", "lightning_lora.tiny.flux2", "FLUX2_SCHEDULER_CONFIG"),
     "krea2": ("FlowMatchEulerDiscreteScheduler", "lightning_lora.tiny.krea2", "KREA2_SCHEDULER_CONFIG"),
+    "flux_kontext": ("FlowMatchEulerDiscreteScheduler", "lightning_lora.tiny.flux", "FLUX_DEV_SCHEDULER_CONFIG"),
 }
+SCHEDULERS["qwenimage_edit"] = SCHEDULERS["qwenimage_edit_plus"] = SCHEDULERS["qwenimage"]  # as tiny.qwenimage_edit
 
 
 def write_sampling_files(family: DiffusionFamily, denoiser: str | None, folder: Path) -> str:
@@ -879,6 +946,25 @@ def output_callbacks(
     exporter: LoraExport = built.get(LoraExport) or LoraExport()
     exporter.dirname = "lora"
     return sampler, checkpoint, exporter
+
+
+def sample_controls(sampler: SampleImages, controls: int, size: tuple[int, int], folder: Path) -> list[list[str]]:
+    """Each sample prompt's control images, as ``SampleImages(controls=...)`` takes them: ``controls`` random images of
+    the samples' ``size`` (PNG files written into ``folder``) for every prompt, in place of the config's files (which
+    are the user's, not here). None for a text-to-image run."""
+    from PIL import Image
+
+    if not controls:
+        return [[] for _ in sampler.prompts]
+    folder.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(2)
+    paths = []
+    for i in range(controls):
+        pixels = torch.randint(0, 256, (*size, 3), dtype=torch.uint8, generator=g).numpy()
+        path = folder / f"control{i}.png"
+        Image.fromarray(pixels).save(path)
+        paths.append(str(path))
+    return [list(paths) for _ in sampler.prompts]
 
 
 class MetricsKept(Logger):
@@ -1184,9 +1270,13 @@ def measure(a: argparse.Namespace, outputs: Path | None) -> dict[str, Any]:
         optimizer=make_optimizer(a.opt, optimizer_options(a)),
     )
     module.use_precision(precision)
-    dataset = Synthetic(a.family, config, a.h, a.w, a.tlen, family_obj=family, buckets=a.buckets, batch=a.batch)
+    dataset = Synthetic(
+        a.family, config, a.h, a.w, a.tlen, family_obj=family, buckets=a.buckets, batch=a.batch, controls=a.controls
+    )
     if a.buckets:
         out["buckets"] = [list(size) for size in dataset.sizes]
+    if a.controls:
+        out["controls"] = a.controls
     pin = None if a.loader_pin is None else bool(a.loader_pin)
     data = SyntheticData(dataset, a.batch, max(a.h, a.w), a.workers, pin_memory=pin, worker_start=a.worker_start)
     out.update(workers=a.workers, loader_pin=data.pin_memory)
@@ -1199,6 +1289,7 @@ def measure(a: argparse.Namespace, outputs: Path | None) -> dict[str, Any]:
         family_any.sampling_folder = write_sampling_files(family, a.denoiser, outputs / "model")
         if sampler is not None:
             sample_size = (sampler.height or data.recipe.resolution, sampler.width or data.recipe.resolution)
+            sampler.controls = sample_controls(sampler, a.controls, sample_size, outputs / "controls")
             out.update(sample_size=list(sample_size), sample_steps=sampler.steps, sample_prompts=len(sampler.prompts))
             out["sample_compiled"] = sampler.compiled
     if getattr(a, "cpp_wrapper", 0):  # experiment: inductor's C++ wrapper launches kernels without Python
@@ -1288,7 +1379,15 @@ def measure(a: argparse.Namespace, outputs: Path | None) -> dict[str, Any]:
         shards = shard_count(a.strategy, a.devices)  # --strategy fsdp: each GPU's share of the sharded base
         height, width = max(dataset.sizes, key=lambda size: size[0] * size[1])  # --buckets: the largest batch
         plan = plan_training(
-            module.recipe, height, width, a.batch, text_len, optimizer=optimizer, sample_size=sample_size, shards=shards
+            module.recipe,
+            height,
+            width,
+            a.batch,
+            text_len,
+            optimizer=optimizer,
+            sample_size=sample_size,
+            shards=shards,
+            controls=a.controls,
         )
         out["planned_peak_GiB"] = round(plan.peak_gib, 2)
         out["planned"] = {k: round(v, 3) for k, v in vars(plan).items() if isinstance(v, float)}
@@ -1303,6 +1402,9 @@ FAMILY_CLASSES = {
     "lightning_lora.families.QwenImage": "qwenimage",
     "lightning_lora.families.Flux2": "flux2",
     "lightning_lora.families.Krea2": "krea2",
+    "lightning_lora.families.FluxKontext": "flux_kontext",
+    "lightning_lora.families.QwenImageEdit": "qwenimage_edit",
+    "lightning_lora.families.QwenImageEditPlus": "qwenimage_edit_plus",
 }
 """``model.family.class_path`` -> ``--family`` (also the classes' module paths, e.g. ``...families.flux.Flux``)."""
 
@@ -1408,6 +1510,11 @@ def config_defaults(path: str | Path) -> dict[str, Any]:
         out["batch"] = int(data["batch_size"])
     if "num_workers" in data:
         out["workers"] = int(data["num_workers"])
+    try:  # the most control images a target has, as the planner plans them (DataRecipe.controls)
+        folders = [f for key in ("images", "val_images") if data.get(key) for f in as_folders(data[key], f"data.{key}")]
+    except ConfigError as e:
+        raise ConfigMismatch(str(e)) from None
+    out["controls"] = max((len(f.controls) for f in folders), default=0)
     out["accumulate"] = int(trainer.get("accumulate_grad_batches") or 1)
     out["clip"] = float(trainer.get("gradient_clip_val") or 0.0)
     if out["clip"] and trainer.get("gradient_clip_algorithm", "norm") != "norm":
@@ -1451,6 +1558,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         a = p.parse_args(argv)
     if a.profile_steps < 0 or (a.profile_steps and not a.profile):
         p.error(f"--profile-steps {a.profile_steps}: give a count >= 1 with --profile FILE (0: the timed steps)")
+    editing = RANDOM[a.family].editing
+    if a.controls < 0 or (a.controls and not editing.takes_controls):
+        p.error(f"--controls {a.controls}: the {a.family} family takes no control images; give --controls 0")
+    if editing.max_controls is not None and a.controls > editing.max_controls:
+        p.error(f"--controls {a.controls}: {a.family} takes at most {editing.max_controls}; give --controls 1")
+    if editing.needs_controls and not a.controls:
+        p.error(f"--controls 0: every {a.family} sample has a control image; give --controls 1")
     return a
 
 
@@ -1530,6 +1644,13 @@ def parser() -> argparse.ArgumentParser:
         "padded to max(512, tlen) with a mask); SDXL: always 77",
     )
     p.add_argument("--batch", type=int, default=1)
+    p.add_argument(
+        "--controls",
+        type=int,
+        default=0,
+        help="control / reference images of the target's size per sample (edit families and FLUX.2; a --config's "
+        "most data.images[].controls by default): their tokens join the image's",
+    )
     p.add_argument(
         "--buckets",
         type=bucket_sizes,

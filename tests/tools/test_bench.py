@@ -15,6 +15,8 @@ sys.path.insert(0, str(REPO / "tools"))
 import bench  # noqa: E402
 import bench_suite  # noqa: E402
 
+from lightning_lora import families  # noqa: E402
+
 
 @pytest.mark.parametrize(
     ("family", "loop", "offload", "offload_act", "opt"),
@@ -126,7 +128,7 @@ def test_bench_config_takes_the_shipped_settings(path) -> None:
     doc = yaml.safe_load(path.read_text())
     model, data, trainer = doc["model"], doc["data"], doc["trainer"]
     a = bench.parse_args(["--config", str(path)])
-    family = model["family"]["class_path"].rsplit(".", 1)[-1].lower()
+    family = getattr(families, model["family"]["class_path"].rsplit(".", 1)[-1]).name
     assert a.family == family
     plugin = trainer["plugins"]["class_path"].rsplit(".", 1)[-1]  # every shipped config names its precision plugin
     assert bench.QUANT_PLUGINS[a.quant] == plugin
@@ -144,6 +146,77 @@ def test_bench_config_takes_the_shipped_settings(path) -> None:
     assert bench.optimizer_options(a) == model["optimizer"]["init_args"]
     assert a.clip == trainer.get("gradient_clip_val", 0.0)  # run, as fit runs it: not in not_reproduced
     assert not any("gradient_clip" in n for n in a.not_reproduced)
+    folders = data["images"] if isinstance(data["images"], list) else [data["images"]]
+    assert a.controls == max(len(f.get("controls", [])) if isinstance(f, dict) else 0 for f in folders)
+
+
+@pytest.mark.parametrize(
+    ("config", "family"),
+    [
+        ("kontext_24gb", "flux_kontext"),
+        ("qwenimage_edit_24gb", "qwenimage_edit_plus"),
+        ("flux2_klein_reference_24gb", "flux2"),
+    ],
+)
+def test_bench_trains_an_edit_config_on_pairs(config: str, family: str) -> None:
+    """An edit config's batches hold its controls' cached latents as the cache serves them (``controls [N, C, h, w]``
+    beside the target's ``latents``), ``--controls`` overrides the config's count, and a family takes only the
+    controls it can: a parser error naming the flag."""
+    path = str(REPO / "configs" / f"{config}.yaml")
+    a = bench.parse_args(["--tiny", "--config", path, "--controls", "2" if family == "flux2" else "1"])
+    assert a.family == family and a.controls == (2 if family == "flux2" else 1)
+    random = bench.random_family(family, bench.CONFIGS[family][1], "cpu")
+    item = bench.Synthetic(family, bench.CONFIGS[family][1], 64, 96, 16, family_obj=random, controls=a.controls)[0]
+    assert item["controls"].shape == (a.controls, *item["latents"].shape)
+    assert "controls" not in bench.Synthetic(family, bench.CONFIGS[family][1], 64, 96, 16, family_obj=random)[0]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--family", "sd15", "--controls", "1"], "--controls 1: the sd15 family takes no control images"),
+        (["--family", "flux_kontext", "--controls", "2"], "--controls 2: flux_kontext takes at most 1"),
+        (["--family", "qwenimage_edit"], "--controls 0: every qwenimage_edit sample has a control image"),
+    ],
+)
+def test_bench_refuses_controls_a_family_cannot_take(argv: list[str], message: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        bench.parse_args(["--tiny", *argv])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_bench_runs_kontext_24gb_with_its_control_on_a_tiny_model(capsys, monkeypatch) -> None:
+    """kontext_24gb on the tiny Kontext: the batches carry its one control, the planner counts its tokens, and the
+    samples are drawn from a random control image of the samples' size for each of its two prompts (the config's own
+    control files are the user's)."""
+    import shutil
+
+    from lightning_lora import plan
+
+    planned: list[int] = []
+    plan_training = plan.plan_training
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        planned.append(kwargs["controls"])
+        return plan_training(*args, **kwargs)
+
+    seen: list[str] = []
+    remove = shutil.rmtree
+
+    def look_then_remove(path, *args, **kwargs):
+        seen.extend(sorted(str(f.relative_to(path)) for f in bench.Path(path).rglob("*.png")))
+        remove(path, *args, **kwargs)
+
+    monkeypatch.setattr(plan, "plan_training", counting)
+    monkeypatch.setattr(shutil, "rmtree", look_then_remove)
+    argv = ["--tiny", "--config", str(REPO / "configs" / "kontext_24gb.yaml"), "--steps", "1", "--warm", "0"]
+    argv += ["--h", "64", "--w", "64", "--tlen", "16", "--compile", "0", "--quant", "none", "--workers", "0"]
+    bench.main(argv)
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert "error" not in out, out
+    assert (out["family"], out["controls"], out["samples"], out["loss"] > 0) == ("flux_kontext", 1, 2, True)
+    assert planned == [1]
+    assert seen == ["controls/control0.png", "samples/step000001_00.png", "samples/step000001_01.png"]
 
 
 def test_bench_config_takes_cuda_graphs_as_fit_does(tmp_path) -> None:
