@@ -53,7 +53,7 @@ from lightning_lora.formats.diffusers import DiffusersLayout
 from lightning_lora.formats.kohya import KohyaLayout, KohyaNetwork, flux_from_kohya, fused_to_kohya, separate_parts
 from lightning_lora.objectives import TimestepSampling
 
-__all__ = ["FLUX1_VAE", "Flux", "pack_latents", "unpack_latents", "latent_image_ids"]
+__all__ = ["FLUX1_VAE", "Flux", "latent_image_ids", "pack_latents", "unpack_latents", "with_control_tokens"]
 
 _ATTENTION = r"attn\.(to_q|to_k|to_v|to_out\.0)"
 _TEXT_ATTENTION = r"attn\.(add_q_proj|add_k_proj|add_v_proj|to_add_out)"
@@ -126,6 +126,17 @@ def latent_image_ids(
     cols = torch.arange(w // 2, device=device).repeat(h // 2)
     ids = torch.stack([torch.zeros_like(rows), rows, cols], dim=1)
     return ids.to(dtype)
+
+
+def with_control_tokens(inputs: dict[str, Any], controls: int) -> dict[str, Any]:
+    """A packed transformer's example inputs (``hidden_states [B, N, C]``, ``img_ids [N, D]``: FLUX.1's and FLUX.2's)
+    with the tokens of ``controls`` images of the target's size appended, as their edit pipelines append them (twice
+    the image tokens for one); shapes only, for the planner."""
+    if controls:
+        hidden, ids = inputs["hidden_states"], inputs["img_ids"]
+        inputs["hidden_states"] = hidden.new_empty(hidden.shape[0], hidden.shape[1] * (1 + controls), hidden.shape[2])
+        inputs["img_ids"] = ids.new_zeros(ids.shape[0] * (1 + controls), ids.shape[1])
+    return inputs
 
 
 class Flux(DiffusionFamily):

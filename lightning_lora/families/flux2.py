@@ -94,6 +94,7 @@ from lightning_lora.families.base import (
 )
 from lightning_lora.families.encoders import MISTRAL_SMALL_31, QWEN3_4B_LM, QWEN3_8B_LM
 from lightning_lora.families.facts import Architecture, Compiling, Editing, LoraFiles, Planning
+from lightning_lora.families.flux import with_control_tokens
 from lightning_lora.formats.bfl import flux2_lora_slices, flux2_slices_of
 from lightning_lora.formats.clients import Coverage
 from lightning_lora.formats.diffusers import DiffusersLayout
@@ -704,12 +705,7 @@ class Flux2(DiffusionFamily):
         dtype: torch.dtype,
     ) -> dict[str, Any]:
         """The inputs with ``controls`` references of the target's size appended (twice the image tokens for one)."""
-        inputs = self.example_inputs(model, batch, height, width, text_len, device, dtype)
-        if controls:
-            hidden, ids = inputs["hidden_states"], inputs["img_ids"]
-            inputs["hidden_states"] = hidden.new_empty(batch, hidden.shape[1] * (1 + controls), hidden.shape[2])
-            inputs["img_ids"] = ids.new_zeros(ids.shape[0] * (1 + controls), 4)
-        return inputs
+        return with_control_tokens(self.example_inputs(model, batch, height, width, text_len, device, dtype), controls)
 
     def block_count(self, model: DiffusersModel) -> int:
         return model.config.num_layers + model.config.num_single_layers

@@ -42,7 +42,7 @@ from typing_extensions import override
 from lightning_lora.families.base import DiffusersModel, SampleSettings, SampleText
 from lightning_lora.families.encoders import CLIP_L, T5_XXL
 from lightning_lora.families.facts import Architecture, Editing, LoraFiles, Planning
-from lightning_lora.families.flux import FLUX1_TRANSFORMER, Flux, latent_image_ids, pack_latents
+from lightning_lora.families.flux import FLUX1_TRANSFORMER, Flux, latent_image_ids, pack_latents, with_control_tokens
 from lightning_lora.formats.kohya import with_base_model_version
 
 __all__ = ["FluxKontext", "KONTEXT_DEV", "kontext_controls"]
@@ -127,12 +127,7 @@ class FluxKontext(Flux):
         dtype: torch.dtype,
     ) -> dict[str, Any]:
         """FLUX.1's inputs with ``controls`` controls of the target's size appended (twice the image tokens for one)."""
-        inputs = self.example_inputs(model, batch, height, width, text_len, device, dtype)
-        if controls:
-            hidden, ids = inputs["hidden_states"], inputs["img_ids"]
-            inputs["hidden_states"] = hidden.new_empty(batch, hidden.shape[1] * (1 + controls), hidden.shape[2])
-            inputs["img_ids"] = ids.new_empty(ids.shape[0] * (1 + controls), 3)
-        return inputs
+        return with_control_tokens(self.example_inputs(model, batch, height, width, text_len, device, dtype), controls)
 
     @classmethod
     @override

@@ -43,14 +43,22 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("family", list(CASES))
-def test_callback_image_equals_fresh_pipeline_with_exported_lora(
-    family: str, tmp_path: Path, photos_dir: Path, request: pytest.FixtureRequest
+def assert_sample_equals_the_pipeline(
+    name: str,
+    tmp_path: Path,
+    model_dir: Path,
+    photos_dir: Path,
+    family: tuple[str, dict[str, Any], float, int],
+    pipeline_inputs: dict[str, Any],
+    sample_controls: list[list[str]] | None = None,
+    **options: Any,
 ) -> None:
+    """Fit ``family`` (class name, init_args, guidance, sample side) with ``options`` (the config's), then draw the
+    prompt with a fresh pipeline from ``model_dir`` and ``pipeline_inputs``: with the exported LoRA it is the last
+    sample image, within a level; without it, the step-0 one; and the LoRA visibly changes it."""
     from diffusers import DiffusionPipeline
 
-    model_dir: Path = request.getfixturevalue(f"tiny_{family}_dir")
-    cls, init_args, guidance, extra = CASES[family]
+    cls, init_args, guidance, side = family
     config = write_config(
         tmp_path,
         model_dir,
@@ -59,15 +67,18 @@ def test_callback_image_equals_fresh_pipeline_with_exported_lora(
             "model.family": {"class_path": f"lightning_lora.families.{cls}", "init_args": init_args},
             "model.lora": {"rank": 4, "alpha": 8, "targets": "attention"},
             "model.optimizer": {"class_path": "torch.optim.AdamW", "init_args": {"lr": 0.05}},
+            **options,
         },
     )
     data = yaml.safe_load(config.read_text())
     samples = data["trainer"]["callbacks"][1]["init_args"]
-    samples.update(prompts=[PROMPT], seed=SEED, steps=STEPS, guidance_scale=guidance, height=SIZE, width=SIZE)
+    samples.update(prompts=[PROMPT], seed=SEED, steps=STEPS, guidance_scale=guidance, height=side, width=side)
+    if sample_controls is not None:
+        samples["controls"] = sample_controls
     config.write_text(yaml.safe_dump(data))
     cli = run_cli(["fit", "--config", str(config)])
-    step = cli.trainer.global_step
     run = tmp_path / "run"
+    step = cli.trainer.global_step
     callback_image = np.asarray(Image.open(run / "samples" / f"step{step:06d}_00.png").convert("RGB"), dtype=np.int16)
 
     pipe = DiffusionPipeline.from_pretrained(model_dir)
@@ -76,13 +87,13 @@ def test_callback_image_equals_fresh_pipeline_with_exported_lora(
     def draw() -> np.ndarray:
         image = pipe(
             prompt=PROMPT,
-            height=SIZE,
-            width=SIZE,
+            height=side,
+            width=side,
             num_inference_steps=STEPS,
             guidance_scale=guidance,
             generator=torch.Generator().manual_seed(SEED),
             output_type="pil",
-            **extra,
+            **pipeline_inputs,
         ).images[0]
         return np.asarray(image, dtype=np.int16)
 
@@ -91,17 +102,26 @@ def test_callback_image_equals_fresh_pipeline_with_exported_lora(
     with_lora = draw()
 
     difference = np.abs(with_lora - callback_image)
-    assert difference.max() <= 1, f"{family}: callback image differs from inference by up to {difference.max()} levels"
+    assert difference.max() <= 1, f"{name}: callback image differs from inference by up to {difference.max()} levels"
     # Not vacuous: the trained LoRA visibly changes the image, far beyond the tolerance.
-    assert np.abs(with_lora - base).max() >= 8, f"{family}: the LoRA barely changes the image"
+    assert np.abs(with_lora - base).max() >= 8, f"{name}: the LoRA barely changes the image"
     # And the step-0 sample (before training) is the base model's image.
     first = np.asarray(Image.open(run / "samples" / "step000000_00.png").convert("RGB"), dtype=np.int16)
     assert np.abs(first - base).max() <= 1
 
 
+@pytest.mark.parametrize("family", list(CASES))
+def test_callback_image_equals_fresh_pipeline_with_exported_lora(
+    family: str, tmp_path: Path, photos_dir: Path, request: pytest.FixtureRequest
+) -> None:
+    model_dir: Path = request.getfixturevalue(f"tiny_{family}_dir")
+    cls, init_args, guidance, extra = CASES[family]
+    assert_sample_equals_the_pipeline(family, tmp_path, model_dir, photos_dir, (cls, init_args, guidance, SIZE), extra)
+
+
 # Edit families: the sample is drawn from a fixed control image; the fresh edit pipeline is handed the same control,
 # placed at the sample's size as the callback places it. family class, init_args, guidance, sample side, extra.
-EDIT_CASES = {
+EDIT_CASES: dict[str, tuple[str, dict[str, Any], float, int, dict[str, Any]]] = {
     # FLUX.1 Kontext: distilled guidance, the control kept at its size (_auto_resize=False, max_area)
     "flux_kontext": ("FluxKontext", {"max_sequence_length": 16}, 2.5, 32, {"max_sequence_length": 16}),
     # FLUX.2 klein base with a reference (64 px: its pipelines' least), CFG with the empty prompt (read without images)
@@ -121,68 +141,29 @@ def test_an_edit_sample_equals_the_edit_pipeline_with_the_exported_lora(
     tiny_pipeline: Any,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from diffusers import DiffusionPipeline
     from helpers import qwen_processor_without_torchvision, small_edit_images
 
     from lightning_lora.data.buckets import cover
     from lightning_lora.data.cache import ControlImage, file_digest
     from lightning_lora.data.images import probe
+    from lightning_lora.families import FAMILIES
 
     qwen_processor_without_torchvision(monkeypatch)
     small_edit_images(monkeypatch)
-    model_dir = tiny_pipeline(family)
     cls, init_args, guidance, side, extra = EDIT_CASES[family]
     control = sorted(photos_dir.glob("*.png"))[1]
-    config = write_config(
-        tmp_path,
-        model_dir,
-        photos_dir,
-        **{
-            "model.family": {"class_path": f"lightning_lora.families.{cls}", "init_args": init_args},
-            "model.lora": {"rank": 4, "alpha": 8, "targets": "attention"},
-            "model.optimizer": {"class_path": "torch.optim.AdamW", "init_args": {"lr": 0.05}},
-            "data.images": [{"path": str(edits_dir), "controls": [str(photos_dir)]}],
-            "trainer.max_steps": 4,
-        },
-    )
-    data = yaml.safe_load(config.read_text())
-    samples = data["trainer"]["callbacks"][1]["init_args"]
-    samples.update(prompts=[PROMPT], seed=SEED, steps=STEPS, guidance_scale=guidance, height=side, width=side)
-    samples["controls"] = [[str(control)]]
-    config.write_text(yaml.safe_dump(data))
-    cli = run_cli(["fit", "--config", str(config)])
-    run = tmp_path / "run"
-    callback_image = np.asarray(
-        Image.open(run / "samples" / f"step{cli.trainer.global_step:06d}_00.png").convert("RGB"), dtype=np.int16
-    )
-
     placed = ControlImage(control, file_digest(control), cover(*probe(control), (side, side)))
-    inputs = cli.model.family.control_inputs([Image.fromarray(placed.pixels((255, 255, 255)))])
-    pipe = DiffusionPipeline.from_pretrained(model_dir)
-    pipe.set_progress_bar_config(disable=True)
-
-    def draw() -> np.ndarray:
-        image = pipe(
-            prompt=PROMPT,
-            height=side,
-            width=side,
-            num_inference_steps=STEPS,
-            guidance_scale=guidance,
-            generator=torch.Generator().manual_seed(SEED),
-            output_type="pil",
-            **extra,
-            **inputs,
-        ).images[0]
-        return np.asarray(image, dtype=np.int16)
-
-    base = draw()
-    pipe.load_lora_weights(run / "lora" / "lora.safetensors")
-    with_lora = draw()
-    difference = np.abs(with_lora - callback_image)
-    assert difference.max() <= 1, f"{family}: callback image differs from inference by up to {difference.max()} levels"
-    assert np.abs(with_lora - base).max() >= 8, f"{family}: the LoRA barely changes the image"
-    first = np.asarray(Image.open(run / "samples" / "step000000_00.png").convert("RGB"), dtype=np.int16)
-    assert np.abs(first - base).max() <= 1
+    inputs = FAMILIES[family](**init_args).control_inputs([Image.fromarray(placed.pixels((255, 255, 255)))])
+    assert_sample_equals_the_pipeline(
+        family,
+        tmp_path,
+        tiny_pipeline(family),
+        photos_dir,
+        (cls, init_args, guidance, side),
+        {**extra, **inputs},
+        sample_controls=[[str(control)]],
+        **{"data.images": [{"path": str(edits_dir), "controls": [str(photos_dir)]}], "trainer.max_steps": 4},
+    )
 
 
 def test_a_sample_that_runs_out_of_memory_does_not_end_the_run(
