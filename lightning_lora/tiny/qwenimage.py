@@ -103,16 +103,19 @@ def qwen_vocab_and_merges(
     return byte_level_bpe(words, (ENDOFTEXT, IM_START, IM_END))
 
 
-def make_qwen_tokenizer() -> Qwen2Tokenizer:
-    """The tiny Qwen2 tokenizer, in memory (pad ``<|endoftext|>``, eos ``<|im_end|>``, right padding)."""
-    vocab, merges = qwen_vocab_and_merges()
+def make_qwen_tokenizer(
+    words: Iterable[str] = (*TEMPLATE_WORDS, *CAPTION_WORDS), specials: tuple[str, ...] = ()
+) -> Qwen2Tokenizer:
+    """The tiny Qwen2 tokenizer, in memory (pad ``<|endoftext|>``, eos ``<|im_end|>``, right padding); ``words``: the
+    words that are one token each, ``specials``: special tokens after the three (the edit pipelines' vision ones)."""
+    vocab, merges = byte_level_bpe(words, (ENDOFTEXT, IM_START, IM_END, *specials))
     return Qwen2Tokenizer(
         vocab=vocab,
         merges=merges,  # type: ignore[arg-type]  # tokenizers takes (left, right) pairs
         unk_token=None,  # type: ignore[arg-type]  # byte-level: every text has tokens
         eos_token=IM_END,
         pad_token=ENDOFTEXT,
-        extra_special_tokens=[IM_START, IM_END],
+        extra_special_tokens=[IM_START, IM_END, *specials],
         model_max_length=32768,
     )
 

@@ -33,16 +33,14 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 
 from lightning_lora.families.qwenimage_edit import images_processor_class
 from lightning_lora.tiny.qwenimage import (
-    ENDOFTEXT,
-    IM_END,
-    IM_START,
     QWEN_IMAGE_SCHEDULER_CONFIG,
     TEMPLATE_WORDS,
+    make_qwen_tokenizer,
     tiny_qwen_transformer,
     tiny_qwen_vae,
     tiny_qwen_vl,
 )
-from lightning_lora.tiny.shared import CAPTION_WORDS, _save_tiny, byte_level_bpe
+from lightning_lora.tiny.shared import CAPTION_WORDS, _save_tiny
 
 __all__ = ["EDIT_TEMPLATE_WORDS", "build_tiny_qwenimage_edit", "make_edit_tokenizer", "save_tiny_qwenimage_edit"]
 
@@ -60,17 +58,8 @@ VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = "<|vision_start|>", "<|vision_e
 def make_edit_tokenizer() -> Qwen2Tokenizer:
     """The tiny Qwen2 tokenizer of the edit pipelines, in memory: :func:`~lightning_lora.tiny.qwenimage.
     make_qwen_tokenizer`'s words and the edit templates', its specials and the vision ones."""
-    specials = (ENDOFTEXT, IM_START, IM_END, VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD)
-    vocab, merges = byte_level_bpe((*TEMPLATE_WORDS, *CAPTION_WORDS, *EDIT_TEMPLATE_WORDS), specials)
-    return Qwen2Tokenizer(
-        vocab=vocab,
-        merges=merges,  # type: ignore[arg-type]  # tokenizers takes (left, right) pairs
-        unk_token=None,  # type: ignore[arg-type]  # byte-level: every text has tokens
-        eos_token=IM_END,
-        pad_token=ENDOFTEXT,
-        extra_special_tokens=list(specials[1:]),
-        model_max_length=32768,
-    )
+    words = (*TEMPLATE_WORDS, *CAPTION_WORDS, *EDIT_TEMPLATE_WORDS)
+    return make_qwen_tokenizer(words, (VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD))
 
 
 def build_tiny_qwenimage_edit(seed: int = 0, plus: bool = True) -> Any:
