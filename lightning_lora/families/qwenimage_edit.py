@@ -278,6 +278,31 @@ class QwenImageEdit(QwenImage):
         return 0
 
     # -- memory planning ---------------------------------------------------------------------------------------
+    @override
+    def example_batch(
+        self,
+        config: Mapping[str, Any],
+        batch: int,
+        height: int,
+        width: int,
+        text_len: int,
+        generator: torch.Generator | None = None,
+        controls: int = 0,
+    ) -> dict[str, torch.Tensor]:
+        """Qwen-Image's example batch with ``controls`` controls, the prompt longer by their vision tokens
+        (:meth:`control_text_tokens`), as the planner counts it (:meth:`example_inputs_with_controls`)."""
+        text_len += controls * self.control_text_tokens()
+        return super().example_batch(config, batch, height, width, text_len, generator, controls)
+
+    @override
+    def example_text(
+        self, config: Mapping[str, Any], batch: int, text_len: int, generator: torch.Generator | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Qwen2.5-VL's last hidden state of ``text_len`` tokens, all of them the prompt's (an edit prompt is cached at
+        its own length, never cut to ``max_sequence_length``), and an int64 mask."""
+        embeds = torch.randn(batch, text_len, config["joint_attention_dim"], generator=generator)
+        return {"prompt_embeds": embeds.bfloat16(), "prompt_embeds_mask": torch.ones(batch, text_len, dtype=torch.long)}
+
     def control_text_tokens(self) -> int:
         """The prompt embeddings' tokens one control adds: the vision tokens of the image the VL model sees (about the
         pipeline's condition area, in 28-pixel tokens) and the few around them."""

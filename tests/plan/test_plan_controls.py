@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -59,3 +60,23 @@ def test_the_plan_of_an_edit_run_counts_its_controls(tiny_pipeline: Callable[[st
     flux = recipe.replace(family=Flux(), source=ModelSource(str(tiny_pipeline("flux"))))
     with pytest.raises(ConfigError, match=r"the flux family takes no control images"):
         plan_for(flux, edit)
+
+
+@pytest.mark.parametrize("name", EDIT_FAMILIES)
+def test_the_benchmarks_example_batch_holds_the_tokens_the_planner_counts(name: str) -> None:
+    """``example_batch`` with controls (what ``tools/bench.py`` trains on) holds what the planner counts: each
+    control's latents of the target's size, and for Qwen-Image-Edit a prompt longer by the controls' vision tokens (an
+    edit prompt is cached at its own length, past ``max_sequence_length``)."""
+    cls: Any = FAMILIES[name]
+    family = cls(max_sequence_length=16)  # every edit family's option
+    config = family.planning.known_denoisers[_hub_id(family)]
+    plain = family.example_batch(config, 2, 64, 96, 16)
+    edit = family.example_batch(config, 2, 64, 96, 16, controls=2 if family.editing.max_controls is None else 1)
+    controls = edit["controls"].shape[1]
+    assert "controls" not in plain and edit["controls"].shape == (2, controls, *edit["latents"].shape[1:])
+    mask = next((k for k in edit if k.endswith("mask")), None)
+    if isinstance(family, QwenImageEdit):
+        assert mask is not None and edit[mask].sum(1).tolist() == [16 + controls * family.control_text_tokens()] * 2
+        assert plain[mask].sum(1).tolist() == [16, 16] and edit["prompt_embeds"].shape[1] > 16 > 0
+    else:
+        assert all(edit[k].shape == plain[k].shape for k in plain)  # the prompt is the same
