@@ -117,9 +117,9 @@ class ImageFolder:
             another folder), to balance concepts.
         default_caption: the caption of this folder's images that have none (overrides ``data.default_caption``).
         trigger: this folder's trigger word (overrides ``data.trigger``).
-        role: ``train``, or ``regularization``: class images with their own captions that keep what the base model
-            draws (``model.preservation.mode``: ``prior`` trains them against their own target, ``dop`` against the
-            base model's own prediction).
+        role: ``train``, or ``regularization``: class images with their own captions (``data.trigger`` is not put in
+            them) that keep what the base model draws (``model.preservation.mode``: ``prior`` trains them against
+            their own target, ``dop`` against the base model's own prediction).
         loss_weight: the weight of this folder's images in the loss (e.g. 0.5 for regularization images: half as
             much as a training image).
         masks: a folder of masks with the images' file names (white: train there; black: leave out), or ``alpha``:
@@ -365,7 +365,8 @@ def scan(
         skips.extend(Skip(root, kind, message) for kind, message in notes)
         skips.extend(_unmatched(root, {p.name for p in images} | {s.path.name for s in unusable}, metadata))
         default = folder.default_caption if folder.default_caption is not None else default_caption
-        word = folder.trigger if folder.trigger is not None else trigger
+        # Class images keep their captions as written: data.trigger is the word of the images to learn.
+        word = folder.trigger if folder.trigger is not None or folder.role == "regularization" else trigger
         for image in images:
             caption_file = image.with_suffix(caption_ext)
             binary: str | None = None  # a caption file that holds no text: as if there were none

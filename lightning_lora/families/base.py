@@ -50,10 +50,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from lightning_lora import objectives
 from lightning_lora.errors import ConfigError, first_line
 from lightning_lora.families.facts import Architecture, Compiling, LoraFiles, Planning
-from lightning_lora.objectives import Prediction, Reference
+from lightning_lora.objectives import Prediction, Reference, masked_mse, per_sample_mse, preserved_target
 
 if TYPE_CHECKING:
     from lightning_lora.formats import LoraLayout
@@ -452,14 +451,14 @@ class DiffusionFamily(ABC):
         element by the batch's ``loss_mask`` (``[B, 1, h, w]`` loss weights of the latents' grid, when the data has
         masks), packed by :meth:`prediction_layout`; times the family's weight per sample."""
         out = self.predict(denoiser, batch, noise, timesteps)
-        target = out.target if reference is None else objectives.preserved_target(out.target, reference)
+        target = out.target if reference is None else preserved_target(out.target, reference)
         mask = batch.get("loss_mask")
         if mask is None:
-            losses = objectives.per_sample_mse(out.prediction, target)
+            losses = per_sample_mse(out.prediction, target)
         else:
             latents = batch["latents"]
             weights = self.prediction_layout(mask.to(latents.device).expand(latents.shape))
-            losses = objectives.masked_mse(out.prediction, target, weights)
+            losses = masked_mse(out.prediction, target, weights)
         return losses if out.sample_weights is None else losses * out.sample_weights
 
     # -- sampling ----------------------------------------------------------------------------------------------
