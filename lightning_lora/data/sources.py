@@ -22,10 +22,10 @@ which no folder holds any image. A folder without images among others is a skip.
 
 **Masks** (a folder entry's ``masks``): a folder of mask images, one per image, with the image's file name (any image
 format: ``photo.png`` masks ``photo.jpg``); white trains, black is left out (gray in between). A mask folder that does
-not exist or holds no image is fatal; a mask that matches no image is a note (so is a second mask with the same name:
-the first in file-name order is used). ``masks: alpha`` takes each image's own transparency instead (opaque trains).
-An image without a mask trains everywhere, with a note that names it. :attr:`Item.mask` names the file; the pixels
-are read when the cache is built (:mod:`lightning_lora.data.cache`).
+not exist, holds no image or no mask named like an image is fatal; a mask that matches no image is a note (so is a
+second mask with the same name: the first in file-name order is used). ``masks: alpha`` takes each image's own
+transparency instead (opaque trains). An image without a mask trains everywhere, with a note that names it.
+:attr:`Item.mask` names the file; the pixels are read when the cache is built (:mod:`lightning_lora.data.cache`).
 
 :func:`split_validation` holds out a deterministic fraction of the images: those whose folder/file name hashes to a
 number below the fraction. The choice is made per image from its name only, so editing or adding images never moves
@@ -433,7 +433,8 @@ def scan(
 def _masks(folder: ImageFolder, root: Path, images: list[Path], option: str) -> tuple[dict[str, Path], list[Skip]]:
     """The folder's masks by file name without extension (the first in file-name order for a name used twice; none
     without a mask folder or for ``masks: alpha``), and a note for each mask that matches no image and each second mask
-    of a name. A :class:`ConfigError` for a mask folder that does not exist, is the image folder, or holds no image."""
+    of a name. A :class:`ConfigError` for a mask folder that does not exist, is the image folder, holds no image, or
+    holds no mask of any of its images."""
     if folder.masks is None or folder.masks == ALPHA:
         return {}, []
     where = f"{option}: the masks of {folder.path!r}, {folder.masks!r},"
@@ -455,6 +456,11 @@ def _masks(folder: ImageFolder, root: Path, images: list[Path], option: str) -> 
     for mask in found:
         masks.setdefault(mask.stem, mask)
     stems = {image.stem for image in images}
+    if not stems & set(masks):
+        raise ConfigError(
+            f"{where} holds {len(found)} masks, none named like an image of the folder (e.g. {found[0].name}); a mask "
+            f"has its image's file name ({images[0].stem}.png masks {images[0].name})."
+        )
     notes = [
         Skip(m, "unmatched mask", "matches no image of its folder (a mask has its image's file name)")
         for m in found

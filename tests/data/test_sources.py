@@ -434,7 +434,9 @@ def test_folder_roles_weights_and_masks_reach_the_items(tmp_path: Path) -> None:
 def test_a_mask_folder_that_is_missing_empty_or_the_image_folder_is_refused_in_one_line(tmp_path: Path) -> None:
     _touch(tmp_path / "me", "a.png")
     _touch(tmp_path / "empty", "notes.txt")
+    _touch(tmp_path / "others", "b.png", "c.png")
     cases = {
+        str(tmp_path / "others"): "holds 2 masks, none named like an image of the folder (e.g. b.png); a mask has its",
         str(tmp_path / "nowhere"): "is not a folder. Check the path (or write masks: alpha",
         str(tmp_path / "empty"): "holds no masks (",
         str(tmp_path / "me"): "is the image folder itself",
