@@ -112,8 +112,27 @@ def test_dop_through_compiled_and_checkpointed_blocks_trains_as_the_eager_model(
     assert counts[0] > 0 and counts[1] == counts[0]  # the second step compiles nothing new
 
 
-def test_the_planner_counts_dops_forward_and_says_its_cost(tiny_flux_dir: Path) -> None:
+def test_dop_with_offloaded_blocks_and_inputs_trains_as_the_plain_model(tiny_flux_dir: Path) -> None:
+    """``offload_blocks`` (their weights copied in for DOP's forward too) with checkpointed blocks whose inputs wait in
+    CPU memory (``offload_activations``; DOP's forward saves nothing): two steps with a mixed batch give the plain
+    model's losses and LoRA gradients."""
+    plain = _module(tiny_flux_dir)
+    with pytest.warns(UserWarning, match="model.offload_blocks: 2 saves no weight memory"):  # both tiny blocks
+        offloaded = _module(tiny_flux_dir, offload_blocks=2, gradient_checkpointing=True, offload_activations=True)
+    for seed in (1, 2):
+        batch, noise, timesteps = _batch(plain, seed)
+        for module in (plain, offloaded):
+            module.zero_grad(set_to_none=True)
+        torch.testing.assert_close(_step(offloaded, batch, noise, timesteps), _step(plain, batch, noise, timesteps))
+        for (name, want), (_, have) in zip(plain.named_parameters(), offloaded.named_parameters(), strict=True):
+            if want.requires_grad:
+                assert have.grad is not None, name
+                torch.testing.assert_close(have.grad, want.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_the_planner_counts_dops_forward_and_the_masked_loss_and_says_their_cost(tiny_flux_dir: Path) -> None:
     from lightning_lora.data.recipe import DataRecipe
+    from lightning_lora.data.sources import ImageFolder
     from lightning_lora.model.recipe import ModelRecipe
     from lightning_lora.plan import plan_for
 
@@ -126,3 +145,7 @@ def test_the_planner_counts_dops_forward_and_says_its_cost(tiny_flux_dir: Path) 
     report = dop.report(24)
     assert "DOP forward (no grad)" in report and "model.preservation.mode: dop: one more forward" in report
     assert "DOP" not in plain.report(24)
+    masked = plan_for(recipe, data.replace(folders=(ImageFolder("me", masks="me_masks"),)))
+    latent = 2 * 4 * 8 * 8  # 2 images of the tiny FLUX's 4 latent channels at an eighth of 64 pixels
+    assert masked.transient - plain.transient == pytest.approx(2 * 4 * latent / 2**30)
+    assert any(note.startswith("masks: ") for note in masked.notes)

@@ -222,6 +222,16 @@ class TextResult:
 _CHANGED = "changed while the cache was built; it is encoded on the next run"
 
 
+def _read_planned(path: Path, digest: str) -> bytes | None:
+    """The bytes of ``path``, read once, or None when their sha256 is not ``digest`` (the file was replaced since the
+    build was planned: see the module docstring). Raises :class:`BadImage` for a file that cannot be read."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise BadImage("unreadable file", f"cannot read the file ({e.strerror or e})") from e
+    return data if hashlib.sha256(data).hexdigest() == digest else None
+
+
 class _DecodeJobs(Dataset):
     """DataLoader side of the pipeline: job index -> decoded uint8 pixels, or the reason it failed."""
 
@@ -235,11 +245,8 @@ class _DecodeJobs(Dataset):
     def __getitem__(self, index: int) -> tuple[int, np.ndarray | None, str, str]:
         job = self.jobs[index]
         try:
-            try:
-                data = job.image.read_bytes()
-            except OSError as e:
-                raise BadImage("unreadable file", f"cannot read the file ({e.strerror or e})") from e
-            if hashlib.sha256(data).hexdigest() != job.digest:
+            data = _read_planned(job.image, job.digest)
+            if data is None:
                 return index, None, "changed", _CHANGED
             pixels = decode(data, job.placement.source_box(), job.placement.bucket, self.background)
             return index, pixels, "", ""
@@ -548,11 +555,8 @@ class LatentCache:
 
         def run(job: MaskJob) -> Skip | None:
             try:
-                try:
-                    data = job.source.read_bytes()
-                except OSError as e:
-                    raise BadImage("unreadable file", f"cannot read the file ({e.strerror or e})") from e
-                if hashlib.sha256(data).hexdigest() != job.digest:
+                data = _read_planned(job.source, job.digest)
+                if data is None:
                     return Skip(job.image, "changed", f"its mask {display(job.source.name)} {_CHANGED}")
                 with safe_open(self.latent_path(job.latent_key), framework="pt") as f:
                     height, width = f.get_slice("latents").get_shape()[-2:]

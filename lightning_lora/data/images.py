@@ -277,6 +277,20 @@ _UPRIGHT = {
 }
 
 
+def _load(im: Image.Image) -> None:
+    """Decode the pixels of ``im`` (opened by :func:`_open`); :class:`BadImage` with the reason when they cannot be."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            im.load()
+    except Image.DecompressionBombError as e:
+        raise BadImage("too large", f"too large for Pillow's safety limit ({e})") from e
+    except (OSError, ValueError, SyntaxError, EOFError) as e:
+        raise BadImage("cannot decode", f"cannot decode the pixels ({e})") from e
+    except MemoryError as e:
+        raise BadImage("too large", "not enough memory to decode it") from e
+
+
 def decode(
     source: str | Path | bytes,
     box: tuple[float, float, float, float],
@@ -309,16 +323,7 @@ def decode(
         )
         if im.format == "JPEG" and need[0] < stored_w and need[1] < stored_h:
             im.draft(None, need)
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-                im.load()
-        except Image.DecompressionBombError as e:
-            raise BadImage("too large", f"too large for Pillow's safety limit ({e})") from e
-        except (OSError, ValueError, SyntaxError, EOFError) as e:
-            raise BadImage("cannot decode", f"cannot decode the pixels ({e})") from e
-        except MemoryError as e:
-            raise BadImage("too large", "not enough memory to decode it") from e
+        _load(im)
         pixels = _resamplable(im)
         w, h = pixels.size  # smaller than stored when the JPEG decoder reduced it
         source_box = (u0 * w, v0 * h, u1 * w, v1 * h)
@@ -373,14 +378,7 @@ def decode_mask(
 
     im = _open(source)
     try:
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-                im.load()
-        except Image.DecompressionBombError as e:
-            raise BadImage("too large", f"too large for Pillow's safety limit ({e})") from e
-        except (OSError, ValueError, SyntaxError, EOFError) as e:
-            raise BadImage("cannot decode", f"cannot decode the pixels ({e})") from e
+        _load(im)
         viewed = ImageOps.exif_transpose(im) if _orientation(im) != 1 else im
         band = _mask_band(viewed, alpha)
         if band is None:

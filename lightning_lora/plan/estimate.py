@@ -28,6 +28,7 @@ output, 2.5 GiB for a 1024x1024 image.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -435,8 +436,15 @@ def plan_for(
         recipe, data.text_encoder_quantization, data.encode_batch_size, side
     )
     plan.notes += notes
-    # Loading passes the base's weights through CPU memory in its dtype; offloaded blocks stay there, pinned.
     model = recipe.family.denoiser_skeleton(recipe.source)
+    if any(folder.masks for folder in (*data.folders, *data.val_folders)):
+        # The masked loss: the weights in the prediction's layout and their product with the squared error (float32).
+        config: Any = model.config  # a diffusers FrozenDict
+        latent = recipe.family.cached_latent_shape(dict(config), side, side)
+        masks = 2 * 4 * data.batch_size * math.prod(latent) / GIB
+        plan.transient += masks
+        plan.notes.append(f"masks: {masks * 1024:.1f} MiB more in the loss (loss weights per latent element)")
+    # Loading passes the base's weights through CPU memory in its dtype; offloaded blocks stay there, pinned.
     base = weight_bytes(model, BF16(dtype=recipe.precision.dtype))
     sizes = recipe.precision.module_weight_bytes(model)
     pinned = sum(sizes[id(m)] for block in offloaded_blocks(model, recipe.offload_blocks) for m in block.modules())
