@@ -469,6 +469,13 @@ def build(
             f"data.images: none of the images can be used for training ({why}); the lines above name each file and "
             "the reason."
         )
+    if any(i.role == "regularization" for i in train_items) and not any(
+        e.role == "regularization" for e in report.train
+    ):
+        raise ConfigError(
+            "data.images: none of the regularization images can be used (the lines above name each file and the "
+            "reason); fix them, or remove the regularization folder (and model.preservation)."
+        )
 
     texts: dict[str, str] = {cache.text_key(""): ""}
     for entry in [*report.train, *report.validation]:

@@ -17,8 +17,9 @@ a caption cut to :data:`~lightning_lora.data.captions.MAX_CAPTION_CHARS`, a meta
 no image of the folder, a caption file that holds no text (a binary file) where the default caption or the trigger word
 stands in for it, and (from the cache build) captions longer than the text encoder reads.
 
-Fatal, because they are configuration mistakes rather than bad files: a folder that does not exist, and data in
-which no folder holds any image. A folder without images among others is a skip.
+Fatal, because they are configuration mistakes rather than bad files: a folder that does not exist, data in which
+no folder holds any image, and a regularization folder without images. Another folder without images among others is
+a skip.
 
 **Masks** (a folder entry's ``masks``): a folder of mask images, one per image, with the image's file name (any image
 format: ``photo.png`` masks ``photo.jpg``); white trains, black is left out (gray in between). A mask folder that does
@@ -355,6 +356,11 @@ def scan(
         images, unusable = list_images(root)
         skips.extend(unusable)
         if not images:
+            if folder.role == "regularization":
+                raise ConfigError(
+                    f"{option}: the regularization folder {folder.path!r} holds no images ({FORMATS}); put the class "
+                    "images there, or remove the folder (and model.preservation)."
+                )
             if not unusable:
                 skips.append(Skip(root, "empty folder", f"holds no images ({FORMATS})"))
             continue

@@ -823,3 +823,14 @@ def test_preservation_captions_are_cached_like_every_caption(tmp_path: Path, tin
     assert "training:        2 images, 2 entries" in summary
     assert "regularization:  1 images, 1 samples per epoch (loss weight 0.5)" in summary
     assert "preservation:    2 entries with the trigger taken out of the caption, 2 samples per epoch" in summary
+
+
+def test_regularization_images_that_all_fail_stop_the_build(tmp_path: Path, tiny_flux_dir: Path) -> None:
+    data, regularization = _dataset(tmp_path / "data", n=1), tmp_path / "class"
+    regularization.mkdir()
+    (regularization / "broken.png").write_bytes(b"not a png")
+    (regularization / "broken.txt").write_text("a photo of a cat")
+    items, skips = scan([ImageFolder(str(data)), ImageFolder(str(regularization), role="regularization")])
+    with pytest.raises(ConfigError, match=r"data.images: none of the regularization images can be used") as e:
+        build(_cache(tmp_path / "cache", tiny_flux_dir), items, [], _spec(), CPU, scan_skips=skips)
+    assert "\n" not in str(e.value)

@@ -447,6 +447,16 @@ def test_a_mask_folder_that_is_missing_empty_or_the_image_folder_is_refused_in_o
         assert "\n" not in str(refused.value) and str(refused.value).startswith("data.images: the masks of ")
 
 
+def test_a_regularization_folder_without_images_is_refused_in_one_line(tmp_path: Path) -> None:
+    _touch(tmp_path / "me", "a.png")
+    _touch(tmp_path / "class", "notes.txt")
+    (tmp_path / "me" / "a.txt").write_text("a photo")
+    folders = [ImageFolder(str(tmp_path / "me")), ImageFolder(str(tmp_path / "class"), role="regularization")]
+    with pytest.raises(ConfigError, match=r"data.images: the regularization folder '.*class' holds no images") as e:
+        scan(folders)
+    assert "\n" not in str(e.value)
+
+
 def test_without_trigger_takes_the_trigger_out_or_puts_the_class_word_in() -> None:
     assert without_trigger("sks, a photo of a dog", "sks") == "a photo of a dog"
     assert without_trigger("a photo of sks", "sks", "dog") == "a photo of dog"
