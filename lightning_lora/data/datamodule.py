@@ -326,8 +326,10 @@ class LatentDataModule(LightningDataModule):
         if recipe.val_folders:
             self.val_items, val_skips = scan(recipe.val_folders, **options, option="data.val_images")
             self.scan_skips += val_skips
-        if recipe.val_fraction > 0:
-            self.items, held = split_validation(self.items, recipe.val_fraction)
+        if recipe.val_fraction > 0:  # of the images to learn: class images are never held out
+            learn = [i for i in self.items if i.role == "train"]
+            kept, held = split_validation(learn, recipe.val_fraction)
+            self.items = kept + [i for i in self.items if i.role != "train"]
             self.val_items += held
 
     # -- the model's side ---------------------------------------------------------------------------------------

@@ -306,3 +306,11 @@ def test_batches_carry_masks_weights_and_roles_and_the_evaluation_only_the_image
     plain.build_cache(family, source, "cpu", progress=False)
     plain.train_entries = plain.report.train if plain.report else []
     assert not {"loss_mask", "loss_weight", "role"} & set(plain.train_dataloader().dataset[(0, 0)])
+
+
+def test_val_fraction_holds_out_images_to_learn_never_class_images(tmp_path: Path) -> None:
+    data, regularization = _folder(tmp_path / "data", 4), _folder(tmp_path / "class", 4, seed=1)
+    images = [str(data), {"path": str(regularization), "role": "regularization"}]
+    dm = _module(tmp_path, images, val_fraction=0.9)
+    assert dm.val_items and all(i.role == "train" for i in dm.val_items)
+    assert sum(i.role == "regularization" for i in dm.items) == 4 and sum(i.role == "train" for i in dm.items) == 1
