@@ -245,7 +245,8 @@ class Preservation:
             counts it).
         every_image: with ``dop``, every training image also serves as a preservation sample with the trigger word
             removed from its caption (or replaced by ``class_word``): the LoRA learns to draw prompts without the
-            trigger as the base does. Needs a trigger (``data.trigger`` or a folder's ``trigger``).
+            trigger as the base does. Needs a trigger (``data.trigger`` or a folder's ``trigger``); the images of a
+            folder without one have nothing to take out and are not repeated.
         class_word: the word that replaces the trigger in those captions (``person`` for ``sks person``); null
             removes the trigger.
         weight: the loss weight of those preservation samples (a regularization folder's ``loss_weight`` weighs its
