@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from lightning_lora.model.recipe import ModelRecipe
-from lightning_lora.plan.live_bytes import flash_like_attention, peak_bytes
+from lightning_lora.plan.live_bytes import flash_like_attention, module_copy, peak_bytes
 
 __all__ = [
     "VAE_DECODE_WORKSPACE",
@@ -66,8 +66,9 @@ def no_grad_forward_bytes(
     target (``model.preservation.mode: dop``) hold beyond the weights."""
     family, source = recipe.family, recipe.source
     inputs = family.example_inputs(model, batch, height, width, text_len, device="meta", dtype=source.dtype)
+    running = module_copy(model)  # a forward may fill a model's caches (RoPE tables): the next one counts them too
     with flash_like_attention():
-        peak, _ = peak_bytes(lambda: model(**inputs), autocast_dtype(recipe))
+        peak, _ = peak_bytes(lambda: running(**inputs), autocast_dtype(recipe))
     return float(peak)
 
 
