@@ -545,8 +545,7 @@ def test_a_moved_base_model_resumes_and_another_model_at_its_path_is_refused(
     assert len(err.splitlines()) == 1 and "Traceback" not in err
 
 
-PRESERVED_FAMILIES = {
-    "flux": {"class_path": "lightning_lora.families.Flux", "init_args": {"max_sequence_length": 16}},
+PRESERVED_FAMILIES = {  # FLUX: the SIGKILL test below
     "sdxl": {"class_path": "lightning_lora.families.SDXL", "init_args": {}},
     "zimage": {"class_path": "lightning_lora.families.ZImage", "init_args": {"max_sequence_length": 64}},
 }
@@ -558,7 +557,7 @@ def test_preservation_and_masks_resume_exactly(
 ) -> None:
     """DOP with a regularization folder (loss weight 0.5) and every photo again without its trigger, masks on two
     photos: 10 samples, 5 batches an epoch, so the stop at step 2 is inside it. The resumed run ends with the same
-    LoRA, bit for bit, and logs the same losses as the run that never stopped, on FLUX, SDXL and Z-Image."""
+    LoRA, bit for bit, and logs the same losses as the run that never stopped, on SDXL and Z-Image."""
     options = {"model.family": PRESERVED_FAMILIES[family], **preservation_options(preserved_photos, every_image=True)}
     check_same_run_after_resume(tmp_path, tiny_pipeline(family), preserved_photos / "train", 4, 2, **options)
 
@@ -569,12 +568,12 @@ def test_sigkill_with_preservation_and_masks_then_resume_is_exact(
 ) -> None:
     """Killed with SIGKILL at a random batch of a FLUX run with DOP (a regularization folder, every photo again without
     its trigger) and masks, and resumed: the same LoRA and losses as the run that never stopped."""
-    options = {"steps": 6, **preservation_options(preserved_photos, every_image=True)}
+    options = {"steps": 4, **preservation_options(preserved_photos, every_image=True)}
     photos = preserved_photos / "train"
     reference = resume_config(tmp_path, tiny_flux_dir, photos, "a", **options)
-    assert run_cli(["fit", "--config", str(reference)]).trainer.global_step == 6
+    assert run_cli(["fit", "--config", str(reference)]).trainer.global_step == 4
     seed = random.randrange(1 << 30)
-    batch = random.Random(seed).randrange(2, 6)
+    batch = random.Random(seed).randrange(2, 4)  # inside the first epoch (5 batches)
     config = _killed_then_resumed(tmp_path, tiny_flux_dir, photos, "b", 1, batch, **options)
     try:
         assert_same_run(reference, config, after_step=batch)

@@ -162,15 +162,13 @@ def check_same_run_after_resume(
     return final_lora(b)
 
 
-def check_exact_resume(
-    root: Path, model_dir: Path, photos: Path, family: str, init_args: dict[str, Any], **options: Any
-) -> None:
+def check_exact_resume(root: Path, model_dir: Path, photos: Path, family: str, init_args: dict[str, Any]) -> None:
     """A UNet family (``lightning_lora.families.<family>`` with ``init_args``) with a LoCon LoRA: 6 steps, stopped at
     step 3 (inside an epoch: 2 batches per epoch) and resumed, ends with the same LoRA, bit for bit, and the same
-    losses. ``options``: more overrides (:func:`preservation_options`...)."""
-    family_options: dict[str, Any] = {
+    losses."""
+    options: dict[str, Any] = {
         "model.family": {"class_path": f"lightning_lora.families.{family}", "init_args": init_args},
         "model.lora.targets": "locon",
     }
-    lora = check_same_run_after_resume(root, model_dir, photos, 6, 3, **family_options, **options)
+    lora = check_same_run_after_resume(root, model_dir, photos, 6, 3, **options)
     assert any(v.ndim == 4 for v in lora.values())  # conv LoRA included
