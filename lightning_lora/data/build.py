@@ -7,10 +7,18 @@ from the cache. A training entry has an optional mirrored latent and one text pe
 entry has neither (it is evaluated as written).
 
 :func:`build` runs the plan, encodes the latents that are missing (images that turn out not to decode are skipped),
+then the masks that are missing (at each latent's grid, :meth:`~lightning_lora.data.cache.LatentCache.encode_masks`),
 then the texts that are missing (always including the empty prompt, which caption dropout needs; for a family that
-reads a prompt only with its controls, each pair's empty prompt instead), and returns a
-:class:`CacheReport`: what was found, encoded, reused, skipped and why, the notes (findings that leave no image out:
-see :mod:`lightning_lora.data.sources`), the buckets, and the time. Each skip and note is also logged once.
+reads a prompt only with its controls, each pair's empty prompt instead), and returns a :class:`CacheReport`: what was
+found, encoded, reused, skipped and why, the notes (findings that leave no image out: see
+:mod:`lightning_lora.data.sources`), the buckets, and the time. Each skip and note is also logged once.
+
+**Roles.** An entry is a ``train`` image, a ``regularization`` image (its folder's ``role``), or, with
+``model.preservation.every_image``, a ``preservation`` entry: a training image again (the same latents) with its
+captions' trigger removed (:func:`~lightning_lora.data.captions.without_trigger`), weighted by
+``model.preservation.weight``, without a mask (it keeps the whole image as the base draws it). The summary counts each
+kind, and the images with a mask, without one, and the masks that matched no image: whether masks are used is never a
+guess.
 
 **Control images** (edit training, :class:`ControlEntry`): a target's controls are placed in its own bucket, scaled to
 cover it and center-cropped, so the target and its controls have one latent shape. The rule, checked when the cache is
@@ -26,20 +34,21 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
 import torch
 
 from lightning_lora.data.buckets import BucketSpec, Placement, cover
-from lightning_lora.data.cache import ControlImage, ImageIndex, LatentCache, LatentJob, readable
-from lightning_lora.data.captions import apply_trigger, tag_variants
-from lightning_lora.data.images import BadImage
-from lightning_lora.data.sources import Item, Skip, display
+from lightning_lora.data.cache import ControlImage, ImageIndex, LatentCache, LatentJob, MaskJob, readable
+from lightning_lora.data.captions import apply_trigger, tag_variants, without_trigger
+from lightning_lora.data.images import BadImage, has_alpha
+from lightning_lora.data.sources import ALPHA, Item, Skip, display
 from lightning_lora.errors import ConfigError, first_line
+from lightning_lora.objectives import Preservation, SampleRole
 
 __all__ = [
     "CONTROL_ASPECT_TOLERANCE",
@@ -47,9 +56,11 @@ __all__ = [
     "CacheReport",
     "ControlEntry",
     "DataSpec",
+    "EntryMask",
     "build",
     "entry_texts",
     "missing_jobs",
+    "missing_masks",
     "plan",
     "usable",
 ]
@@ -71,6 +82,8 @@ class DataSpec:
     caption_variants: int = 1
     keep_tokens: int = 0
     background: tuple[int, int, int] = (255, 255, 255)
+    preservation: Preservation = field(default_factory=Preservation)
+    """``model.preservation``: with ``every_image``, the preservation entries and their captions."""
     caption_dropout: bool = False
     """Whether caption dropout is on: an edit family whose prompt sees the controls then has each pair's empty prompt
     encoded with its controls (:attr:`CacheEntry.empty_text_key`)."""
@@ -82,6 +95,24 @@ class ControlEntry(ControlImage):
 
     latent_key: str = ""
     flip_key: str | None = None  # the mirrored control, for the mirrored target
+
+
+@dataclass(frozen=True)
+class EntryMask:
+    """An entry's mask: its ``source`` (a mask file, or the image itself for its ``alpha`` channel), the sha256 of its
+    bytes and its viewed size, the cache keys of the mask of the plain and the mirrored latent, and the loss weight
+    outside it."""
+
+    source: Path
+    digest: str
+    size: tuple[int, int]
+    alpha: bool
+    key: str
+    flip_key: str | None
+    unmasked_weight: float = 0.0
+
+    def keys(self) -> list[str]:
+        return [self.key] + ([self.flip_key] if self.flip_key else [])
 
 
 @dataclass(frozen=True)
@@ -100,6 +131,9 @@ class CacheEntry:
     repeats: int = 1
     controls: tuple[ControlEntry, ...] = ()  # in the order the model takes them
     empty_text_key: str | None = None  # the empty prompt seen with `controls` (None: the run's one empty prompt)
+    role: SampleRole = "train"
+    loss_weight: float = 1.0
+    mask: EntryMask | None = None
 
     @property
     def bucket(self) -> tuple[int, int]:
@@ -115,6 +149,22 @@ class CacheEntry:
         for c in self.controls:
             keys += [c.latent_key] + ([c.flip_key] if c.flip_key else [])
         return keys
+
+    def mask_jobs(self, cache: LatentCache) -> list[MaskJob]:
+        """The jobs that compute this entry's masks (none without a mask): the image's crop box, scaled to the mask's
+        size, at the grid of each of its latents."""
+        if self.mask is None:
+            return []
+        m, p = self.mask, self.placement
+        sx, sy = m.size[0] / p.original[0], m.size[1] / p.original[1]
+        left, top, right, bottom = p.source_box()
+        box = (left * sx, top * sy, right * sx, bottom * sy)
+        pairs = [(self.latent_key, m.key, False)] + ([(self.flip_key, m.flip_key, True)] if self.flip_key else [])
+        return [
+            MaskJob(self.image, m.source, m.digest, m.alpha, box, latent, key, flipped)
+            for latent, key, flipped in pairs
+            if key is not None
+        ]
 
 
 def entry_texts(item: Item, spec: DataSpec, validation: bool = False) -> list[str]:
@@ -135,28 +185,42 @@ def plan(
     """Entries of ``items`` (no pixels decoded) and the images that cannot be used (unreadable, too small, a control
     that cannot be read or does not fit: see the module docstring)."""
 
-    def lookup(image: Path) -> tuple[str, tuple[int, int]] | BadImage:
+    def lookup(item: Item) -> tuple[tuple[str, tuple[int, int]], _Mask | None] | BadImage:  # the image, its mask
         try:
-            return index.lookup(image)
+            found = index.lookup(item.image)
+        except BadImage as e:
+            return e
+        try:
+            return found, _mask_of(item, found, index)
+        except BadImage as e:
+            name = item.image.name if item.mask == ALPHA else item.mask.name  # type: ignore[union-attr]
+            return BadImage(f"mask: {e.kind}", f"its mask {display(name)}: {e.reason}; fix the mask or remove it")
+
+    def lookup_control(control: Path) -> tuple[str, tuple[int, int]] | BadImage:
+        try:
+            return index.lookup(control)
         except BadImage as e:
             return e
 
-    files = list(dict.fromkeys(p for item in items for p in (item.image, *item.controls)))
+    files = list(dict.fromkeys(c for item in items for c in item.controls))
     with ThreadPoolExecutor(max_workers=threads) as pool:  # hashing and header reads wait on the disk
-        looked_up = dict(zip(files, pool.map(lookup, files), strict=True))
+        looked_up = list(pool.map(lookup, items))
+        controls_found = dict(zip(files, pool.map(lookup_control, files), strict=True))
     entries: list[CacheEntry] = []
     skips: list[Skip] = []
     flips = spec.flip and not validation
-    for item in items:
-        found = looked_up[item.image]
+    twins = spec.preservation.every_image and not validation
+    for item, found in zip(items, looked_up, strict=True):
         if isinstance(found, BadImage):
             skips.append(Skip(item.image, found.kind, found.reason))
             continue
-        digest, (width, height) = found
-        controls, problem = _controls_of(item, width, height, looked_up)
+        (digest, (width, height)), mask = found
+        controls, problem = _controls_of(item, width, height, controls_found)
         if problem is not None:
             skips.append(problem)
             continue
+        if item.mask == ALPHA and mask is None:
+            skips.append(Skip(item.image, "no mask", "has no transparency (masks: alpha): trained everywhere"))
         placements, reason = spec.buckets.place(width, height)
         if reason is not None:
             skips.append(Skip(item.image, "too small", reason))
@@ -174,23 +238,32 @@ def plan(
                 for c_image, c_digest, c_size in controls
             )
             seen = placed if placed and cache.family.editing.prompt_sees_controls else ()
-            empty = cache.pair_key("", seen, spec.background) if seen and spec.caption_dropout else None
-            entries.append(
-                CacheEntry(
-                    image=item.image,
-                    caption=texts[0],
-                    resolution=resolution,
-                    placement=p,
-                    latent_key=cache.latent_key(digest, p, False, spec.background),
-                    flip_key=cache.latent_key(digest, p, True, spec.background) if flips else None,
-                    texts=tuple(texts),
-                    text_keys=tuple(cache.pair_key(t, seen, spec.background) for t in texts),
-                    digest=digest,
-                    repeats=1 if validation else item.repeats,
-                    controls=placed,
-                    empty_text_key=empty,
-                )
+
+            def text_key(text: str, seen: tuple[ControlEntry, ...] = seen) -> str:
+                return cache.pair_key(text, seen, spec.background)
+
+            latent_key = cache.latent_key(digest, p, False, spec.background)
+            flip_key = cache.latent_key(digest, p, True, spec.background) if flips else None
+            entry = CacheEntry(
+                image=item.image,
+                caption=texts[0],
+                resolution=resolution,
+                placement=p,
+                latent_key=latent_key,
+                flip_key=flip_key,
+                texts=tuple(texts),
+                text_keys=tuple(text_key(t) for t in texts),
+                digest=digest,
+                repeats=1 if validation else item.repeats,
+                controls=placed,
+                empty_text_key=text_key("") if seen and spec.caption_dropout else None,
+                role=item.role,
+                loss_weight=item.loss_weight,
+                mask=mask.keyed(cache, latent_key, flip_key, item.unmasked_weight) if mask is not None else None,
             )
+            entries.append(entry)
+            if twins and item.role == "train" and item.trigger:
+                entries.append(_preservation_entry(entry, item.trigger, spec.preservation, text_key))
     return entries, skips
 
 
@@ -215,6 +288,50 @@ def _controls_of(
             )
         controls.append((control, c_digest, (cw, ch)))
     return controls, None
+
+
+@dataclass(frozen=True)
+class _Mask:
+    """An item's mask as planned, before its keys: its file, the sha256 of its bytes, its viewed size, alpha or not."""
+
+    source: Path
+    digest: str
+    size: tuple[int, int]
+    alpha: bool
+
+    def keyed(self, cache: LatentCache, latent_key: str, flip_key: str | None, unmasked_weight: float) -> EntryMask:
+        key = cache.mask_key(self.digest, self.alpha, latent_key)
+        flip = cache.mask_key(self.digest, self.alpha, flip_key) if flip_key else None
+        return EntryMask(self.source, self.digest, self.size, self.alpha, key, flip, unmasked_weight)
+
+
+def _mask_of(item: Item, image: tuple[str, tuple[int, int]], index: ImageIndex) -> _Mask | None:
+    """The mask of ``item`` (``image``: its digest and viewed size), or None: no mask, or ``masks: alpha`` and an image
+    without transparency (counted as an image without a mask). Raises :class:`BadImage` for a mask it cannot read."""
+    if item.mask is None:
+        return None
+    if item.mask == ALPHA:
+        return _Mask(item.image, image[0], image[1], True) if has_alpha(item.image) else None
+    assert isinstance(item.mask, Path)
+    digest, size = index.lookup(item.mask)
+    return _Mask(item.mask, digest, size, False)
+
+
+def _preservation_entry(
+    entry: CacheEntry, trigger: str, preservation: Preservation, text_key: Callable[[str], str]
+) -> CacheEntry:
+    """``entry`` as a preservation sample (``every_image``): its captions without the trigger (keyed by ``text_key``:
+    with the entry's controls where its prompt sees them), its weight, no mask."""
+    texts = list(dict.fromkeys(without_trigger(t, trigger, preservation.class_word) for t in entry.texts))
+    return replace(
+        entry,
+        caption=texts[0],
+        texts=tuple(texts),
+        text_keys=tuple(text_key(t) for t in texts),
+        role="preservation",
+        loss_weight=preservation.weight,
+        mask=None,
+    )
 
 
 def missing_jobs(cache: LatentCache, entries: Sequence[CacheEntry]) -> tuple[list[LatentJob], int]:
@@ -246,9 +363,24 @@ def missing_jobs(cache: LatentCache, entries: Sequence[CacheEntry]) -> tuple[lis
     return list(jobs.values()), reused
 
 
+def missing_masks(cache: LatentCache, entries: Sequence[CacheEntry]) -> tuple[list[MaskJob], int]:
+    """Jobs for the mask files that are missing or unreadable, and the number of files reused."""
+    jobs: dict[str, MaskJob] = {}
+    for e in entries:
+        for job in e.mask_jobs(cache):
+            jobs.setdefault(job.key, job)
+    missing = [j for j in jobs.values() if not readable(cache.mask_path(j.key))]
+    return missing, len(jobs) - len(missing)
+
+
 def usable(cache: LatentCache, entries: Sequence[CacheEntry]) -> list[CacheEntry]:
-    """The entries whose latent files are all in the cache (the others were skipped when building)."""
-    return [e for e in entries if all(readable(cache.latent_path(k)) for k in e.latent_keys())]
+    """The entries whose latent (and mask) files are all in the cache (the others were skipped when building)."""
+    return [
+        e
+        for e in entries
+        if all(readable(cache.latent_path(k)) for k in e.latent_keys())
+        and (e.mask is None or all(readable(cache.mask_path(k)) for k in e.mask.keys()))
+    ]
 
 
 @dataclass
@@ -265,6 +397,9 @@ class CacheReport:
     images_encoded: int = 0
     texts_encoded: int = 0
     texts_reused: int = 0
+    masks_encoded: int = 0
+    masks_reused: int = 0
+    masks_configured: bool = False  # a folder has masks (then the summary counts them, also when none matched)
     skipped: list[Skip] = field(default_factory=list)
     seconds: float = 0.0
     encode_seconds: float = 0.0
@@ -281,17 +416,19 @@ class CacheReport:
     def format(self) -> str:
         bad = [s for s in self.skipped if not s.note]
         notes = [s for s in self.skipped if s.note]
-        train_images = len({e.image for e in self.train})
+        train = [e for e in self.train if e.role == "train"]
         lines = [
             f"Cache {display(self.root)}",
             f"  images found:    {self.images}"
             + (f" ({self.validation_images} held out for validation)" if self.validation_images else ""),
-            f"  training:        {train_images} images, {len(self.train)} entries (image x resolution), "
-            f"{sum(e.repeats for e in self.train)} samples per epoch (with repeats)"
+            f"  training:        {len({e.image for e in train})} images, {len(train)} entries (image x resolution), "
+            f"{sum(e.repeats for e in train)} samples per epoch (with repeats)"
             + (f"; {len({e.image for e in self.validation})} validation images" if self.validation else ""),
             *self._pairs(),
+            *self._roles(),
             f"  latents:         {self.latents_encoded} encoded, {self.latents_reused} reused",
             f"  text embeddings: {self.texts_encoded} encoded, {self.texts_reused} reused",
+            *self._masks(),
             *_listed("skipped:        ", bad, always=True),
             *_listed("notes:          ", notes),
         ]
@@ -304,7 +441,7 @@ class CacheReport:
     @property
     def pairs(self) -> Counter[int]:
         """Training images by their number of controls (0: text-to-image items)."""
-        first = {e.image: len(e.controls) for e in reversed(self.train)}
+        first = {e.image: len(e.controls) for e in reversed(self.train) if e.role == "train"}
         return Counter(first.values())
 
     def _pairs(self) -> list[str]:
@@ -318,6 +455,38 @@ class CacheReport:
         return [
             f"  edit pairs:      {paired} training images with controls ({each}), {counts.get(0, 0)} without; "
             f"{controls} control images"
+        ]
+
+    def _roles(self) -> list[str]:
+        """The lines of the regularization and preservation samples (none without them)."""
+        lines = []
+        regularization = [e for e in self.train if e.role == "regularization"]
+        if regularization:
+            weights = ", ".join(f"{w:g}" for w in sorted({e.loss_weight for e in regularization}))
+            lines.append(
+                f"  regularization:  {len({e.image for e in regularization})} images, "
+                f"{sum(e.repeats for e in regularization)} samples per epoch (loss weight {weights})"
+            )
+        preservation = [e for e in self.train if e.role == "preservation"]
+        if preservation:
+            lines.append(
+                f"  preservation:    {len(preservation)} entries with the trigger taken out of the caption, "
+                f"{sum(e.repeats for e in preservation)} samples per epoch "
+                f"(loss weight {preservation[0].loss_weight:g})"
+            )
+        return lines
+
+    def _masks(self) -> list[str]:
+        """The line that counts the masks (none when no folder has masks)."""
+        if not self.masks_configured:
+            return []
+        masked = len({e.image for e in self.train if e.mask is not None})
+        without = len({s.path for s in self.skipped if s.kind == "no mask"})
+        unmatched = sum(1 for s in self.skipped if s.kind == "unmatched mask")
+        return [
+            f"  masks:           {masked} images with a mask, {without} without (trained everywhere), "
+            f"{unmatched} mask{'s' if unmatched != 1 else ''} matched no image; {self.masks_encoded} computed, "
+            f"{self.masks_reused} reused"
         ]
 
 
@@ -392,9 +561,21 @@ def build(
     if on_bad_file == "error" and encoded.skips:
         raise _fatal(encoded.skips)
     bad = {s.path: s.reason for s in encoded.skips}
-    report.train, lost = _without(train, bad)
-    report.validation, val_lost = _without(validation, bad)
+    train, lost = _without(train, bad)
+    validation, val_lost = _without(validation, bad)
     report.skipped += [*lost, *val_lost]
+    report.masks_configured = any(i.mask is not None for i in [*train_items, *validation_items]) or any(
+        s.kind == "unmatched mask" for s in report.skipped
+    )
+    mask_jobs, report.masks_reused = missing_masks(cache, [*train, *validation])
+    masks = cache.encode_masks(mask_jobs, threads=max(1, workers))
+    report.masks_encoded = masks.written
+    report.skipped += masks.skips
+    if on_bad_file == "error" and masks.skips:
+        raise _fatal(masks.skips)
+    masked_bad = {s.path for s in masks.skips}
+    report.train = [e for e in train if e.image not in masked_bad]
+    report.validation = [e for e in validation if e.image not in masked_bad]
     for s in report.skipped:
         log.warning("%s", f"note: {s.line()}" if s.note else f"skipped {s.line()}")
     if not report.train:
@@ -403,6 +584,13 @@ def build(
         raise ConfigError(
             f"data.images: none of the images can be used for training ({why}); the lines above name each file and "
             "the reason."
+        )
+    if any(i.role == "regularization" for i in train_items) and not any(
+        e.role == "regularization" for e in report.train
+    ):
+        raise ConfigError(
+            "data.images: none of the regularization images can be used (the lines above name each file and the "
+            "reason); fix them, or remove the regularization folder (and model.preservation)."
         )
 
     # The run's empty prompt (caption dropout); not for a family that reads a prompt only with its controls.
