@@ -205,7 +205,8 @@ def test_the_diffusers_file_loads_with_no_key_left_over(
 ) -> None:
     """``ZImagePipeline.load_lora_weights`` puts every tensor of the file into the transformer's adapter (nothing
     unexpected, nothing missing), the scale folded so that the model computes what was trained; and the file carries
-    the ModelSpec kohya's musubi-tuner writes for Z-Image and says it loads in diffusers and ComfyUI."""
+    the ModelSpec kohya's musubi-tuner writes for Z-Image and says it loads in diffusers (ComfyUI maps its names only
+    in the releases with its Z-Image rule: the ComfyUI-layout file is the one every release loads)."""
     family = ZImage()
     model, options = _adapted(pipe, "all_linear")
     state = get_peft_model_state_dict(model)
@@ -230,7 +231,12 @@ def test_the_diffusers_file_loads_with_no_key_left_over(
     meta = read_metadata(path)
     assert meta["modelspec.architecture"] == "Z-Image/lora"
     assert meta["modelspec.implementation"] == "https://github.com/Tongyi-MAI/Z-Image"
-    assert json.loads(meta["lightning_lora.loads_in"]) == ["diffusers", "ComfyUI"]
+    assert json.loads(meta["lightning_lora.loads_in"]) == ["diffusers"]
+    comfy = export_lora(
+        state, tmp_path / "z.comfyui.safetensors", format="comfyui", lora=options, family=family, info={}
+    )
+    assert json.loads(read_metadata(comfy)["lightning_lora.loads_in"]) == ["ComfyUI"]
+    assert all(k.startswith("diffusion_model.") for k in load_file(comfy))
     adapter = json.loads(meta["lora_adapter_metadata"])
     assert adapter["transformer.r"] == 4 and adapter["transformer.lora_alpha"] == 4  # alpha / rank folded into B
 
@@ -238,8 +244,9 @@ def test_the_diffusers_file_loads_with_no_key_left_over(
 def test_layers_outside_the_blocks_and_files_made_elsewhere(
     pipe: ZImagePipeline, tiny_zimage_dir: Path, tmp_path: Path
 ) -> None:
-    """Custom targets outside the blocks (embedders, final layer) load in diffusers as trained, and the file says
-    diffusers and ComfyUI apply it; a Z-Image file without our metadata (made elsewhere) is still read as Z-Image."""
+    """Custom targets outside the blocks (embedders, final layer) load in diffusers as trained, the diffusers file
+    says diffusers applies it and the ComfyUI-layout file that every ComfyUI release does; a Z-Image file without our
+    metadata (made elsewhere) is still read as Z-Image."""
     from lightning_lora.export import file_coverage, read_lora_file
 
     outside = ["all_x_embedder.2-1", "cap_embedder.1", "t_embedder.mlp.0", "all_final_layer.2-1.adaLN_modulation.1"]
@@ -247,7 +254,8 @@ def test_layers_outside_the_blocks_and_files_made_elsewhere(
     state = get_peft_model_state_dict(model)
     family = ZImage()
     coverage = file_coverage(state, family, "diffusers")
-    assert coverage.exact("diffusers") and coverage.exact("ComfyUI") and not coverage.exact("kohya")
+    assert coverage.exact("diffusers") and not coverage.exact("ComfyUI") and not coverage.exact("kohya")
+    assert file_coverage(state, family, "comfyui").loads_in == ["ComfyUI"]
     path = export_lora(state, tmp_path / "o.safetensors", format="diffusers", lora=options, family=family, info={})
     fresh = ZImagePipeline.from_pretrained(tiny_zimage_dir)
     fresh.load_lora_weights(path)
