@@ -84,6 +84,10 @@ class Compiling:
     inside each of those blocks is the same checkpointing. Compiled blocks are checkpointed that way
     (:func:`lightning_lora.model.assembly.apply_gradient_checkpointing`); the UNets' checkpointing also recomputes their
     ResNets, which are no repeated blocks."""
+    checkpoints_in_blocks: bool = False
+    """Whether ``gradient_checkpointing`` checkpoints inside each repeated block always, as compiled blocks are, never
+    through diffusers' own checkpointing: for a model whose own checkpointing runs a block otherwise than its forward
+    does (diffusers 0.42's ``ChromaTransformer2DModel`` calls its single blocks without the attention mask then)."""
     cudnn_attention_in_auto: bool = True
     """Whether ``model.attention: auto`` may use PyTorch's cuDNN SDPA backend with this family's model."""
 

@@ -100,8 +100,14 @@ def build_lora_model(recipe: ModelRecipe, device: torch.device | None = None) ->
     for p in trainable_parameters(denoiser):
         p.data = p.data.to(torch.float32)
     if recipe.gradient_checkpointing:
-        in_blocks = recipe.compile_blocks and family.compiling.checkpoints_only_repeated_blocks
-        apply_gradient_checkpointing(denoiser, recipe.checkpoint_every, recipe.offload_activations, in_blocks)
+        compiling = family.compiling
+        in_blocks = (
+            recipe.compile_blocks or compiling.checkpoints_in_blocks
+        ) and compiling.checkpoints_only_repeated_blocks
+        every, offload = recipe.checkpoint_every, recipe.offload_activations
+        apply_gradient_checkpointing(
+            denoiser, every, offload, in_blocks, only_in_blocks=compiling.checkpoints_in_blocks
+        )
     offload_blocks(denoiser, offloaded, device)
     configure_attention(denoiser, recipe.attention, device, family.compiling.cudnn_attention_in_auto)
     if recipe.cuda_graphs and device.type != "cuda":
@@ -122,7 +128,12 @@ def build_lora_model(recipe: ModelRecipe, device: torch.device | None = None) ->
 
 
 def apply_gradient_checkpointing(
-    denoiser: DiffusersModel, every: int = 1, offload_inputs: bool = False, in_blocks: bool = False
+    denoiser: DiffusersModel,
+    every: int = 1,
+    offload_inputs: bool = False,
+    in_blocks: bool = False,
+    *,
+    only_in_blocks: bool = False,
 ) -> int:
     """Recompute block activations in the backward pass instead of keeping them.
 
@@ -141,14 +152,16 @@ def apply_gradient_checkpointing(
     the recomputation is part of the block's compiled backward: one call fewer per block and step, which counts on a
     host-bound step (``flux_8gb`` on an H200: 1.14 against 1.75-2.15 s per step at the same peak; ``qwenimage_24gb``
     2.37 against 3.31, BENCHMARKS.md, "What each option measured"). Not with ``offload_inputs``, whose
-    saved-tensor hooks stay around the compiled call. Returns how many blocks were wrapped (0: diffusers' own).
+    saved-tensor hooks stay around the compiled call. ``only_in_blocks``: in each block with ``offload_inputs`` too, for
+    a model whose own checkpointing is not its forward (the family's ``checkpoints_in_blocks``). Returns how many
+    blocks were wrapped (0: diffusers' own).
     """
     if every < 1:
         raise ConfigError(f"model.checkpoint_every: {every} must be at least 1 (1: every block).")
     offloader = InputOffloader() if offload_inputs else None
     denoiser._lora_input_offloader = offloader
     blocks = repeated_blocks(denoiser)
-    if every == 1 and (offload_inputs or not in_blocks or not blocks):
+    if every == 1 and not only_in_blocks and (offload_inputs or not in_blocks or not blocks):
         denoiser.enable_gradient_checkpointing(checkpoint_function(offloader))
         return 0
     if not blocks:
