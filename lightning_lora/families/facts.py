@@ -51,6 +51,11 @@ class Architecture:
     """Image sides must be multiples of this many pixels (VAE downscale x latent patch size)."""
     lora_presets: Mapping[str, str]
     """Named LoRA target sets: preset name -> regular expression over module names (peft ``target_modules``)."""
+    step_distilled: Mapping[str, str] = field(default_factory=dict)
+    """The hub ids of the family's step-distilled models (a few steps, no guidance), each with the undistilled model to
+    train instead ("" where there is none): a LoRA trained on a distilled base directly pulls it off its distillation,
+    so ``fit`` says once what to do when no ``model.training_adapter`` is given
+    (:func:`lightning_lora.model.training_adapter.distillation_note`)."""
 
     @property
     def tokenizers(self) -> tuple[str, ...]:

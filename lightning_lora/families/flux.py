@@ -156,6 +156,7 @@ class Flux(DiffusionFamily):
             # Every linear layer inside the blocks (attention, feed-forward, single-block MLP and output).
             "all_linear": rf".*(transformer_blocks\.\d+\.({_ATTENTION}|{_TEXT_ATTENTION}|{_MLP}|{_SINGLE}))",
         },
+        step_distilled={"black-forest-labs/FLUX.1-schnell": ""},  # 4 steps; no undistilled schnell is published
     )
     compiling: ClassVar[Compiling] = Compiling(
         stream_sources=("x_embedder", "context_embedder"), joined_streams=("transformer_blocks",)

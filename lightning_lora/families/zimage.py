@@ -156,6 +156,7 @@ class ZImage(DiffusionFamily):
             # Plus each block's timestep modulation (adaLN_modulation.0; the context refiners have none).
             "all_linear": rf".*{_BLOCK}\.({_ATTENTION}|{_FEED_FORWARD}|adaLN_modulation\.0)",
         },
+        step_distilled={"Tongyi-MAI/Z-Image-Turbo": "Tongyi-MAI/Z-Image"},  # 8 steps, no guidance
     )
     compiling: ClassVar[Compiling] = Compiling(stream_sources=("all_x_embedder", "cap_embedder"))
     planning: ClassVar[Planning] = Planning(

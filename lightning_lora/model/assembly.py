@@ -3,7 +3,8 @@ inject LoRA with peft, prepare it for training.
 
 The order matters and is fixed here, once:
 
-1. load the denoiser (transformer / UNet) in the base dtype, frozen (``requires_grad_(False)``);
+1. load the denoiser (transformer / UNet) in the base dtype, frozen (``requires_grad_(False)``), and merge the training
+   adapter into it, if there is one (:mod:`lightning_lora.model.training_adapter`);
 2. quantize the base, when the precision plugin is a quantized format: before LoRA, so peft wraps the quantized
    layers and the adapters themselves stay unquantized;
 3. inject LoRA with peft (``add_adapter``): only ``lora_A`` / ``lora_B`` require gradients;
@@ -38,6 +39,7 @@ from lightning_lora.model.attention import hand_sdpa_matching_gradients
 from lightning_lora.model.offload import offload_blocks, offloaded_blocks, repeated_blocks
 from lightning_lora.model.recipe import AttentionBackend, ModelRecipe
 from lightning_lora.model.recompute import InputOffloader, checkpoint_function, recomputed
+from lightning_lora.model.training_adapter import merge_training_adapter
 
 __all__ = [
     "CUDA_GRAPHS_MODE",
@@ -92,6 +94,8 @@ def build_lora_model(recipe: ModelRecipe, device: torch.device | None = None) ->
     family, source = recipe.family, recipe.source
     denoiser = family.load_denoiser(source)
     denoiser.requires_grad_(False)
+    if source.training_adapter is not None:  # into the base weights, before they are quantized
+        merge_training_adapter(denoiser, family, source.training_adapter)
     offloaded = offloaded_blocks(denoiser, recipe.offload_blocks)  # the same modules after quantization and LoRA
     # The blocks to offload are quantized on the CPU, where they will stay: the GPU never holds them all.
     on_cpu = frozenset(id(m) for block in offloaded for m in block.modules())
