@@ -554,6 +554,11 @@ def test_every_file_means_the_same_in_every_tool(
         }
         for tool in TOOLS:
             check_tool(tool, results[tool], expected, before, coverage, modules)
+        # The claim is ComfyUI's key map itself: claimed exactly when every key of the file is mapped (DoRA, which no
+        # ComfyUI release applies as trained, is never claimed).
+        if variant != "dora":
+            claimed = "ComfyUI" in json.loads(metadata["lightning_lora.loads_in"])
+            assert claimed == (not comfy_apply(base, tensors)[1]), f"{fmt}: ComfyUI claimed {claimed}"
         # Layers ComfyUI applies only approximately (DoRA) are exact under the fix of ComfyUI PR #15458: the file's
         # dora_scale has the right convention; only ComfyUI's norm differs today.
         if fmt == "kohya" and coverage.approximate["ComfyUI"]:
@@ -563,6 +568,40 @@ def test_every_file_means_the_same_in_every_tool(
                     patched[f"{module}.weight"], expected[f"{module}.weight"], atol=1e-5, rtol=1e-4
                 )
     assert written or "kohya" not in family.lora_files.formats, "no format holds this variant"
+
+
+def test_which_comfyui_releases_map_a_diffusers_file(bases: dict, tmp_path: Path) -> None:
+    """The minimum versions the families' coverage names: a Z-Image diffusers file is mapped whole by the ComfyUI
+    releases that have its Z-Image rule and not at all by the earlier ones (the ComfyUI-layout file by both); a FLUX.2
+    diffusers file's double-block attention by every release, its MLPs and single blocks by the later ones only, its
+    modulation by none."""
+    family, base = bases["zimage"]
+    model, options = adapted(family, base, "all_linear", "lora")
+    state = get_peft_model_state_dict(model)
+    files = {f: tmp_path / f"z.{f}.safetensors" for f in ("diffusers", "comfyui")}
+    for fmt, path in files.items():
+        export_lora(state, path, format=fmt, lora=options, family=family, info={})  # type: ignore[arg-type]
+    diffusers_file, comfy_file = load_file(files["diffusers"]), load_file(files["comfyui"])
+    assert comfy_apply(base, diffusers_file)[1] == set(diffusers_file)  # every release: none of it
+    assert comfy_apply(base, diffusers_file, every_release=False)[1] == set()
+    assert comfy_apply(base, comfy_file)[1] == set()
+
+    family, base = bases["flux2"]
+    linear = [n for n, m in base.named_modules() if isinstance(m, torch.nn.Linear)]
+    targets = [n for n in linear if n.startswith(("transformer_blocks.0.", "single_transformer_blocks.0."))]
+    model, options = adapted(family, base, [*targets, "double_stream_modulation_img.linear"], "lora")
+    state = get_peft_model_state_dict(model)
+    path = export_lora(state, tmp_path / "f.safetensors", format="diffusers", lora=options, family=family, info={})
+    modules = {k.rsplit(".", 2)[0].removeprefix("transformer.") for k in load_file(path)}
+    unloaded = {k.rsplit(".", 2)[0].removeprefix("transformer.") for k in comfy_apply(base, load_file(path))[1]}
+    later = {
+        k.rsplit(".", 2)[0].removeprefix("transformer.")
+        for k in comfy_apply(base, load_file(path), every_release=False)[1]
+    }
+    attention = {m for m in modules if ".attn." in m and not m.startswith("single")}
+    assert attention and not attention & unloaded and unloaded - attention == modules - attention
+    assert later and all("modulation" in m for m in later)
+    assert set(file_coverage(state, family, "diffusers").skipped["ComfyUI"]) == unloaded
 
 
 def test_comfyui_skips_peft_attention_names_of_a_unet(bases: dict, tmp_path: Path) -> None:
