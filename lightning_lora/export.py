@@ -305,11 +305,13 @@ def read_lora_file(path: str | Path, family: DiffusionFamily | None = None) -> L
         metadata = read_metadata(path)
     except (SafetensorError, OSError) as e:
         raise ConfigError(f"{path}: is not a readable safetensors file ({first_line(e)}).") from None
-    guessed = _family_from_keys(tensors)
-    if family is not None and guessed is not None and guessed.name != family.name:
+    claims = {cls.name: cls.claims_lora_keys(tensors) for cls in FAMILIES.values()}
+    best = max(claims.values(), default=0)
+    if family is not None and type(family).claims_lora_keys(tensors) < best:  # the keys are another family's
+        named = " or ".join(name for name, claim in claims.items() if claim == best)
         raise ConfigError(
-            f"--family {family.name}: {path} holds a {guessed.name} LoRA (by its module names); pass --family "
-            f"{guessed.name} or leave it out."
+            f"--family {family.name}: {path} holds a {named} LoRA (by its module names); pass --family "
+            f"{named.split(' or ')[0]} or leave it out."
         )
     family = family or _family_of(tensors, metadata, path)
     format = next((f for f, holds in _HOLDS.items() if holds(tensors)), None)
