@@ -16,6 +16,7 @@ the real model's *structure* and tiny widths:
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 from diffusers import ChromaPipeline, ChromaTransformer2DModel, FlowMatchEulerDiscreteScheduler
@@ -46,7 +47,9 @@ def build_tiny_chroma(seed: int = 0) -> ChromaPipeline:
     """A Chroma-shaped ``ChromaPipeline`` with tiny random weights (fp32, every component in ``eval()``); the same
     ``seed`` gives bit-identical weights in any process. See the module docstring for the shapes."""
     tokenizer = make_t5_tokenizer()
-    transformer = _build(seed, "transformer", lambda: ChromaTransformer2DModel(**TINY_CHROMA_TRANSFORMER))
+    with warnings.catch_warnings():  # diffusers 0.42's Chroma builds FLUX's position embedding by a deprecated path
+        warnings.filterwarnings("ignore", message=".*FluxPosEmbed.*", category=FutureWarning)
+        transformer = _build(seed, "transformer", lambda: ChromaTransformer2DModel(**TINY_CHROMA_TRANSFORMER))
     text_encoder = _build(seed, "text_encoder", lambda: T5EncoderModel(T5Config(  # type: ignore[call-arg]
         vocab_size=len(tokenizer),
         d_model=64,
