@@ -304,6 +304,7 @@ class Flux2(DiffusionFamily):
             "all_linear": rf".*(transformer_blocks\.\d+\.({_ATTENTION}|{_TEXT_ATTENTION}|{_MLP})"
             rf"|single_transformer_blocks\.\d+\.{_SINGLE})",
         },
+        step_distilled={_KLEIN_4B[0]: _KLEIN_4B[1], _KLEIN_9B[0]: _KLEIN_9B[1]},  # 4 steps; their base models
     )
     compiling: ClassVar[Compiling] = Compiling(stream_sources=("x_embedder", "context_embedder"))
     planning: ClassVar[Planning] = Planning(
