@@ -74,6 +74,9 @@ def test_a_run_trains_on_the_merged_base_samples_and_exports_without_the_adapter
     )
     cli = run_cli(["fit", "--config", str(config)])
     assert "Training adapter: zimage_turbo_training_adapter.safetensors merged" in capsys.readouterr().out
+    from lightning_lora.cli.fit import run_summary
+
+    assert f"training adapter:         {adapter}" in run_summary(cli.trainer)
     trained = cli.model.denoiser.eval()
     base = ZImageTransformer2DModel.from_pretrained(tiny_zimage_dir, subfolder="transformer").eval()
     for module, delta in deltas.items():  # the frozen base is the merged one
