@@ -35,13 +35,14 @@ Three layouts of LoRA *files*, each a module with a :class:`LoraLayout` object t
   the kohya layout's tensors): the names ComfyUI's generic key rule maps in every release, where its rules for diffusers
   names came with some releases only. :class:`.comfyui.ComfyLayout`.
 
-Four layouts of model *weights* (a checkpoint's names against diffusers'), which the kohya and ComfyUI layouts name
-modules by, and single-file checkpoints and the tests use:
+Five layouts of model *weights* (a checkpoint's names against diffusers'), which the kohya and ComfyUI layouts name
+modules by, and single-file checkpoints, ComfyUI's key maps and the tests use:
 
 * :mod:`.bfl`: Black Forest Labs' names of the FLUX.1 and FLUX.2 transformers (fused q/k/v);
 * :mod:`.chroma`: Chroma's original names (FLUX's, without the modulation layers, and its approximator);
 * :mod:`.ldm`: the LDM/SGM names of a Stable Diffusion UNet;
-* :mod:`.nextdit`: Z-Image's original names (ComfyUI's NextDiT).
+* :mod:`.nextdit`: Z-Image's original names (ComfyUI's NextDiT);
+* :mod:`.krea2`: Krea 2's original names (Krea's checkpoint, ComfyUI's model).
 
 And what they share: :mod:`.adapters` (one adapted layer of any variant under peft's tensor names, and the rank each
 loader divides ``alpha`` by) and :mod:`.clients` (which layers of a file each of those loaders applies, by its key
