@@ -18,7 +18,7 @@ from PIL import Image
 from safetensors.torch import save_file
 
 from lightning_lora.errors import ConfigError
-from lightning_lora.families import Flux, ModelSource, ZImage
+from lightning_lora.families import Flux, Krea2, ModelSource, ZImage
 from lightning_lora.model.training_adapter import adapter_removed, distillation_note
 
 ADAPTED = {"layers.0.attention.to_q": 0.5, "layers.1.feed_forward.w1": 0.25}
@@ -156,13 +156,16 @@ def test_a_bad_adapter_is_one_line_naming_the_option(tmp_path: Path, tiny_zimage
 
 
 def test_a_distilled_hub_model_without_an_adapter_gets_one_line(caplog: pytest.LogCaptureFixture) -> None:
-    """Z-Image-Turbo and FLUX.1-schnell are step-distilled: ``fit`` says once what training one does and what to do;
-    not with an adapter, and not for the undistilled models."""
+    """Z-Image-Turbo, FLUX.1-schnell and Krea 2 Turbo are step-distilled: ``fit`` says once what training one does and
+    what to do (the undistilled model to train instead, where there is one); not with an adapter, and not for the
+    undistilled models."""
     note = distillation_note(ZImage(), ModelSource("Tongyi-MAI/Z-Image-Turbo"))
     assert note is not None and "\n" not in note
     assert "model.training_adapter" in note and "undistilled Tongyi-MAI/Z-Image" in note
     assert "undistilled" not in (distillation_note(Flux(), ModelSource("black-forest-labs/FLUX.1-schnell")) or "")
     assert distillation_note(Flux(), ModelSource("black-forest-labs/FLUX.1-schnell")) is not None
+    assert "undistilled krea/Krea-2-Raw instead" in (distillation_note(Krea2(), ModelSource("krea/Krea-2-Turbo")) or "")
+    assert distillation_note(Krea2(), ModelSource("krea/Krea-2-Raw")) is None
     assert distillation_note(ZImage(), ModelSource("Tongyi-MAI/Z-Image")) is None
     assert distillation_note(Flux(), ModelSource("black-forest-labs/FLUX.1-dev")) is None
 
