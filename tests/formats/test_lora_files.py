@@ -305,15 +305,16 @@ def comfy_key_map(
 ) -> dict[str, Any]:
     """ComfyUI's LoRA key map (``comfy/lora.py`` ``model_lora_keys_unet``): LoRA key prefix -> target weight, or
     ``(target, offset, function)``. ``every_release``: the rules of every ComfyUI release that runs the model (what a
-    file's ``loads_in`` claims); False: the latest release's (Z-Image's diffusers names, FLUX.2's MLP and single-block
-    entries of ``flux_to_diffusers``, which came later).
+    file's ``loads_in`` claims); False: the latest release's (Z-Image's and Qwen-Image's diffusers names, FLUX.2's MLP
+    and single-block entries of ``flux_to_diffusers``, which came later).
 
     The rules, as read in ComfyUI's source: every weight ``diffusion_model.<name>.weight`` of the model as ComfyUI
     builds it is mapped from ``diffusion_model.<name>`` and ``lora_unet_<name with _>`` (generic, every model and
     release); SD UNets' diffusers names (``unet_to_diffusers``); a model of the FLUX kind (FLUX.1, FLUX.2, Chroma)
     maps FLUX.1's diffusers names under ``transformer.``, ``lycoris_`` and ``lora_transformer_`` onto the BFL weight,
-    q/k/v onto their rows (``flux_to_diffusers``); Qwen-Image its own (diffusers) names under three prefixes; Z-Image,
-    since its rule came, the diffusers names ``z_image_to_diffusers`` lists under four prefixes."""
+    q/k/v onto their rows (``flux_to_diffusers``); Qwen-Image, since its rule came (ComfyUI PR #9208, in 0.3.50: 0.3.49
+    ran Qwen-Image without it), its own (diffusers) names under three prefixes; Z-Image, since its rule came, the
+    diffusers names ``z_image_to_diffusers`` lists under four prefixes."""
     key_map: dict[str, Any] = {}
     for k in model_sd:
         if k.startswith("diffusion_model.") and k.endswith(".weight"):
@@ -323,7 +324,9 @@ def comfy_key_map(
         return key_map if every_release else {**key_map, **_zimage_key_map(base)}
     if _is_krea2(base):  # comfy/lora.py: isinstance(model, Krea2), in every release that runs Krea 2
         return {**key_map, **_krea2_key_map(base)}
-    if _is_qwenimage(base):  # comfy/lora.py: isinstance(model, QwenImage)
+    if _is_qwenimage(base):  # comfy/lora.py: isinstance(model, QwenImage), since 0.3.50 (0.3.49 ran it without)
+        if every_release:
+            return key_map
         for k in model_sd:
             if k.startswith("diffusion_model.") and k.endswith(".weight"):
                 module = k[len("diffusion_model.") : -len(".weight")]
@@ -625,20 +628,22 @@ def test_every_file_means_the_same_in_every_tool(
 
 
 def test_which_comfyui_releases_map_a_diffusers_file(bases: dict, tmp_path: Path) -> None:
-    """The minimum versions the families' coverage names: a Z-Image diffusers file is mapped whole by the ComfyUI
-    releases that have its Z-Image rule and not at all by the earlier ones (the ComfyUI-layout file by both); a FLUX.2
-    diffusers file's double-block attention by every release, its MLPs and single blocks by the later ones only, its
-    modulation by none."""
-    family, base = bases["zimage"]
-    model, options = adapted(family, base, "all_linear", "lora")
-    state = get_peft_model_state_dict(model)
-    files = {f: tmp_path / f"z.{f}.safetensors" for f in ("diffusers", "comfyui")}
-    for fmt, path in files.items():
-        export_lora(state, path, format=fmt, lora=options, family=family, info={})  # type: ignore[arg-type]
-    diffusers_file, comfy_file = load_file(files["diffusers"]), load_file(files["comfyui"])
-    assert comfy_apply(base, diffusers_file)[1] == set(diffusers_file)  # every release: none of it
-    assert comfy_apply(base, diffusers_file, every_release=False)[1] == set()
-    assert comfy_apply(base, comfy_file)[1] == set()
+    """The minimum versions the families' coverage names: a Z-Image (Qwen-Image) diffusers file is mapped whole by the
+    ComfyUI releases that have its Z-Image (Qwen-Image) rule and not at all by the earlier ones (the ComfyUI-layout
+    (kohya-layout) file by both); a FLUX.2 diffusers file's double-block attention by every release, its MLPs and single
+    blocks by the later ones only, its modulation by none."""
+    for name, other in (("zimage", "comfyui"), ("qwenimage", "kohya")):
+        family, base = bases[name]
+        model, options = adapted(family, base, "all_linear" if name == "zimage" else "attention", "lora")
+        state = get_peft_model_state_dict(model)
+        files = {f: tmp_path / f"{name}.{f}.safetensors" for f in ("diffusers", other)}
+        for fmt, path in files.items():
+            export_lora(state, path, format=fmt, lora=options, family=family, info={})  # type: ignore[arg-type]
+        diffusers_file, other_file = load_file(files["diffusers"]), load_file(files[other])
+        assert comfy_apply(base, diffusers_file)[1] == set(diffusers_file), name  # every release: none of it
+        assert comfy_apply(base, diffusers_file, every_release=False)[1] == set(), name
+        assert comfy_apply(base, other_file)[1] == set(), name
+        assert "ComfyUI" not in file_coverage(state, family, "diffusers").loads_in, name
 
     family, base = bases["flux2"]
     linear = [n for n, m in base.named_modules() if isinstance(m, torch.nn.Linear)]
