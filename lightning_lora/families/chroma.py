@@ -66,7 +66,7 @@ from lightning_lora.families.base import (
 )
 from lightning_lora.families.encoders import T5_XXL
 from lightning_lora.families.facts import Architecture, Compiling, LoraFiles, Planning
-from lightning_lora.families.flux import FLUX1_VAE, Flux, latent_image_ids, pack_latents
+from lightning_lora.families.flux import FLUX1_VAE, Flux, flux_vae_latents, latent_image_ids, pack_latents
 from lightning_lora.formats.bfl import FluxDims
 from lightning_lora.formats.chroma import chroma_lora_slices, chroma_slice
 from lightning_lora.formats.clients import COMFY_DORA, COMFY_PEFT_DORA, DIFFUSERS_DORA, Coverage, rules_unknown
@@ -231,10 +231,7 @@ class Chroma(DiffusionFamily):
 
     @torch.no_grad()
     def encode_images(self, vae: DiffusersModel, pixels: torch.Tensor) -> torch.Tensor:
-        posterior = vae.encode(pixels.to(device=vae.device, dtype=vae.dtype)).latent_dist
-        # The mean, not a sample: deterministic, so a content-hashed cache entry has one right value.
-        z = posterior.mode()
-        return ((z - vae.config.shift_factor) * vae.config.scaling_factor).float()
+        return flux_vae_latents(vae, pixels)
 
     @property
     @override

@@ -69,7 +69,7 @@ from lightning_lora.families.base import (
 )
 from lightning_lora.families.encoders import QWEN3_4B
 from lightning_lora.families.facts import Architecture, Compiling, LoraFiles, Planning
-from lightning_lora.families.flux import FLUX1_VAE
+from lightning_lora.families.flux import FLUX1_VAE, flux_vae_latents
 from lightning_lora.formats.clients import COMFY_DORA, DIFFUSERS_DORA, Coverage, rules_unknown
 from lightning_lora.formats.comfyui import ComfyLayout
 from lightning_lora.formats.diffusers import DiffusersLayout
@@ -243,10 +243,7 @@ class ZImage(DiffusionFamily):
 
     @torch.no_grad()
     def encode_images(self, vae: DiffusersModel, pixels: torch.Tensor) -> torch.Tensor:
-        posterior = vae.encode(pixels.to(device=vae.device, dtype=vae.dtype)).latent_dist
-        # The mean, not a sample: deterministic, so a content-hashed cache entry has one right value.
-        z = posterior.mode()
-        return ((z - vae.config.shift_factor) * vae.config.scaling_factor).float()
+        return flux_vae_latents(vae, pixels)
 
     @property
     @override
