@@ -178,3 +178,35 @@ def test_a_distilled_hub_model_without_an_adapter_gets_one_line(caplog: pytest.L
     with caplog.at_level(logging.INFO):
         module.setup("fit")
     assert [r.getMessage() for r in caplog.records if "step-distilled" in r.getMessage()] == [note]
+
+
+def test_the_adapter_is_merged_before_the_base_is_quantized(tmp_path: Path, tiny_zimage_dir: Path) -> None:
+    """With an FP8 base, an adapted layer stores the FP8 form of the merged weight ``W + B A``, bit for bit (not the
+    base's own FP8 form), and taking the adapter out of a forward leaves ``Q(W + B A) x - B A x``."""
+    from diffusers import ZImageTransformer2DModel
+    from helpers import build_model
+
+    from lightning_lora.lora import LoraOptions
+    from lightning_lora.precision import FP8
+    from lightning_lora.precision.fp8 import FP8Linear, quantize_rowwise
+
+    adapter, deltas = adapter_file(tmp_path, tiny_zimage_dir)
+    source = ModelSource(str(tiny_zimage_dir), training_adapter=str(adapter), dtype=torch.float32)
+    model = build_model(ZImage(), source, LoraOptions(rank=2, targets="attention"), precision=FP8(dtype="fp32"))
+    base = ZImageTransformer2DModel.from_pretrained(tiny_zimage_dir, subfolder="transformer")
+    for module, delta in deltas.items():
+        layer = model.get_submodule(module)
+        stored = getattr(layer, "base_layer", layer)
+        assert isinstance(stored, FP8Linear), module
+        weight = base.get_submodule(module).weight.detach()
+        merged, scale = quantize_rowwise(weight + delta)
+        assert torch.equal(stored.weight.view(torch.uint8), merged.view(torch.uint8)), module
+        torch.testing.assert_close(stored.weight_scale, scale.squeeze(1))
+        assert not torch.equal(stored.weight.view(torch.uint8), quantize_rowwise(weight)[0].view(torch.uint8))
+        x = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(1))
+        with torch.no_grad(), adapter_removed(model):
+            without = layer(x)  # the LoRA's B is zero: the layer computes its base
+        expected = x @ stored.dequantized(torch.float32).T - x @ delta.T
+        if stored.bias is not None:
+            expected = expected + stored.bias
+        torch.testing.assert_close(without, expected, atol=1e-4, rtol=1e-4)
