@@ -268,6 +268,47 @@ def test_layers_outside_the_blocks_and_files_made_elsewhere(
     assert read_lora_file(bare).family.name == "zimage"
 
 
+def _deltas(path: Path) -> dict[str, torch.Tensor]:
+    """Each layer's update ``B @ A`` in a diffusers-layout file (the scale folded into ``B``)."""
+    tensors = load_file(path)
+    modules = {k.removeprefix("transformer.").rsplit(".", 2)[0] for k in tensors}
+    return {m: tensors[f"transformer.{m}.lora_B.weight"] @ tensors[f"transformer.{m}.lora_A.weight"] for m in modules}
+
+
+def test_the_export_command_writes_and_reads_the_comfyui_file(
+    pipe: ZImagePipeline, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``lightning-lora export --format comfyui`` turns a Z-Image diffusers file into the ComfyUI-layout file (every
+    ComfyUI release), and that back into a diffusers file with the same update in every layer (q/k/v out of the fused
+    ``qkv``); a FLUX file asked for the ComfyUI layout is one line naming the formats FLUX writes, and no file."""
+    from lightning_lora.cli.export import main as export_main
+
+    model, options = _adapted(pipe, "all_linear")
+    state = get_peft_model_state_dict(model)
+    path = export_lora(state, tmp_path / "z.safetensors", format="diffusers", lora=options, family=ZImage(), info={})
+    comfy, back = tmp_path / "z.comfyui.safetensors", tmp_path / "back.safetensors"
+    assert export_main([str(path), "--format", "comfyui", "--out", str(comfy)]) == 0
+    assert "applies every layer as trained in: ComfyUI" in capsys.readouterr().out
+    assert all(k.startswith("diffusion_model.") for k in load_file(comfy))
+    assert any(".attention.qkv." in k for k in load_file(comfy))
+    assert export_main([str(comfy), "--format", "diffusers", "--out", str(back)]) == 0
+    want, got = _deltas(path), _deltas(back)
+    assert got.keys() == want.keys()
+    for module, delta in want.items():
+        torch.testing.assert_close(got[module], delta, atol=1e-6, rtol=1e-5, msg=module)
+
+    flux = tmp_path / "flux.safetensors"
+    save_file(
+        {"transformer.transformer_blocks.0.attn.to_q.lora_A.weight": torch.ones(2, 64)}
+        | {"transformer.transformer_blocks.0.attn.to_q.lora_B.weight": torch.ones(64, 2)},
+        flux,
+    )
+    out = tmp_path / "flux.comfyui.safetensors"
+    assert export_main([str(flux), "--format", "comfyui", "--out", str(out), "--family", "flux"]) == 2
+    err = capsys.readouterr().err
+    assert "comfyui" in err and "kohya" in err and "\n" not in err.strip() and not out.exists()
+
+
 def test_comfyui_targets_every_linear_layer(pipe: ZImagePipeline) -> None:
     """ComfyUI's Z-Image key map (``z_image_to_diffusers``) has an entry for every linear layer of the model, q/k/v
     on their thirds of the fused ``qkv`` (whose rows the original file holds in that order)."""
