@@ -260,9 +260,15 @@ class Chroma(DiffusionFamily):
             shift=shift,
         )
 
-    def loss(
+    @override
+    def prediction_layout(self, latent_map: torch.Tensor) -> torch.Tensor:
+        """Packed as the latents are (:func:`~lightning_lora.families.flux.pack_latents`)."""
+        return pack_latents(latent_map)
+
+    @override
+    def predict(
         self, denoiser: DiffusersModel, batch: dict[str, torch.Tensor], noise: torch.Tensor, timesteps: torch.Tensor
-    ) -> torch.Tensor:
+    ) -> objectives.Prediction:
         x0 = batch["latents"]
         _, _, h, w = x0.shape
         dtype = compute_dtype(denoiser)
@@ -279,7 +285,7 @@ class Chroma(DiffusionFamily):
             return_dict=False,
         )[0]
         target = pack_latents(objectives.flow_match_target(x0.float(), noise.float()))
-        return objectives.per_sample_mse(prediction, target)
+        return objectives.Prediction(prediction, target)
 
     # -- sampling ----------------------------------------------------------------------------------------------
     @override

@@ -586,3 +586,29 @@ def test_profile_steps_profile_after_the_timed_steps_and_leave_their_timing_alon
     for bad in (["--profile-steps", "2"], ["--profile", "p.txt", "--profile-steps", "-1"]):
         with pytest.raises(SystemExit):
             bench.parse_args(["--tiny", *bad])
+
+
+def test_bench_dop_and_masks_train_the_module_with_their_batches(tmp_path) -> None:
+    """``--dop 1``: every sample a preservation sample, so the step runs DOP's adapter-off forward first; a fresh LoRA
+    (a zero update) then predicts what the base does: the loss is exactly 0, masked (``--masks 1``) or not. A config
+    with ``model.preservation.mode: dop`` and a folder with masks turns both on; the plan counts DOP's forward."""
+    import yaml
+
+    argv = ["--rank", "4", "--h", "64", "--w", "64", "--tlen", "16", "--steps", "1", "--warm", "1", "--opt", "adamw"]
+    for loop in ("lightning", "bare"):
+        out = bench.run(bench.parser().parse_args([*argv, "--tiny", "--dop", "1", "--masks", "1", "--loop", loop]))
+        assert (out["dop"], out["masks"], out["loss"]) == (1, 1, 0.0), out
+    assert "preservation" in out["planned"]
+    dataset = bench.Synthetic("flux", bench.CONFIGS["flux"][1], 64, 64, 16, masks=True, dop=True)
+    item = dataset[0]
+    assert item["role"] == "preservation" and item["loss_mask"].shape == (1, *item["latents"].shape[-2:])
+    assert item["loss_mask"].sum() == item["loss_mask"].numel() / 2
+    doc = yaml.safe_load((REPO / "configs" / "flux_4090.yaml").read_text())
+    shipped = bench.parse_args(["--config", str(REPO / "configs" / "flux_4090.yaml")])
+    assert (shipped.dop, shipped.masks) == (0, 0)  # commented out there
+    doc["model"]["preservation"] = {"mode": "dop", "every_image": True}
+    doc["data"]["images"] = [{"path": "data/me", "masks": "data/me_masks"}]
+    path = tmp_path / "flux_dop.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    a = bench.parse_args(["--config", str(path)])
+    assert (a.dop, a.masks) == (1, 1) and not any("preservation" in n for n in a.not_reproduced)
