@@ -496,6 +496,12 @@ class DiffusionFamily(ABC):
         """The diffusers pipeline class samples are drawn with (the first of ``architecture.pipeline_classes``)."""
         return self.architecture.pipeline_classes[0]
 
+    def is_distilled(self, source: ModelSource) -> bool:
+        """Whether ``source`` is a step-distilled model (a few steps, no guidance). Default: one of
+        ``architecture.step_distilled``'s hub ids; a family whose pipeline records it (FLUX.2 klein's and Krea 2's
+        ``is_distilled`` in ``model_index.json``) reads a folder's too."""
+        return not source.is_local and source.pretrained in self.architecture.step_distilled
+
     def pipeline_options(self, source: ModelSource) -> dict[str, Any]:
         """What :attr:`pipeline_class` needs besides its denoiser, VAE, scheduler and text components (none by
         default)."""

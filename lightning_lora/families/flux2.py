@@ -571,6 +571,7 @@ class Flux2(DiffusionFamily):
         return objectives.Prediction(prediction, target)
 
     # -- sampling ----------------------------------------------------------------------------------------------
+    @override
     def is_distilled(self, source: ModelSource) -> bool:
         """``is_distilled`` of the klein pipeline's ``model_index.json`` (a step-distilled model ignores CFG)."""
         if self.variant != "klein":

@@ -405,6 +405,7 @@ class Krea2(DiffusionFamily):
         return objectives.Prediction(prediction, target)
 
     # -- sampling ----------------------------------------------------------------------------------------------
+    @override
     def is_distilled(self, source: ModelSource) -> bool:
         """Whether ``source`` is step-distilled (Turbo): a known hub id by ``architecture.step_distilled``, else its
         ``model_index.json``'s ``is_distilled`` (what ``Krea2Pipeline`` samples by)."""

@@ -155,13 +155,12 @@ def adapter_removed(denoiser: nn.Module) -> Iterator[None]:
 
 
 def distillation_note(family: DiffusionFamily, source: ModelSource) -> str | None:
-    """One line for ``fit`` to say when the base is a step-distilled model the family knows
-    (``architecture.step_distilled``) and no training adapter is given: what will happen and what to do."""
-    if source.training_adapter is not None or source.is_local:
+    """One line for ``fit`` to say when the base is step-distilled (:meth:`~lightning_lora.families.base.
+    DiffusionFamily.is_distilled`: a hub id of ``architecture.step_distilled``, or a folder whose pipeline says so)
+    and no training adapter is given: what will happen and what to do."""
+    if source.training_adapter is not None or not family.is_distilled(source):
         return None
-    undistilled = family.architecture.step_distilled.get(source.pretrained)
-    if undistilled is None:
-        return None
+    undistilled = "" if source.is_local else family.architecture.step_distilled.get(source.pretrained, "")
     instead = f", or train the undistilled {undistilled} instead" if undistilled else ""
     return (
         f"model.pretrained: {source.pretrained} is step-distilled, and a LoRA trained on it directly pulls it off its "

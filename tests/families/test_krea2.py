@@ -33,6 +33,7 @@ from lightning_lora.families.base import SampleSettings
 from lightning_lora.families.krea2 import KREA2_TRANSFORMER, compact_text, position_ids
 from lightning_lora.formats.krea2 import comfy_target, diffusers_to_original
 from lightning_lora.lora import LoraOptions
+from lightning_lora.model.training_adapter import distillation_note
 
 PROMPTS = ["a photo of sks cat with a red mug on the table", "a dog"]  # different lengths: a mask in the batch
 LENGTH = 32  # text tokens after the system turn in these tests (the template's closing 5 among them)
@@ -283,6 +284,10 @@ def test_turbo_is_the_distilled_model(model_dir: Path, tmp_path: Path, monkeypat
     index = json.loads((model_dir / "model_index.json").read_text())
     (turbo / "model_index.json").write_text(json.dumps({**index, "is_distilled": True}))
     assert family.pipeline_options(ModelSource(str(turbo))) == {"is_distilled": True}
+    # fit's one line for a distilled base without a training adapter: the folder's too, naming no hub model for it
+    note = distillation_note(family, ModelSource(str(turbo)))
+    assert note is not None and str(turbo) in note and "instead" not in note
+    assert distillation_note(family, ModelSource(str(model_dir))) is None
 
 
 def test_a_model_with_other_text_layers_is_refused(model_dir: Path, tmp_path: Path) -> None:
