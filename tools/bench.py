@@ -21,15 +21,14 @@ base sharded with FSDP2 over the N GPUs: ``trainer.strategy: fsdp``,
     python tools/bench.py --quant none --opt adamw --devices 2 --strategy fsdp
 
 Families (``--family``): ``flux`` (FLUX.1-dev), ``sdxl`` (SDXL base 1.0), ``sd15`` (Stable Diffusion 1.5),
-``zimage`` (Z-Image-Turbo), ``qwenimage`` (Qwen-Image), ``flux2`` (FLUX.2 klein base 4B), ``krea2`` (Krea 2 Raw) and
-the edit models ``flux_kontext`` (FLUX.1 Kontext [dev]), ``qwenimage_edit`` (Qwen-Image-Edit) and
-``qwenimage_edit_plus`` (Qwen-Image-Edit-2511). ``--controls N``: N control / reference images of the target's size
-per sample (an edit config's ``data.images[].controls`` by default; FLUX.2 takes references too), their cached latents
-in the batch as the cache serves them, the planner counting their tokens, and the samples drawn from N random control
-images of the samples' size.
-Each is the real family class (:func:`random_family`) with its denoiser built from the family's ``known_denoisers``
-config, or a tiny config with ``--tiny``; the batches have exactly the keys and shapes its ``loss`` reads from the
-cache, as the family describes them (:func:`cached_item`).
+``zimage`` (Z-Image-Turbo), ``qwenimage`` (Qwen-Image), ``flux2`` (FLUX.2 klein base 4B), ``krea2`` (Krea 2 Raw),
+``chroma`` (Chroma1-HD), and the edit models ``flux_kontext`` (FLUX.1 Kontext [dev]), ``qwenimage_edit``
+(Qwen-Image-Edit) and ``qwenimage_edit_plus`` (Qwen-Image-Edit-2511). ``--controls N``: N control / reference images of
+the target's size per sample (an edit config's ``data.images[].controls`` by default; FLUX.2 takes references too),
+their cached latents in the batch as the cache serves them, the planner counting their tokens, and the samples drawn
+from N random control images of the samples' size. Each is the real family class (:func:`random_family`) with its
+denoiser built from the family's ``known_denoisers`` config, or a tiny config with ``--tiny``; the batches have exactly
+the keys and shapes its ``loss`` reads from the cache, as the family describes them (:func:`cached_item`).
 
 Preservation and masks (their cost against the same row without them): ``--dop 1`` trains with
 ``model.preservation.mode: dop`` and every sample a preservation sample, so every step runs DOP's forward without
@@ -104,6 +103,7 @@ from lightning_lora.errors import ConfigError
 from lightning_lora.families import (
     SD15,
     SDXL,
+    Chroma,
     DiffusionFamily,
     Flux,
     Flux2,
@@ -207,6 +207,19 @@ KREA2_TINY = dict(  # lightning_lora.tiny.krea2's transformer: 2 blocks, 4 heads
 KONTEXT_DEV = dict(FluxKontext.planning.known_denoisers["black-forest-labs/FLUX.1-Kontext-dev"])  # FLUX.1-dev's
 QWEN_IMAGE_EDIT = dict(QwenImageEdit.planning.known_denoisers["Qwen/Qwen-Image-Edit"])  # Qwen-Image's
 QWEN_IMAGE_EDIT_2511 = dict(QwenImageEditPlus.planning.known_denoisers["Qwen/Qwen-Image-Edit-2511"])  # zero_cond_t
+CHROMA = dict(Chroma.planning.known_denoisers["lodestones/Chroma1-HD"])
+CHROMA_TINY = dict(  # lightning_lora.tiny.chroma's transformer: 2 double + 2 single blocks, 2 heads of 16
+    CHROMA,
+    num_layers=2,
+    num_single_layers=2,
+    attention_head_dim=16,
+    num_attention_heads=2,
+    joint_attention_dim=64,
+    axes_dims_rope=[4, 4, 8],
+    approximator_num_channels=16,
+    approximator_hidden_dim=32,
+    approximator_layers=2,
+)
 CONFIGS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "flux": (FLUX_DEV, FLUX_TINY),  # FLUX.1-dev, 11.9 B
     "sdxl": (SDXL_BASE, SDXL_TINY),  # SDXL base 1.0's UNet, 2.6 B
@@ -218,6 +231,7 @@ CONFIGS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "flux_kontext": (KONTEXT_DEV, FLUX_TINY),  # FLUX.1 Kontext [dev]: FLUX.1-dev's transformer, 11.9 B
     "qwenimage_edit": (QWEN_IMAGE_EDIT, QWEN_IMAGE_TINY),  # Qwen-Image-Edit, 20.4 B
     "qwenimage_edit_plus": (QWEN_IMAGE_EDIT_2511, dict(QWEN_IMAGE_TINY, zero_cond_t=True)),  # -2511, 20.4 B
+    "chroma": (CHROMA, CHROMA_TINY),  # Chroma1-HD, 8.9 B
 }
 """The denoiser configs by family: the real one (the family's ``known_denoisers``) and a tiny one for CPU runs."""
 
@@ -237,6 +251,7 @@ VAES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "flux_kontext": (FLUX1_VAE, dict(FLUX1_VAE, **SMALL)),
     "qwenimage_edit": (QWEN_IMAGE_VAE, QWEN_TINY_VAE),
     "qwenimage_edit_plus": (QWEN_IMAGE_VAE, QWEN_TINY_VAE),
+    "chroma": (FLUX1_VAE, dict(FLUX1_VAE, **SMALL)),  # Chroma decodes with FLUX.1's VAE
 }
 """The VAE configs by family (real, tiny), for sample generation: the tiny ones have the tiny denoisers' latent
 channels. Only the decoder runs while sampling."""
@@ -330,6 +345,10 @@ class RandomQwenImageEditPlus(RandomWeights, QwenImageEditPlus):
     pass
 
 
+class RandomChroma(RandomWeights, Chroma):
+    pass
+
+
 RANDOM: dict[str, type[DiffusionFamily]] = {
     cls.name: cls
     for cls in (
@@ -343,6 +362,7 @@ RANDOM: dict[str, type[DiffusionFamily]] = {
         RandomFluxKontext,
         RandomQwenImageEdit,
         RandomQwenImageEditPlus,
+        RandomChroma,
     )
 }
 
@@ -886,6 +906,7 @@ SCHEDULERS = {  # family -> the scheduler class and its config, as lightning_lor
     "flux2": ("FlowMatchEulerDiscreteScheduler", "lightning_lora.tiny.flux2", "FLUX2_SCHEDULER_CONFIG"),
     "krea2": ("FlowMatchEulerDiscreteScheduler", "lightning_lora.tiny.krea2", "KREA2_SCHEDULER_CONFIG"),
     "flux_kontext": ("FlowMatchEulerDiscreteScheduler", "lightning_lora.tiny.flux", "FLUX_DEV_SCHEDULER_CONFIG"),
+    "chroma": ("FlowMatchEulerDiscreteScheduler", "lightning_lora.tiny.flux", "FLUX_DEV_SCHEDULER_CONFIG"),
 }
 SCHEDULERS["qwenimage_edit"] = SCHEDULERS["qwenimage_edit_plus"] = SCHEDULERS["qwenimage"]  # as tiny.qwenimage_edit
 
@@ -1438,6 +1459,7 @@ FAMILY_CLASSES = {
     "lightning_lora.families.FluxKontext": "flux_kontext",
     "lightning_lora.families.QwenImageEdit": "qwenimage_edit",
     "lightning_lora.families.QwenImageEditPlus": "qwenimage_edit_plus",
+    "lightning_lora.families.Chroma": "chroma",
 }
 """``model.family.class_path`` -> ``--family`` (also the classes' module paths, e.g. ``...families.flux.Flux``)."""
 

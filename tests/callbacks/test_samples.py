@@ -5,9 +5,9 @@ settings.
 
 This covers the whole chain at once: cached prompt (and empty-prompt) embeddings vs. the pipeline's own text encoding,
 the family's sampling pipeline and scheduler vs. the one ``from_pretrained`` builds, classifier-free guidance
-(SDXL's zeroed negative, SD1.5's and Z-Image's empty-prompt negative), distilled guidance (FLUX.1-dev's and FLUX.2
-dev's guidance input), the edit families' control images (FLUX.1 Kontext, FLUX.2 references, Qwen-Image-Edit, whose
-prompt and negative are read with the control), and the LoRA export. The images are compared as
+(SDXL's zeroed negative, SD1.5's, Z-Image's and Chroma's empty-prompt negative), distilled guidance (FLUX.1-dev's
+and FLUX.2 dev's guidance input), the edit families' control images (FLUX.1 Kontext, FLUX.2 references,
+Qwen-Image-Edit, whose prompt and negative are read with the control), and the LoRA export. The images are compared as
 the 8-bit PNGs a user sees; float rounding may move a pixel by one level, a wrong LoRA scale or negative prompt moves
 many.
 """
@@ -40,7 +40,23 @@ CASES = {
     # FLUX.2 dev: guidance-distilled, the scale is the transformer's guidance input; Mistral3 captions with the system
     # message (32 of the 64 tokens)
     "flux2_dev": ("Flux2", {"variant": "dev", "max_sequence_length": 64}, 4.0, {"max_sequence_length": 64}),
+    # Chroma: true CFG with the empty prompt; the padding masked as a boolean mask (the pipeline's own float mask is a
+    # bias, diffusers issue #13619: the fresh pipeline gets the boolean one, as diffusers PR #12263 gave it)
+    "chroma": ("Chroma", {"max_sequence_length": 64}, 4.0, {"max_sequence_length": 64}),
 }
+
+
+def chroma_masks_as_booleans(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ChromaPipeline`` with the text mask it builds kept boolean (diffusers PR #12263, undone by PR #12508)."""
+    from diffusers import ChromaPipeline
+
+    original = ChromaPipeline._get_t5_prompt_embeds
+
+    def boolean(self: Any, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        embeds, mask = original(self, *args, **kwargs)
+        return embeds, mask.bool()
+
+    monkeypatch.setattr(ChromaPipeline, "_get_t5_prompt_embeds", boolean)
 
 
 def assert_sample_equals_the_pipeline(
@@ -112,8 +128,10 @@ def assert_sample_equals_the_pipeline(
 
 @pytest.mark.parametrize("family", list(CASES))
 def test_callback_image_equals_fresh_pipeline_with_exported_lora(
-    family: str, tmp_path: Path, photos_dir: Path, request: pytest.FixtureRequest
+    family: str, tmp_path: Path, photos_dir: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    if family == "chroma":
+        chroma_masks_as_booleans(monkeypatch)
     model_dir: Path = request.getfixturevalue(f"tiny_{family}_dir")
     cls, init_args, guidance, extra = CASES[family]
     assert_sample_equals_the_pipeline(family, tmp_path, model_dir, photos_dir, (cls, init_args, guidance, SIZE), extra)
