@@ -65,6 +65,7 @@ __all__ = [
     "CheckpointLora",
     "LoraFile",
     "check_export",
+    "checkpoint_ema",
     "checkpoint_lora",
     "convert_lora_file",
     "export_lora",
@@ -72,6 +73,7 @@ __all__ = [
     "read_lora_file",
     "read_metadata",
     "save_lora",
+    "training_precision",
     "write_lora",
 ]
 
@@ -91,6 +93,19 @@ def save_lora(
 
     state = get_peft_model_state_dict(denoiser, unwrap_compiled=True)
     return export_lora(state, path, format=format, lora=lora, family=family, info=info, dtype=dtype)
+
+
+def training_precision(spec: Mapping[str, Any] | None) -> str:
+    """The base format a LoRA trained on, as its files record it (``lightning_lora.training_precision``), from its
+    precision plugin's spec (``{"class_path": "lightning_lora.precision.NF4", "init_args": {...}}``, what checkpoints
+    keep as ``hyper_parameters["precision"]``): ``nf4``, ``fp8`` (FP8 and FP8Compute store the same float8 weights), or
+    the dtype of an unquantized base (``bf16``, ``fp16``, ``fp32``); empty when unknown."""
+    if not isinstance(spec, Mapping):
+        return ""
+    name = str(spec.get("class_path", "")).rsplit(".", 1)[-1]
+    init_args = spec.get("init_args")
+    dtype = str(init_args.get("dtype", "bf16")) if isinstance(init_args, Mapping) else "bf16"
+    return {"NF4": "nf4", "FP8": "fp8", "FP8Compute": "fp8", "BF16": dtype}.get(name, "")
 
 
 def read_metadata(path: str | Path) -> dict[str, str]:
@@ -421,8 +436,10 @@ class CheckpointLora(NamedTuple):
     ``steps``, ``checkpoint``."""
 
 
-def checkpoint_lora(path: str | Path) -> CheckpointLora:
-    """The LoRA in a Lightning checkpoint of ``lightning-lora fit``, without loading the base model.
+def checkpoint_lora(path: str | Path, ema: bool = False, sigma_rel: float | None = None) -> CheckpointLora:
+    """The LoRA in a Lightning checkpoint of ``lightning-lora fit``, without loading the base model: the trained
+    weights, or with ``ema`` their EMA (a run with :class:`~lightning_lora.callbacks.ema.LoraEMA`), or with
+    ``sigma_rel`` the power-function EMA of that width reconstructed from the run's snapshots (:func:`checkpoint_ema`).
 
     The file is read by :func:`lightning_lora.checkpoint.read_checkpoint` (``weights_only=True``: a checkpoint cannot
     run code). Raises :class:`ConfigError` naming the file for a missing, corrupt or foreign one.
@@ -435,6 +452,10 @@ def checkpoint_lora(path: str | Path) -> CheckpointLora:
         option="checkpoint",
         fix="Pass a .ckpt written by `lightning-lora fit`, e.g. runs/lora/checkpoints/last.ckpt.",
     )
+    averaged = ""
+    if ema or sigma_rel is not None:
+        weights, averaged = checkpoint_ema(checkpoint, path, sigma_rel)
+        checkpoint["state_dict"] = {f"denoiser.{name}": tensor for name, tensor in weights.items()}
     state = adapter_state(checkpoint.get("state_dict") or {})  # every adapter tensor: the format accepts or refuses
     if not state:
         raise ConfigError(
@@ -456,7 +477,59 @@ def checkpoint_lora(path: str | Path) -> CheckpointLora:
         "steps": int(checkpoint.get("global_step", 0)),
         "checkpoint": path.name,
     }
+    precision = training_precision(hparams.get("precision"))
+    if precision:
+        info["training_precision"] = precision
+    if averaged:
+        info["ema"] = averaged
     return CheckpointLora(state, lora, family, info)
+
+
+def checkpoint_ema(
+    checkpoint: Mapping[str, Any], path: Path, sigma_rel: float | None = None
+) -> tuple[dict[str, torch.Tensor], str]:
+    """The EMA of the LoRA a checkpoint of a run with a :class:`~lightning_lora.callbacks.ema.LoraEMA` holds (by the
+    training model's parameter names), or with ``sigma_rel`` the power-function EMA of that width at the checkpoint's
+    step, reconstructed from the run's snapshot files (written until that step) and the averages in the checkpoint
+    (:func:`lightning_lora.ema.reconstruct`); and one line saying which. The snapshots are looked for where the run
+    wrote them, else in the folder of that name beside the checkpoint's folder (a run folder that moved)."""
+    from lightning_lora import ema
+    from lightning_lora.callbacks.ema import STATE_KEY
+
+    saved = (checkpoint.get("callbacks") or {}).get(STATE_KEY)
+    if not isinstance(saved, dict):
+        raise ConfigError(
+            f"{path}: holds no EMA of the LoRA (its run had no LoraEMA callback); export it without --ema and "
+            "--ema-sigma-rel."
+        )
+    step, updates = int(saved["step"]), int(saved["step"]) - int(saved["start"])
+    if sigma_rel is None:
+        return dict(saved["average"]), f"EMA of decay {saved['decay']} at step {step}"
+    ema.check_sigma_rel(sigma_rel, "--ema-sigma-rel")
+    widths = [float(s) for s in saved["sigma_rels"]]
+    if not widths or updates < 1:
+        raise ConfigError(
+            f"{path}: its run kept no power-function EMAs (LoraEMA.snapshot_every: 0) to reconstruct sigma_rel "
+            f"{sigma_rel:g} from; export its EMA with --ema instead."
+        )
+    profiles = [ema.Profile(updates, s, state) for s, state in zip(widths, saved["power"], strict=True)]
+    written = Path(str(saved["folder"]))
+    folder = written if written.is_dir() else path.parent.parent / written.name
+    for snapshot in (int(s) for s in saved["snapshots"]):
+        if snapshot >= step:  # the checkpoint holds that step's averages
+            continue
+        file = folder / ema.snapshot_name(snapshot)
+        if not file.is_file():
+            raise ConfigError(
+                f"--ema-sigma-rel: the run's EMA snapshot {file.name} is missing from {folder} (neither there nor "
+                f"in {written}); the reconstruction needs every snapshot up to step {step}."
+            )
+        try:
+            profiles += ema.read_snapshot(file)
+        except ValueError as e:
+            raise ConfigError(f"--ema-sigma-rel: {first_line(e)}") from None
+    state, line = ema.reconstruct(profiles, updates, sigma_rel)
+    return state, f"post-hoc EMA: {line}"
 
 
 _UNSAVED_FAMILY = "flux"

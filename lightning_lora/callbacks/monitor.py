@@ -157,7 +157,8 @@ def flat_options(config: dict[str, Any], prefix: str = "") -> dict[str, float | 
 
 class ConfigSummary(Callback):
     """The resolved config.yaml of the run, in TensorBoard's Text tab (tag ``config``), and its options with the final
-    fixed evaluation loss in the HParams tab (metric ``hp/eval_loss``), so runs compare in one table."""
+    fixed evaluation in the HParams tab (metrics ``hp/eval_loss``, ``hp/eval_drift``, ``hp/val_loss`` and their
+    ``_ema`` forms, as the run measures them), so runs compare in one table."""
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -185,8 +186,8 @@ class ConfigSummary(Callback):
         options = {k: v for k, v in flat_options(yaml.safe_load(config.read_text()) or {}).items()}
         metrics: dict[str, float] = {}
         for cb in trainer.callbacks:  # type: ignore[attr-defined]
-            if isinstance(cb, FixedEvalLoss) and cb.history:
-                metrics["hp/eval_loss"] = cb.history[-1][1]
+            if isinstance(cb, FixedEvalLoss):  # eval/loss -> hp/eval_loss, eval/drift_ema -> hp/eval_drift_ema...
+                metrics.update({"hp/" + name.replace("/", "_"): value for name, value in cb.metrics.items()})
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):
                 logger.log_hyperparams(options, metrics)

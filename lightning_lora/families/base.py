@@ -337,6 +337,16 @@ class DiffusionFamily(ABC):
     """What the memory planner knows of the family's models without a download."""
     lora_files: ClassVar[LoraFiles] = LoraFiles()
     """The LoRA files the family writes and who loads them."""
+    drift_prompts: ClassVar[tuple[str, ...]] = (
+        "a photo of a man standing in a park",
+        "a photo of a woman reading a book in a cafe",
+        "a red car parked on a city street",
+        "a bowl of fruit on a wooden table",
+    )
+    """Prompts without any trigger, in the way the family's models are prompted: the fixed evaluation's default for
+    ``eval/drift``, how far the LoRA moves the model's predictions away from the base on what it was not trained on
+    (:class:`~lightning_lora.callbacks.evaluation.FixedEvalLoss`). People, a thing and a scene: where a subject or a
+    style bleeds first."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -1,0 +1,201 @@
+"""The EMA of the LoRA and the best LoRA in a tiny run: both measured and drawn beside the raw weights, in every
+layout, post-hoc EMA from the snapshots, and a run stopped and resumed that ends with the same files, bit for bit.
+
+One reference run (6 steps of tiny FLUX, a checkpoint every step) with a ``LoraEMA`` keeping snapshots every 2 steps,
+a ``FixedEvalLoss`` every 2 steps (its drift prompts the family's) and a ``LoraExport`` writing both layouts and the
+best LoRA; the other tests read what it wrote.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from helpers import resume_config, run_cli
+from helpers.resume import assert_same_run, loss_curve
+from safetensors.torch import load_file
+
+from lightning_lora import ema
+from lightning_lora.callbacks import FixedEvalLoss, LoraEMA, LoraExport
+from lightning_lora.cli.export import main as export_main
+from lightning_lora.cli.fit import main as fit_main
+from lightning_lora.errors import ConfigError
+from lightning_lora.export import checkpoint_lora, export_lora, read_metadata
+from lightning_lora.lora import adapter_state
+
+STEPS = 6
+CALLBACKS: list[dict[str, Any]] = [
+    {"class_path": "lightning_lora.callbacks.LoraEMA", "init_args": {"decay": 0.8, "snapshot_every": 2}},
+    {"class_path": "lightning_lora.callbacks.FixedEvalLoss", "init_args": {"every_n_steps": 2}},
+    {
+        "class_path": "lightning_lora.callbacks.LoraExport",
+        "init_args": {"formats": ["diffusers", "kohya"], "best": True},
+    },
+    {
+        "class_path": "lightning_lora.callbacks.SampleImages",
+        "init_args": {"prompts": ["a photo of sks cat"], "every_n_steps": 0, "steps": 2, "height": 32, "width": 32},
+    },
+]
+FILES = ("lora", "lora.ema", "lora.best")
+LAYOUTS = (".safetensors", ".kohya.safetensors")
+
+
+def _config(root: Path, model_dir: Path, photos: Path, name: str, cache: Path | None = None, **extra: Any) -> Path:
+    """A :func:`helpers.resume_config` run of :data:`STEPS` steps with :data:`CALLBACKS` (``cache``: another run's
+    cache folder, whose entries it reuses)."""
+    config = resume_config(root, model_dir, photos, name, steps=STEPS, callbacks=CALLBACKS, **extra)
+    if cache is not None:
+        data = yaml.safe_load(config.read_text())
+        data["data"]["cache_dir"] = str(cache)
+        config.write_text(yaml.safe_dump(data))
+    return config
+
+
+def _scalars(run: Path) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run), size_guidance={"images": 0}).Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory, tiny_flux_dir: Path, photos_dir: Path) -> Path:
+    """The reference run's config (its run folder is beside it, ``run/``)."""
+    root = tmp_path_factory.mktemp("ema")
+    config = _config(root, tiny_flux_dir, photos_dir, "a")
+    cli = run_cli(["fit", "--config", str(config)])
+    assert cli.trainer.global_step == STEPS
+    return config
+
+
+def test_eval_loss_and_drift_for_raw_and_ema_weights_in_tensorboard(reference: Path) -> None:
+    run = reference.parent / "run"
+    scalars = _scalars(run)
+    for tag in ("eval/loss", "eval/loss_ema", "eval/drift", "eval/drift_ema"):
+        assert [step for step, _ in scalars[tag]] == [0, 2, 4, 6], tag
+    # Before the first step the EMA is the raw LoRA; after, it lags behind it.
+    assert scalars["eval/loss_ema"][0] == scalars["eval/loss"][0]
+    assert all(a != b for (_, a), (_, b) in zip(scalars["eval/loss"][1:], scalars["eval/loss_ema"][1:], strict=True))
+    # ...and in the HParams table, beside the run's options.
+    assert {"hp/eval_loss", "hp/eval_loss_ema", "hp/eval_drift", "hp/eval_drift_ema"} <= set(scalars)
+    samples = sorted(p.name for p in (run / "samples").iterdir())
+    assert samples == ["step000000_00.png", "step000006_00.png", "step000006_00_ema.png"]
+
+
+def test_raw_ema_and_best_lora_in_every_layout(reference: Path) -> None:
+    lora = reference.parent / "run" / "lora"
+    for stem in FILES:
+        for suffix in LAYOUTS:
+            assert (lora / f"{stem}{suffix}").is_file(), f"{stem}{suffix}"
+    raw, averaged = load_file(lora / "lora.safetensors"), load_file(lora / "lora.ema.safetensors")
+    assert raw.keys() == averaged.keys() and any(not torch.equal(raw[k], averaged[k]) for k in raw)
+    # The best LoRA is the LoRA of the step with the lowest counted eval/loss.
+    evaluation = _scalars(reference.parent / "run")["eval/loss"]
+    best_step = min(evaluation, key=lambda sv: sv[1])[0]
+    assert read_metadata(lora / "lora.best.safetensors")["lightning_lora.steps"] == str(best_step)
+    assert read_metadata(lora / "lora.safetensors")["lightning_lora.training_precision"] == "fp32"
+
+
+def test_export_ema_from_the_checkpoint_is_the_runs_ema_file(reference: Path, tmp_path: Path) -> None:
+    last = reference.parent / "run" / "checkpoints" / "last.ckpt"
+    out = tmp_path / "ema.safetensors"
+    assert export_main([str(last), "--ema", "--format", "diffusers", "--out", str(out)]) == 0
+    written, exported = load_file(reference.parent / "run" / "lora" / "lora.ema.safetensors"), load_file(out)
+    assert written.keys() == exported.keys() and all(torch.equal(written[k], exported[k]) for k in written)
+    assert read_metadata(out)["lightning_lora.ema"].startswith("EMA of decay 0.8 at step 6")
+
+
+@pytest.mark.parametrize("layout", ["diffusers", "kohya"])
+def test_posthoc_ema_of_a_tracked_width_matches_it(reference: Path, tmp_path: Path, layout: str, capsys) -> None:
+    """``export --ema-sigma-rel 0.1`` rebuilds the power-function EMA of width 0.10 from the snapshots (steps 2, 4)
+    and the checkpoint's averages (step 6); the run tracked that width directly, and its LoRA written the same way is
+    the same to float32 rounding (the least squares give it weight 1 up to ~1e-12)."""
+    run = reference.parent / "run"
+    assert sorted(p.name for p in (run / "ema").iterdir()) == [ema.snapshot_name(s) for s in (2, 4, 6)]
+    last = run / "checkpoints" / "last.ckpt"
+    out = tmp_path / f"phema-{layout}.safetensors"
+    assert export_main([str(last), "--ema-sigma-rel", "0.1", "--format", layout, "--out", str(out)]) == 0
+    assert "post-hoc EMA: sigma_rel 0.1 after 6 steps, from 6 power-function EMAs" in capsys.readouterr().out
+    state, options, family, info = checkpoint_lora(last)
+    saved = torch.load(last, weights_only=True)["callbacks"]["LoraEMA"]
+    tracked = adapter_state(saved["power"][saved["sigma_rels"].index(0.1)])
+    direct = tmp_path / "direct.safetensors"
+    export_lora(tracked, direct, format=layout, lora=options, family=family, info={})  # type: ignore[arg-type]
+    rebuilt, expected = load_file(out), load_file(direct)
+    assert rebuilt.keys() == expected.keys()
+    for key, value in expected.items():
+        torch.testing.assert_close(rebuilt[key], value, rtol=1e-5, atol=1e-7, msg=key)
+    raw = load_file(run / "lora" / f"lora{LAYOUTS[layout == 'kohya']}")  # the raw LoRA differs: not a vacuous match
+    assert raw.keys() == rebuilt.keys() and any(not torch.allclose(raw[k], rebuilt[k]) for k in raw)
+
+
+def test_stopped_and_resumed_with_ema_and_best_is_exact(
+    reference: Path, tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path
+) -> None:
+    """Stopped at step 3 (between two snapshots and two evaluations) and resumed: the same LoRA, EMA and best LoRA,
+    the same snapshots and losses, bit for bit."""
+    config = _config(tmp_path, tiny_flux_dir, photos_dir, "b", cache=reference.parent.parent / "cache")
+    run_cli(["fit", "--config", str(config), "--trainer.max_steps", "3"])
+    cli = run_cli(["fit", "--config", str(config), "--ckpt_path", "last"])
+    assert cli.trainer.global_step == STEPS
+    assert_same_run(reference, config, after_step=3)
+    a, b = reference.parent / "run", config.parent / "run"
+    for stem in FILES:
+        for suffix in LAYOUTS:
+            first, second = load_file(a / "lora" / f"{stem}{suffix}"), load_file(b / "lora" / f"{stem}{suffix}")
+            assert first.keys() == second.keys()
+            assert all(torch.equal(first[k], second[k]) for k in first), f"{stem}{suffix} differs after resume"
+    for snapshot in (a / "ema").iterdir():
+        first, second = load_file(snapshot), load_file(b / "ema" / snapshot.name)
+        assert all(torch.equal(first[k], second[k]) for k in first), snapshot.name
+    curves = _scalars(a), _scalars(b)
+    for tag in ("eval/loss_ema", "eval/drift_ema"):
+        assert [v for s, v in curves[1][tag] if s >= 4] == [v for s, v in curves[0][tag] if s >= 4], tag
+    assert loss_curve(config)
+
+
+def test_options_are_typed_and_refused_with_the_fix() -> None:
+    with pytest.raises(ConfigError, match=r"LoraEMA.decay: 1.5 must be between 0 and 1"):
+        LoraEMA(decay=1.5)
+    with pytest.raises(ConfigError, match=r"LoraEMA.sigma_rels: 0.5 is not a power-function EMA width"):
+        LoraEMA(sigma_rels=(0.5,), snapshot_every=10)
+    with pytest.raises(ConfigError, match="LoraEMA.snapshot_every: -1"):
+        LoraEMA(snapshot_every=-1)
+    with pytest.raises(ConfigError, match="FixedEvalLoss.patience: 3 evaluations, but every_n_steps is 0"):
+        FixedEvalLoss(patience=3)
+    assert LoraEMA(snapshot_every=5).copies == 3 and LoraEMA().copies == 1
+    assert LoraExport(weights="ema", best=True).best
+
+
+@pytest.mark.parametrize(
+    ("callbacks", "message"),
+    [
+        (
+            [{"class_path": "lightning_lora.callbacks.LoraExport", "init_args": {"weights": "ema"}}],
+            "LoraExport.weights: ema needs a LoraEMA callback",
+        ),
+        (
+            [{"class_path": "lightning_lora.callbacks.FixedEvalLoss", "init_args": {"monitor": "eval/loss_ema"}}],
+            "FixedEvalLoss.monitor: eval/loss_ema needs a LoraEMA callback",
+        ),
+        (
+            [{"class_path": "lightning_lora.callbacks.FixedEvalLoss", "init_args": {"monitor": "val/loss"}}],
+            "FixedEvalLoss.monitor: val/loss needs held-out images",
+        ),
+    ],
+    ids=["ema-file-without-ema", "ema-monitor-without-ema", "val-monitor-without-held-out-images"],
+)
+def test_an_option_that_cannot_work_is_one_line_before_training(
+    reference: Path, tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path, capsys, callbacks: list[Any], message: str
+) -> None:
+    config = resume_config(tmp_path, tiny_flux_dir, photos_dir, "c", steps=2, callbacks=callbacks)
+    data = yaml.safe_load(config.read_text())
+    data["data"]["cache_dir"] = str(reference.parent.parent / "cache")  # the reference run's: nothing to encode
+    config.write_text(yaml.safe_dump(data))
+    assert fit_main(["fit", "--config", str(config)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
+    assert not (config.parent / "run" / "checkpoints").exists()
