@@ -31,7 +31,7 @@ step, such as the end of a run stopped early by ``--trainer.max_steps``, is logg
 
 **A LoRA trained on a quantized base, checked on the base people run.** When the base trained in FP8 or NF4 (the
 trainer's precision plugin), the end of the run also measures ``eval/loss`` with the LoRA on the bf16 base loaded
-from the same files (``eval/loss_bf16_base``) and prints both: a LoRA learns to correct its base's quantization
+from the same files (``eval/loss_unquantized``) and prints both: a LoRA learns to correct its base's quantization
 error, which the bf16 base people run does not have. The bf16 base is loaded beside the training model only where the
 memory planner says it fits in the free memory; otherwise one line says so.
 
@@ -61,7 +61,7 @@ from lightning_lora.lora import adapter_disabled
 from lightning_lora.model.assembly import uncompiled
 from lightning_lora.module import LoraModule, lora_module
 
-__all__ = ["FixedEvalLoss", "Monitor", "denoiser_prediction", "fixed_evaluation"]
+__all__ = ["FixedEvalLoss", "Monitor", "denoiser_prediction", "fixed_evaluation", "with_prompt"]
 
 log = logging.getLogger(__name__)
 
@@ -193,10 +193,8 @@ class FixedEvalLoss(Callback):
         base: list[torch.Tensor] = [] if fresh else list(self._base_predictions or [])
         total, count = 0.0, 0
         for j, text in enumerate(self._drift_texts):
-            batch = dict(batches[j % len(batches)])
-            n = batch["latents"].shape[0]
-            batch.update({k: v.to(module.device).expand(n, *v.shape[1:]) for k, v in text.items()})
-            latents = batch["latents"]
+            batch = with_prompt(batches[j % len(batches)], text)
+            latents, n = batch["latents"], batch["latents"].shape[0]
             noise = torch.randn(latents.shape, generator=generator, dtype=torch.float32).to(latents.device)
             timesteps = module.family.sample_timesteps(latents, generator=generator).to(latents.device)
             adapted = denoiser_prediction(module.family, denoiser, batch, noise, timesteps)
@@ -328,13 +326,13 @@ class FixedEvalLoss(Callback):
             if module.device.type == "cuda":
                 torch.cuda.empty_cache()
         trained_on = self.metrics["eval/loss"]
-        self.metrics["eval/loss_bf16_base"] = loss
+        self.metrics["eval/loss_unquantized"] = loss
         for logger in trainer.loggers:
-            logger.log_metrics({"eval/loss_bf16_base": loss}, step=trainer.global_step)
+            logger.log_metrics({"eval/loss_unquantized": loss}, step=trainer.global_step)
         change = 100.0 * (loss - trained_on) / trained_on if trained_on else math.nan
         rank_zero_info(
-            f"Fixed evaluation loss on the {name} base it trained on: {trained_on:.4f}; on the bf16 base: {loss:.4f} "
-            f"({change:+.1f}%)"
+            f"Fixed evaluation loss on the {name} base it trained on: {trained_on:.4f}; on the unquantized "
+            f"{precision.dtype} base: {loss:.4f} ({change:+.1f}%)"
         )
 
     # -- checkpoints --------------------------------------------------------------------------------------------
@@ -381,6 +379,13 @@ def bf16_room(recipe: Any, device: torch.device) -> str | None:
     if need > free * 0.95:
         return f"it needs {need / GIB:.1f} GiB beside the training model, {free / GIB:.1f} GiB are free on {device}"
     return None
+
+
+def with_prompt(batch: dict[str, torch.Tensor], text: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``batch`` with one prompt's embeddings (``text``: batch 1, the text cache's keys) for every sample in it: its
+    text entries replaced, its latents and the rest (SDXL's sizes...) kept."""
+    n, device = batch["latents"].shape[0], batch["latents"].device
+    return {**batch, **{k: v.to(device).expand(n, *v.shape[1:]) for k, v in text.items()}}
 
 
 def denoiser_prediction(

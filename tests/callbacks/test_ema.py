@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 import torch
-import yaml
 from helpers import resume_config, run_cli
 from helpers.resume import assert_same_run, loss_curve
 from safetensors.torch import load_file
@@ -43,15 +42,10 @@ FILES = ("lora", "lora.ema", "lora.best")
 LAYOUTS = (".safetensors", ".kohya.safetensors")
 
 
-def _config(root: Path, model_dir: Path, photos: Path, name: str, cache: Path | None = None, **extra: Any) -> Path:
+def _config(root: Path, model_dir: Path, photos: Path, name: str, cache: Path | None = None) -> Path:
     """A :func:`helpers.resume_config` run of :data:`STEPS` steps with :data:`CALLBACKS` (``cache``: another run's
     cache folder, whose entries it reuses)."""
-    config = resume_config(root, model_dir, photos, name, steps=STEPS, callbacks=CALLBACKS, **extra)
-    if cache is not None:
-        data = yaml.safe_load(config.read_text())
-        data["data"]["cache_dir"] = str(cache)
-        config.write_text(yaml.safe_dump(data))
-    return config
+    return resume_config(root, model_dir, photos, name, steps=STEPS, cache=cache, callbacks=CALLBACKS)
 
 
 def _scalars(run: Path) -> dict[str, list[tuple[int, float]]]:
@@ -191,10 +185,8 @@ def test_options_are_typed_and_refused_with_the_fix() -> None:
 def test_an_option_that_cannot_work_is_one_line_before_training(
     reference: Path, tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path, capsys, callbacks: list[Any], message: str
 ) -> None:
-    config = resume_config(tmp_path, tiny_flux_dir, photos_dir, "c", steps=2, callbacks=callbacks)
-    data = yaml.safe_load(config.read_text())
-    data["data"]["cache_dir"] = str(reference.parent.parent / "cache")  # the reference run's: nothing to encode
-    config.write_text(yaml.safe_dump(data))
+    cache = reference.parent.parent / "cache"  # the reference run's: nothing to encode
+    config = resume_config(tmp_path, tiny_flux_dir, photos_dir, "c", steps=2, cache=cache, callbacks=callbacks)
     assert fit_main(["fit", "--config", str(config)]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1, err
