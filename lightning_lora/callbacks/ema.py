@@ -44,7 +44,7 @@ from lightning_lora.errors import ConfigError
 from lightning_lora.model.parallel import runs_forward_on_every_rank
 from lightning_lora.module import lora_module
 
-__all__ = ["STATE_KEY", "LoraEMA", "lora_ema"]
+__all__ = ["STATE_KEY", "LoraEMA", "configured_ema", "ema_copies", "lora_ema"]
 
 STATE_KEY = "LoraEMA"
 """Where a checkpoint keeps the callback's state (``checkpoint["callbacks"][STATE_KEY]``): ``lightning-lora export``
@@ -253,3 +253,35 @@ def lora_ema(trainer: Trainer) -> LoraEMA | None:
     if found is not None:
         found.catch_up(trainer)
     return found
+
+
+def ema_copies(trainer: Trainer) -> int:
+    """The float32 copies of the LoRA the trainer's :class:`LoraEMA` keeps on the GPU (0 without one): the memory
+    planner's ``ema_copies``."""
+    found = next((cb for cb in trainer.callbacks if isinstance(cb, LoraEMA)), None)  # type: ignore[attr-defined]
+    return found.copies if found is not None else 0
+
+
+def configured_ema(entries: Any) -> LoraEMA | None:
+    """The :class:`LoraEMA` a config's ``trainer.callbacks`` entries name, built from its ``init_args`` (cheap: no
+    model), or None: what ``lightning-lora plan`` counts without building the callbacks. The class paths were checked
+    before (:func:`lightning_lora.cli.class_paths.check_class_paths`); an entry that does not import is skipped."""
+    import importlib
+
+    for entry in entries if isinstance(entries, list) else [entries]:
+        class_path = _field(entry, "class_path")
+        if not isinstance(class_path, str) or "." not in class_path:
+            continue
+        module, name = class_path.rsplit(".", 1)
+        try:
+            cls = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):
+            continue
+        if isinstance(cls, type) and issubclass(cls, LoraEMA):
+            init_args = _field(entry, "init_args") or {}
+            return cls(**(init_args.as_dict() if hasattr(init_args, "as_dict") else dict(init_args)))
+    return None
+
+
+def _field(entry: Any, name: str) -> Any:
+    return entry.get(name) if isinstance(entry, dict) else getattr(entry, name, None)

@@ -58,6 +58,7 @@ class VRAMMonitor(Callback):
         self.static_gib = torch.cuda.memory_allocated(pl_module.device) / GIB
         metrics = {"vram/static_GiB": self.static_gib}
         if self.plan and trainer.is_global_zero:
+            from lightning_lora.callbacks.ema import ema_copies
             from lightning_lora.model.parallel import shards_of
             from lightning_lora.plan import plan_for
 
@@ -67,7 +68,8 @@ class VRAMMonitor(Callback):
                 if self.planned_gib is None:  # the CLI hands over the prediction of its start-up check
                     if data is None:
                         raise ValueError("the data module has no data recipe")
-                    plan = plan_for(module.recipe, data, module.optimizer_name, shards=shards_of(trainer))
+                    shards, copies = shards_of(trainer), ema_copies(trainer)
+                    plan = plan_for(module.recipe, data, module.optimizer_name, shards=shards, ema_copies=copies)
                     self.planned_gib = plan.peak_gib
                 metrics["vram/planned_peak_GiB"] = self.planned_gib
             except (NotImplementedError, ValueError, OSError) as e:

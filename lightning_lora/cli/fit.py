@@ -49,6 +49,7 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+from lightning_lora.callbacks.ema import ema_copies
 from lightning_lora.callbacks.evaluation import FixedEvalLoss
 from lightning_lora.callbacks.lora_export import LoraExport
 from lightning_lora.callbacks.monitor import ConfigSummary, StartSummary, StepProgressBar, Throughput, VRAMMonitor
@@ -472,7 +473,8 @@ def warn_if_too_big(model: LoraModule, datamodule: LatentDataModule, trainer: Tr
 
     device = trainer.strategy.root_device
     try:
-        plan = plan_for(model.recipe, datamodule.recipe, model.optimizer_name, shards=shards_of(trainer))
+        shards, copies = shards_of(trainer), ema_copies(trainer)
+        plan = plan_for(model.recipe, datamodule.recipe, model.optimizer_name, shards=shards, ema_copies=copies)
     except (ConfigError, NotImplementedError, OSError) as e:
         rank_zero_info(f"memory planner skipped: {e}")
         return None

@@ -15,6 +15,7 @@ import argparse
 import math
 from typing import Any, ClassVar
 
+from lightning_lora.callbacks.ema import LoraEMA, configured_ema
 from lightning_lora.cli.fit import UNBUILT, LoraCLI, resolve_precision
 from lightning_lora.data.datamodule import DataOptions
 from lightning_lora.data.recipe import DataRecipe
@@ -32,6 +33,17 @@ class PlanCLI(LoraCLI):
 
     data_class = DataOptions
     unbuilt: ClassVar[dict[str, Any]] = UNBUILT
+    ema: LoraEMA | None = None
+    """The config's ``LoraEMA`` callback (its copies of the LoRA are GPU memory), read from its options; no callback
+    is built."""
+
+    def before_instantiate_classes(self) -> None:
+        """The config's ``LoraEMA`` is read from its ``trainer.callbacks`` before they are left out of the build, once
+        their class paths are checked (:meth:`LoraCLI.before_instantiate_classes`)."""
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        entries = config.get("trainer.callbacks")
+        super().before_instantiate_classes()
+        self.ema = configured_ema(entries) if entries else None
 
     def _set_seed(self) -> None:
         """Nothing: a plan draws no random numbers (and prints no "Seed set" line)."""
@@ -48,6 +60,17 @@ class PlanCLI(LoraCLI):
         plugins, _ = resolve_precision(trainer.get("precision"), plugins if isinstance(plugins, list) else [plugins])
         self.model.use_precision(next(p for p in plugins if isinstance(p, BasePrecision)))  # the base format to plan
         self.trainer = None  # type: ignore[assignment]  # planning builds no Trainer (it would need the accelerator)
+
+
+def ema_note(ema: LoraEMA, lora_gib: float, max_steps: Any) -> str:
+    """One line on what a ``LoraEMA`` costs: its float32 copies of the LoRA (in the plan), and its snapshots on disk."""
+    line = f"LoraEMA: {ema.copies} float32 copies of the LoRA on the GPU (counted above)"
+    if not ema.posthoc:
+        return line
+    each = lora_gib * len(ema.sigma_rels)
+    count = max_steps // ema.snapshot_every if isinstance(max_steps, int) and max_steps > 0 else None
+    total = f", {count} by trainer.max_steps: {count * each:.2f} GiB" if count is not None else ""
+    return f"{line}; a snapshot of {each:.2f} GiB on disk every {ema.snapshot_every} steps{total}"
 
 
 def card_size(gib: float | None, option: str) -> float | None:
@@ -84,7 +107,10 @@ def main(argv: list[str]) -> int:
         trainer = cli.trainer_config
         shards = shard_count(trainer.get("strategy"), trainer.get("devices", "auto"), trainer.get("num_nodes", 1))
         data: DataRecipe = cli.datamodule.recipe
-        plan = plan_for(recipe, data, optimizer, shards=shards)
+        ema = cli.ema
+        plan = plan_for(recipe, data, optimizer, shards=shards, ema_copies=ema.copies if ema is not None else 0)
+        if ema is not None:
+            plan.notes.append(ema_note(ema, plan.lora, trainer.get("max_steps")))
         print("Predicted GPU memory (lightning-lora plan):")
         print(plan.report(vram))
         if vram is not None and plan.run_peak > vram * HEADROOM:

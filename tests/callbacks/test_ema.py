@@ -8,12 +8,13 @@ best LoRA; the other tests read what it wrote.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from helpers import resume_config, run_cli
+from helpers import resume_config, run_cli, write_config
 from helpers.resume import assert_same_run, loss_curve
 from safetensors.torch import load_file
 
@@ -191,3 +192,33 @@ def test_an_option_that_cannot_work_is_one_line_before_training(
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1, err
     assert not (config.parent / "run" / "checkpoints").exists()
+
+
+def test_plan_counts_the_emas_copies_of_the_lora(
+    tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``lightning-lora plan`` with a ``LoraEMA`` keeping snapshots (read from the config's callbacks, none built):
+    three float32 copies of the LoRA (the EMA and two power-function EMAs) in the training peak, the snapshots' disk
+    in a note."""
+    from lightning_lora.cli import main
+    from lightning_lora.data.recipe import DataRecipe
+    from lightning_lora.families.base import ModelSource
+    from lightning_lora.families.flux import Flux
+    from lightning_lora.lora import LoraOptions
+    from lightning_lora.model.recipe import ModelRecipe
+    from lightning_lora.plan import plan_for
+
+    ema_callback = {"class_path": "lightning_lora.callbacks.LoraEMA", "init_args": {"snapshot_every": 2}}
+    config = write_config(tmp_path, tiny_flux_dir, photos_dir, **{"trainer.callbacks": [ema_callback]})
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--config", str(config)])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0, out
+    assert re.search(r"^  EMA of the LoRA \(fp32\) +\d+\.\d\d GiB$", out, re.MULTILINE), out
+    assert "LoraEMA: 3 float32 copies of the LoRA on the GPU (counted above); a snapshot of" in out
+    assert "on disk every 2 steps, 4 by trainer.max_steps" in out  # write_config: 8 steps
+    recipe = ModelRecipe(Flux(), ModelSource(str(tiny_flux_dir)), LoraOptions(rank=4))
+    plain, averaged = plan_for(recipe, DataRecipe()), plan_for(recipe, DataRecipe(), ema_copies=3)
+    assert plain.ema == 0 and averaged.ema == pytest.approx(3 * plain.lora) and plain.lora > 0
+    assert averaged.peak_gib == pytest.approx(plain.peak_gib + 3 * plain.lora)
+    assert averaged.sampling_peak == pytest.approx(plain.sampling_peak + 4 * plain.lora)  # and the raw LoRA aside
