@@ -14,8 +14,9 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import resume_config, run_cli, write_config
-from helpers.resume import assert_same_run, loss_curve
+import yaml
+from helpers import REPO, fit_in_subprocess, resume_config, run_cli, write_config
+from helpers.resume import assert_same_run
 from safetensors.torch import load_file
 
 from lightning_lora import ema
@@ -136,20 +137,45 @@ def test_stopped_and_resumed_with_ema_and_best_is_exact(
     run_cli(["fit", "--config", str(config), "--trainer.max_steps", "3"])
     cli = run_cli(["fit", "--config", str(config), "--ckpt_path", "last"])
     assert cli.trainer.global_step == STEPS
-    assert_same_run(reference, config, after_step=3)
+    _assert_same_outputs(reference, config, after_step=3)
+
+
+@pytest.mark.subprocess
+def test_killed_and_resumed_with_ema_and_best_is_exact(
+    reference: Path, tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path
+) -> None:
+    """SIGKILL before batch 5 (after the step-4 snapshot, evaluation and best LoRA, and step 5's checkpoint), then
+    ``--ckpt_path last`` without the kill switch: the same files as the run that never stopped."""
+    kill = {"class_path": "helpers.crash.KillAt", "init_args": {"batch": 5}}
+    cache, callbacks = reference.parent.parent / "cache", [*CALLBACKS, kill]
+    config = resume_config(tmp_path, tiny_flux_dir, photos_dir, "k", steps=STEPS, cache=cache, callbacks=callbacks)
+    killed = fit_in_subprocess(config)
+    assert killed.returncode == -9, f"expected SIGKILL, got {killed.returncode}: {killed.stderr[-2000:]}"
+    data = yaml.safe_load(config.read_text())
+    data["trainer"]["callbacks"] = [c for c in data["trainer"]["callbacks"] if "KillAt" not in c["class_path"]]
+    config.write_text(yaml.safe_dump(data))
+    assert run_cli(["fit", "--config", str(config), "--ckpt_path", "last"]).trainer.global_step == STEPS
+    _assert_same_outputs(reference, config, after_step=5)
+
+
+def _assert_same_outputs(reference: Path, config: Path, after_step: int) -> None:
+    """The run of ``config`` wrote what the reference run wrote: the LoRA, EMA and best files in both layouts, the
+    snapshots, bit for bit; the same losses and EMA metrics after ``after_step``."""
+    assert_same_run(reference, config, after_step=after_step)
     a, b = reference.parent / "run", config.parent / "run"
     for stem in FILES:
         for suffix in LAYOUTS:
             first, second = load_file(a / "lora" / f"{stem}{suffix}"), load_file(b / "lora" / f"{stem}{suffix}")
             assert first.keys() == second.keys()
             assert all(torch.equal(first[k], second[k]) for k in first), f"{stem}{suffix} differs after resume"
+    assert sorted(p.name for p in (a / "ema").iterdir()) == sorted(p.name for p in (b / "ema").iterdir())
     for snapshot in (a / "ema").iterdir():
         first, second = load_file(snapshot), load_file(b / "ema" / snapshot.name)
         assert all(torch.equal(first[k], second[k]) for k in first), snapshot.name
     curves = _scalars(a), _scalars(b)
     for tag in ("eval/loss_ema", "eval/drift_ema"):
-        assert [v for s, v in curves[1][tag] if s >= 4] == [v for s, v in curves[0][tag] if s >= 4], tag
-    assert loss_curve(config)
+        later = [v for s, v in curves[0][tag] if s > after_step]
+        assert later and [v for s, v in curves[1][tag] if s > after_step] == later, tag
 
 
 def test_options_are_typed_and_refused_with_the_fix() -> None:
@@ -222,3 +248,59 @@ def test_plan_counts_the_emas_copies_of_the_lora(
     assert plain.ema == 0 and averaged.ema == pytest.approx(3 * plain.lora) and plain.lora > 0
     assert averaged.peak_gib == pytest.approx(plain.peak_gib + 3 * plain.lora)
     assert averaged.sampling_peak == pytest.approx(plain.sampling_peak + 4 * plain.lora)  # and the raw LoRA aside
+
+
+@pytest.mark.parametrize(
+    ("callback", "options"),
+    [
+        ("LoraEMA", ("decay", "sigma_rels", "snapshot_every", "dirname")),
+        ("FixedEvalLoss", ("drift_prompts", "monitor", "patience", "min_delta", "check_bf16_base")),
+        ("LoraExport", ("weights", "best")),
+    ],
+)
+def test_fit_help_names_the_options(callback: str, options: tuple[str, ...], capsys) -> None:
+    """``fit --help`` lists the callbacks (its ``--trainer.callbacks`` subclasses) and ``--trainer.callbacks.help``
+    gives each one's typed options, as for every Lightning callback."""
+    with pytest.raises(SystemExit) as exit_info:
+        fit_main(["fit", "--trainer.callbacks.help", f"lightning_lora.callbacks.{callback}"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0, out
+    for option in options:
+        assert f"--trainer.callbacks.{option} " in out, option
+    if callback == "LoraEMA":
+        with pytest.raises(SystemExit):
+            fit_main(["fit", "--help"])
+        assert "lightning_lora.LoraEMA" in capsys.readouterr().out.replace("\n", "").replace(" ", "")
+
+
+SHIPPED = sorted(p for p in (REPO / "configs").glob("*.yaml") if not p.name.startswith("tiny_"))
+_COMMENTED_KEY = re.compile(r"^(\s+)# (\s*(?:- )?[a-z_]+:(?: .*)?)$")
+
+
+def test_shipped_configs_keep_the_last_and_the_best_lora() -> None:
+    for config in SHIPPED:
+        callbacks = yaml.safe_load(config.read_text())["trainer"]["callbacks"]
+        exports = [c for c in callbacks if c["class_path"] == "lightning_lora.callbacks.LoraExport"]
+        assert len(exports) == 1 and exports[0]["init_args"].get("best") is True, config.name
+
+
+def test_a_shipped_configs_commented_keys_turn_each_feature_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """``flux_4090.yaml`` with its commented keys uncommented: the EMA callback with snapshots, the monitor, patience
+    and drift prompts, held-out images; the config parses with every one of them set."""
+    shipped = (REPO / "configs" / "flux_4090.yaml").read_text().splitlines()
+    lines = [_COMMENTED_KEY.sub(r"\1\2", line) for line in shipped]
+    config = tmp_path / "flux_4090_all.yaml"
+    config.write_text("\n".join(lines) + "\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        fit_main(["fit", "--config", str(config), "--print_config"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0, out
+    printed = yaml.safe_load(out)
+    callbacks = {c["class_path"].rsplit(".", 1)[-1]: c.get("init_args", {}) for c in printed["trainer"]["callbacks"]}
+    assert callbacks["LoraEMA"]["snapshot_every"] == 100
+    assert callbacks["FixedEvalLoss"]["monitor"] == "val/loss" and callbacks["FixedEvalLoss"]["patience"] == 5
+    assert callbacks["FixedEvalLoss"]["drift_prompts"] and callbacks["LoraExport"]["weights"] == "both"
+    assert printed["data"]["val_fraction"] == 0.1
