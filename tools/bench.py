@@ -20,6 +20,10 @@ base sharded with FSDP2 over the N GPUs: ``trainer.strategy: fsdp``,
 
     python tools/bench.py --quant none --opt adamw --devices 2 --strategy fsdp
 
+``--ema 1`` adds the ``LoraEMA`` callback (the EMA of the LoRA and its two power-function EMAs, updated after every
+optimizer step; the config's options when it has one): the cost of EMA against the same run without it, and the
+planner's count of its copies of the LoRA.
+
 Families (``--family``): ``flux`` (FLUX.1-dev), ``sdxl`` (SDXL base 1.0), ``sd15`` (Stable Diffusion 1.5),
 ``zimage`` (Z-Image-Turbo), ``qwenimage`` (Qwen-Image) and ``flux2`` (FLUX.2 klein base 4B). Each is the real
 family class (:func:`random_family`) with its denoiser built from the family's ``known_denoisers`` config, or a tiny
@@ -81,7 +85,7 @@ from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
 from lightning_lora import objectives
-from lightning_lora.callbacks import LoraExport, RNGState, RunFolder, SampleImages
+from lightning_lora.callbacks import LoraEMA, LoraExport, RNGState, RunFolder, SampleImages
 from lightning_lora.checkpoint import AtomicCheckpointIO
 from lightning_lora.cli.fit import default_checkpoint
 from lightning_lora.cli.peek import config_allocator
@@ -1133,12 +1137,15 @@ def measure(a: argparse.Namespace, outputs: Path | None) -> dict[str, Any]:
             "variant": a.variant,
             "accumulate": a.accumulate,
             "clip": a.clip,
+            "ema": a.ema,
         }
     )
     given = quant_options(a.quant_option or [])
     if given:
         out["quant_options"] = given
     precision = bench_precision(a.quant, {**getattr(a, "config_quantization", {}), **given})
+    if a.ema and a.loop == "bare":
+        raise ValueError("--ema 1 runs the LoraEMA callback in Lightning's loop: give --loop lightning")
     if a.strategy == "fsdp" and (a.quant != "none" or a.offload or a.loop == "bare"):
         raise ValueError("--strategy fsdp shards a bf16 base: give --quant none, --offload 0 and --loop lightning")
     module = LoraModule(
@@ -1193,6 +1200,7 @@ def measure(a: argparse.Namespace, outputs: Path | None) -> dict[str, Any]:
         os.environ["OMP_NUM_THREADS"] = str(torch.get_num_threads())
     elif a.loop == "bare":  # as LoraModule.on_train_start does in fit
         limit_host_threads(device)
+    ema = bench_ema(a)
     t0 = time.perf_counter()
     if a.loop == "bare":
         if a.accumulate != 1:
@@ -1208,6 +1216,8 @@ def measure(a: argparse.Namespace, outputs: Path | None) -> dict[str, Any]:
             callbacks.append(Profile(a.warm + a.steps if after else a.warm, a.profile_steps or a.steps, a.profile))
         if a.stacks:
             callbacks.append(Stacks(a.warm, a.steps, a.stacks))
+        if ema is not None:
+            callbacks.append(ema)
         plugins: list[Any] = [precision]
         if outputs is not None:  # as fit: atomic checkpoint writes, the random state and the save time in each
             callbacks += [Outputs(out, sampler, checkpoint, exporter, timer.result), RNGState(), RunFolder()]
@@ -1261,11 +1271,32 @@ def measure(a: argparse.Namespace, outputs: Path | None) -> dict[str, Any]:
         shards = shard_count(a.strategy, a.devices)  # --strategy fsdp: each GPU's share of the sharded base
         height, width = max(dataset.sizes, key=lambda size: size[0] * size[1])  # --buckets: the largest batch
         plan = plan_training(
-            module.recipe, height, width, a.batch, text_len, optimizer=optimizer, sample_size=sample_size, shards=shards
+            module.recipe,
+            height,
+            width,
+            a.batch,
+            text_len,
+            optimizer=optimizer,
+            sample_size=sample_size,
+            shards=shards,
+            ema_copies=ema.copies if ema is not None else 0,
         )
         out["planned_peak_GiB"] = round(plan.peak_gib, 2)
         out["planned"] = {k: round(v, 3) for k, v in vars(plan).items() if isinstance(v, float)}
     return out
+
+
+def bench_ema(a: argparse.Namespace) -> LoraEMA | None:
+    """``--ema 1``: the ``LoraEMA`` a run keeps, with the config's options (``--config``; else the defaults and the two
+    power-function EMAs), every average updated after each optimizer step as in ``fit``; its snapshots come every
+    ``snapshot_every`` steps, so none is written while the steps are timed (they are disk writes, not step time)."""
+    if not a.ema:
+        return None
+    options = dict(getattr(a, "config_ema", {}))
+    steps = a.warm + a.steps + extra_steps(a)
+    if options.get("snapshot_every", 1):  # keep the power-function EMAs (the config's, or by default), write none
+        options["snapshot_every"] = steps + 1
+    return LoraEMA(**options)
 
 
 FAMILY_CLASSES = {
@@ -1390,6 +1421,9 @@ def config_defaults(path: str | Path) -> dict[str, Any]:
         for c in (sections if isinstance(sections, list) else [sections])
     ]
     out["config_checkpointing"] = trainer.get("enable_checkpointing") is not False
+    emas = [options for path, options in out["config_callbacks"] if path.rsplit(".", 1)[-1] == "LoraEMA"]
+    if emas:  # --ema 1 runs it
+        out["ema"], out["config_ema"] = 1, emas[0]
     out["not_reproduced"] = skipped
     return out
 
@@ -1399,6 +1433,8 @@ def not_reproduced(a: argparse.Namespace) -> list[str]:
     does not run: with ``--callbacks 1`` those :data:`REPRODUCED_CALLBACKS` does not build, else all of them."""
     notes = list(getattr(a, "not_reproduced", []))
     paths = [path for path, _ in getattr(a, "config_callbacks", [])]
+    if a.ema:  # run as --ema 1
+        paths = [path for path in paths if path.rsplit(".", 1)[-1] != "LoraEMA"]
     if runs_callbacks(a):
         names = [path.rsplit(".", 1)[-1] for path in paths if path not in REPRODUCED_CALLBACKS]
         why = "not run"
@@ -1585,6 +1621,14 @@ def parser() -> argparse.ArgumentParser:
         choices=[0, 1],
         default=None,
         help="SampleImages(compiled=...): 1 draws through the compiled blocks (default: the config's, else 0)",
+    )
+    p.add_argument(
+        "--ema",
+        type=int,
+        choices=[0, 1],
+        default=0,
+        help="a LoraEMA callback: the EMA of the LoRA and its two power-function EMAs, updated after every optimizer "
+        "step (default: 1 when the config has one, with its options)",
     )
     p.add_argument("--profile", default="", help="write a torch.profiler summary of the timed steps to this file")
     p.add_argument(

@@ -106,7 +106,7 @@ def test_a_quantized_run_is_checked_on_the_unquantized_base(
     """Trained on an FP8 base, the LoRA's fixed evaluation loss is measured on the unquantized base too (loaded from
     the same files) and both are printed; its files say it trained on FP8."""
     cache = stopped_early.parent.parent / "cache"  # the text encoders run in fp32 either way: the same entries
-    options = {
+    options: dict[str, Any] = {
         "trainer.precision": None,
         "trainer.plugins": {"class_path": "lightning_lora.precision.FP8", "init_args": {"dtype": "fp32"}},
         "callbacks": [{"class_path": "lightning_lora.callbacks.FixedEvalLoss", "init_args": {"drift_prompts": []}}],

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import Any
 
 import pytest
 from helpers import REPO
@@ -577,3 +578,35 @@ def test_profile_steps_profile_after_the_timed_steps_and_leave_their_timing_alon
     for bad in (["--profile-steps", "2"], ["--profile", "p.txt", "--profile-steps", "-1"]):
         with pytest.raises(SystemExit):
             bench.parse_args(["--tiny", *bad])
+
+
+def test_bench_runs_the_ema_callback_and_takes_it_from_a_config(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--ema 1``: the run keeps the LoRA's EMA and its two power-function EMAs (the planner counts three copies);
+    a config with a ``LoraEMA`` turns it on with its options, and it is no longer listed as not run."""
+    import yaml
+
+    argv = ["--family", "flux", "--rank", "4", "--h", "64", "--w", "64", "--tlen", "16", "--steps", "1", "--warm", "1"]
+    import lightning_lora.plan
+
+    planned: list[Any] = []
+    plan_training = lightning_lora.plan.plan_training
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        planned.append(plan_training(*args, **kwargs))
+        return planned[-1]
+
+    monkeypatch.setattr(lightning_lora.plan, "plan_training", recorded)
+    out = bench.run(bench.parser().parse_args([*argv, "--tiny", "--ema", "1"]))
+    assert out["ema"] == 1 and out["s_per_step"] > 0 and "ema" in out["planned"]
+    assert planned[0].ema == pytest.approx(3 * planned[0].lora) and planned[0].lora > 0
+    with pytest.raises(ValueError, match="--ema 1 runs the LoraEMA callback in Lightning's loop"):
+        bench.run(bench.parser().parse_args([*argv, "--tiny", "--ema", "1", "--loop", "bare"]))
+    config = yaml.safe_load((REPO / "configs" / "flux_4090.yaml").read_text())
+    ema = {"class_path": "lightning_lora.callbacks.LoraEMA", "init_args": {"decay": 0.95}}
+    config["trainer"]["callbacks"].append(ema)
+    path = tmp_path / "flux_4090_ema.yaml"
+    path.write_text(yaml.safe_dump(config))
+    a = bench.parse_args(["--config", str(path)])
+    assert a.ema == 1 and a.config_ema == {"decay": 0.95} and bench.bench_ema(a).decay == 0.95  # type: ignore[union-attr]
+    assert "LoraEMA" not in bench.header(a)["not_reproduced"][-1]
+    assert bench.parse_args(["--config", str(REPO / "configs" / "flux_4090.yaml")]).ema == 0
