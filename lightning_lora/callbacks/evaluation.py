@@ -55,6 +55,7 @@ from typing_extensions import override
 
 from lightning_lora.callbacks.ema import LoraEMA, lora_ema
 from lightning_lora.data.datamodule import LatentDataModule
+from lightning_lora.data.recipe import DEFAULT_RESOLUTION, data_recipe
 from lightning_lora.errors import ConfigError, first_line
 from lightning_lora.families.base import DiffusionFamily
 from lightning_lora.lora import adapter_disabled
@@ -262,10 +263,10 @@ class FixedEvalLoss(Callback):
             )
 
     def evaluate_if_due(self, trainer: Trainer, pl_module: LightningModule, end: bool = False) -> None:
-        """Evaluate the trainer's step if it is one to evaluate (every ``every_n_steps``, the end) and has not been yet:
-        every callback that reads this step's evaluation calls this first."""
+        """Evaluate the trainer's step if it is one to evaluate (step 0, every ``every_n_steps``, the end) and has not
+        been yet: every callback that reads this step's evaluation calls this first."""
         step = trainer.global_step
-        due = end or (self.every_n_steps > 0 and step % self.every_n_steps == 0)
+        due = end or step == 0 or (self.every_n_steps > 0 and step % self.every_n_steps == 0)
         if due and self.evaluated_step != step:
             self.evaluate(trainer, pl_module)
 
@@ -307,7 +308,8 @@ class FixedEvalLoss(Callback):
             offload_blocks=0,
             offload_activations=False,
         )
-        room = bf16_room(recipe, module.device)
+        data = data_recipe(trainer)
+        room = bf16_room(recipe, module.device, data.resolution if data is not None else DEFAULT_RESOLUTION)
         if room is not None:
             rank_zero_info(f"Fixed evaluation loss on the bf16 base not measured: {room}")
             return
@@ -358,9 +360,10 @@ class FixedEvalLoss(Callback):
             self.wait = int(state_dict.get("wait", 0))
 
 
-def bf16_room(recipe: Any, device: torch.device) -> str | None:
-    """None when the bf16 base of ``recipe`` (its weights, and a forward without gradients) fits in the free memory of
-    ``device`` beside what is there now, as the memory planner sizes it; else why not, in a few words."""
+def bf16_room(recipe: Any, device: torch.device, side: int = DEFAULT_RESOLUTION) -> str | None:
+    """None when the bf16 base of ``recipe`` (its weights, and a forward without gradients at ``side`` pixels) fits in
+    the free memory of ``device`` beside what is there now, as the memory planner sizes them; else why not, in a few
+    words."""
     if device.type != "cuda":
         return None  # host memory: the planner plans GPUs; a CPU run is a tiny one
     from lightning_lora.plan import weight_bytes
@@ -370,7 +373,6 @@ def bf16_room(recipe: Any, device: torch.device) -> str | None:
     try:
         skeleton = recipe.family.denoiser_skeleton(recipe.source)
         need = weight_bytes(skeleton, recipe.precision)
-        side = 512
         pieces = sampling_pieces(recipe, skeleton, side, side, recipe.family.text_tokens)
         need += pieces.denoiser if pieces is not None else 0.0
     except (ConfigError, NotImplementedError, OSError) as e:

@@ -9,6 +9,7 @@ best LoRA; the other tests read what it wrote.
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -304,3 +305,50 @@ def test_a_shipped_configs_commented_keys_turn_each_feature_on(
     assert callbacks["FixedEvalLoss"]["monitor"] == "val/loss" and callbacks["FixedEvalLoss"]["patience"] == 5
     assert callbacks["FixedEvalLoss"]["drift_prompts"] and callbacks["LoraExport"]["weights"] == "both"
     assert printed["data"]["val_fraction"] == 0.1
+
+
+def test_export_of_an_ema_the_checkpoint_cannot_give_is_one_line(reference: Path, tmp_path: Path, capsys) -> None:
+    """A checkpoint without an EMA, snapshots that are gone, a width out of range, a LoRA file: one line each, exit
+    status 2, nothing written."""
+    last = reference.parent / "run" / "checkpoints" / "last.ckpt"
+    checkpoint = torch.load(last, weights_only=True)
+    moved = dict(checkpoint, callbacks={**checkpoint["callbacks"]})
+    moved["callbacks"]["LoraEMA"] = {**checkpoint["callbacks"]["LoraEMA"], "folder": str(tmp_path / "gone" / "ema")}
+    (tmp_path / "moved" / "checkpoints").mkdir(parents=True)
+    torch.save(moved, tmp_path / "moved" / "checkpoints" / "last.ckpt")
+    without = {**checkpoint, "callbacks": {k: v for k, v in checkpoint["callbacks"].items() if k != "LoraEMA"}}
+    torch.save(without, tmp_path / "without.ckpt")
+    lora = reference.parent / "run" / "lora" / "lora.safetensors"
+    cases = [
+        ([str(tmp_path / "without.ckpt"), "--ema"], "holds no EMA of the LoRA (its run had no LoraEMA callback)"),
+        (
+            [str(tmp_path / "moved" / "checkpoints" / "last.ckpt"), "--ema-sigma-rel", "0.1"],
+            "the run's EMA snapshot posthoc-step000002.safetensors is missing",
+        ),
+        ([str(last), "--ema-sigma-rel", "0.5"], "--ema-sigma-rel: 0.5 is not a power-function EMA width"),
+        ([str(lora), "--ema"], "is a LoRA file; the EMA of a run is in its checkpoints"),
+    ]
+    for args, message in cases:
+        out = tmp_path / "out.safetensors"
+        assert export_main([*args, "--format", "diffusers", "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1, err
+        assert not out.exists()
+    # the snapshots moved with the run folder: found beside its checkpoints' folder
+    shutil.copytree(reference.parent / "run" / "ema", tmp_path / "moved" / "ema")
+    moved_last = tmp_path / "moved" / "checkpoints" / "last.ckpt"
+    assert export_main([str(moved_last), "--ema-sigma-rel", "0.1", "--format", "kohya", "--out", str(out)]) == 0
+
+
+def test_ema_refuses_a_sharded_lora_and_a_second_ema() -> None:
+    from types import SimpleNamespace
+
+    from lightning_lora.model.parallel import LoraFSDPStrategy
+
+    ema = LoraEMA()
+    sharded = SimpleNamespace(callbacks=[ema], strategy=LoraFSDPStrategy(), default_root_dir="run")
+    with pytest.raises(ConfigError, match="LoraEMA: not with trainer.strategy: fsdp"):
+        ema.setup(sharded, None, "fit")  # type: ignore[arg-type]
+    twice = SimpleNamespace(callbacks=[ema, LoraEMA()], strategy=None, default_root_dir="run")
+    with pytest.raises(ConfigError, match="more than one LoraEMA"):
+        ema.setup(twice, None, "fit")  # type: ignore[arg-type]

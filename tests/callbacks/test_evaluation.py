@@ -104,18 +104,22 @@ def test_a_quantized_run_is_checked_on_the_unquantized_base(
     stopped_early: Path, tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Trained on an FP8 base, the LoRA's fixed evaluation loss is measured on the unquantized base too (loaded from
-    the same files) and both are printed; its files say it trained on FP8."""
+    the same files) and both are printed; its files say it trained on FP8. With half the images held out, the best
+    LoRA is judged by ``val/loss`` (``monitor: auto``)."""
     cache = stopped_early.parent.parent / "cache"  # the text encoders run in fp32 either way: the same entries
     options: dict[str, Any] = {
         "trainer.precision": None,
         "trainer.plugins": {"class_path": "lightning_lora.precision.FP8", "init_args": {"dtype": "fp32"}},
         "callbacks": [{"class_path": "lightning_lora.callbacks.FixedEvalLoss", "init_args": {"drift_prompts": []}}],
+        "data.val_fraction": 0.5,
     }
     config = resume_config(tmp_path, tiny_flux_dir, photos_dir, "q", steps=2, cache=cache, **options)
     with caplog.at_level(logging.INFO):
         cli = run_cli(["fit", "--config", str(config)])
-    metrics = _evaluator(cli).metrics
+    evaluator = _evaluator(cli)
+    metrics = evaluator.metrics
     assert "eval/drift" not in metrics  # drift_prompts: [] measures none
+    assert evaluator.watched == "val/loss" and evaluator.best == min(v for _, v in evaluator.val_history)
     quantized, unquantized = metrics["eval/loss"], metrics["eval/loss_unquantized"]
     assert quantized != unquantized and abs(quantized - unquantized) < 0.1 * quantized
     line = next(r.getMessage() for r in caplog.records if "base it trained on" in r.getMessage())
@@ -149,3 +153,26 @@ def test_preservation_keeps_the_drift_lower(tmp_path: Path, tiny_flux_dir: Path,
         final[name] = _evaluator(run_cli(["fit", "--config", str(config)])).metrics["eval/drift"]
     assert 0 < final["dop"] < 0.8 * final["plain"], final
     assert torch.isfinite(torch.tensor(list(final.values()))).all()
+
+
+def test_the_unquantized_base_is_loaded_only_where_the_planner_says_it_fits(
+    tiny_flux_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU, the unquantized base (its weights and a forward without gradients, as the memory planner counts them)
+    is loaded beside the training model only into free memory; otherwise one line says how much was needed."""
+    from lightning_lora.callbacks.evaluation import bf16_room
+    from lightning_lora.families.base import ModelSource
+    from lightning_lora.families.flux import Flux
+    from lightning_lora.lora import LoraOptions
+    from lightning_lora.model.recipe import ModelRecipe
+    from lightning_lora.plan import weight_bytes
+
+    recipe = ModelRecipe(Flux(), ModelSource(str(tiny_flux_dir)), LoraOptions(rank=4))
+    weights = weight_bytes(recipe.family.denoiser_skeleton(recipe.source), recipe.precision)
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (int(weights / 2), 80 * 2**30))
+    room = bf16_room(recipe, gpu)
+    assert room is not None and room.endswith("GiB are free on cuda:0") and "beside the training model" in room
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (80 * 2**30, 80 * 2**30))
+    assert bf16_room(recipe, gpu) is None
+    assert bf16_room(recipe, torch.device("cpu")) is None  # a CPU run (a tiny one) is not planned
