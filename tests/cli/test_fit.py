@@ -276,6 +276,7 @@ OUR_LINES = re.compile(
             r"^  (images found|training|latents|text embeddings|skipped|notes|buckets|time): ",
             r"^    \S",  # the summary's list of skipped files and notes
             r"^(skipped|note:) ",  # the same, logged as they are found
+            r"^prompt '.*' is longer than the text encoder reads",  # a drift or sample prompt the tiny T5 cuts
             r"^Training: steps \d+ -> \d+",
             r"^Learning rate: ",
             r"^Compiling: ",
