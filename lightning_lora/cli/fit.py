@@ -296,8 +296,8 @@ class LoraCLI(LightningCLI):
                 rank_zero_info(f"model.memory: {model.memory}: {device} has no memory of its own; options as written.")
                 return
             where = f"{budget:.1f} GiB free on {device}" if model.memory == "auto" else f"{budget:g} GiB"
-            shards = shards_of(self.trainer)
-            fit = choose_for_memory(model.recipe, _data(datamodule), budget, model.optimizer_name, shards)
+            shards, copies = shards_of(self.trainer), ema_copies(self.trainer)
+            fit = choose_for_memory(model.recipe, _data(datamodule), budget, model.optimizer_name, shards, copies)
             if fit is None:
                 raise ConfigError(
                     f"model.memory: {model.memory}: no setting that keeps this training fits in {where}. Run "

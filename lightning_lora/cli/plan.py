@@ -128,24 +128,25 @@ def main(argv: list[str]) -> int:
         shards = shard_count(trainer.get("strategy"), trainer.get("devices", "auto"), trainer.get("num_nodes", 1))
         data: DataRecipe = cli.datamodule.recipe
         ema = cli.ema
-        plan = plan_for(recipe, data, optimizer, shards=shards, ema_copies=ema.copies if ema is not None else 0)
+        copies = ema.copies if ema is not None else 0
+        plan = plan_for(recipe, data, optimizer, shards=shards, ema_copies=copies)
         if ema is not None:
             plan.notes.append(ema_note(ema, plan.lora, trainer.get("max_steps")))
         print("Predicted GPU memory (lightning-lora plan):")
         print(plan.report(vram))
         if vram is not None and plan.run_peak > vram * HEADROOM:
-            options = fitting_changes(recipe, data, vram, optimizer, shards)
+            options = fitting_changes(recipe, data, vram, optimizer, shards, copies)
             if options:
                 print("  these changes would fit:")
                 print("\n".join(f"    {o}" for o in options))
             else:
                 print("  lower data.resolution or data.batch_size, or use a GPU with more memory")
         elif vram is not None:
-            fastest = choose_for_memory(recipe, data, vram, optimizer, shards)
+            fastest = choose_for_memory(recipe, data, vram, optimizer, shards, copies)
             if fastest is not None and fastest.flags:
                 print(f"  faster, and it still fits: {fastest.line()}")
             accumulate = int(trainer.get("accumulate_grad_batches") or 1)
-            larger = larger_batches(recipe, data, vram, accumulate, optimizer, shards)
+            larger = larger_batches(recipe, data, vram, accumulate, optimizer, shards, copies)
             if larger is not None:
                 images = data.batch_size * accumulate
                 print(
@@ -154,7 +155,7 @@ def main(argv: list[str]) -> int:
                 )
         if args.cards:
             print("The fastest way to run on each card size (5% kept free):")
-            for gib, fit in cards_table(recipe, data, optimizer, shards=shards):
+            for gib, fit in cards_table(recipe, data, optimizer, shards=shards, ema_copies=copies):
                 names = ", ".join(cards_of(gib)[:3])
                 what = fit.line() if fit else "nothing fits: lower data.resolution or data.batch_size"
                 print(f"  {gib:>4} GiB  {names:<30} {what}")

@@ -233,7 +233,7 @@ def test_plan_counts_the_emas_copies_of_the_lora(
     from lightning_lora.families.flux import Flux
     from lightning_lora.lora import LoraOptions
     from lightning_lora.model.recipe import ModelRecipe
-    from lightning_lora.plan import plan_for
+    from lightning_lora.plan import plan_for, search
 
     ema_callback = {"class_path": "lightning_lora.callbacks.LoraEMA", "init_args": {"snapshot_every": 2}}
     config = write_config(tmp_path, tiny_flux_dir, photos_dir, **{"trainer.callbacks": [ema_callback]})
@@ -249,6 +249,9 @@ def test_plan_counts_the_emas_copies_of_the_lora(
     assert plain.ema == 0 and averaged.ema == pytest.approx(3 * plain.lora) and plain.lora > 0
     assert averaged.peak_gib == pytest.approx(plain.peak_gib + 3 * plain.lora)
     assert averaged.sampling_peak == pytest.approx(plain.sampling_peak + 4 * plain.lora)  # and the raw LoRA aside
+    # the search (plan's suggestions, model.memory) plans with them too
+    chosen = [search.choose_for_memory(recipe, DataRecipe(), 80.0, ema_copies=n) for n in (0, 3)]
+    assert [c.peak_gib if c else None for c in chosen] == [plain.run_peak, averaged.run_peak], chosen
 
 
 @pytest.mark.parametrize(
