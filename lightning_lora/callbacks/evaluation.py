@@ -60,6 +60,7 @@ from lightning_lora.errors import ConfigError, first_line
 from lightning_lora.families.base import DiffusionFamily
 from lightning_lora.lora import adapter_disabled
 from lightning_lora.model.assembly import uncompiled
+from lightning_lora.model.recipe import ModelRecipe
 from lightning_lora.module import LoraModule, lora_module
 
 __all__ = ["FixedEvalLoss", "Monitor", "denoiser_prediction", "fixed_evaluation", "with_prompt"]
@@ -360,18 +361,18 @@ class FixedEvalLoss(Callback):
             self.wait = int(state_dict.get("wait", 0))
 
 
-def bf16_room(recipe: Any, device: torch.device, side: int = DEFAULT_RESOLUTION) -> str | None:
+def bf16_room(recipe: ModelRecipe, device: torch.device, side: int = DEFAULT_RESOLUTION) -> str | None:
     """None when the bf16 base of ``recipe`` (its weights, and a forward without gradients at ``side`` pixels) fits in
     the free memory of ``device`` beside what is there now, as the memory planner sizes them; else why not, in a few
     words."""
     if device.type != "cuda":
         return None  # host memory: the planner plans GPUs; a CPU run is a tiny one
     from lightning_lora.plan import weight_bytes
-    from lightning_lora.plan.estimate import GIB
+    from lightning_lora.plan.estimate import GIB, denoiser_skeleton
     from lightning_lora.plan.sampling import sampling_pieces
 
     try:
-        skeleton = recipe.family.denoiser_skeleton(recipe.source)
+        skeleton = denoiser_skeleton(recipe)  # the planner's, built once per process
         need = weight_bytes(skeleton, recipe.precision)
         pieces = sampling_pieces(recipe, skeleton, side, side, recipe.family.text_tokens)
         need += pieces.denoiser if pieces is not None else 0.0
