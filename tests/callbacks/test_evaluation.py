@@ -135,8 +135,9 @@ def _has_preservation() -> bool:
     return "preservation" in inspect.signature(LoraModule.__init__).parameters
 
 
-DOP: dict[str, Any] = {"model.preservation": "dop"}
-"""The option that turns differential output preservation on (issue 49, item 1), as expected before it exists."""
+DOP: dict[str, Any] = {"model.preservation": {"mode": "dop", "every_image": True}, "data.trigger": "sks"}
+"""Differential output preservation (issue 49, item 1): every photo again without its trigger, towards the base's
+own prediction."""
 
 
 @pytest.mark.skipif(
