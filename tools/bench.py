@@ -1314,14 +1314,16 @@ def measure(a: argparse.Namespace, outputs: Path | None) -> dict[str, Any]:
 
 
 def bench_ema(a: argparse.Namespace) -> LoraEMA | None:
-    """``--ema 1``: the ``LoraEMA`` a run keeps, with the config's options (``--config``; else the defaults and the two
-    power-function EMAs), every average updated after each optimizer step as in ``fit``; its snapshots come every
-    ``snapshot_every`` steps, so none is written while the steps are timed (they are disk writes, not step time)."""
+    """``--ema 1``: the ``LoraEMA`` a run keeps, with the config's options (``--config``: its power-function EMAs only
+    where it keeps snapshots; without one in the config, the defaults and the two power-function EMAs), every average
+    updated after each optimizer step as in ``fit``; no snapshot is written while the steps are timed (they are disk
+    writes, not step time)."""
     if not a.ema:
         return None
-    options = dict(getattr(a, "config_ema", {}))
+    configured = getattr(a, "config_ema", None)
+    options = dict(configured) if configured is not None else {"snapshot_every": 1}
     steps = a.warm + a.steps + extra_steps(a)
-    if options.get("snapshot_every", 1):  # keep the power-function EMAs (the config's, or by default), write none
+    if options.get("snapshot_every", 0):  # keep the power-function EMAs, write none
         options["snapshot_every"] = steps + 1
     return LoraEMA(**options)
 

@@ -608,6 +608,13 @@ def test_bench_runs_the_ema_callback_and_takes_it_from_a_config(tmp_path, monkey
     path = tmp_path / "flux_4090_ema.yaml"
     path.write_text(yaml.safe_dump(config))
     a = bench.parse_args(["--config", str(path)])
-    assert a.ema == 1 and a.config_ema == {"decay": 0.95} and bench.bench_ema(a).decay == 0.95  # type: ignore[union-attr]
+    assert a.ema == 1 and a.config_ema == {"decay": 0.95}
+    configured = bench.bench_ema(a)  # as fit runs it: the config keeps no snapshots, so no power-function EMAs
+    assert configured is not None and configured.decay == 0.95 and configured.copies == 1
+    ema["init_args"]["snapshot_every"] = 1  # with snapshots: the power-function EMAs, none written while timed
+    path.write_text(yaml.safe_dump(config))
+    with_snapshots = bench.bench_ema(bench.parse_args(["--config", str(path)]))
+    assert with_snapshots is not None and with_snapshots.copies == 3
+    assert with_snapshots.snapshot_every > a.warm + a.steps
     assert "LoraEMA" not in bench.header(a)["not_reproduced"][-1]
     assert bench.parse_args(["--config", str(REPO / "configs" / "flux_4090.yaml")]).ema == 0
