@@ -16,6 +16,7 @@ __version__ = "0.1.0"
 _PUBLIC = {
     "LoraModule": "lightning_lora.module",
     "LoraOptions": "lightning_lora.lora",
+    "Preservation": "lightning_lora.objectives",
     "BF16": "lightning_lora.precision",
     "FP8": "lightning_lora.precision",
     "FP8Compute": "lightning_lora.precision",

@@ -59,6 +59,7 @@ __all__ = [
     "LoraOptions",
     "adapter_disabled",
     "adapter_state",
+    "adapters_disabled",
     "inject_lora",
     "is_adapter_param",
     "parse_key",
@@ -220,6 +221,25 @@ def inject_lora(model: nn.Module, family: TargetPresets, options: LoraOptions) -
     target_modules = resolve_targets(options.targets, family, model)
     model.add_adapter(peft_config(options, target_modules))  # type: ignore[operator]
     return target_modules
+
+
+@contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[int]:
+    """Inside, ``model`` computes the frozen base's own output: every adapter layer runs its base layer alone (peft's
+    ``enable_adapters(False)``, what peft's ``disable_adapter()`` context and diffusers' ``disable_adapters()`` do);
+    afterwards each is on again and trainable, as before. For forward passes without gradients: DOP's target
+    (:class:`~lightning_lora.objectives.Preservation`), a comparison with the base. Yields how many layers it turned
+    off (none that were off already)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers: list[Any] = [m for m in model.modules() if isinstance(m, BaseTunerLayer) and not m.disable_adapters]
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield len(layers)
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
 
 
 def is_adapter_param(name: str) -> bool:

@@ -14,7 +14,10 @@ Lifecycle (during ``fit`` Lightning calls these in this order):
   ``configure_model``, over every parameter), and makes a restored checkpoint continue under this run's settings
   (:func:`lightning_lora.checkpoint.reconcile_training_state`).
 * ``training_step`` takes the batch's per-sample noise and timesteps and asks the family for the loss. Batches
-  come from the latent cache: no VAE or text encoder runs while training.
+  come from the latent cache: no VAE or text encoder runs while training. With ``preservation.mode: dop`` the
+  batch's preservation samples first get their target, the frozen base's own prediction with the adapter off
+  (:meth:`preservation_reference`: one forward without gradients); per-sample loss weights (a folder's
+  ``loss_weight``) and masks come with the batch (:mod:`lightning_lora.objectives`).
 * Checkpoints hold only the trainable tensors: ``on_save_checkpoint`` drops the frozen base, and stamps what the base
   model is (:meth:`model_identity`) for a resume to compare, however its path is spelled then.
 """
@@ -31,15 +34,17 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from typing_extensions import override
 
+from lightning_lora import objectives
 from lightning_lora.checkpoint import STAMP, configured_record, reconcile_training_state
 from lightning_lora.errors import ConfigError
 from lightning_lora.families.base import DiffusionFamily, ModelSource
 from lightning_lora.families.flux import Flux
 from lightning_lora.hardware import limit_host_threads
-from lightning_lora.lora import LoraOptions, set_lora_input_casts, trainable_parameters
+from lightning_lora.lora import LoraOptions, adapters_disabled, set_lora_input_casts, trainable_parameters
 from lightning_lora.model.assembly import build_lora_model, gradients_outside_graphs
 from lightning_lora.model.parallel import prepare_model
 from lightning_lora.model.recipe import AttentionBackend, ModelRecipe
+from lightning_lora.objectives import Preservation, Reference
 from lightning_lora.precision import BasePrecision, precision_of
 
 __all__ = ["LoraModule", "lora_module", "primitive_hparams"]
@@ -59,6 +64,10 @@ class LoraModule(LightningModule):
             ``flux1-dev.safetensors`` downloaded for ComfyUI).
         revision: hub revision of ``pretrained``.
         lora: LoRA rank, alpha, targets, dropout, init.
+        preservation: keep what the base model draws where the LoRA should not change it: regularization images
+            against their own target (``mode: prior``) or, with ``mode: dop``, preservation samples (regularization
+            images; with ``every_image``, each image again with its trigger removed) against the base model's own
+            prediction with the adapter off (one more forward without gradients per batch that holds them).
         gradient_checkpointing: recompute block activations in the backward pass (less memory, ~30% slower).
         checkpoint_every: with ``gradient_checkpointing``, recompute one in N repeated blocks (FLUX's transformer
             blocks, the UNet's attention blocks) and keep the others' activations: 1 (every block) saves the most;
@@ -99,6 +108,7 @@ class LoraModule(LightningModule):
         denoiser_file: str | None = None,
         revision: str | None = None,
         lora: LoraOptions = LoraOptions(),
+        preservation: Preservation = Preservation(),
         gradient_checkpointing: bool = False,
         checkpoint_every: int = 1,
         attention: AttentionBackend = "auto",
@@ -119,6 +129,7 @@ class LoraModule(LightningModule):
             family=family,
             source=source,
             lora=lora,
+            preservation=preservation,
             gradient_checkpointing=gradient_checkpointing,
             checkpoint_every=checkpoint_every,
             attention=attention,
@@ -156,6 +167,10 @@ class LoraModule(LightningModule):
     @property
     def lora(self) -> LoraOptions:
         return self.recipe.lora
+
+    @property
+    def preservation(self) -> Preservation:
+        return self.recipe.preservation
 
     def model_identity(self) -> dict[str, str | None]:
         """What the base model is (:meth:`ModelSource.model_identity`: its files, not its path), read once."""
@@ -251,7 +266,7 @@ class LoraModule(LightningModule):
         return self.denoiser
 
     @override
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
         if (
             self.recipe.cuda_graphs
         ):  # each micro-batch one generation of the graphs' memory (model.assembly.CUDA_GRAPHS_MODE)
@@ -262,10 +277,37 @@ class LoraModule(LightningModule):
         timesteps = batch.get("timesteps")
         if timesteps is None:
             timesteps = _to_device(self.family.sample_timesteps(latents), latents.device)
-        loss = self.family.loss(self._require_model(), batch, noise, timesteps).mean()
+        denoiser = self._require_model()
+        reference = self.preservation_reference(batch, noise, timesteps)
+        losses = self.family.loss(denoiser, batch, noise, timesteps, reference)
+        loss = objectives.weighted_mean(losses, batch.get("loss_weight"))
         self.log("train/loss", loss, prog_bar=True, batch_size=latents.shape[0])
         self.log("train/lr", self.optimizers().param_groups[0]["lr"], batch_size=latents.shape[0])  # type: ignore[union-attr]
         return loss
+
+    def preservation_reference(
+        self, batch: dict[str, Any], noise: torch.Tensor, timesteps: torch.Tensor
+    ) -> Reference | None:
+        """DOP's target for the batch's preservation samples (``batch["role"]``,
+        :func:`~lightning_lora.objectives.preserved_rows`): the frozen base's own prediction for the same noisy latents
+        and captions with the adapter off (:func:`~lightning_lora.lora.adapters_disabled`), without gradients, for
+        those rows only. None without ``preservation.mode: dop`` or without such samples in the batch. The roles are
+        strings (the data loader leaves them on the host): choosing the rows waits for nothing on the GPU."""
+        rows = objectives.preserved_rows(batch.get("role") or [], self.preservation.mode)
+        if not rows:
+            return None
+        latents = batch["latents"]
+        index = None
+        if len(rows) < latents.shape[0]:
+            index = _to_device(torch.tensor(rows), latents.device)
+            batch = {k: v.index_select(0, index) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+            noise, timesteps = noise.index_select(0, index), timesteps.index_select(0, index)
+        denoiser = self._require_model()
+        with torch.no_grad(), adapters_disabled(denoiser):
+            prediction = self.family.predict(denoiser, batch, noise, timesteps).prediction
+        if self.recipe.cuda_graphs:  # the training forward replays other graphs: a new generation of their memory
+            torch.compiler.cudagraph_mark_step_begin()
+        return Reference(prediction, index)
 
     @torch.no_grad()
     def fixed_loss(

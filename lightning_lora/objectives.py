@@ -33,18 +33,45 @@ The signal-to-noise ratio is ``SNR_t = alpha_bar_t / (1 - alpha_bar_t)``. Three 
 
 Every function takes its randomness as an argument or a ``torch.Generator`` so that evaluation can reuse fixed
 (timestep, noise) pairs and resume can reproduce a run exactly.
+
+**What the loss compares, and how it is weighted** (:meth:`~lightning_lora.families.base.DiffusionFamily.loss`). A
+family's :class:`Prediction` is its denoiser's output and its target, both in the denoiser's layout (FLUX packs 2x2
+latent patches into tokens: ``[B, tokens, 4C]``); three things change what is compared:
+
+* **masks** (``data.images[].masks``): a weight per latent element, ``unmasked_weight + (1 - unmasked_weight) * m``
+  with ``m`` in [0, 1] the mask at latent resolution (:func:`mask_weights`), packed by the family like its latents.
+  :func:`masked_mse` is the *weighted mean* ``sum(w * (p - t)^2) / sum(w)`` per sample: the mean squared error over
+  the region that trains, on the scale of the unmasked loss whatever the mask's area (a masked run and an unmasked one
+  log comparable losses; each sample weighs the same in its batch). Where ``w`` is 0 the loss does not depend on the
+  prediction at all: those elements get exactly zero gradient.
+* **preservation** (:class:`Preservation`, ``model.preservation``): DreamBooth's class-image prior loss trains
+  regularization images against their own target (``prior``); differential output preservation (``dop``) trains
+  preservation samples against the frozen base model's own prediction with the adapter off (:class:`Reference`, put
+  in by :func:`preserved_target`): the LoRA learns to leave them as the base draws them;
+* **per-sample weights**: a folder's ``loss_weight`` (and the family's own, min-SNR) multiply each sample's loss, and
+  the batch's loss is their plain mean (:func:`weighted_mean`): a weight is an absolute factor, not a share of the
+  batch, so a batch of regularization images at weight 0.5 weighs half, whatever else the batch holds.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Literal
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
 
 import torch
 
+from lightning_lora.errors import ConfigError
+
 __all__ = [
     "BetaSchedule",
+    "Prediction",
     "PredictionType",
+    "Preservation",
+    "PreservationMode",
+    "Reference",
+    "SampleRole",
     "TimestepSampling",
     "alphas_cumprod",
     "beta_schedule",
@@ -53,15 +80,24 @@ __all__ = [
     "discrete_timesteps",
     "flow_match_noisy",
     "flow_match_target",
+    "mask_weights",
+    "masked_mse",
     "per_sample_mse",
+    "preserved_rows",
+    "preserved_target",
     "resolution_shift",
     "sample_sigmas",
     "shift_sigmas",
+    "weighted_mean",
 ]
 
 TimestepSampling = Literal["logit_normal", "uniform", "flux_shift"]
 PredictionType = Literal["epsilon", "v_prediction"]
 BetaSchedule = Literal["linear", "scaled_linear", "squaredcos_cap_v2"]
+PreservationMode = Literal["none", "prior", "dop"]
+SampleRole = Literal["train", "regularization", "preservation"]
+"""What a training sample is for: an image to learn (``train``), an image of a ``role: regularization`` folder, or a
+training image again with the trigger removed from its caption (``preservation``, ``every_image``)."""
 
 
 def shift_sigmas(sigmas: torch.Tensor, shift: float) -> torch.Tensor:
@@ -132,6 +168,119 @@ def per_sample_mse(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tens
     """Mean squared error per sample, computed in float32; shape ``[batch]``."""
     diff = prediction.float() - target.float()
     return diff.pow(2).flatten(1).mean(dim=1)
+
+
+# ------------------------------------------------------------------------------ masks, preservation, sample weights
+
+
+class Prediction(NamedTuple):
+    """A family's denoiser output for a batch and what it is trained towards, in the denoiser's layout (the same shape),
+    and the family's own weight per sample (min-SNR; None: 1)."""
+
+    prediction: torch.Tensor
+    target: torch.Tensor
+    sample_weights: torch.Tensor | None = None
+
+
+class Reference(NamedTuple):
+    """DOP's target for some rows of a batch: the frozen base model's own ``prediction`` for them (the adapter off, no
+    gradient), and which ``rows`` they are (indices into the batch; None: every row)."""
+
+    prediction: torch.Tensor
+    rows: torch.Tensor | None = None
+
+
+def mask_weights(mask: torch.Tensor, unmasked_weight: float) -> torch.Tensor:
+    """Per-element loss weights from a mask ``m`` in [0, 1] (1: train here): ``unmasked_weight + (1 -
+    unmasked_weight) * m``. With ``unmasked_weight`` 0 the weight is the mask itself, exactly 0 where it is black."""
+    if unmasked_weight == 0:
+        return mask
+    return unmasked_weight + (1.0 - unmasked_weight) * mask
+
+
+def masked_mse(prediction: torch.Tensor, target: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The weighted mean squared error per sample, ``sum(w * (p - t)^2) / sum(w)`` in float32, shape ``[batch]``;
+    ``weights`` broadcast to the prediction's shape. See the module docstring: the unmasked loss's scale, and exactly
+    zero gradient where a weight is 0. A sample whose weights are all 0 has loss 0."""
+    diff = prediction.float() - target.float()
+    w = weights.float().expand_as(diff)
+    total = (w * diff.pow(2)).flatten(1).sum(dim=1)
+    return total / w.flatten(1).sum(dim=1).clamp_min(torch.finfo(torch.float32).tiny)
+
+
+def preserved_rows(roles: Sequence[str], mode: PreservationMode) -> list[int]:
+    """The rows of a batch (their :data:`SampleRole` s) that train against the base model's own prediction: under
+    ``dop`` every sample that is not a ``train`` sample; none otherwise (``prior`` trains regularization images against
+    their own target)."""
+    if mode != "dop":
+        return []
+    return [i for i, role in enumerate(roles) if role != "train"]
+
+
+def preserved_target(target: torch.Tensor, reference: Reference) -> torch.Tensor:
+    """``target`` with the rows of ``reference`` replaced by its prediction (DOP), in the target's dtype."""
+    values = reference.prediction.detach().to(target.dtype)
+    if reference.rows is None:
+        return values
+    return target.index_copy(0, reference.rows.to(target.device), values)
+
+
+def weighted_mean(losses: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """The batch's loss from per-sample ``losses`` and per-sample ``weights`` (None: each 1): ``mean(w * loss)``."""
+    if weights is None:
+        return losses.mean()
+    return (losses * weights.to(losses.dtype)).mean()
+
+
+@dataclass
+class Preservation:
+    """Keep what the base model does where the LoRA should not change it: ``model.preservation``.
+
+    Args:
+        mode: ``none``; ``prior``: class-image preservation (DreamBooth's prior loss): the images of the ``role:
+            regularization`` folders of ``data.images`` train against their own target, each weighted by its folder's
+            ``loss_weight``; ``dop``: differential output preservation: their target is the frozen base model's own
+            prediction for the same noisy latent and caption with the adapter off, computed in the same step without
+            gradients (one more forward of the denoiser in each batch that holds such samples; ``lightning-lora plan``
+            counts it).
+        every_image: with ``dop``, every training image also serves as a preservation sample with the trigger word
+            removed from its caption (or replaced by ``class_word``): the LoRA learns to draw prompts without the
+            trigger as the base does. Needs a trigger (``data.trigger`` or a folder's ``trigger``); the images of a
+            folder without one have nothing to take out and are not repeated.
+        class_word: the word that replaces the trigger in those captions (``person`` for ``sks person``); null
+            removes the trigger.
+        weight: the loss weight of those preservation samples (a regularization folder's ``loss_weight`` weighs its
+            own images).
+    """
+
+    mode: PreservationMode = "none"
+    every_image: bool = False
+    class_word: str | None = None
+    weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        modes = ("none", "prior", "dop")
+        if self.mode not in modes:
+            raise ConfigError(f"model.preservation.mode: {self.mode!r} is not one of {', '.join(modes)}.")
+        if not (math.isfinite(self.weight) and self.weight > 0):
+            raise ConfigError(f"model.preservation.weight: {self.weight} must be a positive number (1: as an image).")
+        if self.every_image and self.mode != "dop":
+            raise ConfigError(
+                "model.preservation.every_image: true trains each image without its trigger towards the base model's "
+                f"own prediction, which is mode dop (the mode is {self.mode}); set model.preservation.mode: dop."
+            )
+        if self.class_word is not None and not self.every_image:
+            raise ConfigError(
+                "model.preservation.class_word replaces the trigger in the preservation captions of every_image: true; "
+                "set model.preservation.every_image: true (with mode: dop), or remove class_word."
+            )
+        if self.class_word is not None and not self.class_word.strip():
+            raise ConfigError("model.preservation.class_word is empty; give a word (e.g. person), or null.")
+
+    @property
+    def dop(self) -> bool:
+        """Whether preservation samples train against the base model's own prediction (``mode: dop``)."""
+        return self.mode == "dop"
 
 
 # --------------------------------------------------------------------------------------------- discrete DDPM (UNets)

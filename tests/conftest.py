@@ -206,3 +206,13 @@ def ddp_run(tmp_path_factory: pytest.TempPathFactory, tiny_flux_dir: Path, photo
     run = fit_in_subprocess(config)
     assert run.returncode == 0, run.stderr[-3000:]
     return config
+
+
+@pytest.fixture(scope="session")
+def preserved_photos(tmp_path_factory: pytest.TempPathFactory, photos_dir: Path) -> Path:
+    """:func:`helpers.preservation_layout`'s folders: ``train/`` (the four photos of ``photos_dir``), ``masks/`` (a
+    mask for two of them: the left half white; and one mask of no image), ``regularization/`` (two more photos,
+    captioned without the trigger)."""
+    from helpers import preservation_layout
+
+    return preservation_layout(tmp_path_factory.mktemp("preserved"), photos_dir)

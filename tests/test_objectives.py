@@ -167,3 +167,76 @@ def test_per_sample_mse_computes_in_float32() -> None:
     loss = obj.per_sample_mse(pred, target)
     assert loss.dtype == torch.float32
     torch.testing.assert_close(loss, (pred.float() - target.float()).pow(2).flatten(1).mean(1))
+
+
+# -- masks, preservation, sample weights --------------------------------------------------------------------------
+
+
+def test_masked_mse_is_the_weighted_mean_and_gives_no_gradient_where_the_weight_is_zero() -> None:
+    """The masked loss is the mean squared error over the weighted region (the unmasked loss's scale: a half mask of
+    a uniform error is that error), exactly zero gradient where a weight is 0, 0 (not NaN) for an all-zero mask, and
+    with weights of 1 the plain per-sample MSE."""
+    g = _gen(3)
+    prediction = torch.randn(3, 4, 6, 8, generator=g, requires_grad=True)
+    target = torch.randn(3, 4, 6, 8, generator=g)
+    weights = torch.ones(3, 1, 6, 8)
+    weights[0, ..., :4] = 0.0  # half of sample 0 ignored
+    weights[1, ..., 2:5, :] = 0.25  # part of sample 1 weighed a quarter
+    weights[2] = 0.0  # all of sample 2 ignored
+    losses = obj.masked_mse(prediction, target, weights)
+    diff2 = (prediction - target).detach() ** 2
+    torch.testing.assert_close(losses[0], diff2[0, ..., 4:].mean())
+    w1 = weights[1].expand_as(diff2[1])
+    torch.testing.assert_close(losses[1], (w1 * diff2[1]).sum() / w1.sum())
+    assert losses[2] == 0
+    losses.sum().backward()
+    assert prediction.grad is not None
+    assert torch.all(prediction.grad[0, ..., :4] == 0) and torch.all(prediction.grad[2] == 0)
+    assert torch.all(prediction.grad[0, ..., 4:] != 0) and torch.all(prediction.grad[1] != 0)
+    uniform_error = torch.full((1, 2, 4, 4), 3.0)
+    half = torch.ones(1, 1, 4, 4)
+    half[..., :2] = 0
+    assert obj.masked_mse(uniform_error, torch.zeros_like(uniform_error), half).item() == 9.0
+    ones = torch.ones(3, 1, 6, 8)
+    torch.testing.assert_close(obj.masked_mse(prediction, target, ones), obj.per_sample_mse(prediction, target))
+
+
+def test_mask_weights_put_the_unmasked_weight_outside_the_mask() -> None:
+    mask = torch.tensor([0.0, 0.5, 1.0])
+    assert obj.mask_weights(mask, 0.0) is mask  # exactly the mask: black stays exactly 0
+    assert obj.mask_weights(mask, 0.2).tolist() == pytest.approx([0.2, 0.6, 1.0])
+    assert obj.mask_weights(mask, 1.0).tolist() == [1.0, 1.0, 1.0]
+
+
+def test_preserved_target_replaces_the_reference_rows_and_the_batch_mean_keeps_absolute_weights() -> None:
+    target = torch.zeros(3, 2)
+    reference = torch.ones(2, 2, dtype=torch.bfloat16)
+    out = obj.preserved_target(target, obj.Reference(reference, torch.tensor([0, 2])))
+    assert out.dtype == torch.float32 and out.tolist() == [[1, 1], [0, 0], [1, 1]] and target.sum() == 0
+    assert torch.equal(obj.preserved_target(target[:2], obj.Reference(reference)), reference.float())
+    losses = torch.tensor([1.0, 2.0, 4.0])
+    assert obj.weighted_mean(losses, None).item() == pytest.approx(7 / 3)
+    # absolute factors, not shares of the batch: a batch of half-weight samples weighs half
+    assert obj.weighted_mean(losses, torch.tensor([0.5, 0.5, 0.5])).item() == pytest.approx(7 / 6)
+    roles = ["train", "regularization", "preservation", "train"]
+    assert obj.preserved_rows(roles, "dop") == [1, 2]
+    assert obj.preserved_rows(roles, "prior") == [] and obj.preserved_rows(roles, "none") == []
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"mode": "dpo"}, r"model.preservation.mode: 'dpo' is not one of none, prior, dop"),
+        ({"mode": "dop", "weight": 0.0}, r"model.preservation.weight: 0.0 must be a positive number"),
+        ({"mode": "prior", "every_image": True}, r"every_image: true .* which is mode dop \(the mode is prior\)"),
+        ({"mode": "dop", "class_word": "dog"}, r"class_word replaces the trigger .* set model.preservation.every"),
+        ({"mode": "dop", "every_image": True, "class_word": " "}, r"model.preservation.class_word is empty"),
+    ],
+)
+def test_preservation_options_refuse_what_cannot_work_in_one_line(options: dict, message: str) -> None:
+    from lightning_lora.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message) as caught:
+        obj.Preservation(**options)
+    assert "\n" not in str(caught.value)
+    assert obj.Preservation(mode="dop", every_image=True, class_word="dog").dop

@@ -30,6 +30,14 @@ Each is the real family class (:func:`random_family`) with its denoiser built fr
 config, or a tiny config with ``--tiny``; the batches have exactly the keys and shapes its ``loss`` reads from the
 cache, as the family describes them (:func:`cached_item`).
 
+Preservation and masks (their cost against the same row without them): ``--dop 1`` trains with
+``model.preservation.mode: dop`` and every sample a preservation sample, so every step runs DOP's forward without
+gradients (the adapter off) before the training pass: the worst case; ``--masks 1`` gives every sample a mask (its
+latents' left half), as a data folder with ``masks`` serves them (``loss_mask``, the masked loss). A ``--config``
+with ``model.preservation.mode: dop`` or a ``data.images`` entry with ``masks`` turns them on:
+
+    python tools/bench.py --config configs/flux_4090.yaml --dop 1 --steps 6 --warm 3
+
 A shipped config, as ``fit`` would use it (:func:`config_defaults`): ``--config configs/flux_4090.yaml`` takes every
 setting this tool has a flag for from the YAML (family, quantization, checkpointing, compile, offloading, attention,
 LoRA, optimizer, resolution, batch, text length, gradient accumulation, gradient clipping); flags on the command line
@@ -104,6 +112,7 @@ from lightning_lora.lora import LoraOptions, set_lora_input_casts
 from lightning_lora.model.parallel import resolve_strategy, shard_count
 from lightning_lora.model.sharding import local_parameter_bytes
 from lightning_lora.module import LoraModule
+from lightning_lora.objectives import Preservation
 from lightning_lora.precision import FP8, PRECISIONS, BasePrecision
 from lightning_lora.precision.layers import linear_layers
 
@@ -324,8 +333,11 @@ class Synthetic(Dataset):
         family_obj: Any = None,
         buckets: Sequence[tuple[int, int]] = (),
         batch: int = 1,
+        dop: bool = False,
+        masks: bool = False,
     ) -> None:
         g = torch.Generator().manual_seed(0)
+        self.dop, self.masks = dop, masks
         described = family_obj if family_obj is not None else RANDOM[family]()  # the family describes its batches
         self.family = family_obj
         self.sizes = [(height, width), *buckets]
@@ -346,7 +358,13 @@ class Synthetic(Dataset):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         items = self.by_size[(i // self.batch) % len(self.by_size)]
-        item = dict(items[i % len(items)])
+        item: dict[str, Any] = dict(items[i % len(items)])
+        if self.masks:  # a mask over the latents' left half, as the cache serves a masked image's loss weights
+            mask = torch.zeros(1, *item["latents"].shape[-2:])
+            mask[..., : mask.shape[-1] // 2] = 1.0
+            item["loss_mask"] = mask
+        if self.dop:  # every sample a preservation sample (the adapter-off forward in every step), of weight 1
+            item["loss_weight"], item["role"] = torch.tensor(1.0), "preservation"
         if self.family is not None:  # per-sample noise and timestep, as the latent cache's dataset serves them
             g = torch.Generator().manual_seed(i)
             latents = item["latents"][None]
@@ -742,9 +760,11 @@ def bare_loop(module: LoraModule, dataset: Dataset, a: argparse.Namespace, devic
             t0 = time.perf_counter()
             if stacks is not None:
                 stacks.begin()
-        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        batch = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
         with torch.autocast(device, dtype=torch.bfloat16):
-            loss = module.family.loss(denoiser, batch, batch["noise"], batch["timesteps"]).mean()
+            reference = module.preservation_reference(batch, batch["noise"], batch["timesteps"])
+            losses = module.family.loss(denoiser, batch, batch["noise"], batch["timesteps"], reference)
+            loss = objectives.weighted_mean(losses, batch.get("loss_weight"))
         loss.backward()
         if a.clip:
             torch.nn.utils.clip_grad_norm_([p for p in denoiser.parameters() if p.requires_grad], a.clip)
@@ -855,9 +875,10 @@ def output_callbacks(
 ) -> tuple[SampleImages | None, ModelCheckpoint | None, LoraExport]:
     """The config's callbacks that write a run's outputs, built from its class paths and ``init_args`` as ``fit``
     builds them (the first of each kind), with ``fit``'s defaults where the config has none (a ``ModelCheckpoint``
-    unless ``trainer.enable_checkpointing: false``, a ``LoraExport``). Every file goes under ``root``, never the
-    config's paths; ``--sample-steps`` / ``--sample-size`` replace the samples' steps and size (with ``--tiny``, a CPU
-    smoke run, they default to 2 steps at the training size: a tiny model's 30 steps at 1024 px take minutes)."""
+    unless ``trainer.enable_checkpointing: false``, a ``LoraExport``; its ``best`` files are left out: the
+    ``FixedEvalLoss`` that judges them is not run). Every file goes under ``root``, never the config's paths;
+    ``--sample-steps`` / ``--sample-size`` replace the samples' steps and size (with ``--tiny``, a CPU smoke run, they
+    default to 2 steps at the training size: a tiny model's 30 steps at 1024 px take minutes)."""
     built: dict[type, Any] = {}
     for path, init_args in getattr(a, "config_callbacks", []):
         cls = REPRODUCED_CALLBACKS.get(path)
@@ -881,7 +902,7 @@ def output_callbacks(
     if checkpoint is not None:
         checkpoint.dirpath = str(root / "checkpoints")
     exporter: LoraExport = built.get(LoraExport) or LoraExport()
-    exporter.dirname = "lora"
+    exporter.dirname, exporter.best = "lora", False
     return sampler, checkpoint, exporter
 
 
@@ -1027,12 +1048,14 @@ class Outputs(Callback):
         self.out["checkpoint_tensors"] = len(checkpoint["state_dict"])
 
     def _export(self, trainer: Trainer, pl_module: Any) -> None:
-        self.exporter.export(trainer, pl_module, self.exporter.name)
+        # as at the end of fit: the raw LoRA's files and, with --ema 1, the EMA's (LoraExport.weights)
+        self.exporter.final = self.exporter.export_weights(trainer, pl_module, self.exporter.name)
 
     def _exported(self, trainer: Trainer) -> None:
         if trainer.is_global_zero:
             files = [path for _, path in self.exporter.last_files()]
             self.out["export_formats"] = list(self.exporter.formats)
+            self.out["export_files"] = len(files)
             self.out["export_MB"] = round(sum(path.stat().st_size for path in files) / 2**20, 2)
 
 
@@ -1165,6 +1188,8 @@ def measure(a: argparse.Namespace, outputs: Path | None) -> dict[str, Any]:
             "accumulate": a.accumulate,
             "clip": a.clip,
             "ema": a.ema,
+            "dop": a.dop,
+            "masks": a.masks,
         }
     )
     given = quant_options(a.quant_option or [])
@@ -1188,10 +1213,22 @@ def measure(a: argparse.Namespace, outputs: Path | None) -> dict[str, Any]:
         cuda_graphs=bool(a.cuda_graphs),
         offload_blocks=a.offload,
         offload_activations=bool(a.offload_act),
+        preservation=Preservation(mode="dop" if a.dop else "none"),
         optimizer=make_optimizer(a.opt, optimizer_options(a)),
     )
     module.use_precision(precision)
-    dataset = Synthetic(a.family, config, a.h, a.w, a.tlen, family_obj=family, buckets=a.buckets, batch=a.batch)
+    dataset = Synthetic(
+        a.family,
+        config,
+        a.h,
+        a.w,
+        a.tlen,
+        family_obj=family,
+        buckets=a.buckets,
+        batch=a.batch,
+        dop=bool(a.dop),
+        masks=bool(a.masks),
+    )
     if a.buckets:
         out["buckets"] = [list(size) for size in dataset.sizes]
     pin = None if a.loader_pin is None else bool(a.loader_pin)
@@ -1431,10 +1468,18 @@ def config_defaults(path: str | Path) -> dict[str, Any]:
         skipped.append(
             f"model.scheduler: {_class_name(model['scheduler'], 'model.scheduler')} (no effect on step time)"
         )
-    handled = {"pretrained", "denoiser_file", "revision", "family", "memory", "lora"}
+    preservation = model.get("preservation") or {}
+    mode = preservation.get("mode", "none") if isinstance(preservation, dict) else "none"
+    out["dop"] = int(mode == "dop")
+    if mode == "prior":  # regularization images against their own target: a plain step
+        skipped.append("model.preservation.mode: prior (a plain step: the regularization images are more samples)")
+    handled = {"pretrained", "denoiser_file", "revision", "family", "memory", "lora", "preservation"}
     handled |= {"optimizer", "scheduler", *MODEL_FLAGS}
     skipped += [f"model.{k}: {v}" for k, v in model.items() if k not in handled]
 
+    folders = data.get("images")
+    entries = folders if isinstance(folders, list) else [folders]
+    out["masks"] = int(any(isinstance(entry, dict) and entry.get("masks") for entry in entries))
     if "resolution" in data:
         out["h"] = out["w"] = int(data["resolution"])
     if "batch_size" in data:
@@ -1610,6 +1655,22 @@ def parser() -> argparse.ArgumentParser:
         "empty for every family; e.g. ResnetBlock2D: the UNets' ResNets too)",
     )
     p.add_argument("--offload", type=int, default=0, help="model.offload_blocks")
+    p.add_argument(
+        "--dop",
+        type=int,
+        choices=[0, 1],
+        default=0,
+        help="model.preservation.mode: dop with every sample a preservation sample: DOP's forward without gradients "
+        "(the adapter off) in every step (a --config's mode dop: 1)",
+    )
+    p.add_argument(
+        "--masks",
+        type=int,
+        choices=[0, 1],
+        default=0,
+        help="every sample with a mask (its latents' left half): the masked loss (a --config whose data.images have "
+        "masks: 1)",
+    )
     p.add_argument("--cpp-wrapper", type=int, default=0, help="experiment: torch._inductor.config.cpp_wrapper")
     p.add_argument("--offload-act", type=int, default=0, help="model.offload_activations (0/1; needs --gc 1)")
     p.add_argument("--attention", default="auto")

@@ -58,6 +58,7 @@ def main(argv: list[str]) -> int:
             cli.model.family,
             cli.model.source,
             _device(cli.trainer),
+            preservation=cli.model.preservation,
             default_root_dir=cli.trainer.default_root_dir,
             progress=True,
         )

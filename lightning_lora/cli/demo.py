@@ -7,9 +7,13 @@
                           <lightning_lora.families.base.DiffusionFamily.save_tiny>`), loaded back by the trainer
                           through the real ``from_pretrained`` path
     .demo/photos/         photos that ship inside scikit-image (no download) as PNG, each with a .txt caption
+    .demo/masks/          a mask per photo (an ellipse in the middle: white trains), for ``masks: .demo/masks``
+    .demo/regularization/ two more photos captioned without the trigger: class images for ``model.preservation``
 
 ``configs/tiny_cpu.yaml`` (FLUX, what ``make demo`` trains) and the other ``configs/tiny_*_cpu.yaml`` train on exactly
-these. Existing files are left as they are (the step is idempotent).
+these photos; the masks and class images are there to try preservation and masks on (``--data.images '[{path:
+.demo/photos, masks: .demo/masks}, {path: .demo/regularization, role: regularization}]' --model.preservation.mode
+dop``). Existing files are left as they are (the step is idempotent).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from __future__ import annotations
 import argparse
 import functools
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -50,6 +54,20 @@ PHOTOS: dict[str, str] = {
 }
 
 
+REGULARIZATION: dict[str, str] = {
+    "moon": "a black and white photo of the moon",
+    "clock": "a black and white photo of a wall clock",
+}
+"""Class images (scikit-image sample name -> caption, without the trigger) for ``.demo/regularization``."""
+
+
+def _mask(height: int, width: int) -> np.ndarray:
+    """A demo mask: white inside the ellipse that fills the middle 80% of the image, black outside."""
+    y, x = np.ogrid[:height, :width]
+    inside = ((x - width / 2) / (0.4 * width)) ** 2 + ((y - height / 2) / (0.4 * height)) ** 2 <= 1
+    return np.where(inside, 255, 0).astype(np.uint8)
+
+
 def _photo(name: str) -> np.ndarray:
     try:
         from skimage import data
@@ -67,16 +85,23 @@ def prepare(out: Path) -> tuple[Path, Path]:
 
     models = {name: family.save_tiny(out / name, seed=0) for name, family in tiny_models().items()}
     model = models[f"tiny-{DEMO_FAMILY}"]
-    photos = out / "photos"
-    photos.mkdir(parents=True, exist_ok=True)
-    for name, caption in PHOTOS.items():
-        image_path = photos / f"{name}.png"
-        if not image_path.exists():
-            image = Image.fromarray(_photo(name))
-            atomic_write(image_path, functools.partial(image.save, format="PNG"))
-        caption_path = photos / f"{name}.txt"
-        if not caption_path.exists():
-            atomic_write_bytes(caption_path, (caption + "\n").encode())
+    photos, masks = out / "photos", out / "masks"
+
+    def write(path: Path, pixels: Any) -> None:
+        if not path.exists():
+            image = Image.fromarray(pixels() if callable(pixels) else pixels)
+            atomic_write(path, functools.partial(image.save, format="PNG"))
+
+    for folder, captions in ((photos, PHOTOS), (out / "regularization", REGULARIZATION)):
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, caption in captions.items():
+            write(folder / f"{name}.png", functools.partial(_photo, name))
+            caption_path = folder / f"{name}.txt"
+            if not caption_path.exists():
+                atomic_write_bytes(caption_path, (caption + "\n").encode())
+    masks.mkdir(parents=True, exist_ok=True)
+    for name in PHOTOS:
+        write(masks / f"{name}.png", lambda name=name: _mask(*_photo(name).shape[:2]))
     return model, photos
 
 
@@ -105,7 +130,8 @@ def main() -> None:
     _quiet()
     model, photos = prepare(args.out)
     others = ", ".join(str(args.out / name) for name in tiny_models() if name != model.name)
-    print(f"demo model:  {model} (also {others})\ndemo photos: {photos} ({len(PHOTOS)} images with captions)")
+    extras = f"; masks in {args.out / 'masks'}, class images in {args.out / 'regularization'}"
+    print(f"demo model:  {model} (also {others})\ndemo photos: {photos} ({len(PHOTOS)} images with captions{extras})")
 
 
 if __name__ == "__main__":

@@ -228,8 +228,9 @@ class LoraCLI(LightningCLI):
 
     def before_fit(self) -> None:
         # Cross-object checks, before any weights load: the data resolution must suit the model family.
-        # Every resolution and bucket option against the model family (raises ConfigError naming the option).
-        self.datamodule.recipe.spec(self.model.family)
+        # Every resolution and bucket option against the model family, the folders against model.preservation (raises
+        # ConfigError naming the option).
+        self.datamodule.recipe.spec(self.model.family, self.model.preservation)
         check_writable(self._checkpoint_dir(), "ModelCheckpoint dirpath")
         check_strategy(self.trainer.strategy, self.model.recipe)
         if torch.cuda.is_available() and self.trainer.strategy.root_device.type == "cuda":

@@ -12,6 +12,12 @@ Keys are content hashes of everything that determines the tensor:
   declares (``architecture.text_encoders`` of :class:`~lightning_lora.families.base.DiffusionFamily`), and the family's
   text options (e.g. T5 length).
 
+* masks (``data.images[].masks``): the mask file's bytes (or, for ``masks: alpha``, the image's), whether it is an
+  alpha channel, the mask rule, and the key of the latent it weighs (which fixes its grid, crop and flip).
+
+A mask is its own small entry rather than part of its latent's key: editing, adding or removing a mask recomputes only
+that mask (a box resize on the CPU, no VAE), and the image's latents stay as they are.
+
 So editing one caption re-encodes only that caption, editing one image only that image's entries, changing the
 resolution or buckets only the images whose placement changed, swapping the model everything that depends on it;
 and a stale tensor is never served: a changed input has a new key. Files are written atomically (temporary file,
@@ -23,6 +29,7 @@ Layout::
     <cache_dir>/latents/<key>.safetensors  {"latents": [C, h, w] float32, "original_size": [2], "crop_top_left": [2],
                                             "target_size": [2]}   (int64, (height, width) / (top, left) order)
     <cache_dir>/text/<key>.safetensors     {"prompt_embeds": ..., "pooled_prompt_embeds": ...}   (family-defined)
+    <cache_dir>/masks/<key>.safetensors    {"mask": [1, h, w] float32 in [0, 1]}   (the latent's grid)
     <cache_dir>/images.json                memo: path + size + mtime + ctime + inode -> content hash and viewed size
 
 The memo saves reading every image at every start. Like git's index it keys on the change time too (which no tool
@@ -70,12 +77,21 @@ from safetensors.torch import load_file
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_lora.data.buckets import Placement
-from lightning_lora.data.images import DECODE_RULE, BadImage, decode, probe
+from lightning_lora.data.images import DECODE_RULE, MASK_RULE, BadImage, decode, decode_mask, probe
 from lightning_lora.data.sources import Skip, display
 from lightning_lora.families.base import DiffusionFamily, ModelSource
 from lightning_lora.io import atomic_write_bytes, save_safetensors
 
-__all__ = ["EncodeResult", "ImageIndex", "LatentCache", "LatentJob", "TextResult", "decode_loader", "readable"]
+__all__ = [
+    "EncodeResult",
+    "ImageIndex",
+    "LatentCache",
+    "LatentJob",
+    "MaskJob",
+    "TextResult",
+    "decode_loader",
+    "readable",
+]
 
 log = logging.getLogger(__name__)
 
@@ -170,6 +186,22 @@ class LatentJob:
     digest: str
 
 
+@dataclass(frozen=True)
+class MaskJob:
+    """One mask to compute at the grid of the latent ``latent_key``: the ``box`` (in the mask's viewed pixels) of
+    ``source`` (a mask image, or the image itself for its ``alpha`` channel; ``digest``: the sha256 of its bytes the key
+    was made from), mirrored with ``flipped``. ``image`` is the training image it belongs to (named by a failure)."""
+
+    image: Path
+    source: Path
+    digest: str
+    alpha: bool
+    box: tuple[float, float, float, float]
+    latent_key: str
+    key: str
+    flipped: bool
+
+
 @dataclass
 class EncodeResult:
     encoded: int = 0  # images decoded and encoded
@@ -190,6 +222,16 @@ class TextResult:
 _CHANGED = "changed while the cache was built; it is encoded on the next run"
 
 
+def _read_planned(path: Path, digest: str) -> bytes | None:
+    """The bytes of ``path``, read once, or None when their sha256 is not ``digest`` (the file was replaced since the
+    build was planned: see the module docstring). Raises :class:`BadImage` for a file that cannot be read."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise BadImage("unreadable file", f"cannot read the file ({e.strerror or e})") from e
+    return data if hashlib.sha256(data).hexdigest() == digest else None
+
+
 class _DecodeJobs(Dataset):
     """DataLoader side of the pipeline: job index -> decoded uint8 pixels, or the reason it failed."""
 
@@ -203,11 +245,8 @@ class _DecodeJobs(Dataset):
     def __getitem__(self, index: int) -> tuple[int, np.ndarray | None, str, str]:
         job = self.jobs[index]
         try:
-            try:
-                data = job.image.read_bytes()
-            except OSError as e:
-                raise BadImage("unreadable file", f"cannot read the file ({e.strerror or e})") from e
-            if hashlib.sha256(data).hexdigest() != job.digest:
+            data = _read_planned(job.image, job.digest)
+            if data is None:
                 return index, None, "changed", _CHANGED
             pixels = decode(data, job.placement.source_box(), job.placement.bucket, self.background)
             return index, pixels, "", ""
@@ -351,6 +390,14 @@ class LatentCache:
         if self.text_encoder_quantization != "none":  # other embeddings: other keys (plain ones keep theirs)
             identity += f"|{self.text_encoder_quantization}"
         return _hash(text, identity, self.family.text_cache_tag())
+
+    def mask_key(self, digest: str, alpha: bool, latent_key: str) -> str:
+        """The key of a mask: its file's content (``digest``), whether it is an alpha channel, and the latent it weighs
+        (see the module docstring)."""
+        return _hash("mask", digest, "alpha" if alpha else "gray", latent_key, MASK_RULE)
+
+    def mask_path(self, key: str) -> Path:
+        return self.root / "masks" / f"{key}.safetensors"
 
     def latent_path(self, key: str) -> Path:
         return self.root / "latents" / f"{key}.safetensors"
@@ -497,10 +544,45 @@ class LatentCache:
                 log.warning("prompt %r is longer than the text encoder reads (%s); it is cut there", text, result.limit)
         return [{k: v.unsqueeze(0) for k, v in self.load_text(self.text_key(p)).items()} for p in prompts]
 
+    def encode_masks(self, jobs: Sequence[MaskJob], threads: int = 4) -> EncodeResult:
+        """Compute and write ``jobs`` (:func:`~lightning_lora.data.images.decode_mask` at the grid of each one's
+        latent, read from that file's header); a mask that cannot be read, or changed since the build was planned, is a
+        :class:`Skip` of its image (training it without its mask would train what the mask leaves out)."""
+        result = EncodeResult()
+        if not jobs:
+            return result
+        start = time.perf_counter()
+
+        def run(job: MaskJob) -> Skip | None:
+            try:
+                data = _read_planned(job.source, job.digest)
+                if data is None:
+                    return Skip(job.image, "changed", f"its mask {display(job.source.name)} {_CHANGED}")
+                with safe_open(self.latent_path(job.latent_key), framework="pt") as f:
+                    height, width = f.get_slice("latents").get_shape()[-2:]
+                mask = decode_mask(data, job.box, (width, height), job.alpha)
+            except BadImage as e:
+                where = "" if job.source == job.image else f"its mask {display(job.source.name)} "
+                return Skip(job.image, f"mask: {e.kind}", f"{where}{e.reason}; fix the mask or remove it")
+            if job.flipped:
+                mask = mask[:, ::-1]
+            save_safetensors({"mask": torch.from_numpy(mask.copy())[None]}, self.mask_path(job.key))
+            return None
+
+        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="cache-masks") as pool:
+            for skip in pool.map(run, jobs):
+                if skip is None:
+                    result.written += 1
+                else:
+                    result.skips.append(skip)
+        result.encoded = result.written
+        result.seconds = time.perf_counter() - start
+        return result
+
     def remove_stale_temporaries(self, older_than_s: float = 3600.0) -> int:
         """Delete temporary files that a killed build left behind (only old ones: a live build may own new ones)."""
         removed, now = 0, time.time()
-        for folder in (self.root / "latents", self.root / "text"):
+        for folder in (self.root / "latents", self.root / "text", self.root / "masks"):
             if not folder.is_dir():
                 continue
             for tmp in folder.glob(".*.tmp"):

@@ -24,6 +24,11 @@ file by mistake is never tokenized, hashed and printed in full.
 **Trigger word.** ``[trigger]`` in a caption is replaced by it; otherwise it is prepended as the first tag
 (``sks, a photo of a dog``), unless the caption already contains it as a word.
 
+**Preservation captions** (``model.preservation.every_image``): :func:`without_trigger` takes the trigger word out of
+a caption as trained (every whole-word occurrence; the commas and spaces it leaves are tidied), or puts a class word in
+its place: ``sks, a photo of a dog`` becomes ``a photo of a dog``, and with the class word ``dog``, ``a photo of sks``
+becomes ``a photo of dog``. They are cached like every caption.
+
 **Tag shuffling.** Training reads only the cache, so a caption cannot be re-shuffled and re-encoded at train time.
 Instead :func:`tag_variants` makes up to K orderings of the comma-separated tags of each caption (the first
 ``keep_tokens`` tags stay in place), every one is encoded into the cache, and the data set picks one per (seed,
@@ -59,6 +64,7 @@ __all__ = [
     "read_metadata",
     "split_tags",
     "tag_variants",
+    "without_trigger",
 ]
 
 METADATA_FILES = ("metadata.jsonl", "metadata.csv")
@@ -246,6 +252,15 @@ def apply_trigger(caption: str, trigger: str | None) -> str:
     if re.search(rf"(?<!\w){re.escape(trigger)}(?!\w)", caption):
         return caption
     return f"{trigger}, {caption}"
+
+
+def without_trigger(caption: str, trigger: str, class_word: str | None = None) -> str:
+    """``caption`` (as trained: the trigger applied) with every whole-word ``trigger`` removed, or replaced by
+    ``class_word``; the separators left behind tidied (see the module docstring)."""
+    text = re.sub(rf"(?<!\w){re.escape(trigger)}(?!\w)", class_word or "", caption)
+    text = re.sub(r"\s+", " ", text)
+    text = re.sub(r"\s*,(\s*,)*", ",", text)  # a removed tag leaves ", ," behind
+    return text.strip(" ,")
 
 
 def split_tags(caption: str) -> list[str]:

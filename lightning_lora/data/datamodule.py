@@ -10,7 +10,11 @@
 
 Batches are dicts of tensors: ``latents [B, C, h, w]``, the family's text embeddings (``prompt_embeds``,
 ``pooled_prompt_embeds`` for FLUX), and ``original_size``, ``crop_top_left``, ``target_size`` (int64 ``[B, 2]``, in
-``(height, width)`` / ``(top, left)`` order, SDXL's micro-conditioning).
+``(height, width)`` / ``(top, left)`` order, SDXL's micro-conditioning). When the data has masks, every batch also holds
+``loss_mask [B, 1, h, w]`` (float32 loss weights on the latents' grid, 1 for an image without a mask); when it has
+regularization or preservation samples or a folder's ``loss_weight``, ``loss_weight [B]`` (float32) and ``role`` (a list
+of :data:`~lightning_lora.objectives.SampleRole` strings, which stay on the host: choosing DOP's rows waits for nothing
+on the GPU).
 
 **Random choices are a function of (seed, epoch, sample index)**, never of the global random state: caption dropout
 (the cached empty-prompt embedding), the mirrored latent (``random_flip``), which shuffled caption variant, and the
@@ -45,6 +49,7 @@ from lightning_lora.data.recipe import DEFAULT_RESOLUTION, DataRecipe, TextEncod
 from lightning_lora.data.sources import ImageFolder, Item, Skip, as_folders, scan, split_validation
 from lightning_lora.errors import ConfigError
 from lightning_lora.families.base import DiffusionFamily, ModelSource
+from lightning_lora.objectives import Preservation, mask_weights
 
 __all__ = ["CachedDataset", "DataOptions", "LatentDataModule", "ModelSide", "sample_generator", "uniform"]
 
@@ -102,34 +107,58 @@ class CachedDataset(Dataset):
         self.flip_probability = flip_probability
         self.augment = augment
         self.family = family
+        #: Whether samples carry a ``loss_mask`` (any entry has a mask) and a ``loss_weight`` and ``role`` (any entry is
+        #: not a plain training sample of weight 1): every sample of a batch has the same keys.
+        self.masked = any(e.mask is not None for e in entries)
+        self.weighted = any(e.role != "train" or e.loss_weight != 1.0 for e in entries)
 
     def __len__(self) -> int:
         return len(self.entries)
+
+    def flipped(self, epoch: int, index: int) -> bool:
+        """Whether sample ``index`` is served mirrored in ``epoch``."""
+        entry = self.entries[index]
+        if not self.augment or entry.flip_key is None:
+            return False
+        return uniform(self.seed, epoch, index, "flip") < self.flip_probability
 
     def choose(self, epoch: int, index: int) -> tuple[str, str]:
         """``(latent key, text key)`` of sample ``index`` in ``epoch``."""
         entry = self.entries[index]
         if not self.augment:
             return entry.latent_key, entry.text_keys[0]
-        latent_key = entry.latent_key
-        if entry.flip_key is not None and uniform(self.seed, epoch, index, "flip") < self.flip_probability:
-            latent_key = entry.flip_key
+        latent_key = entry.flip_key if self.flipped(epoch, index) and entry.flip_key else entry.latent_key
         if self.caption_dropout > 0 and uniform(self.seed, epoch, index, "dropout") < self.caption_dropout:
             return latent_key, self.empty_text_key
         variant = int(uniform(self.seed, epoch, index, "variant") * len(entry.text_keys))
         return latent_key, entry.text_keys[variant]
 
-    def __getitem__(self, key: int | tuple[int, int]) -> dict[str, torch.Tensor]:
+    def __getitem__(self, key: int | tuple[int, int]) -> dict[str, Any]:
         epoch, index = key if isinstance(key, tuple) else (0, key)
         latent_key, text_key = self.choose(epoch, index)
-        item = load_file(self.root / "latents" / f"{latent_key}.safetensors")
+        item: dict[str, Any] = load_file(self.root / "latents" / f"{latent_key}.safetensors")
         item.update(load_file(self.root / "text" / f"{text_key}.safetensors"))
+        entry = self.entries[index]
+        if self.masked:
+            item["loss_mask"] = self._loss_mask(entry, self.flipped(epoch, index), item["latents"])
+        if self.weighted:
+            item["loss_weight"] = torch.tensor(entry.loss_weight, dtype=torch.float32)
+            item["role"] = entry.role
         if self.family is not None:
             generator = sample_generator(self.seed, epoch, index)
             latents = item["latents"][None]
             item["noise"] = self.family.sample_noise(latents, generator)[0]
             item["timesteps"] = self.family.sample_timesteps(latents, generator)[0]
         return item
+
+    def _loss_mask(self, entry: CacheEntry, flipped: bool, latents: torch.Tensor) -> torch.Tensor:
+        """The loss weights ``[1, h, w]`` of a sample on its latents' grid: from its mask
+        (:func:`~lightning_lora.objectives.mask_weights`), or ones."""
+        if entry.mask is None:
+            return torch.ones(1, *latents.shape[-2:], dtype=torch.float32)
+        key = entry.mask.flip_key if flipped and entry.mask.flip_key else entry.mask.key
+        mask = load_file(self.root / "masks" / f"{key}.safetensors")["mask"]
+        return mask_weights(mask, entry.mask.unmasked_weight)
 
 
 @runtime_checkable
@@ -142,6 +171,9 @@ class ModelSide(Protocol):
 
     @property
     def source(self) -> ModelSource: ...
+
+    @property
+    def preservation(self) -> Preservation: ...
 
 
 def _fixed_batches(entries: list[CacheEntry], batch_size: int) -> list[list[int]]:
@@ -158,7 +190,10 @@ class LatentDataModule(LightningDataModule):
     Args:
         images: a folder, or a list of folders, of images (jpg, png, webp, gif, tif, bmp, avif or any other format
             Pillow reads; the first frame of an animation). A list item may be a mapping with per-folder options:
-            ``{path: data/me, repeats: 5, default_caption: ..., trigger: ...}``.
+            ``{path: data/me, repeats: 5, default_caption: ..., trigger: ..., loss_weight: 1.0, masks: data/me_masks,
+            unmasked_weight: 0.0}``; ``masks`` is a folder of masks named like the images (white: train there) or
+            ``alpha`` (each image's transparency); ``{path: data/class, role: regularization}`` is a folder of class
+            images for ``model.preservation``.
         resolution: the target size in pixels (an image is resized to about ``resolution²`` pixels in the bucket of
             its aspect ratio), or a list of sizes (each image is used at every listed size it is large enough for).
             Multiples of the family's latent divisor (16 for FLUX).
@@ -291,8 +326,10 @@ class LatentDataModule(LightningDataModule):
         if recipe.val_folders:
             self.val_items, val_skips = scan(recipe.val_folders, **options, option="data.val_images")
             self.scan_skips += val_skips
-        if recipe.val_fraction > 0:
-            self.items, held = split_validation(self.items, recipe.val_fraction)
+        if recipe.val_fraction > 0:  # of the images to learn: class images are never held out
+            learn = [i for i in self.items if i.role == "train"]
+            kept, held = split_validation(learn, recipe.val_fraction)
+            self.items = kept + [i for i in self.items if i.role != "train"]
             self.val_items += held
 
     # -- the model's side ---------------------------------------------------------------------------------------
@@ -319,12 +356,14 @@ class LatentDataModule(LightningDataModule):
         source: ModelSource,
         device: torch.device | str,
         *,
+        preservation: Preservation | None = None,
         default_root_dir: str | None = None,
         progress: bool = True,
     ) -> CacheReport:
-        """Build whatever is missing from the cache for this model; return the report (``lightning-lora cache``)."""
+        """Build whatever is missing from the cache for this model (and its ``model.preservation``: the preservation
+        captions); return the report (``lightning-lora cache``)."""
         recipe = self.recipe
-        spec = recipe.spec(family)
+        spec = recipe.spec(family, preservation)
         cache = LatentCache(recipe.cache_root(default_root_dir), family, source, recipe.text_encoder_quantization)
         self.report = build(
             cache,
@@ -350,6 +389,7 @@ class LatentDataModule(LightningDataModule):
             model.family,
             model.source,
             self.trainer.strategy.root_device,
+            preservation=model.preservation,
             default_root_dir=self.trainer.default_root_dir,
         )
         rank_zero_info(report.format())
@@ -358,7 +398,7 @@ class LatentDataModule(LightningDataModule):
     def setup(self, stage: str) -> None:
         cache = self.cache()
         if self.report is None or self.report.root != cache.root:  # not built in this process (another rank)
-            spec = self.recipe.spec(cache.family)
+            spec = self.recipe.spec(cache.family, self._model().preservation)
             index = ImageIndex(cache.root)  # read-only here: rank 0 wrote it in prepare_data
             self.train_entries = usable(cache, plan(cache, self.items, spec, index)[0])
             self.val_entries = usable(cache, plan(cache, self.val_items, spec, index, validation=True)[0])
@@ -426,7 +466,8 @@ class LatentDataModule(LightningDataModule):
         fixed evaluation loss."""
         first: dict[Path, CacheEntry] = {}
         for e in self.train_entries:
-            first.setdefault(e.image, e)
+            if e.role == "train":  # the images to learn: not the regularization or preservation samples
+                first.setdefault(e.image, e)
         return self._fixed_loader(list(first.values())[: self.recipe.eval_samples])
 
     def val_dataloader_fixed(self) -> DataLoader | None:

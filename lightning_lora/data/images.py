@@ -30,6 +30,12 @@ What real folders hold, and what happens to it:
 * **Not an image, empty, truncated**: :class:`BadImage` with a one-line reason for the summary. Truncated files are
   never "repaired" (``LOAD_TRUNCATED_IMAGES`` stays off): a half-gray photo would be trained on silently.
 
+**Masks** (:func:`decode_mask`): a mask image (or an image's own alpha channel, :func:`has_alpha`) is read as viewed
+(EXIF orientation applied), as gray levels in [0, 1] (16-bit masks at full depth), and the same box of it as of its
+image is averaged down to the latent grid in one area (``BOX``) resize: a latent cell's weight is the share of its
+pixels that are white, exactly 0 where all of them are black. A mask of another size than its image covers the same
+image (its box is scaled).
+
 Pure Pillow and numpy (no torch), so it runs cheaply in DataLoader worker processes. The output is ``uint8 [h, w, 3]``
 (one byte per value through the worker queue; the conversion to floats happens on the encoding device). :func:`probe`
 and :func:`decode` take a path or the file's bytes: the cache decodes the very bytes whose hash made the key.
@@ -48,8 +54,11 @@ from PIL import Image, ImageColor, ImageFile, UnidentifiedImageError, features
 __all__ = [
     "BadImage",
     "DECODE_RULE",
+    "MASK_RULE",
     "UNREADABLE",
     "decode",
+    "decode_mask",
+    "has_alpha",
     "parse_color",
     "probe",
     "readable_extensions",
@@ -58,6 +67,9 @@ __all__ = [
 
 DECODE_RULE = "exif+box-lanczos-rg3+jpeg-draft+premultiplied-alpha-v2"
 """Names the decoding rule; part of every latent cache key, so a change here re-encodes."""
+
+MASK_RULE = "exif+box-area-f32-v1"
+"""Names the mask rule (:func:`decode_mask`); part of every mask's cache key."""
 
 _ROTATED = {5, 6, 7, 8}  # EXIF orientations that swap width and height
 _RESAMPLE = Image.Resampling.LANCZOS
@@ -265,6 +277,20 @@ _UPRIGHT = {
 }
 
 
+def _load(im: Image.Image) -> None:
+    """Decode the pixels of ``im`` (opened by :func:`_open`); :class:`BadImage` with the reason when they cannot be."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            im.load()
+    except Image.DecompressionBombError as e:
+        raise BadImage("too large", f"too large for Pillow's safety limit ({e})") from e
+    except (OSError, ValueError, SyntaxError, EOFError) as e:
+        raise BadImage("cannot decode", f"cannot decode the pixels ({e})") from e
+    except MemoryError as e:
+        raise BadImage("too large", "not enough memory to decode it") from e
+
+
 def decode(
     source: str | Path | bytes,
     box: tuple[float, float, float, float],
@@ -297,16 +323,7 @@ def decode(
         )
         if im.format == "JPEG" and need[0] < stored_w and need[1] < stored_h:
             im.draft(None, need)
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-                im.load()
-        except Image.DecompressionBombError as e:
-            raise BadImage("too large", f"too large for Pillow's safety limit ({e})") from e
-        except (OSError, ValueError, SyntaxError, EOFError) as e:
-            raise BadImage("cannot decode", f"cannot decode the pixels ({e})") from e
-        except MemoryError as e:
-            raise BadImage("too large", "not enough memory to decode it") from e
+        _load(im)
         pixels = _resamplable(im)
         w, h = pixels.size  # smaller than stored when the JPEG decoder reduced it
         source_box = (u0 * w, v0 * h, u1 * w, v1 * h)
@@ -322,4 +339,55 @@ def decode(
         im.close()
     if arr.shape != (out_h, out_w, 3):
         raise BadImage("cannot decode", f"decoded to an unexpected shape {arr.shape}")
+    return arr
+
+
+def _mask_band(im: Image.Image, alpha: bool) -> tuple[Image.Image, float] | None:
+    """The band of ``im`` that is the mask, as a float image, and its full scale: its alpha channel (None when it has
+    none), or its gray levels (16- and 32-bit integer masks at full depth)."""
+    if alpha:
+        if im.mode in ("P", "PA") and (im.mode == "PA" or "transparency" in im.info):
+            im = im.convert("RGBA")
+        elif im.mode in ("RGBa", "La"):
+            im = im.convert("RGBA" if im.mode == "RGBa" else "LA")
+        if im.mode not in ("RGBA", "LA"):
+            return None
+        return im.getchannel("A").convert("F"), 255.0
+    if im.mode.startswith("I"):
+        band = im.convert("F")
+        top = float(np.asarray(band).max(initial=0.0))
+        return band, (65535.0 if top <= 65535 else top)
+    if im.mode == "F":
+        return im, 1.0 if float(np.asarray(im).max(initial=0.0)) <= 1.0 else 255.0
+    return im.convert("L").convert("F"), 255.0
+
+
+def has_alpha(source: str | Path | bytes) -> bool:
+    """Whether the image has an alpha channel (or a transparent palette colour), from its header."""
+    with _open(source) as im:
+        return im.mode in ("RGBA", "LA", "PA", "RGBa", "La") or (im.mode == "P" and "transparency" in im.info)
+
+
+def decode_mask(
+    source: str | Path | bytes, box: tuple[float, float, float, float], size: tuple[int, int], alpha: bool = False
+) -> np.ndarray:
+    """A mask ``float32 [size[1], size[0]]`` in [0, 1]: the ``box`` (left, top, right, bottom, in viewed pixels of the
+    mask image) of the mask's gray levels, or of the image's alpha channel with ``alpha``, averaged down to ``size``
+    (width, height): see the module docstring. Raises :class:`BadImage` (also for ``alpha`` of an image without one)."""
+    from PIL import ImageOps
+
+    im = _open(source)
+    try:
+        _load(im)
+        viewed = ImageOps.exif_transpose(im) if _orientation(im) != 1 else im
+        band = _mask_band(viewed, alpha)
+        if band is None:
+            raise BadImage("no alpha", "has no transparency to take a mask from (masks: alpha)")
+        pixels, scale = band
+        resized = pixels.resize(size, Image.Resampling.BOX, box=box)
+        arr = np.clip(np.asarray(resized, dtype=np.float32) / np.float32(scale), 0.0, 1.0)
+    finally:
+        im.close()
+    if arr.shape != (size[1], size[0]):
+        raise BadImage("cannot decode", f"the mask decoded to an unexpected shape {arr.shape}")
     return arr

@@ -12,8 +12,9 @@ the typed arguments of :class:`~lightning_lora.data.datamodule.LatentDataModule`
 * the callbacks read the resolution samples are drawn at, and the batch (:func:`data_recipe`).
 
 **The checks of the options alone run when a recipe is created** (:meth:`DataRecipe.check`); the checks against a
-model family (resolutions and bucket sides that suit its latent divisor) run in :meth:`DataRecipe.spec`, once the
-family is known.
+model family (resolutions and bucket sides that suit its latent divisor) and against ``model.preservation``
+(:meth:`DataRecipe.check_preservation`: regularization folders and triggers for its mode) run in
+:meth:`DataRecipe.spec`, once the model is known.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from lightning_lora.data.build import DataSpec, OnBadFile
 from lightning_lora.data.images import parse_color
 from lightning_lora.data.sources import ImageFolder
 from lightning_lora.errors import ConfigError
+from lightning_lora.objectives import Preservation
 
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer
@@ -110,6 +112,17 @@ class DataRecipe:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+        for i, folder in enumerate(self.val_folders):
+            if folder.role != "train" or folder.loss_weight != 1.0:
+                raise ConfigError(
+                    f"data.val_images[{i}] ({folder.path!r}): a validation folder is evaluated as written; role and "
+                    "loss_weight belong to data.images entries. Remove them here."
+                )
+        if self.folders and all(f.role == "regularization" for f in self.folders):
+            raise ConfigError(
+                "data.images: every folder is a regularization folder; add the folder of images to learn (role: "
+                "train, the default)."
+            )
         try:
             parse_color(self.alpha_background)
         except ValueError as e:
@@ -144,9 +157,44 @@ class DataRecipe:
             raise RuntimeError("LatentDataModule: no data.cache_dir and no trainer to put the cache under")
         return Path(default_root_dir) / "cache"
 
-    def spec(self, family: DiffusionFamily) -> DataSpec:
-        """The bucketing and caching options for ``family``; :class:`ConfigError` names an option that does not suit
-        it (a resolution or bucket side that is no multiple of its latent divisor)."""
+    def check_preservation(self, preservation: Preservation) -> None:
+        """Refuse ``model.preservation`` where these folders give it nothing to work with (or it leaves one unused),
+        with a :class:`ConfigError` that names the options."""
+        regularization = [i for i, f in enumerate(self.folders) if f.role == "regularization"]
+        mode = preservation.mode
+        if regularization and mode == "none":
+            i = regularization[0]
+            raise ConfigError(
+                f"data.images[{i}] ({self.folders[i].path!r}) has role: regularization, which model.preservation.mode: "
+                "none leaves unused; set model.preservation.mode: prior (trained against its own images) or dop "
+                "(against the base model's own prediction), or remove the role."
+            )
+        if mode == "prior" and not regularization:
+            raise ConfigError(
+                "model.preservation.mode: prior trains regularization images against their own target, but no "
+                "data.images entry has role: regularization; add one ({path: data/class_images, role: "
+                "regularization}), or set model.preservation.mode: none."
+            )
+        if mode == "dop" and not regularization and not preservation.every_image:
+            raise ConfigError(
+                "model.preservation.mode: dop has nothing to preserve: no data.images entry has role: regularization "
+                "and model.preservation.every_image is false; add a regularization folder, or set every_image: true "
+                "(each image again with its trigger removed from the caption)."
+            )
+        triggers = [self.trigger if f.trigger is None else f.trigger for f in self.folders if f.role == "train"]
+        if preservation.every_image and not any(triggers):
+            raise ConfigError(
+                "model.preservation.every_image: true removes the trigger word from each caption, but no trigger is "
+                "set (data.trigger, or a folder's trigger); set the trigger your captions use, or preserve with a "
+                "regularization folder instead."
+            )
+
+    def spec(self, family: DiffusionFamily, preservation: Preservation | None = None) -> DataSpec:
+        """The bucketing and caching options for ``family`` and ``preservation`` (``model.preservation``; None: off);
+        :class:`ConfigError` names an option that does not suit them (a resolution or bucket side that is no multiple
+        of the family's latent divisor; :meth:`check_preservation`)."""
+        preservation = preservation if preservation is not None else Preservation()
+        self.check_preservation(preservation)
         d = family.architecture.latent_divisor
         for r in self.resolutions:
             family.check_resolution(r, r, "data.resolution")
@@ -168,7 +216,9 @@ class DataRecipe:
         buckets = BucketSpec(
             self.resolutions, step, self.max_aspect_ratio, self.max_upscale, min_resolution, self.small_images
         )
-        return DataSpec(buckets, self.random_flip, self.cached_variants, self.keep_tokens, self.background)
+        return DataSpec(
+            buckets, self.random_flip, self.cached_variants, self.keep_tokens, self.background, preservation
+        )
 
     def replace(self, **changes: Any) -> DataRecipe:
         """A new recipe with ``changes`` (checked like any recipe; a :class:`ConfigError` for an impossible one)."""

@@ -17,8 +17,16 @@ a caption cut to :data:`~lightning_lora.data.captions.MAX_CAPTION_CHARS`, a meta
 no image of the folder, a caption file that holds no text (a binary file) where the default caption or the trigger word
 stands in for it, and (from the cache build) captions longer than the text encoder reads.
 
-Fatal, because they are configuration mistakes rather than bad files: a folder that does not exist, and data in
-which no folder holds any image. A folder without images among others is a skip.
+Fatal, because they are configuration mistakes rather than bad files: a folder that does not exist, data in which
+no folder holds any image, and a regularization folder without images. Another folder without images among others is
+a skip.
+
+**Masks** (a folder entry's ``masks``): a folder of mask images, one per image, with the image's file name (any image
+format: ``photo.png`` masks ``photo.jpg``); white trains, black is left out (gray in between). A mask folder that does
+not exist, holds no image or no mask named like an image is fatal; a mask that matches no image is a note (so is a
+second mask with the same name: the first in file-name order is used). ``masks: alpha`` takes each image's own
+transparency instead (opaque trains). An image without a mask trains everywhere, with a note that names it.
+:attr:`Item.mask` names the file; the pixels are read when the cache is built (:mod:`lightning_lora.data.cache`).
 
 :func:`split_validation` holds out a deterministic fraction of the images: those whose folder/file name hashes to a
 number below the fraction. The choice is made per image from its name only, so editing or adding images never moves
@@ -33,11 +41,12 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from lightning_lora.data.captions import (
     METADATA_FILES,
@@ -50,10 +59,13 @@ from lightning_lora.data.captions import (
 )
 from lightning_lora.data.images import readable_extensions, unreadable_reason
 from lightning_lora.errors import ConfigError
+from lightning_lora.objectives import SampleRole
 
 __all__ = [
+    "ALPHA",
     "IMAGE_EXTENSIONS",
     "NOTE_KINDS",
+    "FolderRole",
     "ImageFolder",
     "Item",
     "Skip",
@@ -67,7 +79,9 @@ __all__ = [
 IMAGE_EXTENSIONS: tuple[str, ...] = tuple(sorted(readable_extensions()))
 """The extensions (lower case, with the dot) of the image files :func:`scan` uses: every format Pillow reads here."""
 
-NOTE_KINDS = frozenset({"metadata", "not UTF-8", "long caption", "over token limit", "not text"})
+NOTE_KINDS = frozenset(
+    {"metadata", "not UTF-8", "long caption", "over token limit", "not text", "unmatched mask", "mask", "no mask"}
+)
 """Kinds of :class:`Skip` that are notes: reported, but the image (if any) is used."""
 
 _COMMON = (".jpg", ".png", ".webp", ".gif", ".tif", ".bmp", ".avif")
@@ -86,6 +100,14 @@ def display(path: str | os.PathLike[str]) -> str:
     return raw.decode("utf-8", "backslashreplace")
 
 
+FolderRole = Literal["train", "regularization"]
+"""What a folder's images are for: ``train`` (learn them) or ``regularization`` (class images that keep the base
+model's behaviour: ``model.preservation``)."""
+
+ALPHA = "alpha"
+"""``masks: alpha``: each image's own transparency is its mask."""
+
+
 @dataclass
 class ImageFolder:
     """A folder of images with its own options.
@@ -96,22 +118,41 @@ class ImageFolder:
             another folder), to balance concepts.
         default_caption: the caption of this folder's images that have none (overrides ``data.default_caption``).
         trigger: this folder's trigger word (overrides ``data.trigger``).
+        role: ``train``, or ``regularization``: class images with their own captions (``data.trigger`` is not put in
+            them) that keep what the base model draws (``model.preservation.mode``: ``prior`` trains them against
+            their own target, ``dop`` against the base model's own prediction).
+        loss_weight: the weight of this folder's images in the loss (e.g. 0.5 for regularization images: half as
+            much as a training image).
+        masks: a folder of masks with the images' file names (white: train there; black: leave out), or ``alpha``:
+            each image's own transparency. Images without a mask train everywhere.
+        unmasked_weight: with ``masks``, the loss weight outside the mask (0: ignored, no gradient at all; 1: as if
+            there were no mask).
     """
 
     path: str
     repeats: int = 1
     default_caption: str | None = None
     trigger: str | None = None
+    role: FolderRole = "train"
+    loss_weight: float = 1.0
+    masks: str | None = None
+    unmasked_weight: float = 0.0
 
 
 @dataclass(frozen=True)
 class Item:
-    """One usable image: its file, its caption as written (may be empty), and the trigger word to apply."""
+    """One usable image: its file, its caption as written (may be empty), and the trigger word to apply; its folder's
+    role and loss weight, and its mask (a file, or :data:`ALPHA`: the image's transparency; None: none) with the weight
+    outside it."""
 
     image: Path
     caption: str
     trigger: str | None = None
     repeats: int = 1
+    role: SampleRole = "train"
+    loss_weight: float = 1.0
+    mask: Path | str | None = None
+    unmasked_weight: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -151,8 +192,9 @@ def as_folders(images: str | ImageFolder | Sequence[str | ImageFolder], option: 
     return [folder_entry(entry, f"{option}[{i}]") for i, entry in enumerate(value)]
 
 
-_FIELDS = ("path", "repeats", "default_caption", "trigger")
+_FIELDS = ("path", "repeats", "default_caption", "trigger", "role", "loss_weight", "masks", "unmasked_weight")
 _EXAMPLE = "{path: photos, repeats: 2}"
+_ROLES = {"train": "train", "regularization": "regularization", "regularisation": "regularization"}
 
 
 def _written_as_yaml(text: str, option: str) -> Any:
@@ -199,11 +241,49 @@ def folder_entry(entry: Any, where: str) -> ImageFolder:
         raise ConfigError(f"{where}.repeats must be an integer (1 or more), got {repeats!r}.")
     if repeats < 1:
         raise ConfigError(f"{where}: repeats of {path!r} is {repeats}; use 1 or more.")
-    for name in ("default_caption", "trigger"):
+    for name in ("default_caption", "trigger", "masks"):
         value = fields.get(name)
         if value is not None and not isinstance(value, str):
             raise ConfigError(f"{where}.{name} must be text (or null), got {value!r}.")
-    return ImageFolder(path, repeats, fields.get("default_caption"), fields.get("trigger"))
+    role = fields.get("role", "train")
+    if role not in _ROLES:
+        raise ConfigError(
+            f"{where}.role: {role!r} is not a role; use train (images to learn) or regularization (class images that "
+            "keep the base model's behaviour, with model.preservation)."
+        )
+    loss_weight = _number(fields.get("loss_weight", 1.0), f"{where}.loss_weight", "a positive number (1: as usual)")
+    if not loss_weight > 0:
+        raise ConfigError(
+            f"{where}.loss_weight: {loss_weight} must be positive (1: as usual); to leave a folder out, remove it."
+        )
+    masks = fields.get("masks")
+    if masks is not None and not masks.strip():
+        raise ConfigError(f"{where}.masks is empty; give a folder of masks, or alpha, or remove it.")
+    unmasked = _number(fields.get("unmasked_weight", 0.0), f"{where}.unmasked_weight", "a number from 0 to 1")
+    if not 0.0 <= unmasked <= 1.0:
+        raise ConfigError(f"{where}.unmasked_weight: {unmasked} must be from 0 (ignored) to 1 (as the masked area).")
+    if unmasked and masks is None:
+        raise ConfigError(
+            f"{where}.unmasked_weight weighs the area outside the masks, but {path!r} has no masks; set masks (a "
+            "folder, or alpha) or remove unmasked_weight."
+        )
+    return ImageFolder(
+        path,
+        repeats,
+        fields.get("default_caption"),
+        fields.get("trigger"),
+        _ROLES[role],  # type: ignore[arg-type]  # one of FolderRole
+        loss_weight,
+        masks,
+        unmasked,
+    )
+
+
+def _number(value: Any, where: str, what: str) -> float:
+    """``value`` as a finite float; a :class:`ConfigError` naming ``where`` for text, a bool or infinity."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ConfigError(f"{where} must be {what}, got {value!r}.")
+    return float(value)
 
 
 def _broken_link(path: Path) -> str | None:
@@ -276,15 +356,23 @@ def scan(
         images, unusable = list_images(root)
         skips.extend(unusable)
         if not images:
+            if folder.role == "regularization":
+                raise ConfigError(
+                    f"{option}: the regularization folder {folder.path!r} holds no images ({FORMATS}); put the class "
+                    "images there, or remove the folder (and model.preservation)."
+                )
             if not unusable:
                 skips.append(Skip(root, "empty folder", f"holds no images ({FORMATS})"))
             continue
         found_any = True
+        masks, mask_notes = _masks(folder, root, images, option)
+        skips.extend(mask_notes)
         metadata, notes = read_metadata(root)
         skips.extend(Skip(root, kind, message) for kind, message in notes)
         skips.extend(_unmatched(root, {p.name for p in images} | {s.path.name for s in unusable}, metadata))
         default = folder.default_caption if folder.default_caption is not None else default_caption
-        word = folder.trigger if folder.trigger is not None else trigger
+        # Class images keep their captions as written: data.trigger is the word of the images to learn.
+        word = folder.trigger if folder.trigger is not None or folder.role == "regularization" else trigger
         for image in images:
             caption_file = image.with_suffix(caption_ext)
             binary: str | None = None  # a caption file that holds no text: as if there were none
@@ -321,7 +409,22 @@ def scan(
             if TRIGGER in caption and not word:
                 skips.append(Skip(image, "caption", f"caption uses {TRIGGER} but data.trigger is not set"))
                 continue
-            items.append(Item(image, caption, word, folder.repeats))
+            mask: Path | str | None = ALPHA if folder.masks == ALPHA else masks.get(image.stem)
+            if folder.masks is not None and mask is None:
+                reason = f"no mask named {image.stem} in {folder.masks}: trained everywhere"
+                skips.append(Skip(image, "no mask", reason))
+            items.append(
+                Item(
+                    image,
+                    caption,
+                    word,
+                    folder.repeats,
+                    role=folder.role,
+                    loss_weight=folder.loss_weight,
+                    mask=mask,
+                    unmasked_weight=folder.unmasked_weight,
+                )
+            )
     if not found_any:
         names = ", ".join(repr(f.path) for f in folders)
         unusable = [s for s in skips if s.kind in ("unsupported format", "broken link")]
@@ -331,6 +434,50 @@ def scan(
             f"point {option} at the right folder."
         )
     return items, skips
+
+
+def _masks(folder: ImageFolder, root: Path, images: list[Path], option: str) -> tuple[dict[str, Path], list[Skip]]:
+    """The folder's masks by file name without extension (the first in file-name order for a name used twice; none
+    without a mask folder or for ``masks: alpha``), and a note for each mask that matches no image and each second mask
+    of a name. A :class:`ConfigError` for a mask folder that does not exist, is the image folder, holds no image, or
+    holds no mask of any of its images."""
+    if folder.masks is None or folder.masks == ALPHA:
+        return {}, []
+    where = f"{option}: the masks of {folder.path!r}, {folder.masks!r},"
+    mask_root = Path(folder.masks).expanduser()
+    if not mask_root.is_dir():
+        raise ConfigError(f"{where} is not a folder. Check the path (or write masks: alpha for the transparency).")
+    if mask_root.resolve() == root.resolve():
+        raise ConfigError(
+            f"{where} is the image folder itself; a mask has its image's file name, so masks go in a folder of their "
+            "own."
+        )
+    found, _ = list_images(mask_root)
+    if not found:
+        raise ConfigError(
+            f"{where} holds no masks ({FORMATS}); put one per image there, named like its image (photo.png masks "
+            "photo.jpg), white where the image trains."
+        )
+    masks: dict[str, Path] = {}
+    for mask in found:
+        masks.setdefault(mask.stem, mask)
+    stems = {image.stem for image in images}
+    if not stems & set(masks):
+        raise ConfigError(
+            f"{where} holds {len(found)} masks, none named like an image of the folder (e.g. {found[0].name}); a mask "
+            f"has its image's file name ({images[0].stem}.png masks {images[0].name})."
+        )
+    notes = [
+        Skip(m, "unmatched mask", "matches no image of its folder (a mask has its image's file name)")
+        for m in found
+        if m.stem not in stems
+    ]
+    notes += [
+        Skip(m, "mask", f"a second mask named {m.stem}; {masks[m.stem].name} is used")
+        for m in found
+        if m.stem in stems and masks[m.stem] != m
+    ]
+    return masks, notes
 
 
 def _name_bytes(name: str) -> bytes:

@@ -52,6 +52,7 @@ from torch import nn
 
 from lightning_lora.errors import ConfigError, first_line
 from lightning_lora.families.facts import Architecture, Compiling, LoraFiles, Planning
+from lightning_lora.objectives import Prediction, Reference, masked_mse, per_sample_mse, preserved_target
 
 if TYPE_CHECKING:
     from lightning_lora.formats import LoraLayout
@@ -435,10 +436,40 @@ class DiffusionFamily(ABC):
         return torch.randn(latents.shape, generator=generator, dtype=torch.float32, device=device)
 
     @abstractmethod
-    def loss(
+    def predict(
         self, denoiser: DiffusersModel, batch: dict[str, torch.Tensor], noise: torch.Tensor, timesteps: torch.Tensor
+    ) -> Prediction:
+        """The denoiser's prediction for the batch noised with ``noise`` at ``timesteps``, and its training target, in
+        the denoiser's layout (:meth:`prediction_layout`), with the family's weight per sample (min-SNR) if it has
+        one."""
+
+    def prediction_layout(self, latent_map: torch.Tensor) -> torch.Tensor:
+        """A map of the latents' shape ``[B, C, h, w]`` (a mask's loss weights) in the layout of :meth:`predict`'s
+        tensors, packed as the family packs its latents. Default: the latents' own layout (UNets, Z-Image)."""
+        return latent_map
+
+    def loss(
+        self,
+        denoiser: DiffusersModel,
+        batch: dict[str, torch.Tensor],
+        noise: torch.Tensor,
+        timesteps: torch.Tensor,
+        reference: Reference | None = None,
     ) -> torch.Tensor:
-        """The per-sample training loss ``[B]`` for given noise and timesteps."""
+        """The per-sample training loss ``[B]`` for given noise and timesteps (see :mod:`lightning_lora.objectives`):
+        :meth:`predict`'s prediction against its target, or against ``reference`` for its rows (DOP); weighted per
+        element by the batch's ``loss_mask`` (``[B, 1, h, w]`` loss weights of the latents' grid, when the data has
+        masks), packed by :meth:`prediction_layout`; times the family's weight per sample."""
+        out = self.predict(denoiser, batch, noise, timesteps)
+        target = out.target if reference is None else preserved_target(out.target, reference)
+        mask = batch.get("loss_mask")
+        if mask is None:
+            losses = per_sample_mse(out.prediction, target)
+        else:
+            latents = batch["latents"]
+            weights = self.prediction_layout(mask.to(latents.device).expand(latents.shape))
+            losses = masked_mse(out.prediction, target, weights)
+        return losses if out.sample_weights is None else losses * out.sample_weights
 
     # -- sampling ----------------------------------------------------------------------------------------------
     def pipeline(self, denoiser: DiffusersModel, vae: DiffusersModel, source: ModelSource) -> Any:

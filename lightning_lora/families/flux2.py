@@ -529,9 +529,14 @@ class Flux2(DiffusionFamily):
             shift=self.resolution_shift(h * w),
         )
 
-    def loss(
+    @override
+    def prediction_layout(self, latent_map: torch.Tensor) -> torch.Tensor:
+        """Packed as the latents are (:func:`pack`)."""
+        return pack(latent_map)
+
+    def predict(
         self, denoiser: DiffusersModel, batch: dict[str, torch.Tensor], noise: torch.Tensor, timesteps: torch.Tensor
-    ) -> torch.Tensor:
+    ) -> objectives.Prediction:
         x0 = batch["latents"].float()
         b, _, h, w = x0.shape
         dtype = compute_dtype(denoiser)
@@ -551,7 +556,7 @@ class Flux2(DiffusionFamily):
             return_dict=False,
         )[0]
         target = pack(objectives.flow_match_target(x0, noise.float()))
-        return objectives.per_sample_mse(prediction, target)
+        return objectives.Prediction(prediction, target)
 
     # -- sampling ----------------------------------------------------------------------------------------------
     def is_distilled(self, source: ModelSource) -> bool:

@@ -393,9 +393,14 @@ class QwenImage(DiffusionFamily):
             shift=self.resolution_shift((h // 2) * (w // 2)),
         )
 
-    def loss(
+    @override
+    def prediction_layout(self, latent_map: torch.Tensor) -> torch.Tensor:
+        """Packed as the latents are (:func:`pack_latents`)."""
+        return pack_latents(latent_map)
+
+    def predict(
         self, denoiser: DiffusersModel, batch: dict[str, torch.Tensor], noise: torch.Tensor, timesteps: torch.Tensor
-    ) -> torch.Tensor:
+    ) -> objectives.Prediction:
         x0 = batch["latents"]
         b, _, h, w = x0.shape
         dtype = compute_dtype(denoiser)
@@ -411,7 +416,7 @@ class QwenImage(DiffusionFamily):
             return_dict=False,
         )[0]
         target = pack_latents(objectives.flow_match_target(x0.float(), noise.float()))
-        return objectives.per_sample_mse(prediction, target)
+        return objectives.Prediction(prediction, target)
 
     # -- sampling ----------------------------------------------------------------------------------------------
     @override

@@ -270,9 +270,9 @@ class UNetFamily(DiffusionFamily):
     ) -> dict[str, Any]:
         """The UNet's conditioning keyword arguments for a batch (``encoder_hidden_states``, ...)."""
 
-    def loss(
+    def predict(
         self, denoiser: DiffusersModel, batch: dict[str, torch.Tensor], noise: torch.Tensor, timesteps: torch.Tensor
-    ) -> torch.Tensor:
+    ) -> objectives.Prediction:
         schedule = noise_schedule_of(denoiser)
         x0 = batch["latents"].float()
         noise = noise.float()
@@ -283,11 +283,11 @@ class UNetFamily(DiffusionFamily):
         noisy = objectives.ddpm_noisy(x0, noise, schedule.alphas_cumprod, t)
         prediction = denoiser(noisy.to(dtype), t, **self.unet_conditions(batch, x0, dtype), return_dict=False)[0]
         target = objectives.ddpm_target(x0, noise, schedule.alphas_cumprod, t, schedule.prediction_type)
-        losses = objectives.per_sample_mse(prediction, target)
-        if self.min_snr_gamma is not None:
-            snr = objectives.snr(schedule.alphas_cumprod, t)
-            losses = losses * objectives.min_snr_weights(snr, self.min_snr_gamma, schedule.prediction_type)
-        return losses
+        if self.min_snr_gamma is None:
+            return objectives.Prediction(prediction, target)
+        snr = objectives.snr(schedule.alphas_cumprod, t)
+        weights = objectives.min_snr_weights(snr, self.min_snr_gamma, schedule.prediction_type)
+        return objectives.Prediction(prediction, target, weights)
 
     # -- sampling ----------------------------------------------------------------------------------------------
     def sampling_scheduler(self, source: ModelSource) -> Any:

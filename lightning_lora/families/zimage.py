@@ -269,9 +269,9 @@ class ZImage(DiffusionFamily):
             shift=self.shift,
         )
 
-    def loss(
+    def predict(
         self, denoiser: DiffusersModel, batch: dict[str, torch.Tensor], noise: torch.Tensor, timesteps: torch.Tensor
-    ) -> torch.Tensor:
+    ) -> objectives.Prediction:
         x0 = batch["latents"].float()
         noise = noise.float()
         dtype = compute_dtype(denoiser)
@@ -285,7 +285,7 @@ class ZImage(DiffusionFamily):
         )[0]
         # The negative velocity: x0 - noise (the pipeline negates the output before its Euler step).
         target = -objectives.flow_match_target(x0, noise)
-        return objectives.per_sample_mse(torch.stack(prediction).squeeze(2), target)
+        return objectives.Prediction(torch.stack(prediction).squeeze(2), target)
 
     # -- sampling ----------------------------------------------------------------------------------------------
     @override

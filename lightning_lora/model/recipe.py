@@ -26,6 +26,7 @@ from typing import Any, Literal
 from lightning_lora.errors import ConfigError
 from lightning_lora.families.base import DiffusionFamily, ModelSource
 from lightning_lora.lora import LoraOptions
+from lightning_lora.objectives import Preservation
 from lightning_lora.precision import BF16, BasePrecision
 
 __all__ = ["AttentionBackend", "MEMORY_SETTINGS", "ModelRecipe"]
@@ -60,6 +61,7 @@ class ModelRecipe:
         cuda_graphs: the compiled blocks replay CUDA graphs (``torch.compile``'s ``reduce-overhead`` mode).
         offload_blocks: this many repeated blocks' frozen weights wait in CPU memory.
         offload_activations: checkpointed blocks' saved inputs wait in CPU memory.
+        preservation: what keeps the base model's behaviour (DOP adds a forward without gradients to a step).
     """
 
     family: DiffusionFamily
@@ -73,6 +75,7 @@ class ModelRecipe:
     cuda_graphs: bool = False
     offload_blocks: int = 0
     offload_activations: bool = False
+    preservation: Preservation = field(default_factory=Preservation)
 
     def __post_init__(self) -> None:
         if self.source.dtype != self.precision.base_dtype:  # a caller's mistake: the plugin says the dtype

@@ -30,6 +30,7 @@ output, 2.5 GiB for a 1024x1024 image.
 from __future__ import annotations
 
 import copy
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,7 +44,7 @@ from lightning_lora.lora import LoraOptions, inject_lora
 from lightning_lora.model.offload import offloaded_blocks, repeated_blocks
 from lightning_lora.model.recipe import ModelRecipe
 from lightning_lora.plan.live_bytes import module_copy, saved_activation_bytes
-from lightning_lora.plan.sampling import autocast_dtype, sampling_bytes
+from lightning_lora.plan.sampling import autocast_dtype, no_grad_forward_bytes, sampling_bytes
 from lightning_lora.precision import BF16, BasePrecision, text_encoder_precision
 
 __all__ = [
@@ -111,6 +112,9 @@ class MemoryPlan:
     """Peak while the cache encodes images (the VAE, ``data.encode_batch_size`` at a time)."""
     host: float = 0.0
     """Host (CPU) memory: the largest part passes through it while loading, plus pinned offloaded blocks."""
+    preservation: float = 0.0
+    """DOP's forward without gradients (``model.preservation.mode: dop``): its peak beyond the static memory, before
+    the training forward (nothing saved yet); 0 without DOP."""
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -119,7 +123,8 @@ class MemoryPlan:
 
     @property
     def peak_gib(self) -> float:
-        return self.static + self.activations + self.transient + self.overhead
+        step = self.static + self.activations + self.transient + self.overhead
+        return max(step, self.static + self.preservation + self.overhead)
 
     @property
     def run_peak(self) -> float:
@@ -146,6 +151,8 @@ class MemoryPlan:
             ("backward transient", self.transient),
             ("CUDA context / allocator", self.overhead),
         ]
+        if self.preservation:
+            rows.insert(-1, ("DOP forward (no grad)", self.preservation))
         lines = [f"  {name:<28}{value:8.2f} GiB" for name, value in rows]
         lines.append(f"  {'training peak':<28}{self.peak_gib:8.2f} GiB")
         if self.sampling_peak:
@@ -380,6 +387,13 @@ def plan_training(
         plan.notes.append(
             f"offload_activations: {moved / GIB:.2f} GiB of checkpointed blocks' inputs wait in pinned CPU memory"
         )
+    if recipe.preservation.dop:  # the base's own prediction for the batch, the adapter off, before the training pass
+        plan.preservation = no_grad_forward_bytes(recipe, model, batch, height, width, text_len) / GIB
+        plan.notes.append(
+            f"model.preservation.mode: dop: one more forward of the denoiser, without gradients and the adapter off, "
+            f"in each batch that holds preservation samples ({plan.preservation:.2f} GiB at its peak, before the "
+            "training forward): a third more FLOPs for such a batch (a quarter with gradient checkpointing)"
+        )
     sh, sw = sample_size or (height, width)
     # Samples drawn during training: the optimizer's state stays on the GPU beside the model (the LoRA's gradients are
     # freed after each optimizer step), and the EMA's copies, one more while the EMA's samples keep the raw LoRA aside.
@@ -485,8 +499,15 @@ def plan_for(
         recipe, data.text_encoder_quantization, data.encode_batch_size, side
     )
     plan.notes += notes
+    model = denoiser_skeleton(recipe)  # meta device: shapes only
+    if any(folder.masks for folder in (*data.folders, *data.val_folders)):
+        # The masked loss: the weights in the prediction's layout and their product with the squared error (float32).
+        config: Any = model.config  # a diffusers FrozenDict
+        latent = recipe.family.cached_latent_shape(dict(config), side, side)
+        masks = 2 * 4 * data.batch_size * math.prod(latent) / GIB
+        plan.transient += masks
+        plan.notes.append(f"masks: {masks * 1024:.1f} MiB more in the loss (loss weights per latent element)")
     # Loading passes the base's weights through CPU memory in its dtype; offloaded blocks stay there, pinned.
-    model = denoiser_skeleton(recipe)
     base = weight_bytes(model, BF16(dtype=recipe.precision.dtype))
     sizes = recipe.precision.module_weight_bytes(model)
     pinned = sum(sizes[id(m)] for block in offloaded_blocks(model, recipe.offload_blocks) for m in block.modules())

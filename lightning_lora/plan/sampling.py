@@ -13,7 +13,14 @@ from torch import nn
 from lightning_lora.model.recipe import ModelRecipe
 from lightning_lora.plan.live_bytes import flash_like_attention, module_copy, peak_bytes
 
-__all__ = ["VAE_DECODE_WORKSPACE", "SamplingPieces", "autocast_dtype", "sampling_bytes", "sampling_pieces"]
+__all__ = [
+    "VAE_DECODE_WORKSPACE",
+    "SamplingPieces",
+    "autocast_dtype",
+    "no_grad_forward_bytes",
+    "sampling_bytes",
+    "sampling_pieces",
+]
 
 
 def autocast_dtype(recipe: ModelRecipe) -> torch.dtype | None:
@@ -50,6 +57,21 @@ class SamplingPieces:
 _SAMPLING: dict[str, SamplingPieces] = {}
 
 
+def no_grad_forward_bytes(
+    recipe: ModelRecipe, model: nn.Module, batch: int, height: int, width: int, text_len: int
+) -> float:
+    """The peak of one forward pass of the denoiser without gradients (``model``: its skeleton on the ``meta``
+    device, without the adapter, as the base computes with it off) at this batch and size, under the precision's
+    autocast, attention as the flash / memory-efficient kernels allocate it: what the sampler's denoiser and DOP's
+    target (``model.preservation.mode: dop``) hold beyond the weights."""
+    family, source = recipe.family, recipe.source
+    inputs = family.example_inputs(model, batch, height, width, text_len, device="meta", dtype=source.dtype)
+    running = module_copy(model)  # a forward may fill a model's caches (RoPE tables): the next one counts them too
+    with flash_like_attention():
+        peak, _ = peak_bytes(lambda: running(**inputs), autocast_dtype(recipe))
+    return float(peak)
+
+
 def sampling_pieces(
     recipe: ModelRecipe, model: nn.Module, height: int, width: int, text_len: int
 ) -> SamplingPieces | None:
@@ -68,12 +90,7 @@ def sampling_pieces(
     key = repr((type(family), sorted(vars(family).items()), source, config, autocast, height, width, text_len))
     if key in _SAMPLING:
         return _SAMPLING[key]
-    inputs = family.example_inputs(
-        model, family.planning.sampling_batch, height, width, text_len, device="meta", dtype=source.dtype
-    )
-    running = module_copy(model)  # a forward may fill a model's caches (RoPE tables): the next one counts them too
-    with flash_like_attention():
-        denoiser, _ = peak_bytes(lambda: running(**inputs), autocast)
+    denoiser = no_grad_forward_bytes(recipe, model, family.planning.sampling_batch, height, width, text_len)
     dtype = family.sampling_vae_dtype(config, source.dtype)
     vae: Any = build_from_config(getattr(diffusers, config["_class_name"]), config, dtype)
     latents = torch.empty(family.sampling_latent_shape(config, height, width), device="meta", dtype=dtype)

@@ -12,11 +12,19 @@ from __future__ import annotations
 import os
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import yaml
-from helpers import assert_same_run, fit_in_subprocess, resume_config, run_cli
+from helpers import (
+    assert_same_run,
+    check_same_run_after_resume,
+    fit_in_subprocess,
+    preservation_options,
+    resume_config,
+    run_cli,
+)
 from helpers.resume import STEPS
 
 
@@ -77,9 +85,11 @@ def test_the_control_would_fail_without_rng_restore(
         assert_same_run(uninterrupted[1], config, after_step=3)
 
 
-def _killed_then_resumed(tmp_path: Path, model_dir: Path, photos: Path, name: str, accumulate: int, batch: int) -> Path:
+def _killed_then_resumed(
+    tmp_path: Path, model_dir: Path, photos: Path, name: str, accumulate: int, batch: int, **options: Any
+) -> Path:
     kill = {"class_path": "helpers.crash.KillAt", "init_args": {"batch": batch}}
-    config = resume_config(tmp_path, model_dir, photos, name, accumulate=accumulate, callbacks=[kill])
+    config = resume_config(tmp_path, model_dir, photos, name, accumulate=accumulate, callbacks=[kill], **options)
     killed = fit_in_subprocess(config)
     assert killed.returncode == -9, f"expected SIGKILL, got {killed.returncode}: {killed.stderr[-2000:]}"
     assert not (config.parent / "run" / "lora" / "lora.safetensors").exists()
@@ -88,7 +98,7 @@ def _killed_then_resumed(tmp_path: Path, model_dir: Path, photos: Path, name: st
     data["trainer"]["callbacks"] = [c for c in data["trainer"]["callbacks"] if "KillAt" not in c["class_path"]]
     config.write_text(yaml.safe_dump(data))
     cli = run_cli(["fit", "--config", str(config), "--ckpt_path", "last"])
-    assert cli.trainer.global_step == STEPS
+    assert cli.trainer.global_step == options.get("steps", STEPS)
     return config
 
 
@@ -533,3 +543,39 @@ def test_a_moved_base_model_resumes_and_another_model_at_its_path_is_refused(
     err = capsys.readouterr().err.strip()
     assert f"model.pretrained '{moved}' is not the model the run was trained on: their files differ" in err, err
     assert len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+PRESERVED_FAMILIES = {  # FLUX: the SIGKILL test below
+    "sdxl": {"class_path": "lightning_lora.families.SDXL", "init_args": {}},
+    "zimage": {"class_path": "lightning_lora.families.ZImage", "init_args": {"max_sequence_length": 64}},
+}
+
+
+@pytest.mark.parametrize("family", list(PRESERVED_FAMILIES))
+def test_preservation_and_masks_resume_exactly(
+    tmp_path: Path, tiny_pipeline: Any, preserved_photos: Path, family: str
+) -> None:
+    """DOP with a regularization folder (loss weight 0.5) and every photo again without its trigger, masks on two
+    photos: 10 samples, 5 batches an epoch, so the stop at step 2 is inside it. The resumed run ends with the same
+    LoRA, bit for bit, and logs the same losses as the run that never stopped, on SDXL and Z-Image."""
+    options = {"model.family": PRESERVED_FAMILIES[family], **preservation_options(preserved_photos, every_image=True)}
+    check_same_run_after_resume(tmp_path, tiny_pipeline(family), preserved_photos / "train", 4, 2, **options)
+
+
+@pytest.mark.subprocess
+def test_sigkill_with_preservation_and_masks_then_resume_is_exact(
+    tmp_path: Path, tiny_flux_dir: Path, preserved_photos: Path
+) -> None:
+    """Killed with SIGKILL at a random batch of a FLUX run with DOP (a regularization folder, every photo again without
+    its trigger) and masks, and resumed: the same LoRA and losses as the run that never stopped."""
+    options = {"steps": 4, **preservation_options(preserved_photos, every_image=True)}
+    photos = preserved_photos / "train"
+    reference = resume_config(tmp_path, tiny_flux_dir, photos, "a", **options)
+    assert run_cli(["fit", "--config", str(reference)]).trainer.global_step == 4
+    seed = random.randrange(1 << 30)
+    batch = random.Random(seed).randrange(2, 4)  # inside the first epoch (5 batches)
+    config = _killed_then_resumed(tmp_path, tiny_flux_dir, photos, "b", 1, batch, **options)
+    try:
+        assert_same_run(reference, config, after_step=batch)
+    except AssertionError as e:
+        raise AssertionError(f"kill at batch {batch} (seed {seed}): {e}") from e

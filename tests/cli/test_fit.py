@@ -266,6 +266,53 @@ def test_help_lists_our_options(capsys) -> None:
     out = capsys.readouterr().out
     for option in ("--model.pretrained", "--model.lora.rank", "--model.denoiser_file", "--data.images", "--ckpt_path"):
         assert option in out
+    preservation = ("mode", "every_image", "class_word", "weight")
+    for option in [f"--model.preservation.{name}" for name in preservation]:
+        assert option in out
+    assert "{none,prior,dop}" in out
+    for field in ("role: regularization", "masks: data/me_masks", "unmasked_weight", "loss_weight"):  # data.images
+        assert field in " ".join(out.split()), field
+
+
+def _uncommented(text: str) -> str:
+    """A shipped config with its commented ``preservation:`` and ``images:`` blocks turned on (the one-folder
+    ``images:`` line they replace removed)."""
+    out: list[str] = []
+    block = False
+    for line in text.splitlines():
+        if line.startswith(("  # preservation:", "  # images:")) or (block and line.startswith("  #   ")):
+            block = True
+            out.append("  " + line[4:])
+            continue
+        block = False
+        out.append(line)
+    return "\n".join(line for line in out if not re.match(r"^  images: \S", line)) + "\n"
+
+
+SHIPPED = [c for c in CONFIGS if not c.name.startswith("tiny_")]
+
+
+def test_shipped_configs_turn_preservation_and_masks_on_with_their_commented_keys(tmp_path: Path, capsys) -> None:
+    """Every shipped config (not the tiny ones) shows how to turn on DOP and masks as commented keys; uncommented, they
+    are the typed options the parser takes (parsed by the command for flux_4090.yaml, whose options the others
+    repeat)."""
+    expected = {"mode": "dop", "every_image": True, "class_word": "person"}
+    for config in SHIPPED:
+        data = yaml.safe_load(_uncommented(config.read_text()))
+        assert data["model"]["preservation"] == expected, config.name
+        first, regularization = data["data"]["images"]
+        assert set(first) == {"path", "masks", "unmasked_weight"}, config.name
+        assert regularization == {"path": "data/class_images", "role": "regularization", "loss_weight": 0.5}
+    path = tmp_path / "flux_4090.yaml"
+    path.write_text(_uncommented((REPO / "configs" / "flux_4090.yaml").read_text()))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(path), "--print_config"])
+    assert exit_info.value.code == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["model"]["preservation"] == {**expected, "weight": 1.0}
+    first, regularization = printed["data"]["images"]
+    assert first["masks"] == "data/my_subject_masks" and first["unmasked_weight"] == 0.0
+    assert regularization["role"] == "regularization" and regularization["loss_weight"] == 0.5
 
 
 OUR_LINES = re.compile(
@@ -273,7 +320,8 @@ OUR_LINES = re.compile(
         (
             r"^$",
             r"^Cache ",
-            r"^  (images found|training|latents|text embeddings|skipped|notes|buckets|time): ",
+            r"^  (images found|training|regularization|preservation|latents|text embeddings|masks|skipped|notes|"
+            r"buckets|time): ",
             r"^    \S",  # the summary's list of skipped files and notes
             r"^(skipped|note:) ",  # the same, logged as they are found
             r"^prompt '.*' is longer than the text encoder reads",  # a drift or sample prompt the tiny T5 cuts

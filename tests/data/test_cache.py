@@ -712,3 +712,125 @@ def test_nf4_text_encoders_keep_their_other_weights_in_the_load_dtype(tmp_path: 
     assert swapped > 0 and any(isinstance(m, bnb.nn.Linear4bit) for m in t5.modules())
     others = {n: p.dtype for n, p in t5.named_parameters() if p.is_floating_point() and p.dtype != torch.uint8}
     assert others and set(others.values()) == {torch.bfloat16}, {n: d for n, d in others.items() if d != torch.bfloat16}
+
+
+def _masked_dataset(root: Path) -> tuple[Path, Path]:
+    """Three noise images (``_dataset``) and masks for two of them (white right of column 20), one more mask of no
+    image."""
+    data, masks = _dataset(root / "data", n=3), root / "masks"
+    masks.mkdir()
+    for i, (width, height) in enumerate([(40, 48), (64, 32)]):
+        mask = np.zeros((height, width), np.uint8)
+        mask[:, 20:] = 255
+        Image.fromarray(mask).save(masks / f"img{i}.png")
+    Image.fromarray(np.zeros((8, 8), np.uint8)).save(masks / "stray.png")
+    return data, masks
+
+
+def _masked_build(cache: LatentCache, data: Path, masks: str | Path, **kwargs) -> CacheReport:
+    items, skips = scan([ImageFolder(str(data), masks=str(masks), unmasked_weight=0.25)])
+    return build(cache, items, [], _spec(**kwargs), CPU, scan_skips=skips)
+
+
+def test_masks_are_small_entries_of_their_own_at_the_latents_grid(tmp_path: Path, tiny_flux_dir: Path) -> None:
+    """Each mask is computed once per latent (the mirrored one mirrored) at that latent's grid, keyed apart from it:
+    editing a mask recomputes that mask only, every latent reused. The summary counts the images with a mask, without
+    one, and the masks that matched no image."""
+    from lightning_lora.data.images import decode_mask
+
+    data, masks = _masked_dataset(tmp_path)
+    cache = _cache(tmp_path / "cache", tiny_flux_dir)
+    report = _masked_build(cache, data, masks, flip=True)
+    masked = {e.image.name: e for e in report.train if e.mask is not None}
+    assert sorted(masked) == ["img0.png", "img1.png"] and report.masks_encoded == 4 and report.masks_reused == 0
+    e = masked["img1.png"]
+    assert e.mask is not None
+    plain, mirrored = (load_file(cache.mask_path(k))["mask"] for k in e.mask.keys())
+    latents = cache.load_latents(e.latent_key)["latents"]
+    assert plain.shape == (1, *latents.shape[-2:]) and plain.dtype == torch.float32
+    expected = decode_mask(masks / "img1.png", e.placement.source_box(), latents.shape[:-3:-1])
+    assert torch.equal(plain[0], torch.from_numpy(expected)) and torch.equal(mirrored, plain.flip(-1))
+    assert e.mask.unmasked_weight == 0.25 and plain.min() == 0 and plain.max() > 0.99
+    summary = report.format()
+    assert "masks:           2 images with a mask, 1 without (trained everywhere), 1 mask matched no image" in summary
+    assert "4 computed, 0 reused" in summary
+
+    edited = np.asarray(Image.open(masks / "img0.png")).copy()
+    edited[:, :] = 255
+    Image.fromarray(edited).save(masks / "img0.png")
+    again = _masked_build(_cache(tmp_path / "cache", tiny_flux_dir), data, masks, flip=True)
+    assert (again.latents_encoded, again.masks_encoded, again.masks_reused) == (0, 2, 2)
+    new = next(x for x in again.train if x.image.name == "img0.png")
+    assert new.mask is not None
+    assert load_file(cache.mask_path(new.mask.key))["mask"].min() > 0.99
+
+
+def test_a_mask_that_cannot_be_read_leaves_its_image_out_naming_the_mask(tmp_path: Path, tiny_flux_dir: Path) -> None:
+    data, masks = _masked_dataset(tmp_path)
+    (masks / "img0.png").write_bytes(b"not a png")
+    report = _masked_build(_cache(tmp_path / "cache", tiny_flux_dir), data, masks)
+    assert sorted(e.image.name for e in report.train) == ["img1.png", "img2.png"]
+    (skip,) = [s for s in report.skipped if not s.note]
+    assert skip.path.name == "img0.png" and skip.kind.startswith("mask: ")
+    assert "its mask img0.png" in skip.reason and "fix the mask or remove it" in skip.reason
+    with pytest.raises(ConfigError, match="cannot be used"):
+        items, _ = scan([ImageFolder(str(data), masks=str(masks))])
+        build(_cache(tmp_path / "cache", tiny_flux_dir), items, [], _spec(), CPU, on_bad_file="error")
+
+
+def test_alpha_masks_and_an_image_without_transparency(tmp_path: Path, tiny_flux_dir: Path) -> None:
+    folder = tmp_path / "data"
+    folder.mkdir()
+    rgba = np.full((32, 32, 4), 255, np.uint8)
+    rgba[:, :16, 3] = 0
+    Image.fromarray(rgba, "RGBA").save(folder / "cutout.png")
+    _noise_image(folder / "opaque.png", seed=1, size=(32, 32))
+    items, skips = scan([ImageFolder(str(folder), masks="alpha")], default_caption="a thing")
+    report = build(_cache(tmp_path / "cache", tiny_flux_dir), items, [], _spec(), CPU, scan_skips=skips)
+    by_name = {e.image.name: e for e in report.train}
+    assert by_name["cutout.png"].mask is not None and by_name["cutout.png"].mask.alpha
+    assert by_name["opaque.png"].mask is None
+    assert "has no transparency (masks: alpha): trained everywhere" in report.format()
+    assert "masks:           1 images with a mask, 1 without" in report.format()
+
+
+def test_preservation_captions_are_cached_like_every_caption(tmp_path: Path, tiny_flux_dir: Path) -> None:
+    """With ``every_image``, each training image is also an entry of role ``preservation`` (the same latents) whose
+    captions have the trigger replaced by the class word, cached with the rest; a regularization image keeps its own
+    role and weight; the summary counts both."""
+    from lightning_lora.objectives import Preservation
+
+    data, regularization = _dataset(tmp_path / "data", n=2), _dataset(tmp_path / "class", n=1)
+    (regularization / "img0.txt").write_text("a photo of a cat")
+    folders = [ImageFolder(str(data)), ImageFolder(str(regularization), role="regularization", loss_weight=0.5)]
+    items, skips = scan(folders, trigger="sks")
+    cache = _cache(tmp_path / "cache", tiny_flux_dir)
+    preservation = Preservation(mode="dop", every_image=True, class_word="animal", weight=0.8)
+    report = build(cache, items, [], _spec(preservation=preservation), CPU, scan_skips=skips)
+    roles = [(e.image.parent.name, e.role, e.caption, e.loss_weight) for e in report.train]
+    assert roles == [
+        ("data", "train", "a photo of sks cat", 1.0),
+        ("data", "preservation", "a photo of animal cat", 0.8),
+        ("data", "train", "a photo of sks dog", 1.0),
+        ("data", "preservation", "a photo of animal dog", 0.8),
+        ("class", "regularization", "a photo of a cat", 0.5),
+    ]
+    train, twin = report.train[:2]
+    assert twin.latent_key == train.latent_key and twin.mask is None
+    assert all(cache.text_path(k).is_file() for e in report.train for k in e.text_keys)
+    assert report.texts_encoded == 6  # 2 captions, their 2 preservation captions, the class image's, the empty prompt
+    summary = report.format()
+    assert "training:        2 images, 2 entries" in summary
+    assert "regularization:  1 images, 1 samples per epoch (loss weight 0.5)" in summary
+    assert "preservation:    2 entries with the trigger taken out of the caption, 2 samples per epoch" in summary
+
+
+def test_regularization_images_that_all_fail_stop_the_build(tmp_path: Path, tiny_flux_dir: Path) -> None:
+    data, regularization = _dataset(tmp_path / "data", n=1), tmp_path / "class"
+    regularization.mkdir()
+    (regularization / "broken.png").write_bytes(b"not a png")
+    (regularization / "broken.txt").write_text("a photo of a cat")
+    items, skips = scan([ImageFolder(str(data)), ImageFolder(str(regularization), role="regularization")])
+    with pytest.raises(ConfigError, match=r"data.images: none of the regularization images can be used") as e:
+        build(_cache(tmp_path / "cache", tiny_flux_dir), items, [], _spec(), CPU, scan_skips=skips)
+    assert "\n" not in str(e.value)

@@ -252,3 +252,65 @@ def test_caching_out_of_memory_names_the_option(
     monkeypatch.setattr(Flux, stage, out_of_memory)
     with pytest.raises(ConfigError, match=f"out of GPU memory.*{option}"):
         _built(_module(tmp_path, str(_folder(tmp_path / "data", 2))), tiny_flux_dir)
+
+
+def test_batches_carry_masks_weights_and_roles_and_the_evaluation_only_the_images_to_learn(
+    tmp_path: Path, tiny_flux_dir: Path
+) -> None:
+    """With masks, a regularization folder and DOP on every image, each batch holds ``loss_mask`` (the mask's weights,
+    mirrored with a mirrored latent; ones for an image without a mask), ``loss_weight`` and ``role`` (host strings);
+    the fixed evaluation takes the images to learn only. Without any of it, the batches are as before."""
+    from lightning_lora.objectives import Preservation
+
+    data = _folder(tmp_path / "data", 2)
+    for i in range(2):  # a trigger to take out of the captions
+        (data / f"img{i}.txt").write_text("sks, " + (data / f"img{i}.txt").read_text())
+    regularization = _folder(tmp_path / "class", 1, seed=1)
+    masks = tmp_path / "masks"
+    masks.mkdir()
+    mask = np.zeros((48, 40), np.uint8)  # img0 is 40x48
+    mask[:, 20:] = 255
+    Image.fromarray(mask).save(masks / "img0.png")
+    images = [
+        {"path": str(data), "masks": str(masks), "unmasked_weight": 0.5},
+        {"path": str(regularization), "role": "regularization", "loss_weight": 0.25},
+    ]
+    dm = _module(tmp_path, images, trigger="sks", random_flip=True, batch_size=1)
+    preservation = Preservation(mode="dop", every_image=True)
+    family, source = Flux(max_sequence_length=16), ModelSource(str(tiny_flux_dir), dtype=torch.float32)
+    dm.build_cache(family, source, "cpu", preservation=preservation, progress=False)
+    dm.train_entries = dm.report.train if dm.report else []
+    dataset = dm.train_dataloader().dataset
+    seen = {}
+    for epoch in range(6):
+        for index, entry in enumerate(dataset.entries):
+            item = dataset[(epoch, index)]
+            flipped = dataset.flipped(epoch, index)
+            assert item["role"] == entry.role and item["loss_weight"].item() == entry.loss_weight
+            assert item["loss_mask"].shape == (1, *item["latents"].shape[-2:])
+            if entry.mask is None:
+                assert torch.all(item["loss_mask"] == 1)
+            else:
+                weights = item["loss_mask"][0]
+                left, right = weights[:, 0], weights[:, -1]
+                assert torch.all((left if not flipped else right) == 0.5), (epoch, index, flipped)
+                seen[flipped] = True
+    assert seen == {False: True, True: True}  # the mask followed both orientations of its latent
+    roles = sorted(e.role for e in dataset.entries)
+    assert roles == ["preservation", "preservation", "regularization", "train", "train"]
+    batch = next(iter(dm.train_dataloader()))
+    assert isinstance(batch["role"], list) and isinstance(batch["role"][0], str)
+    evaluated = [b["latents"].shape[0] for b in dm.eval_dataloader()]
+    assert sum(evaluated) == 2  # the two images to learn, not their preservation twins or the class image
+    plain = _module(tmp_path / "plain", str(data))
+    plain.build_cache(family, source, "cpu", progress=False)
+    plain.train_entries = plain.report.train if plain.report else []
+    assert not {"loss_mask", "loss_weight", "role"} & set(plain.train_dataloader().dataset[(0, 0)])
+
+
+def test_val_fraction_holds_out_images_to_learn_never_class_images(tmp_path: Path) -> None:
+    data, regularization = _folder(tmp_path / "data", 4), _folder(tmp_path / "class", 4, seed=1)
+    images = [str(data), {"path": str(regularization), "role": "regularization"}]
+    dm = _module(tmp_path, images, val_fraction=0.9)
+    assert dm.val_items and all(i.role == "train" for i in dm.val_items)
+    assert sum(i.role == "regularization" for i in dm.items) == 4 and sum(i.role == "train" for i in dm.items) == 1

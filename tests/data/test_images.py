@@ -13,7 +13,7 @@ from helpers import REPO
 from PIL import Image
 
 from lightning_lora.data.buckets import cover
-from lightning_lora.data.images import BadImage, decode, parse_color, probe
+from lightning_lora.data.images import BadImage, decode, decode_mask, has_alpha, parse_color, probe
 
 RES = 32
 
@@ -296,3 +296,47 @@ def test_decoding_bytes_gives_the_pixels_decoding_the_file_gives(tmp_path: Path,
     assert probe(path.read_bytes()) == probe(path) == (400, 300)
     with pytest.raises(BadImage, match="0 bytes"):
         decode(b"", p.source_box(), p.bucket)
+
+
+def test_a_mask_is_averaged_down_to_the_latent_grid_exactly_zero_where_all_black(tmp_path: Path) -> None:
+    """A 64x48 mask, white from column 20 on, at a 8x6 grid (8 pixels a cell): the cells wholly left of it are exactly
+    0, those wholly right exactly 1, the one it cuts the white share of its pixels (4 of 8 columns). A mask of twice
+    the size with the box scaled gives the same grid; a 16-bit mask is read at full depth; a box inside the image
+    (a crop) averages only that part."""
+    mask = np.zeros((48, 64), np.uint8)
+    mask[:, 20:] = 255
+    Image.fromarray(mask).save(tmp_path / "mask.png")
+    grid = decode_mask(tmp_path / "mask.png", (0, 0, 64, 48), (8, 6))
+    assert grid.shape == (6, 8) and grid.dtype == np.float32
+    assert np.all(grid[:, :2] == 0.0) and np.allclose(grid[:, 3:], 1.0) and np.allclose(grid[:, 2], 0.5)
+    Image.fromarray(np.kron(mask, np.ones((2, 2), np.uint8))).save(tmp_path / "big.png")
+    assert np.allclose(decode_mask(tmp_path / "big.png", (0, 0, 128, 96), (8, 6)), grid)
+    Image.fromarray(mask.astype(np.uint16) * 257).save(tmp_path / "deep.png")  # 16-bit gray
+    assert _file(tmp_path / "deep.png")[0].startswith("I")
+    assert np.allclose(decode_mask(tmp_path / "deep.png", (0, 0, 64, 48), (8, 6)), grid)
+    crop = decode_mask(tmp_path / "mask.png", (16, 0, 48, 48), (4, 6))  # columns 16..48: a half cell black
+    assert np.allclose(crop[:, 0], 0.5) and np.allclose(crop[:, 1:], 1.0)
+
+
+def test_an_alpha_mask_and_an_exif_rotated_mask_are_read_as_viewed(tmp_path: Path) -> None:
+    rgba = np.full((48, 64, 4), 200, np.uint8)
+    rgba[..., 3] = 255
+    rgba[:, :32, 3] = 0  # transparent left half
+    Image.fromarray(rgba, "RGBA").save(tmp_path / "cutout.png")
+    assert has_alpha(tmp_path / "cutout.png") and not has_alpha(_rgb(tmp_path))
+    alpha = decode_mask(tmp_path / "cutout.png", (0, 0, 64, 48), (8, 6), alpha=True)
+    assert np.all(alpha[:, :4] == 0.0) and np.allclose(alpha[:, 4:], 1.0)
+    with pytest.raises(BadImage, match="has no transparency"):
+        decode_mask(_rgb(tmp_path), (0, 0, 64, 48), (8, 6), alpha=True)
+    stored = np.zeros((64, 48), np.uint8)  # stored portrait, viewed landscape (EXIF 6: rotate 90 clockwise)
+    stored[:32, :] = 255  # the top half stored is the right half viewed
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    Image.fromarray(stored).save(tmp_path / "rotated.png", exif=exif)
+    viewed = decode_mask(tmp_path / "rotated.png", (0, 0, 64, 48), (8, 6))
+    assert np.all(viewed[:, :4] == 0.0) and np.allclose(viewed[:, 4:], 1.0)
+
+
+def _rgb(folder: Path) -> Path:
+    Image.new("RGB", (64, 48), "white").save(folder / "plain.png")
+    return folder / "plain.png"

@@ -73,3 +73,41 @@ def test_callbacks_read_the_recipe_of_the_trainers_data(tmp_path: Path) -> None:
 def test_the_data_module_needs_a_trainer_with_a_model_for_its_cache(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="LoraModule attached"):
         DataOptions(images=str(tmp_path)).cache()
+
+
+REGULARIZATION = ImageFolder("class", role="regularization", loss_weight=0.5)
+
+
+@pytest.mark.parametrize(
+    ("folders", "trigger", "preservation", "message"),
+    [
+        ((ImageFolder("me"), REGULARIZATION), None, {}, r"data.images\[1\] \('class'\) has role: regularization"),
+        ((ImageFolder("me"),), None, {"mode": "prior"}, r"mode: prior trains regularization images .* but no data"),
+        ((ImageFolder("me"),), "sks", {"mode": "dop"}, r"mode: dop has nothing to preserve: no data.images entry has"),
+        ((ImageFolder("me"), REGULARIZATION), None, {"mode": "dop", "every_image": True}, r"no trigger is set"),
+    ],
+)
+def test_preservation_is_refused_where_the_folders_give_it_nothing_in_one_line(
+    folders: tuple, trigger: str | None, preservation: dict, message: str
+) -> None:
+    """``model.preservation`` against the folders, where the model is known (``spec``, which ``fit`` checks before
+    anything loads): a regularization folder nothing uses, a mode without what it preserves, DOP on every image
+    without a trigger to take out (a trigger of a regularization folder does not count)."""
+    from lightning_lora.objectives import Preservation
+
+    recipe = DataRecipe(folders=folders, trigger=trigger)
+    with pytest.raises(ConfigError, match=message) as refused:
+        recipe.spec(Flux(), Preservation(**preservation))
+    assert "\n" not in str(refused.value)
+    ok = DataRecipe(folders=(ImageFolder("me", trigger="sks"), REGULARIZATION))
+    spec = ok.spec(Flux(), Preservation(mode="dop", every_image=True, class_word="person"))
+    assert spec.preservation.class_word == "person" and ok.spec(Flux(), Preservation(mode="prior")).preservation.mode
+    assert DataRecipe(folders=(ImageFolder("me"),)).spec(Flux()).preservation.mode == "none"
+
+
+def test_folders_only_for_regularization_and_weighted_validation_folders_are_refused() -> None:
+    with pytest.raises(ConfigError, match=r"data.images: every folder is a regularization folder; add the folder of"):
+        DataRecipe(folders=(REGULARIZATION,))
+    with pytest.raises(ConfigError, match=r"data.val_images\[0\] \('class'\): a validation folder is evaluated as"):
+        DataRecipe(folders=(ImageFolder("me"),), val_folders=(REGULARIZATION,))
+    assert DataRecipe(val_folders=(ImageFolder("held", masks="alpha"),)).val_folders[0].masks == "alpha"

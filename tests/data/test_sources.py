@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
 
-from lightning_lora.data.captions import apply_trigger, tag_variants
+from lightning_lora.data.captions import apply_trigger, tag_variants, without_trigger
 from lightning_lora.data.sources import ImageFolder, Item, as_folders, scan, split_validation
 from lightning_lora.errors import ConfigError
 
@@ -91,6 +92,14 @@ def test_default_caption_folder_options_and_repeats(tmp_path: Path) -> None:
         ("{path: x, repeats: many}", "data.images.repeats must be an integer"),
         ("[{path: x, repeats: 2]", "data.images: '[{path: x, repeats: 2]' is written as a list of folders but is not"),
         ("[3]", "data.images[0]: 3 is not a folder"),
+        ("[{path: x, role: regularisaton}]", "data.images[0].role: 'regularisaton' is not a role; use train"),
+        ("[{path: x, loss_weight: 0}]", "data.images[0].loss_weight: 0.0 must be positive (1: as usual)"),
+        ("[{path: x, loss_weight: -1}]", "data.images[0].loss_weight: -1.0 must be positive"),
+        ("[{path: x, loss_weight: heavy}]", "data.images[0].loss_weight must be a positive number (1: as usual), got"),
+        ("[{path: x, masks: m, unmasked_weight: 1.5}]", "data.images[0].unmasked_weight: 1.5 must be from 0"),
+        ("[{path: x, unmasked_weight: 0.2}]", "data.images[0].unmasked_weight weighs the area outside the masks, but"),
+        ("[{path: x, masks: ''}]", "data.images[0].masks is empty; give a folder of masks, or alpha"),
+        ("[{path: x, masks: 3}]", "data.images[0].masks must be text (or null), got 3"),
     ],
 )
 def test_a_bad_folder_entry_names_its_field(value: str, named: str) -> None:
@@ -384,3 +393,74 @@ def test_a_binary_file_named_like_a_caption_is_no_caption(tmp_path: Path) -> Non
     items, all_skips = scan([ImageFolder(str(tmp_path))], trigger="sks")
     assert {i.image.name: i.caption for i in items}["photo.png"] == ""  # the trigger word alone
     assert all("the trigger word alone is used" in s.reason for s in all_skips)
+
+
+def test_folder_roles_weights_and_masks_reach_the_items(tmp_path: Path) -> None:
+    """A folder entry's role, loss weight and masks: each image gets its mask by file name (another format is fine;
+    of two masks of one name the first in file-name order), an image without one is noted, a mask that matches no image
+    is noted; ``masks: alpha`` marks every image; a regularization folder keeps its captions without
+    ``data.trigger`` (its own ``trigger`` still applies)."""
+    _touch(tmp_path / "me", "a.png", "b.jpg", "c.png")
+    _touch(tmp_path / "masks", "a.png", "b.jpg", "b.png", "zzz.webp")
+    _touch(tmp_path / "class", "d.png")
+    for name in ("a", "b", "c"):
+        (tmp_path / "me" / f"{name}.txt").write_text(f"photo {name}")
+    (tmp_path / "class" / "d.txt").write_text("a photo of a person")
+    folders = [
+        ImageFolder(str(tmp_path / "me"), masks=str(tmp_path / "masks"), unmasked_weight=0.1),
+        ImageFolder(str(tmp_path / "class"), role="regularization", loss_weight=0.5, repeats=2),
+    ]
+    items, skips = scan(folders, trigger="sks")
+    assert [(i.image.name, i.caption, i.trigger, i.role, i.loss_weight) for i in items] == [
+        ("a.png", "photo a", "sks", "train", 1.0),
+        ("b.jpg", "photo b", "sks", "train", 1.0),
+        ("c.png", "photo c", "sks", "train", 1.0),
+        ("d.png", "a photo of a person", None, "regularization", 0.5),
+    ]
+    masks = {i.image.name: i.mask for i in items}
+    expected = {"a.png": tmp_path / "masks" / "a.png", "b.jpg": tmp_path / "masks" / "b.jpg", "c.png": None}
+    assert masks == {**expected, "d.png": None} and items[0].unmasked_weight == 0.1 and items[3].repeats == 2
+    notes = {(s.path.name, s.kind): s.reason for s in skips}
+    assert all(s.note for s in skips) and len(skips) == 3
+    assert "a second mask named b; b.jpg is used" in notes[("b.png", "mask")]
+    assert "matches no image of its folder" in notes[("zzz.webp", "unmatched mask")]
+    assert "no mask named c in " in notes[("c.png", "no mask")] and "trained everywhere" in notes[("c.png", "no mask")]
+    own = [ImageFolder(str(tmp_path / "class"), role="regularization", trigger="ohwx")]
+    assert [i.trigger for i in scan(own, trigger="sks")[0]] == ["ohwx"]
+    alpha, _ = scan([ImageFolder(str(tmp_path / "me"), masks="alpha")])
+    assert {i.mask for i in alpha} == {"alpha"}
+
+
+def test_a_mask_folder_that_is_missing_empty_or_the_image_folder_is_refused_in_one_line(tmp_path: Path) -> None:
+    _touch(tmp_path / "me", "a.png")
+    _touch(tmp_path / "empty", "notes.txt")
+    _touch(tmp_path / "others", "b.png", "c.png")
+    cases = {
+        str(tmp_path / "others"): "holds 2 masks, none named like an image of the folder (e.g. b.png); a mask has its",
+        str(tmp_path / "nowhere"): "is not a folder. Check the path (or write masks: alpha",
+        str(tmp_path / "empty"): "holds no masks (",
+        str(tmp_path / "me"): "is the image folder itself",
+    }
+    for masks, message in cases.items():
+        with pytest.raises(ConfigError, match=re.escape(message)) as refused:
+            scan([ImageFolder(str(tmp_path / "me"), masks=masks)])
+        assert "\n" not in str(refused.value) and str(refused.value).startswith("data.images: the masks of ")
+
+
+def test_a_regularization_folder_without_images_is_refused_in_one_line(tmp_path: Path) -> None:
+    _touch(tmp_path / "me", "a.png")
+    _touch(tmp_path / "class", "notes.txt")
+    (tmp_path / "me" / "a.txt").write_text("a photo")
+    folders = [ImageFolder(str(tmp_path / "me")), ImageFolder(str(tmp_path / "class"), role="regularization")]
+    with pytest.raises(ConfigError, match=r"data.images: the regularization folder '.*class' holds no images") as e:
+        scan(folders)
+    assert "\n" not in str(e.value)
+
+
+def test_without_trigger_takes_the_trigger_out_or_puts_the_class_word_in() -> None:
+    assert without_trigger("sks, a photo of a dog", "sks") == "a photo of a dog"
+    assert without_trigger("a photo of sks", "sks", "dog") == "a photo of dog"
+    assert without_trigger("tag1, sks, tag2", "sks") == "tag1, tag2"
+    assert without_trigger("sks", "sks") == "" and without_trigger("sks", "sks", "person") == "person"
+    assert without_trigger("sksy and sks.", "sks") == "sksy and ."  # whole words only
+    assert without_trigger("a,b", "sks") == "a,b"  # nothing else changes

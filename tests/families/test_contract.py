@@ -31,7 +31,11 @@ For each family:
 (g) the text encoders stored in FP8 / NF4 for caching give close embeddings under keys of their own;
 (h) a hub id the family knows is checked without a download, fails to load offline with a clear line, and plans as a
     folder of its shipped configs does;
-(i) the batch it describes without data (``example_batch``, the benchmark's) is the batch it encodes, key by key.
+(i) the batch it describes without data (``example_batch``, the benchmark's) is the batch it encodes, key by key;
+(j) a mask's weights reach the loss packed as the family packs its latents: the target elements of the masked-out
+    latents are exactly where the weights are 0, and the prediction there gets exactly zero gradient;
+(k) DOP's target is the adapter-off prediction (the same model with a zero update), computed without gradients, the
+    adapter trainable again afterwards, and a loss against it trains the LoRA.
 
 One fit of ``STEPS`` steps is the reference of (b), (c) and (d); a second one stops at ``STOP`` and resumes.
 """
@@ -231,6 +235,86 @@ def test_the_example_batch_has_the_cached_batchs_keys_and_shapes(
     latents = example["latents"]
     losses = family.loss(model, example, family.sample_noise(latents), family.sample_timesteps(latents))
     assert losses.shape == (2,) and torch.isfinite(losses).all()
+
+
+def _masked_batch(batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """``batch`` with a mask of its latents' grid (``loss_mask``: the left half of each row 0, the rest 1, as the cache
+    serves a mask with ``unmasked_weight`` 0), and where the mask is 0 (``[B, 1, h, w]``)."""
+    latents = batch["latents"]
+    out = torch.ones(latents.shape[0], 1, *latents.shape[-2:])
+    out[..., : latents.shape[-1] // 2] = 0.0
+    return {**batch, "loss_mask": out}, out == 0
+
+
+def test_a_masked_out_region_gets_exactly_zero_gradient(
+    family: DiffusionFamily, model_dir: Path, batch: dict[str, torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The family packs the mask as it packs its latents: changing the noise only under the masked-out half changes the
+    target exactly where the packed weights are 0; and the loss's gradient with respect to the prediction is exactly 0
+    there, not 0 elsewhere. The loss itself is the mean over the weighted elements."""
+    from lightning_lora.families import base
+
+    seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def spy(prediction: torch.Tensor, target: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        prediction.retain_grad()
+        seen.append((prediction, target, weights))
+        return masked_mse(prediction, target, weights)
+
+    from lightning_lora.objectives import masked_mse
+
+    monkeypatch.setattr(base, "masked_mse", spy)
+    model = lora_model(family, model_dir, every_preset(family), train=True)
+    masked, out = _masked_batch(batch)
+    x0, g = batch["latents"], torch.Generator().manual_seed(0)
+    noise, timesteps = family.sample_noise(x0, g), family.sample_timesteps(x0, g)
+    losses = family.loss(model, masked, noise, timesteps)
+    losses.sum().backward()
+    family.loss(model, masked, noise + out.float(), timesteps)  # other noise under the masked-out half only
+    (prediction, target, weights), (_, moved_target, _) = seen
+    assert weights.shape == prediction.shape and set(weights.unique().tolist()) == {0.0, 1.0}
+    assert torch.equal(moved_target != target, weights == 0)
+    assert prediction.grad is not None
+    assert torch.all(prediction.grad[weights == 0] == 0)
+    assert torch.all(prediction.grad[weights == 1].abs().sum() > 0)
+    kept = ((prediction - target).float() ** 2 * weights).flatten(1).sum(1) / weights.flatten(1).sum(1)
+    torch.testing.assert_close(losses.detach(), kept.detach())
+
+
+def test_dop_trains_towards_the_adapter_off_prediction(
+    family: DiffusionFamily, model_dir: Path, batch: dict[str, torch.Tensor]
+) -> None:
+    """``adapters_disabled`` gives the prediction of the same model with a zero update (bit for bit), without
+    gradients, and leaves the adapter on and trainable; the family's loss against that reference (DOP) for one row of
+    the batch is the plain loss for the other row, and its gradients reach the LoRA."""
+    import copy
+
+    from lightning_lora.lora import adapters_disabled
+    from lightning_lora.objectives import Reference
+
+    model = lora_model(family, model_dir, every_preset(family), train=True)
+    x0, g = batch["latents"], torch.Generator().manual_seed(0)
+    noise, timesteps = family.sample_noise(x0, g), family.sample_timesteps(x0, g)
+    zero = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, p in zero.named_parameters():
+            if "lora_B" in name:
+                p.zero_()
+        base_prediction = family.predict(zero, batch, noise, timesteps).prediction
+        adapted = family.predict(model, batch, noise, timesteps).prediction
+    with torch.no_grad(), adapters_disabled(model) as disabled:
+        reference = family.predict(model, batch, noise, timesteps).prediction
+    assert disabled > 0 and torch.equal(reference, base_prediction) and not torch.equal(adapted, base_prediction)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert trainable and all(".lora_" in n for n, p in model.named_parameters() if p.requires_grad)
+    plain = family.loss(model, batch, noise, timesteps)
+    rows = torch.tensor([1])
+    losses = family.loss(model, batch, noise, timesteps, Reference(reference[1:], rows))
+    assert losses[0] == plain[0] and losses[1] != plain[1] and losses[1] > 0
+    losses[1].backward()
+    grads = [p.grad for n, p in model.named_parameters() if "lora_B" in n]
+    assert grads and all(grad is not None and torch.isfinite(grad).all() for grad in grads)
+    assert any(grad.abs().max() > 0 for grad in grads if grad is not None)
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])

@@ -7,7 +7,8 @@ No test module imports another test module: what two of them need lives here, on
 * :mod:`helpers.models`: the trainable model of a recipe, tiny LoRA models whose ``lora_B`` are not zero (a fresh LoRA
   is a no-op), random denoiser inputs for any family (:func:`random_inputs`), the gradients of two steps, and another
   model of the same shapes in a saved pipeline (:func:`other_weights`);
-* :mod:`helpers.resume`: run configs that checkpoint every step, and the bit-for-bit comparison of two runs;
+* :mod:`helpers.resume`: run configs that checkpoint every step, and the bit-for-bit comparison of two runs; folders
+  and options for runs with preservation and masks (:func:`preservation_layout`, :func:`preservation_options`);
 * :mod:`helpers.nodes`: a run on several simulated nodes (one process each, with the environment torchrun or SLURM
   gives it: :func:`fit_on_nodes`);
 * :mod:`helpers.crash`: callbacks that kill or interrupt a run, loaded by class path (``helpers.crash.KillAt``) in a
@@ -61,8 +62,11 @@ from helpers.resume import (
     assert_same_lora,
     assert_same_run,
     check_exact_resume,
+    check_same_run_after_resume,
     final_lora,
     loss_curve,
+    preservation_layout,
+    preservation_options,
     resume_config,
 )
 
@@ -83,6 +87,7 @@ __all__ = [
     "build_tiny",
     "check_exact_resume",
     "check_fit_lowers_eval_loss",
+    "check_same_run_after_resume",
     "command_env",
     "denoiser_output",
     "diffusers_kohya_reads_flux_widths",
@@ -102,6 +107,8 @@ __all__ = [
     "on_device",
     "other_weights",
     "precision_for",
+    "preservation_layout",
+    "preservation_options",
     "random_inputs",
     "resume_config",
     "run_cli",

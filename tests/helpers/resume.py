@@ -3,6 +3,7 @@ bit-for-bit comparison of a run that stopped and resumed with one that never sto
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +77,52 @@ def resume_config(
     return config
 
 
+def preservation_layout(root: Path, photos: Path) -> Path:
+    """Folders for runs with preservation and masks under ``root`` (returned): ``train/`` (the photos of ``photos``
+    with their captions), ``masks/`` (a mask for the first two, white on the left half, and one that matches no image),
+    ``regularization/`` (two other photos, captioned without the trigger)."""
+    import numpy as np
+    from PIL import Image
+
+    from lightning_lora.cli.demo import PHOTOS, _photo
+
+    train, masks, regularization = root / "train", root / "masks", root / "regularization"
+    for folder in (train, masks, regularization):
+        folder.mkdir(parents=True)
+    photos_here = sorted(p for p in photos.iterdir() if p.suffix == ".png")
+    for photo in photos_here:
+        shutil.copy(photo, train / photo.name)
+        shutil.copy(photo.with_suffix(".txt"), train / f"{photo.stem}.txt")
+    for photo in photos_here[:2]:
+        width, height = Image.open(photo).size
+        mask = np.zeros((height, width), np.uint8)
+        mask[:, : width // 2] = 255
+        Image.fromarray(mask).save(masks / f"{photo.stem}.png")
+    Image.fromarray(np.full((8, 8), 255, np.uint8)).save(masks / "no_such_image.png")
+    others = [name for name in PHOTOS if not (train / f"{name}.png").exists()][:2]
+    for name in others:
+        Image.fromarray(_photo(name)).save(regularization / f"{name}.png")
+        (regularization / f"{name}.txt").write_text(PHOTOS[name].replace("sks ", ""))
+    return root
+
+
+def preservation_options(layout: Path, every_image: bool = False) -> dict[str, Any]:
+    """Config overrides (:func:`write_config`'s) for a run on :func:`preservation_layout`'s folders: the photos with
+    their masks, the regularization folder at loss weight 0.5, DOP (``every_image``: each photo again without its
+    trigger ``sks``, replaced by ``thing``)."""
+    preservation: dict[str, Any] = {"mode": "dop"}
+    if every_image:
+        preservation.update(every_image=True, class_word="thing")
+    return {
+        "data.images": [
+            {"path": str(layout / "train"), "masks": str(layout / "masks")},
+            {"path": str(layout / "regularization"), "role": "regularization", "loss_weight": 0.5},
+        ],
+        "data.trigger": "sks",
+        "model.preservation": preservation,
+    }
+
+
 def final_lora(config: Path) -> dict[str, torch.Tensor]:
     """The LoRA file the run of ``config`` exported at its end."""
     return load_file(config.parent / "run" / "lora" / "lora.safetensors")
@@ -107,18 +154,29 @@ def assert_same_run(a: Path, b: Path, after_step: int) -> None:
     assert [curve_b.get(s) for s in later] == [curve_a[s] for s in later]
 
 
+def check_same_run_after_resume(
+    root: Path, model_dir: Path, photos: Path, steps: int, stop: int, **options: Any
+) -> dict[str, torch.Tensor]:
+    """Runs of :func:`resume_config` with ``options``: ``a`` trains ``steps`` steps, ``b`` stops at ``stop`` and is
+    resumed with ``--ckpt_path last``; both end with the same LoRA, bit for bit, and log the same losses after the
+    stop (:func:`assert_same_run`). Returns the LoRA."""
+    a = resume_config(root, model_dir, photos, "a", steps=steps, **options)
+    assert run_cli(["fit", "--config", str(a)]).trainer.global_step == steps
+    b = resume_config(root, model_dir, photos, "b", steps=steps, **options)
+    run_cli(["fit", "--config", str(b), "--trainer.max_steps", str(stop)])
+    cli = run_cli(["fit", "--config", str(b), "--ckpt_path", "last"])
+    assert cli.trainer.global_step == steps
+    assert_same_run(a, b, after_step=stop)
+    return final_lora(b)
+
+
 def check_exact_resume(root: Path, model_dir: Path, photos: Path, family: str, init_args: dict[str, Any]) -> None:
     """A UNet family (``lightning_lora.families.<family>`` with ``init_args``) with a LoCon LoRA: 6 steps, stopped at
-    step 3 (inside an epoch: 2 batches per epoch) and resumed, ends with the same LoRA, bit for bit."""
+    step 3 (inside an epoch: 2 batches per epoch) and resumed, ends with the same LoRA, bit for bit, and the same
+    losses."""
     options: dict[str, Any] = {
         "model.family": {"class_path": f"lightning_lora.families.{family}", "init_args": init_args},
         "model.lora.targets": "locon",
     }
-    a = resume_config(root, model_dir, photos, "a", steps=6, **options)
-    assert run_cli(["fit", "--config", str(a)]).trainer.global_step == 6
-    b = resume_config(root, model_dir, photos, "b", steps=6, **options)
-    run_cli(["fit", "--config", str(b), "--trainer.max_steps", "3"])
-    cli = run_cli(["fit", "--config", str(b), "--ckpt_path", "last"])
-    assert cli.trainer.global_step == 6
-    lora = assert_same_lora(a, b)
+    lora = check_same_run_after_resume(root, model_dir, photos, 6, 3, **options)
     assert any(v.ndim == 4 for v in lora.values())  # conv LoRA included

@@ -582,11 +582,12 @@ def test_profile_steps_profile_after_the_timed_steps_and_leave_their_timing_alon
 
 
 def test_bench_runs_the_ema_callback_and_takes_it_from_a_config(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``--ema 1``: the run keeps the LoRA's EMA and its two power-function EMAs (the planner counts three copies);
-    a config with a ``LoraEMA`` turns it on with its options, and it is no longer listed as not run."""
+    """A config with a ``LoraEMA`` turns ``--ema 1`` on with its options, and it is no longer listed as not run:
+    kept as ``fit`` keeps it (the power-function EMAs only with snapshots; none written while timed), its copies in
+    the planned peak, the EMA's LoRA files written beside the raw ones; the config's best LoRA is left out (its
+    ``FixedEvalLoss`` is not run)."""
     import yaml
 
-    argv = ["--family", "flux", "--rank", "4", "--h", "64", "--w", "64", "--tlen", "16", "--steps", "1", "--warm", "1"]
     import lightning_lora.plan
 
     planned: list[Any] = []
@@ -597,11 +598,6 @@ def test_bench_runs_the_ema_callback_and_takes_it_from_a_config(tmp_path, monkey
         return planned[-1]
 
     monkeypatch.setattr(lightning_lora.plan, "plan_training", recorded)
-    out = bench.run(bench.parser().parse_args([*argv, "--tiny", "--ema", "1"]))
-    assert out["ema"] == 1 and out["s_per_step"] > 0 and "ema" in out["planned"]
-    assert planned[0].ema == pytest.approx(3 * planned[0].lora) and planned[0].lora > 0
-    with pytest.raises(ValueError, match="--ema 1 runs the LoraEMA callback in Lightning's loop"):
-        bench.run(bench.parser().parse_args([*argv, "--tiny", "--ema", "1", "--loop", "bare"]))
     config = yaml.safe_load((REPO / "configs" / "flux_4090.yaml").read_text())
     ema = {"class_path": "lightning_lora.callbacks.LoraEMA", "init_args": {"decay": 0.95}}
     config["trainer"]["callbacks"].append(ema)
@@ -611,10 +607,46 @@ def test_bench_runs_the_ema_callback_and_takes_it_from_a_config(tmp_path, monkey
     assert a.ema == 1 and a.config_ema == {"decay": 0.95}
     configured = bench.bench_ema(a)  # as fit runs it: the config keeps no snapshots, so no power-function EMAs
     assert configured is not None and configured.decay == 0.95 and configured.copies == 1
-    ema["init_args"]["snapshot_every"] = 1  # with snapshots: the power-function EMAs, none written while timed
-    path.write_text(yaml.safe_dump(config))
-    with_snapshots = bench.bench_ema(bench.parse_args(["--config", str(path)]))
-    assert with_snapshots is not None and with_snapshots.copies == 3
-    assert with_snapshots.snapshot_every > a.warm + a.steps
     assert "LoraEMA" not in bench.header(a)["not_reproduced"][-1]
     assert bench.parse_args(["--config", str(REPO / "configs" / "flux_4090.yaml")]).ema == 0
+    ema["init_args"]["snapshot_every"] = 1  # with snapshots: the power-function EMAs, none written while timed
+    path.write_text(yaml.safe_dump(config))
+    argv = ["--tiny", "--config", str(path), "--steps", "1", "--warm", "1", "--h", "64", "--w", "64", "--tlen", "16"]
+    argv += ["--compile", "0", "--sample-steps", "1"]
+    timed = bench.parse_args(argv)
+    with_snapshots = bench.bench_ema(timed)
+    assert with_snapshots is not None and with_snapshots.copies == 3
+    assert with_snapshots.snapshot_every > timed.warm + timed.steps
+    with pytest.warns(UserWarning, match="FP8Compute needs FP8 matrix units"):
+        out = bench.run(bench.parse_args(argv))
+    assert "error" not in out and out["ema"] == 1 and out["s_per_step"] > 0 and "ema" in out["planned"]
+    assert planned[-1].ema == pytest.approx(3 * planned[-1].lora) and planned[-1].lora > 0
+    assert out["export_files"] == 2 * len(out["export_formats"])  # the raw LoRA's files and the EMA's, as fit writes
+    with pytest.raises(ValueError, match="--ema 1 runs the LoraEMA callback in Lightning's loop"):
+        bench.run(bench.parse_args([*argv, "--loop", "bare", "--callbacks", "0"]))
+
+
+def test_bench_dop_and_masks_train_the_module_with_their_batches(tmp_path) -> None:
+    """``--dop 1``: every sample a preservation sample, so the step runs DOP's adapter-off forward first; a fresh LoRA
+    (a zero update) then predicts what the base does: the loss is exactly 0, masked (``--masks 1``) or not. A config
+    with ``model.preservation.mode: dop`` and a folder with masks turns both on; the plan counts DOP's forward."""
+    import yaml
+
+    argv = ["--rank", "4", "--h", "64", "--w", "64", "--tlen", "16", "--steps", "1", "--warm", "1", "--opt", "adamw"]
+    for loop in ("lightning", "bare"):
+        out = bench.run(bench.parser().parse_args([*argv, "--tiny", "--dop", "1", "--masks", "1", "--loop", loop]))
+        assert (out["dop"], out["masks"], out["loss"]) == (1, 1, 0.0), out
+    assert "preservation" in out["planned"]
+    dataset = bench.Synthetic("flux", bench.CONFIGS["flux"][1], 64, 64, 16, masks=True, dop=True)
+    item = dataset[0]
+    assert item["role"] == "preservation" and item["loss_mask"].shape == (1, *item["latents"].shape[-2:])
+    assert item["loss_mask"].sum() == item["loss_mask"].numel() / 2
+    doc = yaml.safe_load((REPO / "configs" / "flux_4090.yaml").read_text())
+    shipped = bench.parse_args(["--config", str(REPO / "configs" / "flux_4090.yaml")])
+    assert (shipped.dop, shipped.masks) == (0, 0)  # commented out there
+    doc["model"]["preservation"] = {"mode": "dop", "every_image": True}
+    doc["data"]["images"] = [{"path": "data/me", "masks": "data/me_masks"}]
+    path = tmp_path / "flux_dop.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    a = bench.parse_args(["--config", str(path)])
+    assert (a.dop, a.masks) == (1, 1) and not any("preservation" in n for n in a.not_reproduced)
