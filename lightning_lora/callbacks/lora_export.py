@@ -166,8 +166,7 @@ class LoraExport(Callback):
                 f"model.lora.variant: no LoRA file format of the {family.name!r} family holds a {variant} adapter; "
                 "choose another variant."
             )
-        callbacks = trainer.callbacks  # type: ignore[attr-defined]
-        if self.weights == "ema" and not any(isinstance(cb, LoraEMA) for cb in callbacks):
+        if self.weights == "ema" and not any(isinstance(cb, LoraEMA) for cb in trainer.callbacks):  # type: ignore[attr-defined]
             raise ConfigError("LoraExport.weights: ema needs a LoraEMA callback in trainer.callbacks (or use raw).")
         if self.best and _evaluator(trainer) is None:
             raise ConfigError("LoraExport.best: the best LoRA is judged by a FixedEvalLoss callback; add one.")

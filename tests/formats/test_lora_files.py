@@ -909,7 +909,6 @@ def _stub_run(tmp_path: Path, family: DiffusionFamily, model: torch.nn.Module, o
         is_global_zero=True,
         datamodule=SimpleNamespace(recipe=DataRecipe(resolutions=(64,))),
         strategy=SimpleNamespace(barrier=lambda name: None),
-        callbacks=[],
     )
     return trainer, module
 
