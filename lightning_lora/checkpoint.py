@@ -72,10 +72,11 @@ INCOMPATIBLE = {
     "model.family": ("family", "class_path"),
     "model.pretrained": ("pretrained",),
     "model.denoiser_file": ("denoiser_file",),
+    "model.training_adapter": ("training_adapter",),
 }
 
 
-_MODEL_FILES = ("model.pretrained", "model.denoiser_file")
+_MODEL_FILES = ("model.pretrained", "model.denoiser_file", "model.training_adapter")
 """The options compared by the model's identity (its files), not as written, when the checkpoint records it."""
 
 STAMP = "lightning_lora"
@@ -267,7 +268,7 @@ def check_compatible(
             old, new = (float(old) if old is not None else None), (float(new) if new is not None else None)
         if option == "model.lora.variant":  # checkpoints from before variants existed are plain LoRA
             old, new = old or "lora", new or "lora"
-        if option == "model.denoiser_file":  # the same file in another folder is the same model
+        if option in ("model.denoiser_file", "model.training_adapter"):  # the same file in another folder is the same
             old, new = (Path(old).name if old else old), (Path(new).name if new else new)
         if old != new:
             diffs.append(f"{option} was {old!r}, now {new!r}")

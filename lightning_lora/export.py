@@ -55,6 +55,7 @@ from lightning_lora.families import FAMILIES, DiffusionFamily
 from lightning_lora.formats import FORMATS, VARIANTS, FileFacts, LoraFormat
 from lightning_lora.formats.adapters import adapters_from_peft, common_rank, variants_of
 from lightning_lora.formats.clients import Coverage
+from lightning_lora.formats.comfyui import is_comfy_file
 from lightning_lora.formats.diffusers import is_diffusers_file
 from lightning_lora.formats.kohya import is_kohya_file
 from lightning_lora.io import save_safetensors
@@ -319,18 +320,21 @@ def read_lora_file(path: str | Path, family: DiffusionFamily | None = None) -> L
         metadata = read_metadata(path)
     except (SafetensorError, OSError) as e:
         raise ConfigError(f"{path}: is not a readable safetensors file ({first_line(e)}).") from None
-    guessed = _family_from_keys(tensors)
-    if family is not None and guessed is not None and guessed.name != family.name:
+    claims = {cls.name: cls.claims_lora_keys(tensors) for cls in FAMILIES.values()}
+    best = max(claims.values(), default=0)
+    if family is not None and type(family).claims_lora_keys(tensors) < best:  # the keys are another family's
+        named = " or ".join(name for name, claim in claims.items() if claim == best)
         raise ConfigError(
-            f"--family {family.name}: {path} holds a {guessed.name} LoRA (by its module names); pass --family "
-            f"{guessed.name} or leave it out."
+            f"--family {family.name}: {path} holds a {named} LoRA (by its module names); pass --family "
+            f"{named.split(' or ')[0]} or leave it out."
         )
     family = family or _family_of(tensors, metadata, path)
     format = next((f for f, holds in _HOLDS.items() if holds(tensors)), None)
     if format is None:
         raise ConfigError(
             f"{path}: is neither a diffusers LoRA file (transformer.* / unet.* keys) nor a kohya one (lora_unet_* "
-            f"keys); its keys start with {sorted({k.split('.')[0] for k in tensors})[:3]}. Text-encoder LoRAs are not "
+            "keys) nor a ComfyUI one (diffusion_model.* keys); its keys start with "
+            f"{sorted({k.split('.')[0] for k in tensors})[:3]}. Text-encoder LoRAs are not "
             "converted."
         )
     layout = family.lora_layout(format)  # a family without this layout refuses it, naming the ones it has
@@ -344,6 +348,7 @@ def read_lora_file(path: str | Path, family: DiffusionFamily | None = None) -> L
 _HOLDS: dict[str, Callable[[Mapping[str, torch.Tensor]], bool]] = {
     "diffusers": is_diffusers_file,
     "kohya": is_kohya_file,
+    "comfyui": is_comfy_file,
 }
 """Each layout (:data:`lightning_lora.formats.FORMATS`) -> whether a file's keys are of that layout."""
 

@@ -32,6 +32,7 @@ import torch
 from jsonargparse import lazy_instance
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_lora import objectives
@@ -44,6 +45,7 @@ from lightning_lora.lora import LoraOptions, adapters_disabled, set_lora_input_c
 from lightning_lora.model.assembly import build_lora_model, gradients_outside_graphs
 from lightning_lora.model.parallel import prepare_model
 from lightning_lora.model.recipe import AttentionBackend, ModelRecipe
+from lightning_lora.model.training_adapter import distillation_note
 from lightning_lora.objectives import Preservation, Reference
 from lightning_lora.precision import BasePrecision, precision_of
 
@@ -63,6 +65,10 @@ class LoraModule(LightningModule):
         denoiser_file: a single ``.safetensors`` file that replaces the transformer/UNet of ``pretrained`` (e.g. a
             ``flux1-dev.safetensors`` downloaded for ComfyUI).
         revision: hub revision of ``pretrained``.
+        training_adapter: a LoRA file merged into the frozen base for training only, never exported: a
+            de-distillation LoRA for a step-distilled base (Z-Image-Turbo, FLUX.1-schnell), so that the LoRA learns
+            the subject, not to undo the distillation. The samples draw without it
+            (:mod:`lightning_lora.model.training_adapter`).
         lora: LoRA rank, alpha, targets, dropout, init.
         preservation: keep what the base model draws where the LoRA should not change it: regularization images
             against their own target (``mode: prior``) or, with ``mode: dop``, preservation samples (regularization
@@ -107,6 +113,7 @@ class LoraModule(LightningModule):
         family: DiffusionFamily = lazy_instance(Flux),
         denoiser_file: str | None = None,
         revision: str | None = None,
+        training_adapter: str | None = None,
         lora: LoraOptions = LoraOptions(),
         preservation: Preservation = Preservation(),
         gradient_checkpointing: bool = False,
@@ -122,7 +129,7 @@ class LoraModule(LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["optimizer", "scheduler"])
-        source = ModelSource(pretrained, denoiser_file, revision)
+        source = ModelSource(pretrained, denoiser_file, revision, training_adapter=training_adapter)
         #: Everything that decides how the model is built, checked once (lightning_lora.model.recipe). The base format
         #: is the trainer's precision plugin: BF16 until ``fit`` starts (:meth:`use_precision`).
         self.recipe = ModelRecipe(
@@ -213,12 +220,15 @@ class LoraModule(LightningModule):
     def setup(self, stage: str) -> None:
         """Before any weight loads: take rank 0's ``model.memory`` choice (:meth:`_take_rank_zero_memory_choice`), the
         trainer's base format (a trainer precision that would cast the LoRA is refused), and autocast on the trainer's
-        device."""
+        device; say once what training a step-distilled base without a training adapter does (one line)."""
         if self.memory != "as_configured" and self.trainer.world_size > 1:
             self._take_rank_zero_memory_choice()
         precision = precision_of(self.trainer)
         precision.bind(self.trainer.strategy.root_device)
         self.use_precision(precision)
+        note = distillation_note(self.family, self.source)
+        if note is not None:
+            rank_zero_info(note)
 
     def _take_rank_zero_memory_choice(self) -> None:
         """Every rank builds what global rank 0's ``model.memory`` chose. ``fit`` chooses before the process group

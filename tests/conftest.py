@@ -162,6 +162,12 @@ def tiny_zimage_dir(tiny_pipeline: Callable[[str], Path]) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_chroma_dir(tiny_pipeline: Callable[[str], Path]) -> Path:
+    """A saved tiny Chroma pipeline folder (FLUX blocks without modulation, the approximator, T5 alone)."""
+    return tiny_pipeline("chroma")
+
+
+@pytest.fixture(scope="session")
 def tiny_flux2_dir(tiny_pipeline: Callable[[str], Path]) -> Path:
     """A saved tiny FLUX.2 klein pipeline folder (Flux2 transformer, batch-normalised VAE, 28-layer Qwen3 causal LM,
     chat-template tokenizer; a base model: ``is_distilled`` false)."""

@@ -226,6 +226,7 @@ def test_a_models_identity_is_its_files_not_its_path(
     assert ModelSource("black-forest-labs/FLUX.1-dev").model_identity() == {
         "pretrained": "black-forest-labs/FLUX.1-dev",
         "denoiser_file": None,
+        "training_adapter": None,
     }
     # A weight file of gigabytes is read in slices: a copy matches, other values of the same shapes do not.
     big = tmp_path / "big.safetensors"

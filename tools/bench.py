@@ -25,10 +25,10 @@ optimizer step; the config's options when it has one): the cost of EMA against t
 planner's count of its copies of the LoRA.
 
 Families (``--family``): ``flux`` (FLUX.1-dev), ``sdxl`` (SDXL base 1.0), ``sd15`` (Stable Diffusion 1.5),
-``zimage`` (Z-Image-Turbo), ``qwenimage`` (Qwen-Image), ``flux2`` (FLUX.2 klein base 4B) and ``krea2`` (Krea 2 Raw).
-Each is the real family class (:func:`random_family`) with its denoiser built from the family's ``known_denoisers``
-config, or a tiny config with ``--tiny``; the batches have exactly the keys and shapes its ``loss`` reads from the
-cache, as the family describes them (:func:`cached_item`).
+``zimage`` (Z-Image-Turbo), ``qwenimage`` (Qwen-Image), ``flux2`` (FLUX.2 klein base 4B), ``krea2`` (Krea 2 Raw) and
+``chroma`` (Chroma1-HD). Each is the real family class (:func:`random_family`) with its denoiser built from the family's
+``known_denoisers`` config, or a tiny config with ``--tiny``; the batches have exactly the keys and shapes its ``loss``
+reads from the cache, as the family describes them (:func:`cached_item`).
 
 Preservation and masks (their cost against the same row without them): ``--dop 1`` trains with
 ``model.preservation.mode: dop`` and every sample a preservation sample, so every step runs DOP's forward without
@@ -98,7 +98,7 @@ from lightning_lora.checkpoint import AtomicCheckpointIO
 from lightning_lora.cli.fit import default_checkpoint
 from lightning_lora.cli.peek import config_allocator
 from lightning_lora.data.recipe import DataRecipe
-from lightning_lora.families import SD15, SDXL, DiffusionFamily, Flux, Flux2, Krea2, QwenImage, ZImage
+from lightning_lora.families import SD15, SDXL, Chroma, DiffusionFamily, Flux, Flux2, Krea2, QwenImage, ZImage
 from lightning_lora.families.base import ModelSource, build_from_config
 from lightning_lora.families.flux import FLUX1_VAE
 from lightning_lora.families.flux2 import FLUX2_VAE
@@ -189,6 +189,19 @@ KREA2_TINY = dict(  # lightning_lora.tiny.krea2's transformer: 2 blocks, 4 heads
     text_intermediate_size=128,
     axes_dims_rope=[4, 6, 6],
 )
+CHROMA = dict(Chroma.planning.known_denoisers["lodestones/Chroma1-HD"])
+CHROMA_TINY = dict(  # lightning_lora.tiny.chroma's transformer: 2 double + 2 single blocks, 2 heads of 16
+    CHROMA,
+    num_layers=2,
+    num_single_layers=2,
+    attention_head_dim=16,
+    num_attention_heads=2,
+    joint_attention_dim=64,
+    axes_dims_rope=[4, 4, 8],
+    approximator_num_channels=16,
+    approximator_hidden_dim=32,
+    approximator_layers=2,
+)
 CONFIGS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "flux": (FLUX_DEV, FLUX_TINY),  # FLUX.1-dev, 11.9 B
     "sdxl": (SDXL_BASE, SDXL_TINY),  # SDXL base 1.0's UNet, 2.6 B
@@ -197,6 +210,7 @@ CONFIGS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "qwenimage": (QWEN_IMAGE, QWEN_IMAGE_TINY),  # Qwen-Image, 20.4 B
     "flux2": (FLUX2_KLEIN, FLUX2_TINY),  # FLUX.2 klein base 4B, 3.9 B
     "krea2": (KREA2_RAW, KREA2_TINY),  # Krea 2 Raw, 12.8 B
+    "chroma": (CHROMA, CHROMA_TINY),  # Chroma1-HD, 8.9 B
 }
 """The denoiser configs by family: the real one (the family's ``known_denoisers``) and a tiny one for CPU runs."""
 
@@ -213,6 +227,7 @@ VAES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "qwenimage": (QWEN_IMAGE_VAE, QWEN_TINY_VAE),
     "flux2": (FLUX2_VAE, dict(FLUX2_VAE, **SMALL, latent_channels=16)),  # the tiny transformer's 64 = 16 x 2 x 2
     "krea2": (QWEN_IMAGE_VAE, QWEN_TINY_VAE),  # Krea 2 decodes with Qwen-Image's VAE
+    "chroma": (FLUX1_VAE, dict(FLUX1_VAE, **SMALL)),  # Chroma decodes with FLUX.1's VAE
 }
 """The VAE configs by family (real, tiny), for sample generation: the tiny ones have the tiny denoisers' latent
 channels. Only the decoder runs while sampling."""
@@ -294,9 +309,22 @@ class RandomKrea2(RandomWeights, Krea2):
     pass
 
 
+class RandomChroma(RandomWeights, Chroma):
+    pass
+
+
 RANDOM: dict[str, type[DiffusionFamily]] = {
     cls.name: cls
-    for cls in (RandomFlux, RandomSDXL, RandomSD15, RandomZImage, RandomQwenImage, RandomFlux2, RandomKrea2)
+    for cls in (
+        RandomFlux,
+        RandomSDXL,
+        RandomSD15,
+        RandomZImage,
+        RandomQwenImage,
+        RandomFlux2,
+        RandomKrea2,
+        RandomChroma,
+    )
 }
 
 
@@ -824,6 +852,7 @@ SCHEDULERS = {  # family -> the scheduler class and its config, as lightning_lor
     "qwenimage": ("FlowMatchEulerDiscreteScheduler", "lightning_lora.tiny.qwenimage", "QWEN_IMAGE_SCHEDULER_CONFIG"),
     "flux2": ("FlowMatchEulerDiscreteScheduler", "lightning_lora.tiny.flux2", "FLUX2_SCHEDULER_CONFIG"),
     "krea2": ("FlowMatchEulerDiscreteScheduler", "lightning_lora.tiny.krea2", "KREA2_SCHEDULER_CONFIG"),
+    "chroma": ("FlowMatchEulerDiscreteScheduler", "lightning_lora.tiny.flux", "FLUX_DEV_SCHEDULER_CONFIG"),
 }
 
 
@@ -1373,6 +1402,7 @@ FAMILY_CLASSES = {
     "lightning_lora.families.QwenImage": "qwenimage",
     "lightning_lora.families.Flux2": "flux2",
     "lightning_lora.families.Krea2": "krea2",
+    "lightning_lora.families.Chroma": "chroma",
 }
 """``model.family.class_path`` -> ``--family`` (also the classes' module paths, e.g. ``...families.flux.Flux``)."""
 

@@ -7,7 +7,9 @@ who knows nothing of layouts has a file their tool loads:
 * ``<name>.safetensors`` -- the diffusers layout: ``pipe.load_lora_weights`` (and, for FLUX, ComfyUI: it maps
   diffusers names onto slices of its fused layers, so this is also the compact FLUX file for ComfyUI);
 * ``<name>.kohya.safetensors`` -- the kohya layout: ComfyUI, Forge/A1111, kohya's sd-scripts (LyCORIS for DoRA, LoKr,
-  LoHa), and diffusers too.
+  LoHa), and diffusers too;
+* ``<name>.comfyui.safetensors`` -- ComfyUI's own layout (``diffusion_model.<module>``), which every ComfyUI release
+  that runs the model maps (Z-Image, Chroma: :mod:`lightning_lora.formats.comfyui`).
 
 With a :class:`~lightning_lora.callbacks.ema.LoraEMA` the EMA of the LoRA is written too, as ``<name>.ema.safetensors``
 (``<name>.ema.kohya.safetensors``...; ``weights`` chooses). With ``best``, ``<name>.best.safetensors`` (in every layout)
@@ -58,7 +60,7 @@ __all__ = ["LoraExport"]
 
 log = logging.getLogger(__name__)
 
-_SUFFIX = {"diffusers": ".safetensors", "kohya": ".kohya.safetensors"}
+_SUFFIX = {"diffusers": ".safetensors", "kohya": ".kohya.safetensors", "comfyui": ".comfyui.safetensors"}
 _VARIANT = {"lora": "LoRA", "dora": "DoRA", "lokr": "LoKr", "loha": "LoHa"}
 
 
@@ -93,7 +95,8 @@ class LoraExport(Callback):
     Args:
         name: file name stem.
         every_n_steps: also export every this many optimizer steps (0: only at the end).
-        formats: ``diffusers`` and/or ``kohya`` (ComfyUI / Forge / sd-scripts key layout); each must be one the
+        formats: ``diffusers``, ``kohya`` (ComfyUI / Forge / sd-scripts key layout) and/or ``comfyui``
+            (``diffusion_model.`` keys, every ComfyUI release); each must be one the
             model's family writes (checked at setup, before training). Default (null): every format the family writes
             that can hold the LoRA.
         dtype: tensor dtype in the file (``fp32`` keeps full precision; ``bf16`` halves the size).

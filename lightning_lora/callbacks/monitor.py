@@ -218,6 +218,10 @@ def start_summary(trainer: Trainer, pl_module: LightningModule) -> str:
         else:
             lines.append(f"Learning rate: constant {lr:.3g}")
     recipe = getattr(pl_module, "recipe", None)
+    if recipe is not None and recipe.source.training_adapter is not None:
+        from lightning_lora.model.training_adapter import summary_line
+
+        lines.append(summary_line(recipe.source.training_adapter))
     if recipe is not None and recipe.compile_blocks:
         from lightning_lora.model.assembly import compile_cache_dir
 

@@ -8,7 +8,9 @@ Memory: the prompts (and the empty prompt, the negative side of classifier-free 
 encoded once, through the text cache, in ``setup``: before the model is built, so the text encoders never share the
 GPU with it; they are then freed (they are not needed while training). The VAE stays on the CPU between samples
 and moves to the GPU only for the decode (``offload_vae``). Generation runs under ``no_grad`` in eval mode, and
-training mode is restored after; with ``model.compile_blocks`` the blocks run uncompiled unless ``compiled``. Only
+training mode is restored after; with ``model.compile_blocks`` the blocks run uncompiled unless ``compiled``; a
+training adapter merged into the base is taken out (:func:`~lightning_lora.model.training_adapter.adapter_removed`:
+the samples are what users run, the base and the LoRA). Only
 global rank 0 generates and writes; the other ranks wait at a barrier (under ``trainer.strategy: fsdp`` every rank
 generates in step, as the sharded model's forward needs every rank).
 
@@ -40,6 +42,7 @@ from lightning_lora.families.base import SampleSettings
 from lightning_lora.io import atomic_write
 from lightning_lora.model.assembly import uncompiled
 from lightning_lora.model.parallel import runs_forward_on_every_rank
+from lightning_lora.model.training_adapter import adapter_removed
 from lightning_lora.module import lora_module
 
 __all__ = ["SampleImages"]
@@ -210,7 +213,7 @@ class SampleImages(Callback):
         try:
             pipe = module.family.pipeline(denoiser, vae, module.source)
             images = []
-            with trainer.precision_plugin.forward_context(), uncompiled(not self.compiled):
+            with trainer.precision_plugin.forward_context(), uncompiled(not self.compiled), adapter_removed(denoiser):
                 for i, emb in enumerate(self._embeddings):
                     settings = SampleSettings(self.seed + i, height, width, self.steps, self.guidance_scale)
                     images.append((module.family.generate(pipe, emb, settings, negative=self._negative), ""))

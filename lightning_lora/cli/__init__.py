@@ -39,6 +39,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.stdout.reconfigure(errors="backslashreplace")
     # The verbs hand LightningCLI their own arguments on purpose (sys.argv still starts with the verb).
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
+    # diffusers 0.42's ChromaTransformer2DModel builds FLUX's position embedding through a deprecated import: a note
+    # for diffusers' developers, not for someone planning or training Chroma.
+    warnings.filterwarnings("ignore", message="`FluxPosEmbed` is deprecated", category=FutureWarning)
     if args[:1] and args[0] in VERBS:
         from lightning_lora.cli.console import quiet_library_loggers
 

@@ -544,6 +544,11 @@ def run_summary(trainer: Trainer) -> str:
         elif isinstance(cb, FixedEvalLoss) and len(cb.history) > 1:
             (s0, a), (s1, b) = cb.history[0], cb.history[-1]
             lines.append(f"  fixed eval loss:          {a:.4f} (step {s0}) -> {b:.4f} (step {s1})")
+    adapter = getattr(
+        getattr(getattr(trainer.lightning_module, "recipe", None), "source", None), "training_adapter", None
+    )
+    if adapter:
+        lines.append(f"  training adapter:         {adapter}  (merged for training only: not in the LoRA files)")
     config = root / "config.yaml"
     if config.is_file():
         lines.append(f"  resolved config:          {config}")

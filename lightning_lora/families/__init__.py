@@ -1,6 +1,7 @@
 """Model families behind one interface; see :mod:`lightning_lora.families.base`."""
 
 from lightning_lora.families.base import FAMILIES, DiffusionFamily, ModelSource
+from lightning_lora.families.chroma import Chroma
 from lightning_lora.families.flux import Flux
 from lightning_lora.families.flux2 import Flux2
 from lightning_lora.families.krea2 import Krea2
@@ -13,6 +14,7 @@ __all__ = [
     "FAMILIES",
     "SD15",
     "SDXL",
+    "Chroma",
     "DiffusionFamily",
     "Flux",
     "Flux2",

@@ -99,12 +99,15 @@ class ModelSource:
             ``pretrained``; the other components still come from ``pretrained``.
         revision: hub revision (branch, tag or commit); ignored for local folders.
         dtype: the dtype the frozen weights are loaded in.
+        training_adapter: optional LoRA file merged into the denoiser for training only
+            (:mod:`lightning_lora.model.training_adapter`): part of what the model is.
     """
 
     pretrained: str
     denoiser_file: str | None = None
     revision: str | None = None
     dtype: torch.dtype = torch.bfloat16
+    training_adapter: str | None = None
 
     @property
     def is_local(self) -> bool:
@@ -134,7 +137,8 @@ class ModelSource:
         """What the model is, for a resume to compare with the run's (:func:`lightning_lora.checkpoint.
         check_compatible`): ``pretrained``, a digest of a local folder's ``model_index.json`` and of every component
         that holds weights (its configs and weight files), or a hub id as it is written; ``denoiser_file``, the
-        :func:`content_digest` of that file (None without one)."""
+        :func:`content_digest` of that file (None without one); ``training_adapter``, the digest of the training adapter
+        merged into it (None without one)."""
         pretrained: str | None = self.pretrained
         if self.is_local:
             root = Path(self.local_path)
@@ -144,7 +148,12 @@ class ModelSource:
             parts += [f"{name}:{self.component_digest(name)}" for name in weighted]
             pretrained = "files:" + _digest(*parts)
         denoiser = Path(self.denoiser_file).expanduser() if self.denoiser_file else None
-        return {"pretrained": pretrained, "denoiser_file": content_digest(denoiser) if denoiser else None}
+        adapter = Path(self.training_adapter).expanduser() if self.training_adapter else None
+        return {
+            "pretrained": pretrained,
+            "denoiser_file": content_digest(denoiser) if denoiser else None,
+            "training_adapter": content_digest(adapter) if adapter else None,
+        }
 
 
 _WHOLE = 4 << 20
@@ -268,6 +277,12 @@ def check_source(source: ModelSource, pipeline_classes: tuple[str, ...]) -> None
                 f"model.denoiser_file: {source.denoiser_file!r} is not a readable safetensors file ({first_line(e)}). "
                 "A download cut short is the usual cause: download it again (its size should match the source's)."
             ) from None
+    adapter = source.training_adapter
+    if adapter is not None and not (Path(adapter).expanduser().is_file() and adapter.lower().endswith(".safetensors")):
+        raise ConfigError(
+            f"model.training_adapter: {adapter!r} is not a .safetensors file here. Give the path of the training "
+            "adapter's LoRA file (a de-distillation LoRA for model.pretrained), or leave the option out."
+        )
 
 
 def load_component(load: Callable[..., T], source: ModelSource, subfolder: str, **kwargs: Any) -> T:
@@ -490,6 +505,12 @@ class DiffusionFamily(ABC):
     def pipeline_class(self) -> str:
         """The diffusers pipeline class samples are drawn with (the first of ``architecture.pipeline_classes``)."""
         return self.architecture.pipeline_classes[0]
+
+    def is_distilled(self, source: ModelSource) -> bool:
+        """Whether ``source`` is a step-distilled model (a few steps, no guidance). Default: one of
+        ``architecture.step_distilled``'s hub ids; a family whose pipeline records it (FLUX.2 klein's and Krea 2's
+        ``is_distilled`` in ``model_index.json``) reads a folder's too."""
+        return not source.is_local and source.pretrained in self.architecture.step_distilled
 
     def pipeline_options(self, source: ModelSource) -> dict[str, Any]:
         """What :attr:`pipeline_class` needs besides its denoiser, VAE, scheduler and text components (none by

@@ -51,9 +51,11 @@ class Architecture:
     """Image sides must be multiples of this many pixels (VAE downscale x latent patch size)."""
     lora_presets: Mapping[str, str]
     """Named LoRA target sets: preset name -> regular expression over module names (peft ``target_modules``)."""
-    distilled_models: tuple[str, ...] = ()
-    """Hub ids of the family's step-distilled models (few steps, no classifier-free guidance: Krea 2 Turbo): a LoRA
-    trained on one directly drifts from its distillation; the family's undistilled base is the one to train on."""
+    step_distilled: Mapping[str, str] = field(default_factory=dict)
+    """The hub ids of the family's step-distilled models (a few steps, no guidance), each with the undistilled model to
+    train instead ("" where there is none): a LoRA trained on a distilled base directly pulls it off its distillation,
+    so ``fit`` says once what to do when no ``model.training_adapter`` is given
+    (:func:`lightning_lora.model.training_adapter.distillation_note`)."""
 
     @property
     def tokenizers(self) -> tuple[str, ...]:
@@ -87,6 +89,10 @@ class Compiling:
     inside each of those blocks is the same checkpointing. Compiled blocks are checkpointed that way
     (:func:`lightning_lora.model.assembly.apply_gradient_checkpointing`); the UNets' checkpointing also recomputes their
     ResNets, which are no repeated blocks."""
+    checkpoints_in_blocks: bool = False
+    """Whether ``gradient_checkpointing`` checkpoints inside each repeated block always, as compiled blocks are, never
+    through diffusers' own checkpointing: for a model whose own checkpointing runs a block otherwise than its forward
+    does (diffusers 0.42's ``ChromaTransformer2DModel`` calls its single blocks without the attention mask then)."""
     cudnn_attention_in_auto: bool = True
     """Whether ``model.attention: auto`` may use PyTorch's cuDNN SDPA backend with this family's model."""
 

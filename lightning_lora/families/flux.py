@@ -53,7 +53,7 @@ from lightning_lora.formats.diffusers import DiffusersLayout
 from lightning_lora.formats.kohya import KohyaLayout, KohyaNetwork, flux_from_kohya, fused_to_kohya, separate_parts
 from lightning_lora.objectives import TimestepSampling
 
-__all__ = ["FLUX1_VAE", "Flux", "pack_latents", "unpack_latents", "latent_image_ids"]
+__all__ = ["FLUX1_VAE", "Flux", "flux_vae_latents", "pack_latents", "unpack_latents", "latent_image_ids"]
 
 _ATTENTION = r"attn\.(to_q|to_k|to_v|to_out\.0)"
 _TEXT_ATTENTION = r"attn\.(add_q_proj|add_k_proj|add_v_proj|to_add_out)"
@@ -102,6 +102,16 @@ FLUX1_VAE: dict[str, Any] = {
     "mid_block_add_attention": True,
 }
 """FLUX.1-dev's (and schnell's) ``vae/config.json`` (84 M parameters; Z-Image uses the same VAE)."""
+
+
+@torch.no_grad()
+def flux_vae_latents(vae: DiffusersModel, pixels: torch.Tensor) -> torch.Tensor:
+    """The cached latents of ``pixels`` ([-1, 1]) through FLUX.1's VAE (FLUX.1, Z-Image, Chroma): the posterior's mean,
+    not a sample (deterministic, so a content-hashed cache entry has one right value), shifted and scaled as the
+    pipelines do before the transformer; float32."""
+    posterior = vae.encode(pixels.to(device=vae.device, dtype=vae.dtype)).latent_dist
+    z = posterior.mode()
+    return ((z - vae.config.shift_factor) * vae.config.scaling_factor).float()
 
 
 def pack_latents(latents: torch.Tensor) -> torch.Tensor:
@@ -156,6 +166,7 @@ class Flux(DiffusionFamily):
             # Every linear layer inside the blocks (attention, feed-forward, single-block MLP and output).
             "all_linear": rf".*(transformer_blocks\.\d+\.({_ATTENTION}|{_TEXT_ATTENTION}|{_MLP}|{_SINGLE}))",
         },
+        step_distilled={"black-forest-labs/FLUX.1-schnell": ""},  # 4 steps; no undistilled schnell is published
     )
     compiling: ClassVar[Compiling] = Compiling(
         stream_sources=("x_embedder", "context_embedder"), joined_streams=("transformer_blocks",)
@@ -240,10 +251,7 @@ class Flux(DiffusionFamily):
 
     @torch.no_grad()
     def encode_images(self, vae: DiffusersModel, pixels: torch.Tensor) -> torch.Tensor:
-        posterior = vae.encode(pixels.to(device=vae.device, dtype=vae.dtype)).latent_dist
-        # The mean, not a sample: deterministic, so a content-hashed cache entry has one right value.
-        z = posterior.mode()
-        return ((z - vae.config.shift_factor) * vae.config.scaling_factor).float()
+        return flux_vae_latents(vae, pixels)
 
     @property
     @override

@@ -47,10 +47,17 @@ LoRAs fused exactly into one block-diagonal LoRA of rank ``3r`` (:mod:`lightning
 algebra). diffusers reads the same file (``Flux2LoraLoaderMixin``: ``_convert_kohya_flux2_lora_to_diffusers``, which
 splits a block-diagonal qkv back into rank-``r`` parts) except the modulation layers, dev's guidance embedder and the
 final modulation, which it drops. A LoKr on q/k/v has no fused form: those parts are written one by one under
-``lycoris_<diffusers name>``, which neither ComfyUI (as far as lightning-lora knows its FLUX.2 rules) nor diffusers
-applies; export says so. kohya's sd-scripts has no FLUX.2 network. Whether ComfyUI also maps diffusers-named FLUX.2
-LoRAs is not known to lightning-lora, so :meth:`Flux2.lora_coverage` reports the diffusers file as not loaded there:
-the kohya file is the one for ComfyUI.
+``lycoris_<diffusers name>``, which diffusers does not apply; export says so (ComfyUI maps those of the double
+blocks' q/k/v, by the rules below). kohya's sd-scripts has no FLUX.2 network.
+
+ComfyUI also reads part of a diffusers file: its FLUX.2 model is a kind of its FLUX model, so its FLUX rules
+(``comfy/utils.py`` ``flux_to_diffusers``, each FLUX.1 diffusers name onto its BFL weight or rows of a fused one) apply
+to the FLUX.2 layers that have FLUX.1's diffusers names: the double blocks' attention, ``x_embedder``,
+``context_embedder``, ``proj_out`` and ``norm_out.linear``, in every release that runs FLUX.2. The SwiGLU MLPs
+(``ff.linear_in`` / ``linear_out``) and the single blocks' fused ``to_qkv_mlp_proj`` / ``to_out`` entries came in
+later releases, the shared modulation and guidance layers in none: :meth:`Flux2.lora_coverage` counts only what every
+release applies, so a diffusers file loads in ComfyUI exactly when it holds only those layers, and the kohya file is
+the one ComfyUI applies whole.
 """
 
 from __future__ import annotations
@@ -85,8 +92,8 @@ from lightning_lora.families.base import (
 )
 from lightning_lora.families.encoders import MISTRAL_SMALL_31, QWEN3_4B_LM, QWEN3_8B_LM
 from lightning_lora.families.facts import Architecture, Compiling, LoraFiles, Planning
-from lightning_lora.formats.bfl import flux2_lora_slices, flux2_slices_of
-from lightning_lora.formats.clients import Coverage
+from lightning_lora.formats.bfl import flux2_lora_slices, flux2_slices_of, flux_slices_of
+from lightning_lora.formats.clients import COMFY_PEFT_DORA, Coverage
 from lightning_lora.formats.diffusers import DiffusersLayout
 from lightning_lora.formats.kohya import KohyaLayout, KohyaNetwork, from_kohya_by, fused_to_kohya, separate_parts
 
@@ -110,6 +117,10 @@ Flux2Variant = Literal["klein", "dev"]
 Flux2TimestepSampling = Literal["flux2_shift", "logit_normal", "uniform"]
 
 _PIPELINES: dict[str, str] = {"klein": "Flux2KleinPipeline", "dev": "Flux2Pipeline"}
+_COMFY_FLUX1_NAMES = (
+    "ComfyUI's FLUX rules map a FLUX.2 diffusers name in every release only where FLUX.1 has it (double-block "
+    "attention, embedders, final layer); its MLP and single-block entries came later: the kohya file loads whole"
+)
 
 FLUX2_KLEIN_4B_TRANSFORMER: dict[str, Any] = {
     "_class_name": "Flux2Transformer2DModel",
@@ -293,6 +304,7 @@ class Flux2(DiffusionFamily):
             "all_linear": rf".*(transformer_blocks\.\d+\.({_ATTENTION}|{_TEXT_ATTENTION}|{_MLP})"
             rf"|single_transformer_blocks\.\d+\.{_SINGLE})",
         },
+        step_distilled={_KLEIN_4B[0]: _KLEIN_4B[1], _KLEIN_9B[0]: _KLEIN_9B[1]},  # 4 steps; their base models
     )
     compiling: ClassVar[Compiling] = Compiling(stream_sources=("x_embedder", "context_embedder"))
     planning: ClassVar[Planning] = Planning(
@@ -559,6 +571,7 @@ class Flux2(DiffusionFamily):
         return objectives.Prediction(prediction, target)
 
     # -- sampling ----------------------------------------------------------------------------------------------
+    @override
     def is_distilled(self, source: ModelSource) -> bool:
         """``is_distilled`` of the klein pipeline's ``model_index.json`` (a step-distilled model ignores CFG)."""
         if self.variant != "klein":
@@ -608,19 +621,19 @@ class Flux2(DiffusionFamily):
         c = Coverage()
         modules = list(variants)
         c.skip("kohya", modules, "kohya's sd-scripts has no FLUX.2 network")
-        if format == "diffusers":
-            c.skip(
-                "ComfyUI",
-                modules,
-                "lightning-lora knows no ComfyUI rules for diffusers-named FLUX.2 LoRAs; the kohya-format file (BFL "
-                "names) is ComfyUI's",
-            )
+        if format == "diffusers":  # ComfyUI's FLUX rules, which its FLUX.2 model gets (module docstring)
+            flux1 = flux_slices_of(variants)
+            c.skip("ComfyUI", [m for m in modules if m not in flux1], _COMFY_FLUX1_NAMES)
+            c.approx("ComfyUI", [m for m, v in variants.items() if v == "DoRA"], COMFY_PEFT_DORA)
             return c
         separate = sorted(separate_parts(variants, flux2_slices_of(variants)))
         dora = [m for m, v in variants.items() if v == "DoRA" and m not in separate]
         lycoris = [m for m, v in variants.items() if v in ("LoKr", "LoHa")]
-        c.skip("ComfyUI", separate, "no fused form (LoKr, or DoRA on part of q/k/v): written under per-part names")
-        c.approx("ComfyUI", dora, _COMFY_DORA)
+        # Parts without a fused form go under per-part lycoris_<diffusers name> names, which ComfyUI's FLUX rules map
+        # where FLUX.1 has the name (the double blocks' q/k/v).
+        flux1 = flux_slices_of(separate)
+        c.skip("ComfyUI", [m for m in separate if m not in flux1], "no fused form: per-part names ComfyUI does not map")
+        c.approx("ComfyUI", [m for m, v in variants.items() if v == "DoRA"], _COMFY_DORA)
         c.skip("diffusers", lycoris, "diffusers' FLUX.2 kohya converter reads lora_down/lora_up only")
         c.skip("diffusers", [m for m in separate if m not in lycoris], "written under per-part names")
         outside = [m for m in modules if not _DIFFUSERS_KOHYA.match(m) and m not in lycoris]

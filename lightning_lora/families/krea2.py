@@ -48,7 +48,7 @@ Guidance and distillation
 -------------------------
 Krea 2 Raw is the undistilled base (Krea: "train on Raw, run on Turbo"); it samples with classifier-free guidance in
 Krea's convention: ``cond + scale (cond - uncond)``, on whenever ``guidance_scale > 0`` (the usual CFG at ``1 +
-scale``), the empty prompt as the negative. Krea 2 Turbo (``architecture.distilled_models``; a folder says it by
+scale``), the empty prompt as the negative. Krea 2 Turbo (``architecture.step_distilled``; a folder says it by
 ``is_distilled`` in its ``model_index.json``, which ``Krea2Pipeline`` samples by: :meth:`Krea2.is_distilled`) is
 step-distilled to 8 steps without guidance (``guidance_scale`` 0). LoRAs trained on Raw apply to Turbo (Krea's
 model cards), which is why the shipped config trains Raw.
@@ -236,7 +236,7 @@ class Krea2(DiffusionFamily):
             "all_linear": rf".*({_BLOCK}|text_fusion\.(layerwise|refiner)_blocks\.\d+)\.({_ATTENTION}|{_FEED_FORWARD})"
             rf"|.*({_AROUND})",
         },
-        distilled_models=(_TURBO,),
+        step_distilled={_TURBO: _RAW},  # 8 steps, no guidance; Krea: "train on Raw, run on Turbo"
     )
     compiling: ClassVar[Compiling] = Compiling(stream_sources=("img_in", "txt_in"))
     planning: ClassVar[Planning] = Planning(
@@ -405,11 +405,12 @@ class Krea2(DiffusionFamily):
         return objectives.Prediction(prediction, target)
 
     # -- sampling ----------------------------------------------------------------------------------------------
+    @override
     def is_distilled(self, source: ModelSource) -> bool:
-        """Whether ``source`` is step-distilled (Turbo): a known hub id by ``architecture.distilled_models``, else its
+        """Whether ``source`` is step-distilled (Turbo): a known hub id by ``architecture.step_distilled``, else its
         ``model_index.json``'s ``is_distilled`` (what ``Krea2Pipeline`` samples by)."""
         if not source.is_local and source.pretrained in _DISTILLED:
-            return source.pretrained in self.architecture.distilled_models
+            return source.pretrained in self.architecture.step_distilled
         return bool(_model_index(source).get("is_distilled", False))
 
     @override

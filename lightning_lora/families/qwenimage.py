@@ -43,11 +43,12 @@ over 512 positions for a 20-token caption. (Under ``model.compile_blocks`` the t
 first new length recompiles once, after which PyTorch compiles for dynamic lengths.)
 
 LoRA files: ComfyUI builds Qwen-Image with diffusers' module names (diffusers' ``from_single_file`` reads ComfyUI's
-checkpoints unconverted), and ``comfy/lora.py`` maps a Qwen-Image LoRA's ``transformer.<module>`` keys onto them: the
-diffusers file is ComfyUI's file too. The ``kohya`` layout is musubi-tuner's (``networks.lora_qwen_image``):
-``lora_unet_<module with _>`` with one ``.alpha`` per module, which ComfyUI maps for every model and diffusers'
-Qwen-Image converter reads (plain LoRA); it also holds LoKr and LoHa (LyCORIS tensors), which only ComfyUI applies.
-See :meth:`QwenImage.lora_coverage`.
+checkpoints unconverted), and ``comfy/lora.py`` maps a Qwen-Image LoRA's ``transformer.<module>`` keys onto them, but
+only since ComfyUI 0.3.50 (PR #9208): 0.3.49, the first release that runs Qwen-Image, leaves every key of a diffusers
+file "not loaded", so that file does not claim ComfyUI. The ``kohya`` layout is musubi-tuner's
+(``networks.lora_qwen_image``): ``lora_unet_<module with _>`` with one ``.alpha`` per module, which ComfyUI maps for
+every model in every release and diffusers' Qwen-Image converter reads (plain LoRA); it also holds LoKr and LoHa
+(LyCORIS tensors), which only ComfyUI applies. See :meth:`QwenImage.lora_coverage`.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ from lightning_lora.families.base import (
 from lightning_lora.families.encoders import QWEN25_VL_7B
 from lightning_lora.families.facts import Architecture, Compiling, LoraFiles, Planning
 from lightning_lora.families.flux import pack_latents, unpack_latents
-from lightning_lora.formats.clients import COMFY_DORA, COMFY_PEFT_DORA, DIFFUSERS_DORA, Coverage
+from lightning_lora.formats.clients import COMFY_DORA, DIFFUSERS_DORA, Coverage
 from lightning_lora.formats.diffusers import DiffusersLayout
 from lightning_lora.formats.kohya import KohyaLayout, KohyaNetwork, from_kohya_by, unet_to_kohya
 
@@ -133,6 +134,11 @@ is :meth:`QwenImage.sampling_latent_shape`."""
 
 QWEN_IMAGE_NETWORK = KohyaNetwork("networks.lora_qwen_image", "qwen_image")
 """kohya metadata of a Qwen-Image file: musubi-tuner's network module (sd-scripts has no Qwen-Image network)."""
+
+_COMFY_RULE = (
+    "ComfyUI maps Qwen-Image's diffusers names only since its Qwen-Image LoRA rule (ComfyUI PR #9208, in 0.3.50; "
+    "0.3.49 runs Qwen-Image without it): the kohya-format file loads in every release"
+)
 
 # Qwen/Qwen-Image's scheduler_config.json: the dynamic shift's mu is linear from base_shift (0.5) at
 # base_image_seq_len (256) image tokens to max_shift (0.9) at max_image_seq_len (8192);
@@ -451,15 +457,16 @@ class QwenImage(DiffusionFamily):
     # -- interop: what diffusers, ComfyUI and sd-scripts make of a Qwen-Image LoRA file (formats.clients) ------------
     @override
     def lora_coverage(self, format: str, variants: Mapping[str, str]) -> Coverage:
-        """ComfyUI maps both layouts onto its own (diffusers-named) modules, diffusers reads both (a kohya file as plain
-        LoRA), kohya's sd-scripts reads neither."""
+        """ComfyUI maps the kohya layout onto its own (diffusers-named) modules in every release, the diffusers layout
+        only since its Qwen-Image rule (0.3.50); diffusers reads both (a kohya file as plain LoRA), kohya's sd-scripts
+        reads neither."""
         c = Coverage()
         modules = list(variants)
         dora = [m for m, v in variants.items() if v == "DoRA"]
         lycoris = [m for m, v in variants.items() if v in ("LoKr", "LoHa")]
         c.skip("kohya", modules, "kohya's sd-scripts has no Qwen-Image network (musubi-tuner trains Qwen-Image LoRAs)")
         if format == "diffusers":
-            c.approx("ComfyUI", dora, COMFY_PEFT_DORA)
+            c.skip("ComfyUI", modules, _COMFY_RULE)
             return c
         c.skip(
             "diffusers", lycoris, "diffusers' Qwen-Image converter reads lora_down/lora_up only (it refuses the file)"

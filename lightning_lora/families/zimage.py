@@ -38,9 +38,10 @@ Guidance: Z-Image-Turbo is distilled to sample without classifier-free guidance 
 samples with CFG (``pos + scale * (pos - neg)``, the empty prompt as negative), as :meth:`ZImage.generate` does when
 ``guidance_scale > 0``.
 
-LoRA files: the diffusers layout only, because ComfyUI reads that layout itself (q/k/v onto their rows of its fused
-``qkv``; :mod:`lightning_lora.formats.nextdit`), so a ComfyUI-specific file would add nothing; LoKr and LoHa have no
-file format for this family.
+LoRA files: the diffusers layout (``transformer.<module>``: ``ZImagePipeline.load_lora_weights``; ComfyUI maps it only
+in the releases that have its Z-Image LoRA rule) and the ComfyUI layout (``diffusion_model.<original module>``, q/k/v
+fused into one ``qkv`` LoRA), which every ComfyUI release that runs Z-Image maps (:mod:`lightning_lora.formats.nextdit`
+says which rule came when). LoKr and LoHa go in the ComfyUI layout only.
 """
 
 from __future__ import annotations
@@ -68,10 +69,12 @@ from lightning_lora.families.base import (
 )
 from lightning_lora.families.encoders import QWEN3_4B
 from lightning_lora.families.facts import Architecture, Compiling, LoraFiles, Planning
-from lightning_lora.families.flux import FLUX1_VAE
-from lightning_lora.formats.clients import COMFY_PEFT_DORA, Coverage
+from lightning_lora.families.flux import FLUX1_VAE, flux_vae_latents
+from lightning_lora.formats.clients import COMFY_DORA, DIFFUSERS_DORA, Coverage, rules_unknown
+from lightning_lora.formats.comfyui import ComfyLayout
 from lightning_lora.formats.diffusers import DiffusersLayout
-from lightning_lora.formats.nextdit import comfy_target
+from lightning_lora.formats.kohya import separate_parts
+from lightning_lora.formats.nextdit import comfy_target, zimage_from_comfy, zimage_lora_slices, zimage_slice
 from lightning_lora.objectives import TimestepSampling
 
 __all__ = ["ZIMAGE_TRANSFORMER", "ZImage", "caption_features"]
@@ -85,6 +88,12 @@ _OWN_MODULES = re.compile(  # its blocks ("attention", not FLUX's "attn") and it
 )
 
 _HUB_IDS = ("Tongyi-MAI/Z-Image-Turbo", "Tongyi-MAI/Z-Image")
+# The layers whose ComfyUI name is not their diffusers name: diffusers does not load them from a ComfyUI-layout file.
+_NOT_DIFFUSERS_NAMED = re.compile(r"^(.*\.attention\.to_[qkv]|all_x_embedder\..*|all_final_layer\..*)$")
+_COMFY_RULE = (
+    "ComfyUI maps Z-Image's diffusers names only since its Z-Image LoRA rule (ComfyUI PR #10978; not in releases "
+    "before 0.7): the comfyui-format file loads in every release"
+)
 
 ZIMAGE_TRANSFORMER: dict[str, Any] = {
     "_class_name": "ZImageTransformer2DModel",
@@ -147,6 +156,7 @@ class ZImage(DiffusionFamily):
             # Plus each block's timestep modulation (adaLN_modulation.0; the context refiners have none).
             "all_linear": rf".*{_BLOCK}\.({_ATTENTION}|{_FEED_FORWARD}|adaLN_modulation\.0)",
         },
+        step_distilled={"Tongyi-MAI/Z-Image-Turbo": "Tongyi-MAI/Z-Image"},  # 8 steps, no guidance
     )
     compiling: ClassVar[Compiling] = Compiling(stream_sources=("all_x_embedder", "cap_embedder"))
     planning: ClassVar[Planning] = Planning(
@@ -158,9 +168,9 @@ class ZImage(DiffusionFamily):
         # tokens) compiled by inductor on the CPU kept 15.5 of the 31.1 units of one activation the eager forward keeps.
         compiled_saved_fraction=0.5,
     )
-    # Only diffusers: ComfyUI maps the diffusers names itself (see the module docstring).
+    # diffusers; ComfyUI's own names, which every ComfyUI release maps (see the module docstring).
     lora_files: ClassVar[LoraFiles] = LoraFiles(
-        layouts=(DiffusersLayout("transformer"),),
+        layouts=(DiffusersLayout("transformer"), ComfyLayout(slices=zimage_lora_slices, from_comfy=zimage_from_comfy)),
         tools=("diffusers", "ComfyUI"),  # sd-scripts has no network for it
         # The IDs kohya-ss/musubi-tuner writes for Z-Image LoRAs (src/musubi_tuner/utils/sai_model_spec.py).
         modelspec={"architecture": "Z-Image/lora", "implementation": "https://github.com/Tongyi-MAI/Z-Image"},
@@ -233,10 +243,7 @@ class ZImage(DiffusionFamily):
 
     @torch.no_grad()
     def encode_images(self, vae: DiffusersModel, pixels: torch.Tensor) -> torch.Tensor:
-        posterior = vae.encode(pixels.to(device=vae.device, dtype=vae.dtype)).latent_dist
-        # The mean, not a sample: deterministic, so a content-hashed cache entry has one right value.
-        z = posterior.mode()
-        return ((z - vae.config.shift_factor) * vae.config.scaling_factor).float()
+        return flux_vae_latents(vae, pixels)
 
     @property
     @override
@@ -311,17 +318,34 @@ class ZImage(DiffusionFamily):
     # -- interop -----------------------------------------------------------------------------------------------
     @override
     def lora_coverage(self, format: str, variants: Mapping[str, str]) -> Coverage:
-        """diffusers loads its layout; ComfyUI every layer its key map lists (all linear layers:
-        :func:`~lightning_lora.formats.nextdit.comfy_target`), DoRA as a plain LoRA; sd-scripts nothing."""
+        """diffusers loads its layout, and of a ComfyUI-layout file the plain LoRA layers whose original name is its
+        own; ComfyUI loads its layout in every release, and a diffusers file only in the releases with its Z-Image rule
+        (:mod:`lightning_lora.formats.nextdit`); sd-scripts nothing. DoRA loads as a plain LoRA where the DoRA
+        magnitude is not read."""
         c = Coverage()
         modules = list(variants)
-        if format != "diffusers":
-            c.skip("diffusers", modules, f"lightning-lora knows no diffusers rules for Z-Image {format} files")
-            c.skip("ComfyUI", modules, f"lightning-lora knows no ComfyUI rules for Z-Image {format} files")
-        else:
-            c.skip("ComfyUI", [m for m in modules if comfy_target(m, 1) is None], "ComfyUI's Z-Image key map lacks it")
-            c.approx("ComfyUI", [m for m, v in variants.items() if v == "DoRA"], COMFY_PEFT_DORA)
-        c.skip("kohya", modules, "sd-scripts reads lora_unet_<module> keys, not diffusers/peft keys")
+        dora = [m for m, v in variants.items() if v == "DoRA"]
+        c.skip("kohya", modules, "sd-scripts reads lora_unet_<module> keys, and has no Z-Image network")
+        if format == "diffusers":
+            c.skip("ComfyUI", modules, _COMFY_RULE)
+            return c
+        if format != "comfyui":
+            return rules_unknown(self.name, format, variants)
+        slices = {m: zimage_slice(m, 1) for m in modules if comfy_target(m, 1) is not None}
+        separate = separate_parts(variants, slices)
+        c.skip(
+            "ComfyUI",
+            sorted(separate),
+            f"no fused form (LoKr, or DoRA on part of q/k/v): per-part names. {_COMFY_RULE}",
+        )
+        c.approx("ComfyUI", dora, COMFY_DORA)
+        if any(v == "LoHa" for v in variants.values()):
+            c.skip("diffusers", modules, "diffusers' Z-Image converter refuses a file with LoHa tensors")
+        renamed = [m for m in modules if _NOT_DIFFUSERS_NAMED.match(m)]
+        c.skip("diffusers", renamed, "its ComfyUI name (the fused qkv, x_embedder, final_layer) is no diffusers module")
+        lokr_out = [m for m, v in variants.items() if v == "LoKr" and m.endswith(".attention.to_out.0")]
+        c.skip("diffusers", lokr_out, "diffusers' Z-Image converter renames attention.out for lora_down/up keys only")
+        c.approx("diffusers", dora, DIFFUSERS_DORA)
         return c
 
     @classmethod

@@ -22,7 +22,7 @@ diffusers' own converters.
 
 The modules: one per layout
 --------------------------
-Two layouts of LoRA *files*, each a module with a :class:`LoraLayout` object that a family binds to its names:
+Three layouts of LoRA *files*, each a module with a :class:`LoraLayout` object that a family binds to its names:
 
 * :mod:`.diffusers`: the diffusers/peft layout (peft keys under the family's denoiser subfolder, ``transformer.`` or
   ``unet.``, the scale folded into ``lora_B``, the peft ``LoraConfig`` as ``lora_adapter_metadata``): what
@@ -31,11 +31,15 @@ Two layouts of LoRA *files*, each a module with a :class:`LoraLayout` object tha
   LyCORIS tensors for the variants; a model's layers under the names its original code gives them, fused where that
   code fuses them), and the reading of such files made elsewhere through diffusers' own converters: what ComfyUI,
   Forge/A1111, kohya's sd-scripts and musubi-tuner (and LyCORIS) and diffusers read. :class:`.kohya.KohyaLayout`.
+* :mod:`.comfyui`: ComfyUI's own layout (``diffusion_model.<module>`` keys, the module as ComfyUI builds the model, with
+  the kohya layout's tensors): the names ComfyUI's generic key rule maps in every release, where its rules for diffusers
+  names came with some releases only. :class:`.comfyui.ComfyLayout`.
 
-Four layouts of model *weights* (a checkpoint's names against diffusers'), which the kohya layout names modules by,
-and single-file checkpoints, ComfyUI's key maps and the tests use:
+Five layouts of model *weights* (a checkpoint's names against diffusers'), which the kohya and ComfyUI layouts name
+modules by, and single-file checkpoints, ComfyUI's key maps and the tests use:
 
 * :mod:`.bfl`: Black Forest Labs' names of the FLUX.1 and FLUX.2 transformers (fused q/k/v);
+* :mod:`.chroma`: Chroma's original names (FLUX's, without the modulation layers, and its approximator);
 * :mod:`.ldm`: the LDM/SGM names of a Stable Diffusion UNet;
 * :mod:`.nextdit`: Z-Image's original names (ComfyUI's NextDiT);
 * :mod:`.krea2`: Krea 2's original names (Krea's checkpoint, ComfyUI's model).
@@ -57,9 +61,9 @@ layout. A training run writes every layout of its family by default (``<name>.sa
 Which adapter variant fits which format
 ---------------------------------------
 :data:`VARIANTS` says which adapter variants (see :mod:`lightning_lora.lora`) each format holds: diffusers files hold
-LoRA and DoRA (diffusers 0.42 loads nothing else), kohya files all four in LyCORIS' tensors. A variant a format
-cannot hold, or a layer it has no exact form for (a LoKr on FLUX's fused q/k/v), is refused naming the variant, the
-layer and the format, instead of writing a file that does something else than what was trained.
+LoRA and DoRA (diffusers 0.42 loads nothing else), kohya and ComfyUI files all four in LyCORIS' tensors. A variant a
+format cannot hold, or a layer it has no exact form for (a LoKr on FLUX's fused q/k/v), is refused naming the variant,
+the layer and the format, instead of writing a file that does something else than what was trained.
 """
 
 from __future__ import annotations
@@ -73,13 +77,17 @@ if TYPE_CHECKING:
 
 __all__ = ["FORMATS", "VARIANTS", "FileFacts", "LoraFormat", "LoraLayout"]
 
-LoraFormat = Literal["diffusers", "kohya"]
+LoraFormat = Literal["diffusers", "kohya", "comfyui"]
 """A LoRA file format lightning-lora writes (``lightning-lora export --format``, ``LoraExport(formats=...)``)."""
 
 FORMATS: tuple[str, ...] = get_args(LoraFormat)
 """The names of :data:`LoraFormat`, in the order they are offered."""
 
-VARIANTS: dict[str, tuple[str, ...]] = {"diffusers": ("LoRA", "DoRA"), "kohya": ("LoRA", "DoRA", "LoKr", "LoHa")}
+VARIANTS: dict[str, tuple[str, ...]] = {
+    "diffusers": ("LoRA", "DoRA"),
+    "kohya": ("LoRA", "DoRA", "LoKr", "LoHa"),
+    "comfyui": ("LoRA", "DoRA", "LoKr", "LoHa"),
+}
 """Format -> the adapter variants (:attr:`lightning_lora.lora.AdapterKey.variant`) a file of that format holds."""
 
 

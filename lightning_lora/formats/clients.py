@@ -11,9 +11,11 @@ ComfyUI (``comfy/lora.py`` ``model_lora_keys_unet`` builds a map from LoRA key p
 ``load_lora`` reads ``<prefix>.lora_up.weight`` / ``.lora_B.weight`` / ``.lokr_w1`` / ``.hada_w1_a``..., ``.alpha`` and
 ``.dora_scale``; anything else is logged "lora key not loaded" and ignored):
 
-* every weight of the model as ComfyUI builds it, under ``lora_unet_<name with _>``: FLUX in BFL names, SDXL and SD1.x
-  in the original (LDM/SGM) names; and, through ``comfy/utils.py`` ``unet_to_diffusers``, SD UNets' diffusers names as
-  ``lora_unet_<name with _>`` too (so sd-scripts' SD1.x names load);
+* every weight of the model as ComfyUI builds it, under ``lora_unet_<name with _>`` and ``diffusion_model.<name>``, in
+  every release (the ComfyUI layout: :mod:`lightning_lora.formats.comfyui`): FLUX, FLUX.2 and Chroma in BFL names,
+  Z-Image in its original ones, SDXL and SD1.x in the original (LDM/SGM) names; and, through ``comfy/utils.py``
+  ``unet_to_diffusers``, SD UNets' diffusers names as ``lora_unet_<name with _>`` too (so sd-scripts' SD1.x names
+  load);
 * diffusers names with a ``unet.`` prefix only in the *old attention-processor* spelling: ``...attn1.processor.to_q``
   and ``...attn1.processor.to_out`` (``.to_`` replaced by ``.processor.to_``, ``to_out.0`` by ``to_out``). peft's
   ``unet.<...>.attn1.to_q.lora_A.weight`` is not in the map: a diffusers-layout SD/SDXL file loses every attention
@@ -21,7 +23,8 @@ ComfyUI (``comfy/lora.py`` ``model_lora_keys_unet`` builds a map from LoRA key p
 * FLUX diffusers names under ``transformer.`` (and ``lycoris_``, ``lora_transformer_``), each mapped by
   ``comfy/utils.py`` ``flux_to_diffusers`` to its *row slice* of the fused BFL weight (``to_k`` -> ``(img_attn.qkv, 0,
   hidden, hidden)``), ``norm_out.linear`` with the scale/shift swap: a diffusers-layout FLUX file loads exactly, part
-  by part;
+  by part. ComfyUI's FLUX.2 and Chroma models are kinds of its FLUX model, so these rules map the layers of theirs that
+  have FLUX.1's diffusers names too;
 * Qwen-Image (``isinstance(model, QwenImage)``), whose modules ComfyUI names as diffusers does: ``transformer.<module>``
   (a diffusers-layout file), ``<module>`` and ``lycoris_<module with _>``, each onto the whole weight; with the
   generic ``lora_unet_<module with _>``, a kohya/musubi-tuner file loads too, LyCORIS tensors included;

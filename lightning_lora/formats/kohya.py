@@ -234,7 +234,12 @@ Slices = Callable[[Mapping[str, Adapter]], Mapping[str, BflSlice]]
 
 
 def fused_to_kohya(
-    state: Mapping[str, Tensor], scale: float, dtype: torch.dtype | None = None, *, slices: Slices
+    state: Mapping[str, Tensor],
+    scale: float,
+    dtype: torch.dtype | None = None,
+    *,
+    slices: Slices,
+    name: Callable[[str], str] = kohya_name,
 ) -> dict[str, Tensor]:
     """A LoRA from peft keys to kohya / ComfyUI keys in a layout that fuses some of its layers (BFL's FLUX.1 and
     FLUX.2; see the module docstring).
@@ -246,10 +251,11 @@ def fused_to_kohya(
         dtype: dtype of the weights (default: as given). ``alpha`` and ``dora_scale`` stay float32. The fusing itself
             only copies values.
         slices: where each module lives in the layout (the family's table, e.g. ``bfl.flux_lora_slices``).
+        name: a fused or whole module's key (:func:`kohya_name`; the ComfyUI layout's ``diffusion_model.<module>``).
 
     Returns:
-        ``{"lora_unet_<module>.<tensor>": tensor}`` in module order; the parts of a fused layer that have no exact
-        fused form under ComfyUI's per-part ``lycoris_<diffusers name>`` names.
+        ``{"lora_unet_<module>.<tensor>": tensor}`` (``name``'s keys) in module order; the parts of a fused layer that
+        have no exact fused form under ComfyUI's per-part ``lycoris_<diffusers name>`` names.
 
     Raises:
         ValueError: naming the module, for one ``slices`` places nowhere, a LoKr on a part of a fused layer, a DoRA on
@@ -273,8 +279,8 @@ def fused_to_kohya(
             tensors = _fuse(fused_module, parts, scale, dtype)
         else:
             tensors = adapter_to_kohya(adapter, scale, dtype=dtype, swap=where.swap, module=module)
-        name = kohya_name(fused_module)
-        out.update({f"{name}.{suffix}": t for suffix, t in tensors.items()})
+        key = name(fused_module)
+        out.update({f"{key}.{suffix}": t for suffix, t in tensors.items()})
     return out
 
 

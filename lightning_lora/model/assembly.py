@@ -3,7 +3,8 @@ inject LoRA with peft, prepare it for training.
 
 The order matters and is fixed here, once:
 
-1. load the denoiser (transformer / UNet) in the base dtype, frozen (``requires_grad_(False)``);
+1. load the denoiser (transformer / UNet) in the base dtype, frozen (``requires_grad_(False)``), and merge the training
+   adapter into it, if there is one (:mod:`lightning_lora.model.training_adapter`);
 2. quantize the base, when the precision plugin is a quantized format: before LoRA, so peft wraps the quantized
    layers and the adapters themselves stay unquantized;
 3. inject LoRA with peft (``add_adapter``): only ``lora_A`` / ``lora_B`` require gradients;
@@ -38,6 +39,7 @@ from lightning_lora.model.attention import hand_sdpa_matching_gradients
 from lightning_lora.model.offload import offload_blocks, offloaded_blocks, repeated_blocks
 from lightning_lora.model.recipe import AttentionBackend, ModelRecipe
 from lightning_lora.model.recompute import InputOffloader, checkpoint_function, recomputed
+from lightning_lora.model.training_adapter import merge_training_adapter
 
 __all__ = [
     "CUDA_GRAPHS_MODE",
@@ -92,6 +94,8 @@ def build_lora_model(recipe: ModelRecipe, device: torch.device | None = None) ->
     family, source = recipe.family, recipe.source
     denoiser = family.load_denoiser(source)
     denoiser.requires_grad_(False)
+    if source.training_adapter is not None:  # into the base weights, before they are quantized
+        merge_training_adapter(denoiser, family, source.training_adapter)
     offloaded = offloaded_blocks(denoiser, recipe.offload_blocks)  # the same modules after quantization and LoRA
     # The blocks to offload are quantized on the CPU, where they will stay: the GPU never holds them all.
     on_cpu = frozenset(id(m) for block in offloaded for m in block.modules())
@@ -100,8 +104,14 @@ def build_lora_model(recipe: ModelRecipe, device: torch.device | None = None) ->
     for p in trainable_parameters(denoiser):
         p.data = p.data.to(torch.float32)
     if recipe.gradient_checkpointing:
-        in_blocks = recipe.compile_blocks and family.compiling.checkpoints_only_repeated_blocks
-        apply_gradient_checkpointing(denoiser, recipe.checkpoint_every, recipe.offload_activations, in_blocks)
+        compiling = family.compiling
+        in_blocks = (
+            recipe.compile_blocks or compiling.checkpoints_in_blocks
+        ) and compiling.checkpoints_only_repeated_blocks
+        every, offload = recipe.checkpoint_every, recipe.offload_activations
+        apply_gradient_checkpointing(
+            denoiser, every, offload, in_blocks, only_in_blocks=compiling.checkpoints_in_blocks
+        )
     offload_blocks(denoiser, offloaded, device)
     configure_attention(denoiser, recipe.attention, device, family.compiling.cudnn_attention_in_auto)
     if recipe.cuda_graphs and device.type != "cuda":
@@ -122,7 +132,12 @@ def build_lora_model(recipe: ModelRecipe, device: torch.device | None = None) ->
 
 
 def apply_gradient_checkpointing(
-    denoiser: DiffusersModel, every: int = 1, offload_inputs: bool = False, in_blocks: bool = False
+    denoiser: DiffusersModel,
+    every: int = 1,
+    offload_inputs: bool = False,
+    in_blocks: bool = False,
+    *,
+    only_in_blocks: bool = False,
 ) -> int:
     """Recompute block activations in the backward pass instead of keeping them.
 
@@ -141,14 +156,16 @@ def apply_gradient_checkpointing(
     the recomputation is part of the block's compiled backward: one call fewer per block and step, which counts on a
     host-bound step (``flux_8gb`` on an H200: 1.14 against 1.75-2.15 s per step at the same peak; ``qwenimage_24gb``
     2.37 against 3.31, BENCHMARKS.md, "What each option measured"). Not with ``offload_inputs``, whose
-    saved-tensor hooks stay around the compiled call. Returns how many blocks were wrapped (0: diffusers' own).
+    saved-tensor hooks stay around the compiled call. ``only_in_blocks``: in each block with ``offload_inputs`` too, for
+    a model whose own checkpointing is not its forward (the family's ``checkpoints_in_blocks``). Returns how many
+    blocks were wrapped (0: diffusers' own).
     """
     if every < 1:
         raise ConfigError(f"model.checkpoint_every: {every} must be at least 1 (1: every block).")
     offloader = InputOffloader() if offload_inputs else None
     denoiser._lora_input_offloader = offloader
     blocks = repeated_blocks(denoiser)
-    if every == 1 and (offload_inputs or not in_blocks or not blocks):
+    if every == 1 and not only_in_blocks and (offload_inputs or not in_blocks or not blocks):
         denoiser.enable_gradient_checkpointing(checkpoint_function(offloader))
         return 0
     if not blocks:

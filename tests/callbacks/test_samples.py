@@ -5,8 +5,8 @@ settings.
 
 This covers the whole chain at once: cached prompt (and empty-prompt) embeddings vs. the pipeline's own text encoding,
 the family's sampling pipeline and scheduler vs. the one ``from_pretrained`` builds, classifier-free guidance
-(SDXL's zeroed negative, SD1.5's and Z-Image's empty-prompt negative), distilled guidance (FLUX.1-dev's and FLUX.2
-dev's guidance input), and the LoRA export. The images are compared as
+(SDXL's zeroed negative, SD1.5's, Z-Image's and Chroma's empty-prompt negative), distilled guidance (FLUX.1-dev's
+and FLUX.2 dev's guidance input), and the LoRA export. The images are compared as
 the 8-bit PNGs a user sees; float rounding may move a pixel by one level, a wrong LoRA scale or negative prompt moves
 many.
 """
@@ -39,14 +39,33 @@ CASES = {
     # FLUX.2 dev: guidance-distilled, the scale is the transformer's guidance input; Mistral3 captions with the system
     # message (32 of the 64 tokens)
     "flux2_dev": ("Flux2", {"variant": "dev", "max_sequence_length": 64}, 4.0, {"max_sequence_length": 64}),
+    # Chroma: true CFG with the empty prompt; the padding masked as a boolean mask (the pipeline's own float mask is a
+    # bias, diffusers issue #13619: the fresh pipeline gets the boolean one, as diffusers PR #12263 gave it)
+    "chroma": ("Chroma", {"max_sequence_length": 64}, 4.0, {"max_sequence_length": 64}),
 }
+
+
+def chroma_masks_as_booleans(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ChromaPipeline`` with the text mask it builds kept boolean (diffusers PR #12263, undone by PR #12508)."""
+    from diffusers import ChromaPipeline
+
+    original = ChromaPipeline._get_t5_prompt_embeds
+
+    def boolean(self: Any, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        embeds, mask = original(self, *args, **kwargs)
+        return embeds, mask.bool()
+
+    monkeypatch.setattr(ChromaPipeline, "_get_t5_prompt_embeds", boolean)
 
 
 @pytest.mark.parametrize("family", list(CASES))
 def test_callback_image_equals_fresh_pipeline_with_exported_lora(
-    family: str, tmp_path: Path, photos_dir: Path, request: pytest.FixtureRequest
+    family: str, tmp_path: Path, photos_dir: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from diffusers import DiffusionPipeline
+
+    if family == "chroma":
+        chroma_masks_as_booleans(monkeypatch)
 
     model_dir: Path = request.getfixturevalue(f"tiny_{family}_dir")
     cls, init_args, guidance, extra = CASES[family]

@@ -21,11 +21,13 @@ For each family:
 (b) a short fit through the command lowers the fixed evaluation loss;
 (c) a run stopped inside an epoch and resumed with ``--ckpt_path last`` ends with the same LoRA, bit for bit, and the
     same loss curve after the stop, as the run that never stopped;
-(d) the fit's LoRA file in each format the family declares loads into a fresh diffusers pipeline with
-    ``load_lora_weights`` and gives the trained model's output, and the pipeline's image changes with it (diffusers'
-    kohya converter for FLUX is made to read the tiny widths, :mod:`helpers.diffusers_quirks`; it is not used for the
-    other families' files), every trained layer loaded and, from a diffusers file, no tensor left over; the file's
-    header (ModelSpec) names the family, so a copy without our family entry is read back as this family;
+(d) the fit's LoRA file in each format the family declares that says it loads in diffusers (its ``loads_in``; a
+    ComfyUI-layout file of Z-Image does not: test_lora_files.py checks each file in every tool) loads into a fresh
+    diffusers pipeline with ``load_lora_weights`` and gives the trained model's output, and the pipeline's image
+    changes with it (diffusers' kohya converter for FLUX is made to read the tiny widths,
+    :mod:`helpers.diffusers_quirks`; it is not used for the other families' files), every trained layer loaded and,
+    from a diffusers file, no tensor left over; every file's header (ModelSpec) names the family, so a copy without our
+    family entry is read back as this family;
 (e) offloaded and checkpointed repeated blocks train the same gradients as the plain model;
 (f) each LoRA preset matches layers of the model, and the adapter sits on exactly those;
 (g) the text encoders stored in FP8 / NF4 for caching give close embeddings under keys of their own;
@@ -529,20 +531,22 @@ def test_exported_files_load_into_a_fresh_pipeline(runs: Runs, monkeypatch: pyte
     assert (expected - base_output).abs().max() > 1e-3, "the trained LoRA does not change the output"
     diffusers_kohya_reads_flux_widths(monkeypatch)  # the tiny FLUX is narrower than FLUX.1 (no effect on the others)
     for fmt, path in files.items():
-        pipe = fresh()
-        pipe.load_lora_weights(path)  # as a user does: no .eval() (the run trained with lora dropout 0.1)
-        denoiser = getattr(pipe, family.architecture.denoiser_subfolder)
-        assert lora_layers(denoiser) == lora_layers(trained), f"{fmt}: not every LoRA layer was loaded"
         tensors = load_file(path)
-        if fmt == "diffusers":  # every tensor of the file went into the adapter, none left over
-            assert sum(".lora_" in n for n, _ in denoiser.named_parameters()) == len(tensors)
-            assert _family_from_keys(tensors) in (None, type(family))  # no other family claims its names
         # A file without our family entry (made elsewhere) is told apart by what its header says of the model.
         meta = read_metadata(path)
         assert {k: meta[f"modelspec.{k}"] for k in family.lora_files.modelspec} == dict(family.lora_files.modelspec)
         unnamed = tmp_path / f"unnamed.{fmt}.safetensors"
         save_file(tensors, unnamed, metadata={k: v for k, v in meta.items() if k != "lightning_lora.family"})
         assert type(read_lora_file(unnamed).family) is type(family), fmt
+        if "diffusers" not in json.loads(meta["lightning_lora.loads_in"]):
+            continue
+        pipe = fresh()
+        pipe.load_lora_weights(path)  # as a user does: no .eval() (the run trained with lora dropout 0.1)
+        denoiser = getattr(pipe, family.architecture.denoiser_subfolder)
+        assert lora_layers(denoiser) == lora_layers(trained), f"{fmt}: not every LoRA layer was loaded"
+        if fmt == "diffusers":  # every tensor of the file went into the adapter, none left over
+            assert sum(".lora_" in n for n, _ in denoiser.named_parameters()) == len(tensors)
+            assert _family_from_keys(tensors) in (None, type(family))  # no other family claims its names
         loaded = denoiser_output(denoiser, inputs)
         torch.testing.assert_close(loaded, expected, atol=1e-5, rtol=1e-4, msg=lambda m, f=fmt: f"{f} file: {m}")
         image = pipe(generator=torch.Generator().manual_seed(0), **draw).images

@@ -33,6 +33,7 @@ from lightning_lora.families.base import SampleSettings
 from lightning_lora.families.krea2 import KREA2_TRANSFORMER, compact_text, position_ids
 from lightning_lora.formats.krea2 import comfy_target, diffusers_to_original
 from lightning_lora.lora import LoraOptions
+from lightning_lora.model.training_adapter import distillation_note
 
 PROMPTS = ["a photo of sks cat with a red mug on the table", "a dog"]  # different lengths: a mask in the batch
 LENGTH = 32  # text tokens after the system turn in these tests (the template's closing 5 among them)
@@ -270,11 +271,12 @@ def test_samples_are_the_pipelines_images(source: ModelSource, pipe: Any, encode
 
 
 def test_turbo_is_the_distilled_model(model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Offline, with nothing downloaded: Turbo is the family's distilled model (``architecture.distilled_models``) and
-    Raw is not; a folder says it in its ``model_index.json``, and the sampling pipeline draws with that schedule."""
+    """Offline, with nothing downloaded: Turbo is the family's distilled model (``architecture.step_distilled``, with
+    Raw to train instead) and Raw is not; a folder says it in its ``model_index.json``, and the sampling pipeline draws
+    with that schedule."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     family = Krea2()
-    assert family.architecture.distilled_models == (TURBO,)
+    assert family.architecture.step_distilled == {TURBO: RAW}
     assert family.is_distilled(ModelSource(TURBO)) and not family.is_distilled(ModelSource(RAW))
     assert not family.is_distilled(ModelSource(str(model_dir)))
     turbo = tmp_path / "turbo"
@@ -282,6 +284,10 @@ def test_turbo_is_the_distilled_model(model_dir: Path, tmp_path: Path, monkeypat
     index = json.loads((model_dir / "model_index.json").read_text())
     (turbo / "model_index.json").write_text(json.dumps({**index, "is_distilled": True}))
     assert family.pipeline_options(ModelSource(str(turbo))) == {"is_distilled": True}
+    # fit's one line for a distilled base without a training adapter: the folder's too, naming no hub model for it
+    note = distillation_note(family, ModelSource(str(turbo)))
+    assert note is not None and str(turbo) in note and "instead" not in note
+    assert distillation_note(family, ModelSource(str(model_dir))) is None
 
 
 def test_a_model_with_other_text_layers_is_refused(model_dir: Path, tmp_path: Path) -> None:

@@ -205,7 +205,8 @@ def test_the_diffusers_file_loads_with_no_key_left_over(
 ) -> None:
     """``ZImagePipeline.load_lora_weights`` puts every tensor of the file into the transformer's adapter (nothing
     unexpected, nothing missing), the scale folded so that the model computes what was trained; and the file carries
-    the ModelSpec kohya's musubi-tuner writes for Z-Image and says it loads in diffusers and ComfyUI."""
+    the ModelSpec kohya's musubi-tuner writes for Z-Image and says it loads in diffusers (ComfyUI maps its names only
+    in the releases with its Z-Image rule: the ComfyUI-layout file is the one every release loads)."""
     family = ZImage()
     model, options = _adapted(pipe, "all_linear")
     state = get_peft_model_state_dict(model)
@@ -230,7 +231,12 @@ def test_the_diffusers_file_loads_with_no_key_left_over(
     meta = read_metadata(path)
     assert meta["modelspec.architecture"] == "Z-Image/lora"
     assert meta["modelspec.implementation"] == "https://github.com/Tongyi-MAI/Z-Image"
-    assert json.loads(meta["lightning_lora.loads_in"]) == ["diffusers", "ComfyUI"]
+    assert json.loads(meta["lightning_lora.loads_in"]) == ["diffusers"]
+    comfy = export_lora(
+        state, tmp_path / "z.comfyui.safetensors", format="comfyui", lora=options, family=family, info={}
+    )
+    assert json.loads(read_metadata(comfy)["lightning_lora.loads_in"]) == ["ComfyUI"]
+    assert all(k.startswith("diffusion_model.") for k in load_file(comfy))
     adapter = json.loads(meta["lora_adapter_metadata"])
     assert adapter["transformer.r"] == 4 and adapter["transformer.lora_alpha"] == 4  # alpha / rank folded into B
 
@@ -238,8 +244,9 @@ def test_the_diffusers_file_loads_with_no_key_left_over(
 def test_layers_outside_the_blocks_and_files_made_elsewhere(
     pipe: ZImagePipeline, tiny_zimage_dir: Path, tmp_path: Path
 ) -> None:
-    """Custom targets outside the blocks (embedders, final layer) load in diffusers as trained, and the file says
-    diffusers and ComfyUI apply it; a Z-Image file without our metadata (made elsewhere) is still read as Z-Image."""
+    """Custom targets outside the blocks (embedders, final layer) load in diffusers as trained, the diffusers file
+    says diffusers applies it and the ComfyUI-layout file that every ComfyUI release does; a Z-Image file without our
+    metadata (made elsewhere) is still read as Z-Image."""
     from lightning_lora.export import file_coverage, read_lora_file
 
     outside = ["all_x_embedder.2-1", "cap_embedder.1", "t_embedder.mlp.0", "all_final_layer.2-1.adaLN_modulation.1"]
@@ -247,7 +254,8 @@ def test_layers_outside_the_blocks_and_files_made_elsewhere(
     state = get_peft_model_state_dict(model)
     family = ZImage()
     coverage = file_coverage(state, family, "diffusers")
-    assert coverage.exact("diffusers") and coverage.exact("ComfyUI") and not coverage.exact("kohya")
+    assert coverage.exact("diffusers") and not coverage.exact("ComfyUI") and not coverage.exact("kohya")
+    assert file_coverage(state, family, "comfyui").loads_in == ["ComfyUI"]
     path = export_lora(state, tmp_path / "o.safetensors", format="diffusers", lora=options, family=family, info={})
     fresh = ZImagePipeline.from_pretrained(tiny_zimage_dir)
     fresh.load_lora_weights(path)
@@ -258,6 +266,47 @@ def test_layers_outside_the_blocks_and_files_made_elsewhere(
     bare = tmp_path / "bare.safetensors"
     save_file(load_file(path), bare)  # the tensors, no metadata
     assert read_lora_file(bare).family.name == "zimage"
+
+
+def _deltas(path: Path) -> dict[str, torch.Tensor]:
+    """Each layer's update ``B @ A`` in a diffusers-layout file (the scale folded into ``B``)."""
+    tensors = load_file(path)
+    modules = {k.removeprefix("transformer.").rsplit(".", 2)[0] for k in tensors}
+    return {m: tensors[f"transformer.{m}.lora_B.weight"] @ tensors[f"transformer.{m}.lora_A.weight"] for m in modules}
+
+
+def test_the_export_command_writes_and_reads_the_comfyui_file(
+    pipe: ZImagePipeline, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``lightning-lora export --format comfyui`` turns a Z-Image diffusers file into the ComfyUI-layout file (every
+    ComfyUI release), and that back into a diffusers file with the same update in every layer (q/k/v out of the fused
+    ``qkv``); a FLUX file asked for the ComfyUI layout is one line naming the formats FLUX writes, and no file."""
+    from lightning_lora.cli.export import main as export_main
+
+    model, options = _adapted(pipe, "all_linear")
+    state = get_peft_model_state_dict(model)
+    path = export_lora(state, tmp_path / "z.safetensors", format="diffusers", lora=options, family=ZImage(), info={})
+    comfy, back = tmp_path / "z.comfyui.safetensors", tmp_path / "back.safetensors"
+    assert export_main([str(path), "--format", "comfyui", "--out", str(comfy)]) == 0
+    assert "applies every layer as trained in: ComfyUI" in capsys.readouterr().out
+    assert all(k.startswith("diffusion_model.") for k in load_file(comfy))
+    assert any(".attention.qkv." in k for k in load_file(comfy))
+    assert export_main([str(comfy), "--format", "diffusers", "--out", str(back)]) == 0
+    want, got = _deltas(path), _deltas(back)
+    assert got.keys() == want.keys()
+    for module, delta in want.items():
+        torch.testing.assert_close(got[module], delta, atol=1e-6, rtol=1e-5, msg=module)
+
+    flux = tmp_path / "flux.safetensors"
+    save_file(
+        {"transformer.transformer_blocks.0.attn.to_q.lora_A.weight": torch.ones(2, 64)}
+        | {"transformer.transformer_blocks.0.attn.to_q.lora_B.weight": torch.ones(64, 2)},
+        flux,
+    )
+    out = tmp_path / "flux.comfyui.safetensors"
+    assert export_main([str(flux), "--format", "comfyui", "--out", str(out), "--family", "flux"]) == 2
+    err = capsys.readouterr().err
+    assert "comfyui" in err and "kohya" in err and "\n" not in err.strip() and not out.exists()
 
 
 def test_comfyui_targets_every_linear_layer(pipe: ZImagePipeline) -> None:

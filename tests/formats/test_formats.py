@@ -262,7 +262,7 @@ def test_variant_checkpoints_through_the_export_command(tmp_path: Path, capsys) 
     dora = _checkpoint(
         tmp_path / "dora.ckpt", {**trained, **magnitudes}, {**hparams, "lora": {"rank": RANK, "variant": "dora"}}
     )
-    for fmt in FORMATS:
+    for fmt in Flux.lora_files.formats:
         out = tmp_path / f"dora_{fmt}.safetensors"
         assert export_main([str(dora), "--format", fmt, "--out", str(out)]) == 0, capsys.readouterr().err
         assert read_metadata(out)["lightning_lora.variant"] == "DoRA"

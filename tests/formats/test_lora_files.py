@@ -11,9 +11,10 @@ family's formats is applied by three witnesses:
   ``unet_to_diffusers``, attention only as ``unet.<...>.processor.to_q``; FLUX diffusers names via
   ``flux_to_diffusers``, each onto its row slice of the fused weight, ``norm_out.linear`` with the scale/shift swap;
   Z-Image diffusers names via ``z_image_to_diffusers``, q/k/v onto their rows of the original fused ``qkv``;
-  Qwen-Image, built with diffusers' names, under ``transformer.``, ``lycoris_`` and no prefix; FLUX.2, built with
-  BFL's names, through the generic ``lora_unet_`` / ``diffusion_model.`` map only; Krea 2, built with Krea's names,
-  diffusers names via ``krea2_to_diffusers`` under four prefixes),
+  Qwen-Image, built with diffusers' names, under ``transformer.``, ``lycoris_`` and no prefix; FLUX.2 and Chroma,
+  built with BFL's names, ComfyUI models of the FLUX kind, through FLUX's rules where they have FLUX.1's diffusers
+  names; Krea 2, built with Krea's names, diffusers names via ``krea2_to_diffusers`` under four prefixes), as every
+  ComfyUI release that runs the family has it (:func:`comfy_key_map`),
   the suffixes ``load_lora`` reads, and the deltas of ``comfy/weight_adapter/lora.py``, ``loha.py``, ``lokr.py`` and
   ``base.py`` ``weight_decompose`` (``alpha / mat2.shape[0]``, no alpha -> 1, LoKr's ``dim``, DoRA by axis);
 * kohya's sd-scripts: :func:`kohya_apply`, ``networks/lora.py`` / ``networks/lora_flux.py``
@@ -34,6 +35,7 @@ import copy
 import datetime
 import inspect
 import json
+import re
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -57,13 +59,16 @@ from lightning_lora.export import convert_lora_file, export_lora, file_coverage,
 from lightning_lora.families import FAMILIES, DiffusionFamily, ModelSource
 from lightning_lora.formats import VARIANTS
 from lightning_lora.formats.bfl import (
+    FluxDims,
     bfl_slice,
     bfl_to_diffusers,
     diffusers_to_bfl,
+    flux2_slice,
     flux_dims_from_state_dict,
     swap_halves,
 )
 from lightning_lora.formats.bfl import flux2_diffusers_to_bfl as flux2_to_bfl
+from lightning_lora.formats.chroma import chroma_to_original, original_to_chroma
 from lightning_lora.formats.clients import TOOLS
 from lightning_lora.formats.krea2 import diffusers_to_original as krea2_to_original
 from lightning_lora.formats.ldm import UNetLayout, diffusers_to_ldm
@@ -153,6 +158,8 @@ def diffusers_apply(family: DiffusionFamily, base: torch.nn.Module, file: Path) 
     except (ValueError, KeyError) as e:
         refusals = (
             "Invalid LoRA checkpoint",
+            "Incompatible keys detected",  # FLUX's kohya converter: Chroma's approximator layers
+            "not found in the base model",  # Z-Image: a ComfyUI-layout LoKr file's names (peft)
             "not been correctly renamed",
             "should be empty at this point",
             "are not LyCORIS Flux2 LoKr keys",  # FLUX.2: a LoKr file with per-part and fused names
@@ -180,6 +187,10 @@ def _is_qwenimage(model: torch.nn.Module) -> bool:
 
 def _is_zimage(model: torch.nn.Module) -> bool:
     return type(model).__name__ == "ZImageTransformer2DModel"
+
+
+def _is_chroma(model: torch.nn.Module) -> bool:
+    return type(model).__name__ == "ChromaTransformer2DModel"
 
 
 def _zimage_key_map(base: torch.nn.Module) -> dict[str, Any]:
@@ -278,6 +289,9 @@ def comfy_weights(base: torch.nn.Module) -> tuple[dict[str, torch.Tensor], Calla
 
         original = {f"diffusion_model.{k}": v for k, v in diffusers_to_original(sd).items()}
         return original, lambda s: back({k.removeprefix("diffusion_model."): v for k, v in s.items()})
+    if _is_chroma(base):  # FLUX's names without the modulation layers, and the approximator's
+        original = {f"diffusion_model.{k}": v for k, v in chroma_to_original(sd).items()}
+        return original, lambda s: original_to_chroma({k.removeprefix("diffusion_model."): v for k, v in s.items()})
     if _is_flux(base):
         bfl = {f"diffusion_model.{k}": v for k, v in diffusers_to_bfl(sd).items()}
         return bfl, lambda s: bfl_to_diffusers({k.removeprefix("diffusion_model."): v for k, v in s.items()})
@@ -287,21 +301,33 @@ def comfy_weights(base: torch.nn.Module) -> tuple[dict[str, torch.Tensor], Calla
     return {names[k]: v for k, v in sd.items()}, lambda s: {back[k]: v for k, v in s.items()}
 
 
-def comfy_key_map(base: torch.nn.Module, model_sd: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+def comfy_key_map(
+    base: torch.nn.Module, model_sd: Mapping[str, torch.Tensor], every_release: bool = True
+) -> dict[str, Any]:
     """ComfyUI's LoRA key map (``comfy/lora.py`` ``model_lora_keys_unet``): LoRA key prefix -> target weight, or
-    ``(target, offset, function)``."""
+    ``(target, offset, function)``. ``every_release``: the rules of every ComfyUI release that runs the model (what a
+    file's ``loads_in`` claims); False: the latest release's (Z-Image's and Qwen-Image's diffusers names, FLUX.2's MLP
+    and single-block entries of ``flux_to_diffusers``, which came later).
+
+    The rules, as read in ComfyUI's source: every weight ``diffusion_model.<name>.weight`` of the model as ComfyUI
+    builds it is mapped from ``diffusion_model.<name>`` and ``lora_unet_<name with _>`` (generic, every model and
+    release); SD UNets' diffusers names (``unet_to_diffusers``); a model of the FLUX kind (FLUX.1, FLUX.2, Chroma)
+    maps FLUX.1's diffusers names under ``transformer.``, ``lycoris_`` and ``lora_transformer_`` onto the BFL weight,
+    q/k/v onto their rows (``flux_to_diffusers``); Qwen-Image, since its rule came (ComfyUI PR #9208, in 0.3.50: 0.3.49
+    ran Qwen-Image without it), its own (diffusers) names under three prefixes; Z-Image, since its rule came, the
+    diffusers names ``z_image_to_diffusers`` lists under four prefixes."""
     key_map: dict[str, Any] = {}
     for k in model_sd:
         if k.startswith("diffusion_model.") and k.endswith(".weight"):
             key_map["lora_unet_" + k[len("diffusion_model.") : -len(".weight")].replace(".", "_")] = k
             key_map[k[: -len(".weight")]] = k
     if _is_zimage(base):
-        return {**key_map, **_zimage_key_map(base)}
-    if _is_krea2(base):  # comfy/lora.py: isinstance(model, Krea2)
+        return key_map if every_release else {**key_map, **_zimage_key_map(base)}
+    if _is_krea2(base):  # comfy/lora.py: isinstance(model, Krea2), in every release that runs Krea 2
         return {**key_map, **_krea2_key_map(base)}
-    if _is_flux2(base):  # no diffusers-name rules known for FLUX.2: the generic map only
-        return key_map
-    if _is_qwenimage(base):  # comfy/lora.py: isinstance(model, QwenImage)
+    if _is_qwenimage(base):  # comfy/lora.py: isinstance(model, QwenImage), since 0.3.50 (0.3.49 ran it without)
+        if every_release:
+            return key_map
         for k in model_sd:
             if k.startswith("diffusion_model.") and k.endswith(".weight"):
                 module = k[len("diffusion_model.") : -len(".weight")]
@@ -309,8 +335,9 @@ def comfy_key_map(base: torch.nn.Module, model_sd: Mapping[str, torch.Tensor]) -
                     key_map[key] = k
         return key_map
     sd = base.state_dict()
-    if _is_flux(base):  # comfy/utils.py flux_to_diffusers: a part maps to its rows of the fused weight
-        dims = flux_dims_from_state_dict(sd)
+    if _is_flux(base) or _is_flux2(base) or _is_chroma(base):  # comfy/utils.py flux_to_diffusers: FLUX.1's names
+        inner = base.config.num_attention_heads * base.config.attention_head_dim  # unet_config's hidden_size
+        dims = FluxDims(inner, flux_dims_from_state_dict(sd).mlp_hidden_dim if _is_flux(base) else 4 * inner)
         for k in sd:
             if not k.endswith(".weight"):
                 continue
@@ -318,7 +345,9 @@ def comfy_key_map(base: torch.nn.Module, model_sd: Mapping[str, torch.Tensor]) -
             try:
                 where = bfl_slice(module, dims)
             except KeyError:
-                continue
+                if every_release or not _is_flux2(base) or not _FLUX2_LATER.search(module):
+                    continue
+                where = flux2_slice(module, inner)  # whole weights: later releases' FLUX.2 entries
             offset = (0, where.start, where.size) if where.fused else None
             entry = ("diffusion_model." + where.param("weight"), offset, swap_halves if where.swap else None)
             for key in (
@@ -342,14 +371,21 @@ def comfy_key_map(base: torch.nn.Module, model_sd: Mapping[str, torch.Tensor]) -
     return key_map
 
 
+_FLUX2_LATER = re.compile(
+    r"(ff|ff_context)\.linear_(in|out)$|single_transformer_blocks\.\d+\.attn\.(to_qkv_mlp_proj|to_out)$"
+)
+"""The FLUX.2 diffusers names ``flux_to_diffusers`` maps in later releases only."""
+
+
 def comfy_apply(
-    base: torch.nn.Module, lora: Mapping[str, torch.Tensor], dora_norm: str = "base"
+    base: torch.nn.Module, lora: Mapping[str, torch.Tensor], dora_norm: str = "base", every_release: bool = True
 ) -> tuple[dict[str, torch.Tensor], set[str]]:
     """ComfyUI's loader on ``lora``: the denoiser's patched weights (diffusers names) and the keys it did not load
     ("lora key not loaded"). ``dora_norm``: ``base`` divides an output-axis ``dora_scale`` by the base weight's row
-    norms (``weight_adapter/base.py`` today), ``patched`` by the patched weight's (ComfyUI PR #15458)."""
+    norms (``weight_adapter/base.py`` today), ``patched`` by the patched weight's (ComfyUI PR #15458).
+    ``every_release``: :func:`comfy_key_map`'s."""
     model_sd, back = comfy_weights(base)
-    key_map = comfy_key_map(base, model_sd)
+    key_map = comfy_key_map(base, model_sd, every_release)
     patches: dict[str, list[tuple[Any, ...]]] = {}
     loaded: set[str] = set()
     for x, to in key_map.items():  # comfy/lora.py load_lora
@@ -436,7 +472,7 @@ def kohya_apply(
     weights (diffusers names) and the unexpected keys. ``ss_network_module: lycoris.kohya`` loads through LyCORIS."""
     if not any(k.startswith("lora_unet_") for k in lora):  # sd-scripts reads lora_unet_ names only
         return base_weights(base), set(lora)
-    if _is_qwenimage(base) or _is_flux2(base) or _is_krea2(base):  # sd-scripts has no network for these
+    if _is_qwenimage(base) or _is_flux2(base) or _is_chroma(base) or _is_krea2(base):  # no sd-scripts network known
         return base_weights(base), set(lora)
     model_sd, back = comfy_weights(base)  # sd-scripts builds the same modules: BFL, SGM; SD1.x in diffusers names
     flux = _is_flux(base)
@@ -576,6 +612,11 @@ def test_every_file_means_the_same_in_every_tool(
         }
         for tool in TOOLS:
             check_tool(tool, results[tool], expected, before, coverage, modules)
+        # The claim is ComfyUI's key map itself: claimed exactly when every key of the file is mapped (DoRA, which no
+        # ComfyUI release applies as trained, is never claimed).
+        if variant != "dora":
+            claimed = "ComfyUI" in json.loads(metadata["lightning_lora.loads_in"])
+            assert claimed == (not comfy_apply(base, tensors)[1]), f"{fmt}: ComfyUI claimed {claimed}"
         # Layers ComfyUI applies only approximately (DoRA) are exact under the fix of ComfyUI PR #15458: the file's
         # dora_scale has the right convention; only ComfyUI's norm differs today.
         if fmt == "kohya" and coverage.approximate["ComfyUI"]:
@@ -585,6 +626,42 @@ def test_every_file_means_the_same_in_every_tool(
                     patched[f"{module}.weight"], expected[f"{module}.weight"], atol=1e-5, rtol=1e-4
                 )
     assert written or "kohya" not in family.lora_files.formats, "no format holds this variant"
+
+
+def test_which_comfyui_releases_map_a_diffusers_file(bases: dict, tmp_path: Path) -> None:
+    """The minimum versions the families' coverage names: a Z-Image (Qwen-Image) diffusers file is mapped whole by the
+    ComfyUI releases that have its Z-Image (Qwen-Image) rule and not at all by the earlier ones (the ComfyUI-layout
+    (kohya-layout) file by both); a FLUX.2 diffusers file's double-block attention by every release, its MLPs and single
+    blocks by the later ones only, its modulation by none."""
+    for name, other in (("zimage", "comfyui"), ("qwenimage", "kohya")):
+        family, base = bases[name]
+        model, options = adapted(family, base, "all_linear" if name == "zimage" else "attention", "lora")
+        state = get_peft_model_state_dict(model)
+        files = {f: tmp_path / f"{name}.{f}.safetensors" for f in ("diffusers", other)}
+        for fmt, path in files.items():
+            export_lora(state, path, format=fmt, lora=options, family=family, info={})  # type: ignore[arg-type]
+        diffusers_file, other_file = load_file(files["diffusers"]), load_file(files[other])
+        assert comfy_apply(base, diffusers_file)[1] == set(diffusers_file), name  # every release: none of it
+        assert comfy_apply(base, diffusers_file, every_release=False)[1] == set(), name
+        assert comfy_apply(base, other_file)[1] == set(), name
+        assert "ComfyUI" not in file_coverage(state, family, "diffusers").loads_in, name
+
+    family, base = bases["flux2"]
+    linear = [n for n, m in base.named_modules() if isinstance(m, torch.nn.Linear)]
+    targets = [n for n in linear if n.startswith(("transformer_blocks.0.", "single_transformer_blocks.0."))]
+    model, options = adapted(family, base, [*targets, "double_stream_modulation_img.linear"], "lora")
+    state = get_peft_model_state_dict(model)
+    path = export_lora(state, tmp_path / "f.safetensors", format="diffusers", lora=options, family=family, info={})
+    modules = {k.rsplit(".", 2)[0].removeprefix("transformer.") for k in load_file(path)}
+    unloaded = {k.rsplit(".", 2)[0].removeprefix("transformer.") for k in comfy_apply(base, load_file(path))[1]}
+    later = {
+        k.rsplit(".", 2)[0].removeprefix("transformer.")
+        for k in comfy_apply(base, load_file(path), every_release=False)[1]
+    }
+    attention = {m for m in modules if ".attn." in m and not m.startswith("single")}
+    assert attention and not attention & unloaded and unloaded - attention == modules - attention
+    assert later and all("modulation" in m for m in later)
+    assert set(file_coverage(state, family, "diffusers").skipped["ComfyUI"]) == unloaded
 
 
 def test_comfyui_skips_peft_attention_names_of_a_unet(bases: dict, tmp_path: Path) -> None:
