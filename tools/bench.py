@@ -21,8 +21,8 @@ base sharded with FSDP2 over the N GPUs: ``trainer.strategy: fsdp``,
     python tools/bench.py --quant none --opt adamw --devices 2 --strategy fsdp
 
 ``--ema 1`` adds the ``LoraEMA`` callback (the EMA of the LoRA and its two power-function EMAs, updated after every
-optimizer step; the config's options when it has one): the cost of EMA against the same run without it, and the
-planner's count of its copies of the LoRA.
+optimizer step; the config's options when it has one, as ``fit`` runs it): the cost of EMA against the same run without
+it, and the planner's count of its copies of the LoRA.
 
 Families (``--family``): ``flux`` (FLUX.1-dev), ``sdxl`` (SDXL base 1.0), ``sd15`` (Stable Diffusion 1.5),
 ``zimage`` (Z-Image-Turbo), ``qwenimage`` (Qwen-Image), ``flux2`` (FLUX.2 klein base 4B), ``krea2`` (Krea 2 Raw) and
@@ -1748,8 +1748,8 @@ def parser() -> argparse.ArgumentParser:
         type=int,
         choices=[0, 1],
         default=0,
-        help="a LoraEMA callback: the EMA of the LoRA and its two power-function EMAs, updated after every optimizer "
-        "step (default: 1 when the config has one, with its options)",
+        help="a LoraEMA callback, updated after every optimizer step: the EMA of the LoRA and its two power-function "
+        "EMAs (default: 1 when the config has one, with its options: power-function EMAs only with snapshot_every)",
     )
     p.add_argument("--profile", default="", help="write a torch.profiler summary of the timed steps to this file")
     p.add_argument(
