@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -30,9 +31,26 @@ from typing_extensions import override
 from lightning_lora.data.recipe import data_recipe
 from lightning_lora.module import lora_module
 
-__all__ = ["ConfigSummary", "StartSummary", "StepProgressBar", "Throughput", "VRAMMonitor", "start_summary"]
+__all__ = [
+    "ConfigSummary",
+    "StartSummary",
+    "StepProgressBar",
+    "Throughput",
+    "VRAMMonitor",
+    "console_line",
+    "start_summary",
+]
 
 GIB = 2**30
+
+
+def console_line(text: str) -> None:
+    """Print ``text`` on stdout through tqdm's ``write``: a progress bar on the screen is cleared first and drawn again
+    below it, so no line is printed over the bar."""
+    from tqdm import tqdm
+
+    tqdm.write(text, file=sys.stdout)
+    sys.stdout.flush()
 
 
 def _cuda(pl_module: LightningModule) -> bool:
@@ -236,7 +254,7 @@ class StartSummary(Callback):
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.is_global_zero:
-            print(start_summary(trainer, pl_module), flush=True)
+            console_line(start_summary(trainer, pl_module))
 
 
 class StepProgressBar(ProgressBar):

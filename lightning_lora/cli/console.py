@@ -1,5 +1,6 @@
-"""What the console shows during ``lightning-lora fit``: our lines, the progress bar and the warnings a user must act
-on. Everything else the libraries say goes to ``<run folder>/lightning-lora.log``.
+"""What the console shows while a ``lightning-lora`` command runs: our lines, the progress bar and the warnings a user
+must act on. Everything else the libraries say goes to ``<run folder>/lightning-lora.log`` (``fit``, ``cache``), or
+nowhere (``plan``, ``export``: no run folder).
 
 A plain run of the underlying libraries prints, before the first step: Lightning's "GPU available" / "TPU available"
 lines and its litlogger tip, "Seed set to", the model summary table, transformers' notes that torchvision is not
@@ -7,15 +8,21 @@ installed, bitsandbytes' "Failed to load CPU gemm_4bit_forward" (even without NF
 hint that the data loader has few workers (ours serves cached tensors), and a "checkpoint directory is not empty" note
 on every resume. None of it asks the user to do anything, and it buries what does. :class:`Console` routes it:
 
-* transformers' and diffusers' loggers lose their console handler and write to the run log;
+* transformers', diffusers' and huggingface_hub's loggers lose their console handler and write to the run log (the
+  hub's retries while the network is down too: the error that follows says what to do);
 * a record from any other library that logs with no handler of its own would reach Python's handler of last resort,
   which prints it: :class:`LastResort` takes that place (``logging.lastResort``) and writes it to the run log instead
   (bitsandbytes' CPU kernel note on a CPU with AVX-512 BF16, and the note of the ``kernels`` package that
   transformers >= 5.25 installs, that it skips its publisher check offline). Our own warnings, and any library's
   error, still print;
 * Lightning's console handler drops its chatter lines (:data:`CHATTER`), which go to the run log;
-* a Python warning is shown when it comes from lightning-lora or from Lightning (minus :data:`WARNING_CHATTER`);
-  any other library's warning goes to the run log, and the run summary says how many there were.
+* a Python warning is shown when it comes from lightning-lora or from Lightning (minus :data:`WARNING_CHATTER`), as
+  one plain line (``warning: ...``; the run log keeps where it was raised); any other library's warning goes to the
+  run log, and the run summary says how many there were.
+
+One stream: the lines of lightning-lora and Lightning (the start summary, the cache summary, the evaluation losses,
+warnings) go to stdout, through the progress bar's ``write`` (:func:`~lightning_lora.callbacks.monitor.console_line`),
+so none is printed over the bar and ``2>/dev/null`` loses none of them; stderr carries errors only.
 
 Records that arrive before the run folder is known (imports, config parsing) wait in memory and are written when it
 is.
@@ -29,7 +36,9 @@ import re
 import warnings
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TextIO
+from typing import Any, ClassVar, TextIO
+
+from lightning_lora.callbacks.monitor import console_line
 
 __all__ = ["CHATTER", "LOG_NAME", "WARNING_CHATTER", "Console", "LastResort", "quiet_library_loggers"]
 
@@ -116,6 +125,9 @@ class Console:
     """Routes library chatter to the run log (see the module docstring). ``install()`` at the start of the command,
     ``attach(run_folder)`` once the run folder is known, ``close()`` at the end."""
 
+    active: ClassVar[Console | None] = None
+    """The console of the command that runs now (installed and not yet closed), or None (code run from Python)."""
+
     def __init__(self) -> None:
         self.memory = logging.handlers.MemoryHandler(capacity=10**6, flushLevel=logging.CRITICAL + 10)
         self.memory.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
@@ -125,9 +137,13 @@ class Console:
         self._showwarning: Any = None
         self._filtered: list[logging.Handler] = []
         self._last_resort: LastResort | None = None
+        self._hub_handlers: list[logging.Handler] | None = None
 
     # -- setting up ---------------------------------------------------------------------------------------------
     def install(self) -> None:
+        import lightning.pytorch  # noqa: F401 - its console handlers exist once it is imported
+
+        Console.active = self
         self._showwarning = warnings.showwarning
         warnings.showwarning = self._show
         for name in ("lightning.pytorch", "lightning.fabric"):
@@ -141,6 +157,9 @@ class Console:
                 continue
             module.disable_default_handler()
             module.add_handler(self.memory)
+        hub = logging.getLogger("huggingface_hub")  # its own console handler (huggingface_hub.utils.logging)
+        self._hub_handlers = list(hub.handlers)
+        hub.handlers = [self.memory]
         self._last_resort = LastResort(target=self.memory).install()
 
     def attach(self, folder: str | Path) -> None:
@@ -159,6 +178,8 @@ class Console:
         self.memory.flush()
 
     def close(self) -> None:
+        if Console.active is self:
+            Console.active = None
         if self._showwarning is not None:
             warnings.showwarning = self._showwarning
             self._showwarning = None
@@ -168,6 +189,9 @@ class Console:
         if self._last_resort is not None:
             self._last_resort.restore()
             self._last_resort = None
+        if self._hub_handlers is not None:
+            logging.getLogger("huggingface_hub").handlers = self._hub_handlers
+            self._hub_handlers = None
         self.memory.flush()
         if self.file is not None:
             self.file.close()
@@ -181,8 +205,14 @@ class Console:
 
     # -- routing -----------------------------------------------------------------------------------------------
     def _lightning_line(self, record: logging.LogRecord) -> bool:
-        if CHATTER.search(record.getMessage()):
+        """Chatter to the run log, information (ours and Lightning's) to stdout; what Lightning's handler still prints
+        (on stderr): its errors."""
+        message = record.getMessage()
+        if CHATTER.search(message):
             self.memory.handle(record)
+            return False
+        if record.levelno < logging.WARNING:
+            console_line(message)
             return False
         return True
 
@@ -197,14 +227,13 @@ class Console:
     ) -> None:
         text = str(message)
         package = _package_of(filename)
-        if package and not WARNING_CHATTER.search(text):
-            self._showwarning(message, category, filename, lineno, file, line)
-            return
-        if package not in _OURS:
-            self.library_warnings += 1
         record = logging.LogRecord("py.warnings", logging.WARNING, filename, lineno, text, None, None)
-        record.msg = f"{category.__name__}: {text}"
-        self.memory.handle(record)
+        record.msg = f"{category.__name__}: {text} ({filename}:{lineno})"
+        self.memory.handle(record)  # the run log says where each warning was raised
+        if package and not WARNING_CHATTER.search(text):
+            console_line(f"warning: {text}")
+        elif package not in _OURS:
+            self.library_warnings += 1
 
     def summary(self) -> str | None:
         """One line for the run summary: where the libraries' messages went."""

@@ -16,6 +16,7 @@ import math
 from typing import Any, ClassVar
 
 from lightning_lora.cli.fit import UNBUILT, LoraCLI, resolve_precision
+from lightning_lora.cli.help import plain_text
 from lightning_lora.data.datamodule import DataOptions
 from lightning_lora.data.recipe import DataRecipe
 from lightning_lora.errors import ConfigError
@@ -60,7 +61,7 @@ def card_size(gib: float | None, option: str) -> float | None:
 
 def main(argv: list[str]) -> int:
     """Run ``lightning-lora plan`` with ``argv`` (the arguments after ``plan``); return the exit status."""
-    parser = argparse.ArgumentParser(prog="lightning-lora plan", description=__doc__)
+    parser = argparse.ArgumentParser(prog="lightning-lora plan", description=plain_text(__doc__ or ""))
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--vram", type=float, default=None, help="GPU memory in GiB to check against (e.g. 24)")
     size.add_argument("--gpu", default=None, help="a card by name instead of --vram (e.g. 'RTX 4090', 'RTX 3060 12GB')")

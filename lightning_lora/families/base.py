@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
@@ -70,6 +71,8 @@ __all__ = [
     "content_digest",
     "load_component",
     "load_weights",
+    "looks_local",
+    "source_problem",
     "FAMILIES",
 ]
 
@@ -245,6 +248,11 @@ def check_source(source: ModelSource, pipeline_classes: tuple[str, ...]) -> None
                 f"model.pretrained: {str(path)!r} holds a {class_name or 'unknown'} pipeline, but model.family "
                 f"expects one of {', '.join(pipeline_classes)}. Choose the matching model.family or another folder."
             )
+    elif looks_local(source.pretrained):
+        raise ConfigError(
+            f"model.pretrained: folder {source.pretrained} does not exist (in {Path.cwd()}). Check the path: a local "
+            "model is a diffusers folder with model_index.json; a hub id looks like black-forest-labs/FLUX.1-dev."
+        )
     elif not _HUB_ID.match(source.pretrained):
         raise ConfigError(
             f"model.pretrained: {source.pretrained!r} does not exist as a local folder and is not a hub id "
@@ -269,15 +277,77 @@ def check_source(source: ModelSource, pipeline_classes: tuple[str, ...]) -> None
             ) from None
 
 
+def looks_local(pretrained: str) -> bool:
+    """Whether ``model.pretrained`` names a local folder rather than a hub id (``owner/name``), whether or not it
+    exists: a path from the root, the working folder or home (``/``, ``./``, ``../``, ``~``), one whose parent folder
+    exists (``models/flux-dev`` beside a ``models/`` folder), or a path with more than one separator."""
+    text = pretrained.strip()
+    if text.startswith(("/", "./", "../", "~", ".\\", "..\\")) or Path(text).is_absolute():
+        return True
+    path = Path(text).expanduser()
+    if path.exists() or (path.parent != Path(".") and path.parent.is_dir()):
+        return True
+    return (os.sep in text or "/" in text) and not _HUB_ID.match(text)
+
+
+def _hub_offline() -> bool:
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def _causes(error: BaseException) -> list[BaseException]:
+    seen: list[BaseException] = []
+    current: BaseException | None = error
+    while current is not None and current not in seen:
+        seen.append(current)
+        current = current.__cause__ or current.__context__
+    return seen
+
+
+_UNREACHABLE = re.compile(
+    r"Name or service not known|Failed to resolve|Connection ?(refused|Error)|timed out|offline", re.I
+)
+
+
+def source_problem(source: ModelSource, subfolder: str, error: BaseException) -> str:
+    """The one line for a component of ``source`` that failed to load (``error``): a local folder's file problem; for a
+    hub id, why it is not here (offline: ``HF_HUB_OFFLINE`` set, or no network; a gated model; another error) and how
+    to download it (``hf download``) or log in (``hf auth login``)."""
+    if source.is_local:
+        return f"model.pretrained: could not load {subfolder!r} from the local folder {source.pretrained}: {error}"
+    repo = source.pretrained
+    chain = _causes(error)
+    download = (
+        f"Download it where there is a network: hf download {repo} (and point HF_HOME there, or give "
+        "model.pretrained the downloaded folder)"
+    )
+    if any(type(e).__name__ == "GatedRepoError" or "gated" in str(e).lower() for e in chain):
+        return (
+            f"model.pretrained: {repo} is a gated model on the Hugging Face hub: accept its license on "
+            f"https://huggingface.co/{repo}, log in with hf auth login (or set HF_TOKEN), then run again."
+        )
+    gated = " A gated model (FLUX.1-dev is one) also needs its license accepted and hf auth login."
+    if _hub_offline():
+        return (
+            f"model.pretrained: {repo} is not in the local Hugging Face cache, and HF_HUB_OFFLINE is set (nothing is "
+            f"downloaded). {download}, or unset HF_HUB_OFFLINE to download it now.{gated}"
+        )
+    if any(_UNREACHABLE.search(f"{type(e).__name__} {e}") for e in chain):
+        return (
+            f"model.pretrained: {repo} is not in the local Hugging Face cache, and the hub could not be reached (no "
+            f"network?). {download}.{gated}"
+        )
+    return f"model.pretrained: could not load {subfolder!r} of the hub model {repo}: {first_line(error)}.{gated}"
+
+
 def load_component(load: Callable[..., T], source: ModelSource, subfolder: str, **kwargs: Any) -> T:
-    """Call a diffusers/transformers ``from_pretrained`` for one component and turn failures into a clear error."""
+    """Call a diffusers/transformers ``from_pretrained`` for one component and turn failures into a clear error
+    (:func:`source_problem`)."""
     try:
         return load(source.local_path, subfolder=subfolder, revision=source.revision, **kwargs)
     except (OSError, ValueError) as e:
-        where = "local folder" if source.is_local else "hub repository (is it downloaded, or are you offline?)"
-        raise ConfigError(
-            f"model.pretrained: could not load {subfolder!r} from {source.pretrained!r} ({where}): {e}"
-        ) from e
+        raise ConfigError(source_problem(source, subfolder, e)) from e
 
 
 def load_weights(load: Callable[..., T], source: ModelSource, subfolder: str, **kwargs: Any) -> T:
@@ -558,7 +628,7 @@ class DiffusionFamily(ABC):
                 raise
             raise ConfigError(
                 f"model.pretrained: the architecture of {source.pretrained!r} is not known offline, and its config "
-                "could not be read. Download its configs (a few KB, no weights): huggingface-cli download "
+                "could not be read. Download its configs (a few KB, no weights): hf download "
                 f"{source.pretrained} --include '*.json', or point model.pretrained at a local folder."
             ) from None
 
