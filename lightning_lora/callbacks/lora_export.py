@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_lora.data.recipe import data_recipe
@@ -253,7 +253,7 @@ class LoraExport(Callback):
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.export(trainer, pl_module, self.name)
         files = "; ".join(f"{path} (loads in {self.describe(fmt)})" for fmt, path in self.last_files())
-        rank_zero_info(f"LoRA written at step {trainer.global_step}: {files}")
+        log.info("LoRA written at step %d: %s", trainer.global_step, files)  # the run summary lists them for the user
 
 
 def _config_hash(config: Path) -> str:

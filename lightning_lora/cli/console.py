@@ -51,7 +51,7 @@ CHATTER = re.compile(
             r"^TPU available:",
             r"^HPU available:",
             r"^💡 Tip:",
-            r"^Seed set to",
+            r"^(\[rank: \d+\] )?Seed set to",
             r"^`Trainer\.fit` stopped:",
             r"^Restoring states from the checkpoint path",
             r"^Restored all states from the checkpoint",
@@ -146,7 +146,7 @@ class Console:
         Console.active = self
         self._showwarning = warnings.showwarning
         warnings.showwarning = self._show
-        for name in ("lightning.pytorch", "lightning.fabric"):
+        for name in ("lightning", "lightning.pytorch", "lightning.fabric"):  # whichever holds the console handler
             for handler in logging.getLogger(name).handlers:
                 handler.addFilter(self._lightning_line)
                 self._filtered.append(handler)

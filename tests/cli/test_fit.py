@@ -86,7 +86,7 @@ def test_fit_trains_and_writes_the_run_folder(
     } <= set(events.Tags()["scalars"])
     assert [e.step for e in events.Scalars("perf/first_step_s")] == [1]  # once, at the first optimizer step
     first = [r.getMessage() for r in caplog.records if r.getMessage().startswith("First optimizer step")]
-    assert len(first) == 1 and "compiling" not in first[0]  # and on the console; this run compiles nothing
+    assert not first  # this run compiles nothing: its first step took no longer than the others, nothing to say
     assert any(tag.startswith("config") for tag in events.Tags()["tensors"])  # the resolved config, as text
     assert any(tag.startswith("samples/") for tag in events.Tags()["images"])
     # The HParams tab: the run's options beside its final fixed evaluation loss, to compare runs in one table.
@@ -482,8 +482,8 @@ def test_the_progress_bar_counts_optimizer_steps(tmp_path: Path, tiny_flux_dir: 
     cli = run_cli(["fit", "--config", str(write_config(tmp_path, tiny_flux_dir, photos_dir, **overrides))])
     bar = cli.trainer.progress_bar_callback
     assert isinstance(bar, StepProgressBar) and bar.shown == (3, 3)
-    err = capsys.readouterr().err
-    assert "3/3" in err and "Epoch" not in err
+    out = capsys.readouterr().out  # not a terminal: a line every tenth of the run, on stdout with our other lines
+    assert "step 3/3  loss " in out and "Epoch" not in out
 
 
 BNB_NOTE = "Failed to load CPU gemm_4bit_forward from kernels-community: No module named 'kernels'"

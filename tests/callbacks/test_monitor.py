@@ -1,0 +1,55 @@
+"""The progress bar's estimate of the time left, and when the first step is worth a line: neither may count a first
+step that compiled (it read 1:07:52 left of a run that ended 38 s later)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from lightning_lora.callbacks import monitor
+from lightning_lora.callbacks.monitor import StepClock, StepProgressBar
+
+
+def test_the_time_left_does_not_count_the_first_step() -> None:
+    clock = StepClock(now=0.0, step=0)
+    assert not clock.tick(1.0, 0) and clock.seconds_left(1.0, 0, 1000) is None
+    assert clock.tick(60.0, 1) and clock.first_step_s == 60.0  # compiling
+    assert clock.seconds_left(60.0, 1, 1000) is None  # nothing measured after it yet
+    assert clock.seconds_per_step(61.0, 3) == pytest.approx(0.5)
+    assert clock.seconds_left(61.0, 3, 1000) == pytest.approx(997 * 0.5)
+    assert clock.first_step_notable(61.0, 3)
+    quick = StepClock(now=0.0, step=40)  # a resumed run whose first step compiled nothing
+    quick.tick(0.6, 41)
+    assert quick.seconds_per_step(1.6, 43) == pytest.approx(0.5) and not quick.first_step_notable(1.6, 43)
+
+
+def test_the_bar_in_a_log_after_a_slow_first_step(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """stdout is not a terminal here: a plain line every tenth of the run, whose time left comes from the steps after
+    the first (60 s) one: 0.5 s a step."""
+    now = [0.0]
+    monkeypatch.setattr(monitor.time, "perf_counter", lambda: now[0])
+    trainer: Any = SimpleNamespace(
+        max_steps=100,
+        global_step=0,
+        is_global_zero=True,
+        log_every_n_steps=50,
+        progress_bar_metrics={"train/loss": 0.25},
+        optimizers=[],
+    )
+    bar = StepProgressBar()
+    bar.on_train_start(trainer, None)  # type: ignore[arg-type]
+    for step in range(1, 21):
+        now[0] = 60.0 + 0.5 * (step - 1)
+        trainer.global_step = step
+        bar.on_train_batch_end(trainer, None)  # type: ignore[arg-type]
+    bar.on_train_end(trainer, None)  # type: ignore[arg-type]
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [
+        "step 10/100  loss 0.2500  0.50 s/step  0:45 left",
+        "step 20/100  loss 0.2500  0.50 s/step  0:40 left",
+    ]
+    assert bar.shown == (20, 100) and bar.lines == 2
