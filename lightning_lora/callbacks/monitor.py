@@ -5,13 +5,15 @@
   footprint once the model is set up, and the memory planner's prediction beside it. The progress bar shows the
   peak. ``torch.cuda`` is also the API of ROCm builds, so it works there unchanged; on the CPU it logs nothing.
 * :class:`Throughput` logs optimizer steps per second, images per second (all ranks, all micro-batches) and the
-  minutes left to ``max_steps``; the progress bar shows the minutes left (Lightning's own estimate is per epoch).
+  minutes left to ``max_steps``, from the steps after the first, which may compile (:class:`StepClock`).
 * :class:`ConfigSummary` puts the resolved ``config.yaml`` into TensorBoard's Text tab, so the settings of every
-  curve are one click away.
+  curve are one click away, and the options the config sets into the HParams tab (:func:`run_hparams`).
 * :class:`StartSummary` prints, when training starts (after a checkpoint is restored), what the run will do: the steps
   from here to ``max_steps``, the batch, the learning-rate schedule and the rate now, and after a resume which file it
   continues and every setting it took from the config instead of the checkpoint (e.g. a longer schedule).
-* :class:`StepProgressBar` counts optimizer steps of ``max_steps`` (Lightning's bars count batches per epoch).
+* :class:`StepProgressBar` counts optimizer steps of ``max_steps`` (Lightning's bars count batches per epoch), with
+  the time left from the steps after the first; on stdout, where the run's other lines go through its ``write``
+  (:func:`console_line`).
 """
 
 from __future__ import annotations
@@ -32,12 +34,15 @@ from lightning_lora.data.recipe import data_recipe
 from lightning_lora.module import lora_module
 
 __all__ = [
+    "RUN_DEFINING",
     "ConfigSummary",
     "StartSummary",
     "StepProgressBar",
     "Throughput",
     "VRAMMonitor",
     "console_line",
+    "flat_options",
+    "run_hparams",
     "start_summary",
 ]
 
@@ -233,24 +238,80 @@ class Throughput(Callback):
         rank_zero_info(f"First optimizer step: {clock.first_step_s:.1f} s (the next ones {per_step:.2f} s{why})")
 
 
-def flat_options(config: dict[str, Any], prefix: str = "") -> dict[str, float | int | str | bool]:
-    """A nested config as ``{"model.lora.rank": 16, ...}``: the values TensorBoard's HParams tab takes (lists and
-    nulls as text)."""
-    flat: dict[str, float | int | str | bool] = {}
+def flat_options(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested config as ``{"model.lora.rank": 16, ...}``, the way a user names its options: a ``class_path`` entry is
+    its section's value (the class's name: ``model.optimizer: AdamW8bit``) and its ``init_args`` are options of the
+    section (``model.optimizer.lr``); a list of them (``trainer.callbacks``) is the classes' names, each one's options
+    under its name (``trainer.callbacks.SampleImages.every_n_steps``). Values as they are (nulls, lists)."""
+    flat: dict[str, Any] = {}
     for key, value in config.items():
         name = f"{prefix}{key}"
-        if isinstance(value, dict):
+        if isinstance(value, dict) and "class_path" in value:
+            flat[name] = _class_name(value)
+            flat.update(flat_options(value.get("init_args") or {}, f"{name}."))
+        elif isinstance(value, dict):
             flat.update(flat_options(value, f"{name}."))
-        elif isinstance(value, bool | int | float | str):
-            flat[name] = value
+        elif isinstance(value, list) and value and all(isinstance(v, dict) and "class_path" in v for v in value):
+            flat[name] = ", ".join(_class_name(v) for v in value)
+            for item in value:
+                flat.update(flat_options(item.get("init_args") or {}, f"{name}.{_class_name(item)}."))
         else:
-            flat[name] = str(value)
+            flat[name] = value
     return flat
 
 
+def _class_name(spec: dict[str, Any]) -> str:
+    return str(spec["class_path"]).rsplit(".", 1)[-1]
+
+
+RUN_DEFINING = (
+    "model.family",
+    "model.pretrained",
+    "model.lora.rank",
+    "model.optimizer.lr",
+    "data.resolution",
+    "data.batch_size",
+    "trainer.precision",
+    "trainer.plugins",
+    "trainer.plugins.dtype",
+)
+"""The options the HParams table always has: what defines a run (family, model, rank, learning rate, resolution,
+batch, precision), whether the config set them or took the default."""
+
+
+def run_hparams(config: dict[str, Any], options_set: set[str] | None) -> dict[str, float | int | str]:
+    """The HParams entries of a run's resolved ``config``: :data:`RUN_DEFINING` and the options the user set
+    (``options_set``, as :func:`flat_options` names them; a section that is no option names all its options), never a
+    null; booleans as ``true`` / ``false`` (TensorBoard shows a bool as 0 / 1), lists as text."""
+    flat = flat_options(config)
+    chosen = set(options_set or ())
+    sections = [o for o in chosen if o not in flat]  # e.g. --model.lora '{rank: 4}': every option under it
+    hparams: dict[str, float | int | str] = {}
+    for name, value in flat.items():
+        if value is None or value == []:
+            continue
+        if name not in RUN_DEFINING and name not in chosen and not any(name.startswith(f"{o}.") for o in sections):
+            continue
+        if isinstance(value, bool):
+            hparams[name] = "true" if value else "false"
+        elif isinstance(value, int | float | str):
+            hparams[name] = value
+        elif isinstance(value, list):
+            hparams[name] = ", ".join(str(v) for v in value)
+        else:
+            hparams[name] = str(value)
+    return hparams
+
+
 class ConfigSummary(Callback):
-    """The resolved config.yaml of the run, in TensorBoard's Text tab (tag ``config``), and its options with the final
-    fixed evaluation loss in the HParams tab (metric ``hp/eval_loss``), so runs compare in one table."""
+    """The resolved config.yaml of the run, in TensorBoard's Text tab (tag ``config``), and in the HParams tab the
+    options the config sets (:func:`run_hparams`) with the final fixed evaluation loss (metric ``hp/eval_loss``), so
+    runs compare in one table: a column per option someone chose, not one per default of Lightning's Trainer."""
+
+    def __init__(self) -> None:
+        self.options_set: set[str] | None = None
+        """The options the command line and the config files set (:func:`flat_options`' names), given by the CLI;
+        None: only the options that define a run (:data:`RUN_DEFINING`)."""
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -275,7 +336,7 @@ class ConfigSummary(Callback):
 
         from lightning_lora.callbacks.evaluation import FixedEvalLoss
 
-        options = {k: v for k, v in flat_options(yaml.safe_load(config.read_text()) or {}).items()}
+        options = run_hparams(yaml.safe_load(config.read_text()) or {}, self.options_set)
         metrics: dict[str, float] = {}
         for cb in trainer.callbacks:  # type: ignore[attr-defined]
             if isinstance(cb, FixedEvalLoss) and cb.history:

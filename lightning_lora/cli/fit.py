@@ -67,7 +67,7 @@ from lightning_lora.cli.class_paths import apply_import_policy, check_class_path
 from lightning_lora.cli.console import Console
 from lightning_lora.cli.help import check_refused, tailor_fit_parser
 from lightning_lora.cli.parser import ConfigParser
-from lightning_lora.cli.peek import check_config_files, config_files, read_config_file
+from lightning_lora.cli.peek import check_config_files, config_files, options_set, read_config_file
 from lightning_lora.cli.status import interrupted, user_error
 from lightning_lora.data.datamodule import LatentDataModule
 from lightning_lora.data.recipe import DataRecipe
@@ -98,6 +98,8 @@ class LoraCLI(LightningCLI):
 
     def __init__(self, args: list[str] | None = None, run: bool = True) -> None:
         self._lock: RunLock | None = None
+        self.options_set: set[str] | None = None
+        """The options the config files and flags set (:func:`~lightning_lora.cli.peek.options_set`)."""
         apply_import_policy()  # a config names classes of trusted modules only (lightning_lora.cli.class_paths)
         super().__init__(
             LoraModule,
@@ -154,8 +156,10 @@ class LoraCLI(LightningCLI):
     def parse_arguments(self, parser: Any, args: Any) -> None:
         """LightningCLI's parsing, after a one-line error for a config file that is not UTF-8 or has a bad folder entry
         (:func:`check_config_files`) or an option that moved (:func:`check_moved_options`)."""
-        check_config_files(sys.argv[1:] if args is None else args)
-        check_moved_options(sys.argv[1:] if args is None else args)
+        given = sys.argv[1:] if args is None else args
+        check_config_files(given)
+        check_moved_options(given)
+        self.options_set = options_set(given) if isinstance(given, list | tuple) else None
         super().parse_arguments(parser, args)
         check_refused(self.config.get(str(self.config.get("subcommand")), self.config))
 
@@ -188,6 +192,9 @@ class LoraCLI(LightningCLI):
         for required in (RNGState, RunFolder, GracefulStop, VRAMMonitor, Throughput, ConfigSummary, StartSummary):
             if not any(isinstance(c, required) for c in callbacks):
                 callbacks.append(required())
+        for cb in callbacks:
+            if isinstance(cb, ConfigSummary):
+                cb.options_set = self.options_set  # the HParams tab: the options the user set
         config["callbacks"] = callbacks
         config["strategy"] = resolve_strategy(
             config.get("strategy", "auto"), config.get("devices", "auto"), config.get("num_nodes") or 1

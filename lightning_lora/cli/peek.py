@@ -15,7 +15,14 @@ from typing import TYPE_CHECKING, Any, cast
 if TYPE_CHECKING:
     from lightning_lora.hardware import Allocator
 
-__all__ = ["check_config_files", "check_config_text", "config_allocator", "config_files", "read_config_file"]
+__all__ = [
+    "check_config_files",
+    "check_config_text",
+    "config_allocator",
+    "config_files",
+    "options_set",
+    "read_config_file",
+]
 
 _CONFIG_FLAGS = ("--config", "-c")
 
@@ -86,6 +93,22 @@ def read_config_file(path: Path) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError, yaml.YAMLError):
         return {}
     return data if isinstance(data, dict) else {}
+
+
+def options_set(args: Sequence[Any]) -> set[str]:
+    """The options the ``--config`` files and the flags of ``args`` set, named as
+    :func:`~lightning_lora.callbacks.monitor.flat_options` names them (``model.optimizer.lr``: a class's ``init_args``
+    are options of its section; a list of classes stops at the list); what the HParams tab shows of a run."""
+    from lightning_lora.callbacks.monitor import flat_options
+
+    found: set[str] = set()
+    for kind, value in _config_and_flags(args):
+        if kind == "config":
+            found.update(flat_options(read_config_file(Path(value))))
+        elif kind not in ("--print_config", "--allocator"):
+            name = kind[2:].rstrip("+")
+            found.add(".".join(part for part in name.split(".") if part not in ("init_args", "class_path")))
+    return found
 
 
 def config_allocator(args: Sequence[Any]) -> Allocator | None:

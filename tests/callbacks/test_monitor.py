@@ -53,3 +53,70 @@ def test_the_bar_in_a_log_after_a_slow_first_step(
         "step 20/100  loss 0.2500  0.50 s/step  0:40 left",
     ]
     assert bar.shown == (20, 100) and bar.lines == 2
+
+
+def test_the_hparams_are_the_options_the_config_sets() -> None:
+    from lightning_lora.callbacks.monitor import flat_options, run_hparams
+
+    config = {
+        "seed_everything": 42,
+        "trainer": {
+            "max_steps": 100,
+            "inference_mode": True,
+            "deterministic": None,
+            "precision": None,
+            "plugins": {"class_path": "lightning_lora.precision.BF16", "init_args": {"dtype": "fp32", "skip": []}},
+            "callbacks": [
+                {"class_path": "lightning_lora.callbacks.SampleImages", "init_args": {"every_n_steps": 30, "steps": 4}}
+            ],
+        },
+        "model": {
+            "pretrained": "black-forest-labs/FLUX.1-dev",
+            "family": {"class_path": "lightning_lora.families.Flux", "init_args": {"guidance": 1.0}},
+            "lora": {"rank": 16, "alpha": None, "targets": ["to_q", "to_k"]},
+            "gradient_checkpointing": False,
+            "optimizer": {"class_path": "torch.optim.AdamW", "init_args": {"lr": 0.0001, "weight_decay": 0.01}},
+        },
+        "data": {"resolution": [512, 768], "batch_size": 2, "random_flip": True},
+    }
+    written = {"model": {"lora": {"targets": ["to_q", "to_k"]}}, "data": {"random_flip": True}}
+    chosen = set(flat_options(written)) | {"trainer.callbacks.SampleImages.steps", "model.gradient_checkpointing"}
+    assert run_hparams(config, chosen) == {
+        "trainer.plugins": "BF16",
+        "trainer.plugins.dtype": "fp32",
+        "trainer.callbacks.SampleImages.steps": 4,
+        "model.pretrained": "black-forest-labs/FLUX.1-dev",
+        "model.family": "Flux",
+        "model.lora.rank": 16,
+        "model.lora.targets": "to_q, to_k",
+        "model.gradient_checkpointing": "false",
+        "model.optimizer.lr": 0.0001,
+        "data.resolution": "512, 768",
+        "data.batch_size": 2,
+        "data.random_flip": "true",
+    }
+    assert set(run_hparams(config, None)) == {
+        "trainer.plugins",
+        "trainer.plugins.dtype",
+        "model.pretrained",
+        "model.family",
+        "model.lora.rank",
+        "model.optimizer.lr",
+        "data.resolution",
+        "data.batch_size",
+    }
+
+
+def test_the_options_a_command_line_sets(tmp_path) -> None:
+    from lightning_lora.cli.peek import options_set
+
+    config = tmp_path / "c.yaml"
+    config.write_text("model:\n  lora: {rank: 4}\n  optimizer: {class_path: torch.optim.AdamW, init_args: {lr: 0.1}}\n")
+    args = ["fit", "--config", str(config), "--model.optimizer.init_args.weight_decay", "0", "--data.batch_size=2"]
+    assert options_set(args) == {
+        "model.lora.rank",
+        "model.optimizer",
+        "model.optimizer.lr",
+        "model.optimizer.weight_decay",
+        "data.batch_size",
+    }

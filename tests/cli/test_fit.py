@@ -95,6 +95,10 @@ def test_fit_trains_and_writes_the_run_folder(
     start = events.PluginTagToContent("hparams")["_hparams_/session_start_info"]
     hparams = plugin_data_pb2.HParamsPluginData.FromString(start).session_start_info.hparams
     assert hparams["model.lora.rank"].number_value == 4 and hparams["data.resolution"].number_value == 32
+    # Only what the config sets (and what defines a run): it had 113 columns, mostly Trainer defaults, "None"s, 0/1s.
+    assert hparams["trainer.enable_progress_bar"].string_value == "false" and hparams["model.optimizer.lr"]
+    assert "trainer.inference_mode" not in hparams and "data.caption_ext" not in hparams and len(hparams) < 40
+    assert all(v.string_value not in ("None", "null") for v in hparams.values())
     assert [e.value for e in events.Scalars("hp/eval_loss")] == pytest.approx([evals[-1][1]])
     # The user's model and photos are untouched; the cache went to cache_dir.
     assert (tree_digest(tiny_flux_dir), tree_digest(photos_dir)) == before
