@@ -56,6 +56,7 @@ from lightning_lora.families.facts import Architecture, Compiling, LoraFiles, Pl
 
 if TYPE_CHECKING:
     from lightning_lora.formats import LoraLayout
+    from lightning_lora.formats.adapters import Adapter
     from lightning_lora.formats.clients import Coverage
 
 __all__ = [
@@ -582,6 +583,12 @@ class DiffusionFamily(ABC):
         from lightning_lora.formats.clients import rules_unknown
 
         return rules_unknown(self.name, format, variants)
+
+    def file_coverage(self, format: str, adapters: Mapping[str, Adapter]) -> Coverage:
+        """:meth:`lora_coverage` for the file of these ``adapters`` (diffusers names -> their tensors): by default what
+        their variants decide; a family whose loaders also depend on the layers' widths checks those too (FLUX's
+        kohya files in diffusers, :meth:`lightning_lora.families.Flux.file_coverage`)."""
+        return self.lora_coverage(format, {module: adapter.variant for module, adapter in adapters.items()})
 
     def format_refused(self, format: str) -> ConfigError:
         """The error for a LoRA file ``format`` this family does not write; it names the formats it does write."""
