@@ -13,8 +13,8 @@ on every resume. None of it asks the user to do anything, and it buries what doe
 * a record from any other library that logs with no handler of its own would reach Python's handler of last resort,
   which prints it: :class:`LastResort` takes that place (``logging.lastResort``) and writes it to the run log instead
   (bitsandbytes' CPU kernel note on a CPU with AVX-512 BF16, and the note of the ``kernels`` package that
-  transformers >= 5.25 installs, that it skips its publisher check offline). Our own warnings, and any library's
-  error, still print;
+  transformers >= 5.25 installs, that it skips its publisher check offline). Our own notes still print (on stdout),
+  and any library's error (on stderr);
 * Lightning's console handler drops its chatter lines (:data:`CHATTER`), which go to the run log;
 * a Python warning is shown when it comes from lightning-lora or from Lightning (minus :data:`WARNING_CHATTER`), as
   one plain line (``warning: ...``; the run log keeps where it was raised); any other library's warning goes to the
@@ -90,7 +90,8 @@ def _is_ours(name: str) -> bool:
 
 class LastResort(logging.Handler):
     """Python's handler of last resort while a command runs (``logging.lastResort``: it receives the records of every
-    logger that has no handler up its chain). lightning-lora's records, and any library's error, go to the handler it
+    logger that has no handler up its chain). lightning-lora's notes print on stdout with our other lines
+    (:func:`~lightning_lora.callbacks.monitor.console_line`); its errors, and any library's, go to the handler it
     replaced (which prints them on stderr); a library's other records go to ``target`` (the run log), or nowhere when
     ``target`` is None. ``restore()`` puts the previous handler back."""
 
@@ -109,15 +110,18 @@ class LastResort(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         ours = _is_ours(record.name)
-        if (ours or record.levelno >= logging.ERROR) and self.previous is not None:
+        if ours and record.levelno < logging.ERROR:
+            console_line(record.getMessage())  # our notes join our other lines on stdout
+        elif (ours or record.levelno >= logging.ERROR) and self.previous is not None:
             self.previous.handle(record)
         if not ours and self.target is not None:
             self.target.handle(record)
 
 
 def quiet_library_loggers() -> None:
-    """For the commands that keep no run log (``plan``, ``cache``, ``export``): a library that logs with no handler of
-    its own prints its errors only (:class:`LastResort`, for the rest of the process)."""
+    """For the verbs (``plan``, ``cache``, ``export``), which end their process after their :class:`Console` closes: a
+    library that logs with no handler of its own prints its errors only (:class:`LastResort`, for the rest of the
+    process)."""
     LastResort(target=None).install()
 
 
