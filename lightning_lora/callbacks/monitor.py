@@ -441,7 +441,7 @@ class StepProgressBar(ProgressBar):
         self._step = trainer.global_step
         self._clock = StepClock(time.perf_counter(), self._step)
         self.shown = None
-        if not sys.stdout.isatty():
+        if not getattr(sys.stdout, "isatty", lambda: False)():
             left = (self._total - self._step) if self._total else 0
             every = int(getattr(trainer, "log_every_n_steps", 50) or 50)  # set on the trainer by its logger connector
             self._every = max(1, left // 10) if left > 0 else every

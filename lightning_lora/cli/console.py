@@ -38,8 +38,6 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, ClassVar, TextIO
 
-from lightning_lora.callbacks.monitor import console_line
-
 __all__ = ["CHATTER", "LOG_NAME", "WARNING_CHATTER", "Console", "LastResort", "quiet_library_loggers"]
 
 LOG_NAME = "lightning-lora.log"
@@ -74,6 +72,14 @@ WARNING_CHATTER = re.compile(
 
 _OURS = ("lightning_lora",)
 _SHOWN_PACKAGES = ("lightning_lora", "lightning", "lightning_fabric", "pytorch_lightning")
+
+
+def console_line(text: str) -> None:
+    """:func:`lightning_lora.callbacks.monitor.console_line`, imported when first used: importing this module must not
+    import the training stack (the demo sets the libraries' verbosity before they are imported)."""
+    from lightning_lora.callbacks.monitor import console_line as write
+
+    write(text)
 
 
 def _package_of(filename: str) -> str:

@@ -161,7 +161,8 @@ class LoraCLI(LightningCLI):
         check_moved_options(given)
         self.options_set = options_set(given) if isinstance(given, list | tuple) else None
         super().parse_arguments(parser, args)
-        check_refused(self.config.get(str(self.config.get("subcommand")), self.config))
+        subcommand = self.config.get("subcommand")
+        check_refused(self.config.get(subcommand) if subcommand else self.config)
 
     def _parse_ckpt_path(self) -> None:
         """Nothing: LightningCLI would merge the checkpoint's hyper-parameters into the config here (see the module

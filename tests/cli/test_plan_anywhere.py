@@ -125,7 +125,7 @@ def test_the_shipped_architecture_plans_like_a_local_folder(tmp_path: Path, fami
 
 
 def test_an_unknown_hub_model_offline_says_what_to_download() -> None:
-    with pytest.raises(ConfigError, match=r"huggingface-cli download someone/my-flux --include '\*\.json'"):
+    with pytest.raises(ConfigError, match=r"hf download someone/my-flux --include '\*\.json'"):
         Flux().denoiser_skeleton(ModelSource("someone/my-flux"))
 
 
