@@ -1,5 +1,5 @@
 """lightning-lora: a Lightning trainer for LoRA adapters on diffusion models (FLUX.1, FLUX.2, SDXL, SD1.5, Z-Image,
-Qwen-Image).
+Qwen-Image, Krea 2).
 
 The public surface is small: the LightningModule, the DataModule, the model families, the callbacks, the export
 and planning functions. Everything is wired together by the ``lightning-lora`` command (``lightning_lora.cli``).

@@ -1,15 +1,15 @@
-"""``model.compile_blocks`` with Z-Image and Qwen-Image, whose text length changes from batch to batch.
+"""``model.compile_blocks`` with Z-Image, Qwen-Image and Krea 2, whose text length changes from batch to batch.
 
-Their cached prompt embeddings are padded to ``max_sequence_length`` and cut back per batch (Qwen-Image:
+Their cached prompt embeddings are padded to ``max_sequence_length`` and cut back per batch (Qwen-Image and Krea 2:
 :func:`~lightning_lora.families.qwenimage.trim_text` to the longest prompt; Z-Image:
 :func:`~lightning_lora.families.zimage.caption_features` to each prompt's own tokens, which the transformer pads to a
 multiple of 32), so the compiled blocks see a new text length in many batches. Dynamo compiles each block variant for
 the first length, once more for the second (it then makes the length dynamic), and never again: a training run does
 not recompile every step, and does not reach ``recompile_limit`` (where dynamo gives up and runs the blocks eagerly).
 Measured here: Z-Image 3 graphs, then 4; Qwen-Image 1, then 3 (before the families' ``stream_sources`` gave the
-first block's inputs gradients: 5 then 7, and 2 then 4). A run's other variants (buckets, masked batches, forwards
-without gradients) add more: Z-Image 15 (21 before), which ``raise_recompile_limit`` leaves room for. With
-``torch._dynamo.config.automatic_dynamic_shapes`` off, each new length compiles again and this test fails.
+first block's inputs gradients: 5 then 7, and 2 then 4); Krea 2 1, then 2. A run's other variants (buckets, masked
+batches, forwards without gradients) add more: Z-Image 15 (21 before), which ``raise_recompile_limit`` leaves room
+for. With ``torch._dynamo.config.automatic_dynamic_shapes`` off, each new length compiles again and this test fails.
 
 Counted in-process with a backend that records each graph dynamo hands it and runs it as traced (no code generation,
 a few seconds), the models built through the real code (``compile_blocks=True``), the loss through the family's own
@@ -27,6 +27,7 @@ import torch
 from helpers import count_compiled_graphs, lora_model
 
 from lightning_lora.families.base import DiffusionFamily
+from lightning_lora.families.krea2 import Krea2
 from lightning_lora.families.qwenimage import QwenImage
 from lightning_lora.families.zimage import ZImage
 
@@ -67,12 +68,15 @@ def _batch(
     text_width, latent_channels, mask_key, mask_dtype = (
         (c.cap_feat_dim, c.in_channels, "prompt_mask", torch.bool)
         if isinstance(family, ZImage)
+        else ((c.num_text_layers, c.text_hidden_dim), c.in_channels // 4, "prompt_mask", torch.bool)
+        if isinstance(family, Krea2)  # 12 tapped layers per token
         else (c.joint_attention_dim, c.out_channels, "prompt_embeds_mask", torch.long)
     )
-    embeds = torch.zeros(len(lengths), MAX_LEN, text_width)
+    text_shape = text_width if isinstance(text_width, tuple) else (text_width,)
+    embeds = torch.zeros(len(lengths), MAX_LEN, *text_shape)
     mask = torch.zeros(len(lengths), MAX_LEN, dtype=mask_dtype)
     for row, n in enumerate(lengths):
-        embeds[row, :n] = torch.randn(n, text_width, generator=generator)
+        embeds[row, :n] = torch.randn(n, *text_shape, generator=generator)
         mask[row, :n] = 1
     latents = torch.randn(len(lengths), latent_channels, size, size, generator=generator)
     noise = torch.randn(latents.shape, generator=generator)
@@ -83,6 +87,7 @@ def _batch(
 FAMILIES: dict[str, tuple[type[DiffusionFamily], str]] = {
     "zimage": (ZImage, "ZImageTransformerBlock"),
     "qwenimage": (QwenImage, "QwenImageTransformerBlock"),
+    "krea2": (Krea2, "Krea2TransformerBlock"),
 }
 
 

@@ -287,6 +287,7 @@ def test_training_on_a_gpu_runs_with_one_host_thread_and_restores_the_count_afte
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # make test sets it; a user who set it keeps theirs
     lora = object.__new__(LoraModule)
+    lora.__dict__["recipe"] = SimpleNamespace(cuda_graphs=False)  # no model built: the thread count is what is tested
     monkeypatch.setattr(LoraModule, "device", property(lambda self: torch.device("cuda", 0)))
     before = torch.get_num_threads()
     torch.set_num_threads(2)

@@ -21,10 +21,10 @@ base sharded with FSDP2 over the N GPUs: ``trainer.strategy: fsdp``,
     python tools/bench.py --quant none --opt adamw --devices 2 --strategy fsdp
 
 Families (``--family``): ``flux`` (FLUX.1-dev), ``sdxl`` (SDXL base 1.0), ``sd15`` (Stable Diffusion 1.5),
-``zimage`` (Z-Image-Turbo), ``qwenimage`` (Qwen-Image) and ``flux2`` (FLUX.2 klein base 4B). Each is the real
-family class (:func:`random_family`) with its denoiser built from the family's ``known_denoisers`` config, or a tiny
-config with ``--tiny``; the batches have exactly the keys and shapes its ``loss`` reads from the cache, as the family
-describes them (:func:`cached_item`).
+``zimage`` (Z-Image-Turbo), ``qwenimage`` (Qwen-Image), ``flux2`` (FLUX.2 klein base 4B) and ``krea2`` (Krea 2 Raw).
+Each is the real family class (:func:`random_family`) with its denoiser built from the family's ``known_denoisers``
+config, or a tiny config with ``--tiny``; the batches have exactly the keys and shapes its ``loss`` reads from the
+cache, as the family describes them (:func:`cached_item`).
 
 A shipped config, as ``fit`` would use it (:func:`config_defaults`): ``--config configs/flux_4090.yaml`` takes every
 setting this tool has a flag for from the YAML (family, quantization, checkpointing, compile, offloading, attention,
@@ -86,7 +86,7 @@ from lightning_lora.checkpoint import AtomicCheckpointIO
 from lightning_lora.cli.fit import default_checkpoint
 from lightning_lora.cli.peek import config_allocator
 from lightning_lora.data.recipe import DataRecipe
-from lightning_lora.families import SD15, SDXL, DiffusionFamily, Flux, Flux2, QwenImage, ZImage
+from lightning_lora.families import SD15, SDXL, DiffusionFamily, Flux, Flux2, Krea2, QwenImage, ZImage
 from lightning_lora.families.base import ModelSource, build_from_config
 from lightning_lora.families.flux import FLUX1_VAE
 from lightning_lora.families.flux2 import FLUX2_VAE
@@ -160,6 +160,22 @@ FLUX2_TINY = dict(  # lightning_lora.tiny.flux2's transformer: 2 double + 2 sing
     joint_attention_dim=192,
     axes_dims_rope=[8, 8, 8, 8],
 )
+KREA2_RAW = dict(Krea2.planning.known_denoisers["krea/Krea-2-Raw"])
+KREA2_TINY = dict(  # lightning_lora.tiny.krea2's transformer: 2 blocks, 4 heads of 16 (2 key/value), 4 latent channels
+    KREA2_RAW,
+    in_channels=16,
+    num_layers=2,
+    attention_head_dim=16,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    timestep_embed_dim=32,
+    text_hidden_dim=64,
+    text_num_attention_heads=2,
+    text_num_key_value_heads=2,
+    text_intermediate_size=128,
+    axes_dims_rope=[4, 6, 6],
+)
 CONFIGS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "flux": (FLUX_DEV, FLUX_TINY),  # FLUX.1-dev, 11.9 B
     "sdxl": (SDXL_BASE, SDXL_TINY),  # SDXL base 1.0's UNet, 2.6 B
@@ -167,21 +183,23 @@ CONFIGS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "zimage": (ZIMAGE_TURBO, ZIMAGE_TINY),  # Z-Image-Turbo, 6.15 B
     "qwenimage": (QWEN_IMAGE, QWEN_IMAGE_TINY),  # Qwen-Image, 20.4 B
     "flux2": (FLUX2_KLEIN, FLUX2_TINY),  # FLUX.2 klein base 4B, 3.9 B
+    "krea2": (KREA2_RAW, KREA2_TINY),  # Krea 2 Raw, 12.8 B
 }
 """The denoiser configs by family: the real one (the family's ``known_denoisers``) and a tiny one for CPU runs."""
 
 SMALL = {"block_out_channels": [8, 8, 8, 8], "layers_per_block": 1, "norm_num_groups": 4, "sample_size": 64}
+QWEN_TINY_VAE = dict(QWEN_IMAGE_VAE, base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1) | {
+    "latents_mean": [-0.7571, -0.7089, -0.9113, 0.1075],
+    "latents_std": [2.8184, 1.4541, 2.3275, 2.6558],
+}  # the tiny transformers' 4 latent channels (lightning_lora.tiny.qwenimage's VAE)
 VAES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "flux": (FLUX1_VAE, dict(FLUX1_VAE, **SMALL)),
     "sdxl": (SDXL_VAE, dict(SDXL_VAE, **SMALL)),
     "sd15": (SD15_VAE, dict(SD15_VAE, **SMALL)),
     "zimage": (FLUX1_VAE, dict(FLUX1_VAE, **SMALL)),  # Z-Image decodes with FLUX.1's VAE
-    "qwenimage": (  # the tiny transformer's 4 latent channels (lightning_lora.tiny.qwenimage's VAE)
-        QWEN_IMAGE_VAE,
-        dict(QWEN_IMAGE_VAE, base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1)
-        | {"latents_mean": [-0.7571, -0.7089, -0.9113, 0.1075], "latents_std": [2.8184, 1.4541, 2.3275, 2.6558]},
-    ),
+    "qwenimage": (QWEN_IMAGE_VAE, QWEN_TINY_VAE),
     "flux2": (FLUX2_VAE, dict(FLUX2_VAE, **SMALL, latent_channels=16)),  # the tiny transformer's 64 = 16 x 2 x 2
+    "krea2": (QWEN_IMAGE_VAE, QWEN_TINY_VAE),  # Krea 2 decodes with Qwen-Image's VAE
 }
 """The VAE configs by family (real, tiny), for sample generation: the tiny ones have the tiny denoisers' latent
 channels. Only the decoder runs while sampling."""
@@ -259,8 +277,13 @@ class RandomFlux2(RandomWeights, Flux2):
     pass
 
 
+class RandomKrea2(RandomWeights, Krea2):
+    pass
+
+
 RANDOM: dict[str, type[DiffusionFamily]] = {
-    cls.name: cls for cls in (RandomFlux, RandomSDXL, RandomSD15, RandomZImage, RandomQwenImage, RandomFlux2)
+    cls.name: cls
+    for cls in (RandomFlux, RandomSDXL, RandomSD15, RandomZImage, RandomQwenImage, RandomFlux2, RandomKrea2)
 }
 
 
@@ -776,13 +799,15 @@ SCHEDULERS = {  # family -> the scheduler class and its config, as lightning_lor
     "zimage": ("FlowMatchEulerDiscreteScheduler", "lightning_lora.tiny.zimage", "ZIMAGE_TURBO_SCHEDULER_CONFIG"),
     "qwenimage": ("FlowMatchEulerDiscreteScheduler", "lightning_lora.tiny.qwenimage", "QWEN_IMAGE_SCHEDULER_CONFIG"),
     "flux2": ("FlowMatchEulerDiscreteScheduler", "lightning_lora.tiny.flux2", "FLUX2_SCHEDULER_CONFIG"),
+    "krea2": ("FlowMatchEulerDiscreteScheduler", "lightning_lora.tiny.krea2", "KREA2_SCHEDULER_CONFIG"),
 }
 
 
 def write_sampling_files(family: DiffusionFamily, denoiser: str | None, folder: Path) -> str:
     """A local model folder of what the family's ``pipeline`` reads besides weights, written into ``folder``:
     ``scheduler/`` (the released model's scheduler config, :data:`SCHEDULERS`) and ``model_index.json`` (SDXL base's
-    ``force_zeros_for_empty_prompt``; FLUX.2 klein's ``is_distilled``, of the ``denoiser`` hub id). Returns its path."""
+    ``force_zeros_for_empty_prompt``; FLUX.2 klein's and Krea 2's ``is_distilled``, of the ``denoiser`` hub id). Returns
+    its path."""
     import importlib
 
     import diffusers
@@ -793,8 +818,10 @@ def write_sampling_files(family: DiffusionFamily, denoiser: str | None, folder: 
     index = {
         "_class_name": family.architecture.pipeline_classes[0],
         "force_zeros_for_empty_prompt": True,
-        # klein's step-distilled ids (a known hub id: answered without the hub); every other model: not distilled
-        "is_distilled": bool(isinstance(family, Flux2) and denoiser and family.is_distilled(ModelSource(denoiser))),
+        # klein's and Krea 2's step-distilled ids (a known hub id: answered without the hub); every other: not distilled
+        "is_distilled": bool(
+            isinstance(family, (Flux2, Krea2)) and denoiser and family.is_distilled(ModelSource(denoiser))
+        ),
     }
     (folder / "model_index.json").write_text(json.dumps(index))
     return str(folder)
@@ -1275,6 +1302,7 @@ FAMILY_CLASSES = {
     "lightning_lora.families.ZImage": "zimage",
     "lightning_lora.families.QwenImage": "qwenimage",
     "lightning_lora.families.Flux2": "flux2",
+    "lightning_lora.families.Krea2": "krea2",
 }
 """``model.family.class_path`` -> ``--family`` (also the classes' module paths, e.g. ``...families.flux.Flux``)."""
 

@@ -59,11 +59,26 @@ def card_size(gib: float | None, option: str) -> float | None:
     raise ConfigError(f"{option}: {gib:g} GiB is not a card's memory; give the GPU memory in GiB, e.g. --vram 24.")
 
 
+def _gib_or_auto(text: str) -> float | str:
+    """``--vram``: GiB, or ``auto`` (the visible card's free memory, read when the plan runs)."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size in GiB (e.g. 24) or auto") from None
+
+
 def main(argv: list[str]) -> int:
     """Run ``lightning-lora plan`` with ``argv`` (the arguments after ``plan``); return the exit status."""
     parser = argparse.ArgumentParser(prog="lightning-lora plan", description=plain_text(__doc__ or ""))
     size = parser.add_mutually_exclusive_group()
-    size.add_argument("--vram", type=float, default=None, help="GPU memory in GiB to check against (e.g. 24)")
+    size.add_argument(
+        "--vram",
+        type=_gib_or_auto,
+        default=None,
+        help="GPU memory in GiB to check against (e.g. 24), or auto: what is free on this machine's GPU",
+    )
     size.add_argument("--gpu", default=None, help="a card by name instead of --vram (e.g. 'RTX 4090', 'RTX 3060 12GB')")
     parser.add_argument("--cards", action="store_true", help="the fastest way to run on each common card size")
     args, rest = parser.parse_known_args(argv)
@@ -76,9 +91,14 @@ def main(argv: list[str]) -> int:
         fitting_changes,
         larger_batches,
         plan_for,
+        visible_card_memory,
     )
 
     try:
+        if args.vram == "auto":
+            free, card = visible_card_memory()
+            args.vram = math.floor(free * 10) / 10  # as printed, never more than is free
+            print(f"--vram auto: {args.vram:g} GiB free on {card}")
         vram = card_size(card_memory(args.gpu), f"--gpu {args.gpu!r}") if args.gpu else card_size(args.vram, "--vram")
         cli: Any = PlanCLI(args=rest, run=False)
         recipe, optimizer = cli.model.recipe, cli.model.optimizer_name

@@ -4,7 +4,8 @@
 FLUX.1 encodes with CLIP-L (123 M parameters, the pooled vector) and T5-XXL's encoder (4.76 B: ~8.9 GiB in bf16, the
 largest single thing many users load); SDXL with CLIP-L and OpenCLIP ViT-bigG (695 M); SD1.5 with CLIP-L; Qwen-Image
 with Qwen2.5-VL-7B (8.3 B with its vision tower, which text-only encoding never runs); FLUX.2 klein with Qwen3-4B / 8B
-(as causal LMs, language-model head included) and FLUX.2 dev with Mistral-Small-3.1-24B (24 B with its vision tower).
+(as causal LMs, language-model head included) and FLUX.2 dev with Mistral-Small-3.1-24B (24 B with its vision tower);
+Krea 2 with Qwen3-VL-4B (4.4 B with its vision tower).
 Their
 ``config.json`` fields that decide the shapes ship here, so a plan of the shipped configs needs no download; a local
 folder's own configs are read instead. :func:`skeleton` builds one on the meta device (shapes, no memory).
@@ -25,6 +26,7 @@ __all__ = [
     "QWEN3_4B",
     "QWEN3_4B_LM",
     "QWEN3_8B_LM",
+    "QWEN3_VL_4B",
     "T5_XXL",
     "skeleton",
 ]
@@ -170,6 +172,44 @@ QWEN25_VL_7B: dict[str, Any] = {
 }
 """Qwen2.5-VL-7B-Instruct with its vision tower and language-model head (8.3 B parameters, 15.4 GiB in bf16; the vision
 tower is loaded but never run): Qwen-Image's ``text_encoder`` (``Qwen/Qwen-Image`` ``text_encoder/config.json``)."""
+
+
+QWEN3_VL_4B: dict[str, Any] = {
+    "_class": "Qwen3VLModel",
+    "hidden_size": 2560,  # the text model's (read by the planner for the caching activations)
+    "text_config": {
+        "hidden_size": 2560,
+        "intermediate_size": 9728,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "max_position_embeddings": 262144,
+        "rms_norm_eps": 1e-06,
+        "rope_parameters": {"rope_type": "default", "mrope_section": [24, 20, 20], "mrope_interleaved": True,
+                            "rope_theta": 5000000},
+        "use_cache": False,
+    },
+    "vision_config": {
+        "depth": 24,
+        "hidden_size": 1024,
+        "intermediate_size": 4096,
+        "num_heads": 16,
+        "out_hidden_size": 2560,
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "num_position_embeddings": 2304,
+        "deepstack_visual_indexes": [5, 11, 17],
+    },
+    "tie_word_embeddings": True,
+}  # fmt: skip
+"""Qwen/Qwen3-VL-4B-Instruct as ``Qwen3VLModel`` (no language-model head; 4.4 B parameters with the vision tower, which
+text-only encoding never runs): Krea 2's ``text_encoder`` (``Krea2Pipeline`` stacks the hidden states of 12 of its 36
+layers). The shapes of Qwen3-VL-4B-Instruct's ``config.json`` (text: 2560 wide, 36 layers, 32 query / 8 key-value
+heads of 128, SwiGLU 9728, Qwen3's 151936 tokens; vision: 24 blocks of 1024, patches of 16, deep-stack taps 5, 11,
+17), as Krea's model cards and reference code name it (krea-ai/krea-2 ``inference.py``)."""
 
 
 def skeleton(config: dict[str, Any], dtype: torch.dtype) -> nn.Module:

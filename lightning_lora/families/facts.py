@@ -51,6 +51,9 @@ class Architecture:
     """Image sides must be multiples of this many pixels (VAE downscale x latent patch size)."""
     lora_presets: Mapping[str, str]
     """Named LoRA target sets: preset name -> regular expression over module names (peft ``target_modules``)."""
+    distilled_models: tuple[str, ...] = ()
+    """Hub ids of the family's step-distilled models (few steps, no classifier-free guidance: Krea 2 Turbo): a LoRA
+    trained on one directly drifts from its distillation; the family's undistilled base is the one to train on."""
 
     @property
     def tokenizers(self) -> tuple[str, ...]:

@@ -32,12 +32,13 @@ Two layouts of LoRA *files*, each a module with a :class:`LoraLayout` object tha
   code fuses them), and the reading of such files made elsewhere through diffusers' own converters: what ComfyUI,
   Forge/A1111, kohya's sd-scripts and musubi-tuner (and LyCORIS) and diffusers read. :class:`.kohya.KohyaLayout`.
 
-Three layouts of model *weights* (a checkpoint's names against diffusers'), which the kohya layout names modules by,
-and single-file checkpoints and the tests use:
+Four layouts of model *weights* (a checkpoint's names against diffusers'), which the kohya layout names modules by,
+and single-file checkpoints, ComfyUI's key maps and the tests use:
 
 * :mod:`.bfl`: Black Forest Labs' names of the FLUX.1 and FLUX.2 transformers (fused q/k/v);
 * :mod:`.ldm`: the LDM/SGM names of a Stable Diffusion UNet;
-* :mod:`.nextdit`: Z-Image's original names (ComfyUI's NextDiT).
+* :mod:`.nextdit`: Z-Image's original names (ComfyUI's NextDiT);
+* :mod:`.krea2`: Krea 2's original names (Krea's checkpoint, ComfyUI's model).
 
 And what they share: :mod:`.adapters` (one adapted layer of any variant under peft's tensor names, and the rank each
 loader divides ``alpha`` by) and :mod:`.clients` (which layers of a file each of those loaders applies, by its key

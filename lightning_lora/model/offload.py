@@ -269,8 +269,7 @@ def offload_blocks(denoiser: nn.Module, chosen: list[nn.Module], device: torch.d
             "(the one running and the next one, being copied). Use 3 or more.",
             stacklevel=2,
         )
-    for block in chosen:
-        ensure_recomputed(denoiser, block)
+    ensure_recomputed(denoiser, *chosen)
     offloader = BlockOffloader(chosen, pin=device.type == "cuda")
     denoiser._lora_offloader = offloader  # type: ignore[assignment]  # reachable for tests, monitoring, the bench
     return offloader

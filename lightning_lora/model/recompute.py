@@ -123,12 +123,15 @@ def checkpoint_function(offloader: InputOffloader | None = None) -> Any:
     return run
 
 
-def ensure_recomputed(denoiser: nn.Module, block: nn.Module) -> None:
-    """Make ``block`` recompute its activations in the backward pass, unless the model's checkpointing already does
-    (its inputs go through the model's :class:`InputOffloader`, if it has one)."""
-    if getattr(denoiser, "is_gradient_checkpointing", False) or getattr(block.forward, "recomputed", False):
+def ensure_recomputed(denoiser: nn.Module, *blocks: nn.Module) -> None:
+    """Make ``blocks`` recompute their activations in the backward pass, unless the model's checkpointing already does
+    (their inputs go through the model's :class:`InputOffloader`, if it has one). The model is asked once (diffusers'
+    ``is_gradient_checkpointing`` walks all its modules)."""
+    if getattr(denoiser, "is_gradient_checkpointing", False):
         return
-    block.forward = recomputed(block.forward, getattr(denoiser, "_lora_input_offloader", None))  # type: ignore[method-assign]
+    for block in blocks:
+        if not getattr(block.forward, "recomputed", False):
+            block.forward = recomputed(block.forward, getattr(denoiser, "_lora_input_offloader", None))  # type: ignore[method-assign]
 
 
 def recomputed(forward: Any, offloader: InputOffloader | None = None) -> Any:

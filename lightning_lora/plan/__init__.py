@@ -6,7 +6,7 @@ loads, and the changes that make a run fit a card.
 * :mod:`.search`: the search over changes (checkpointing, offloading, base format, batches) for the fastest way to run
   the same training in a card's memory: :func:`choose_for_memory`, :func:`fitting_changes`, :func:`cards_table`;
 * :mod:`.sampling`: what drawing sample images adds, and :mod:`.live_bytes`: what a computation holds, both measured
-  on the ``meta`` device.
+  on the ``meta`` device (each op's shapes computed once per process, the model built once: a plan takes seconds).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from lightning_lora.plan.search import (
     larger_batches,
     merged_batches,
     smaller_batches,
+    visible_card_memory,
 )
 
 __all__ = [
@@ -61,5 +62,6 @@ __all__ = [
     "sampling_bytes",
     "sampling_pieces",
     "smaller_batches",
+    "visible_card_memory",
     "weight_bytes",
 ]

@@ -28,6 +28,7 @@ output, 2.5 GiB for a 1024x1024 image.
 
 from __future__ import annotations
 
+import copy
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,7 +41,7 @@ from lightning_lora.families.base import DiffusionFamily
 from lightning_lora.lora import LoraOptions, inject_lora
 from lightning_lora.model.offload import offloaded_blocks, repeated_blocks
 from lightning_lora.model.recipe import ModelRecipe
-from lightning_lora.plan.live_bytes import saved_activation_bytes
+from lightning_lora.plan.live_bytes import module_copy, saved_activation_bytes
 from lightning_lora.plan.sampling import autocast_dtype, sampling_bytes
 from lightning_lora.precision import BF16, BasePrecision, text_encoder_precision
 
@@ -204,6 +205,42 @@ _COUNTED: dict[str, _Counted] = {}
 """Counts by what they depend on: the alternatives the planner tries often differ only in the base's format, which
 changes the weights but not what the forward pass keeps (the skeleton is never quantized)."""
 
+_SKELETONS: dict[str, nn.Module] = {}
+_WITH_LORA: dict[str, tuple[nn.Module, int]] = {}
+
+
+def _model_key(recipe: ModelRecipe) -> str:
+    """What the denoiser's skeleton depends on: the family (and its settings) and the source."""
+    return repr((type(recipe.family), sorted(vars(recipe.family).items()), recipe.source))
+
+
+def _remember(cache: dict[str, Any], key: str, value: Any) -> Any:
+    if len(cache) > 8:
+        cache.clear()
+    cache[key] = value
+    return value
+
+
+def denoiser_skeleton(recipe: ModelRecipe) -> nn.Module:
+    """The denoiser of ``recipe`` on the ``meta`` device (:meth:`~lightning_lora.families.base.DiffusionFamily.
+    denoiser_skeleton`), built once per process for its family and source: shared, so never changed; the counts add
+    the LoRA and checkpointing to a copy, and forward passes run on a copy."""
+    key = _model_key(recipe)
+    if key in _SKELETONS:
+        return _SKELETONS[key]
+    return _remember(_SKELETONS, key, recipe.family.denoiser_skeleton(recipe.source))
+
+
+def _with_lora(recipe: ModelRecipe) -> tuple[nn.Module, int]:
+    """A copy of the frozen skeleton with the recipe's LoRA (:func:`add_counted_lora`) and its parameter count, to copy
+    again before each count (:func:`~lightning_lora.plan.live_bytes.module_copy`: a fraction of injecting the LoRA)."""
+    key = repr((_model_key(recipe), recipe.lora))
+    if key not in _WITH_LORA:
+        model = copy.deepcopy(denoiser_skeleton(recipe)).requires_grad_(False)
+        lora_params = add_counted_lora(model, recipe.family, recipe.lora, recipe.source.dtype)
+        _remember(_WITH_LORA, key, (model, lora_params))
+    return _WITH_LORA[key]
+
 
 def add_counted_lora(model: nn.Module, family: DiffusionFamily, lora: LoraOptions, dtype: torch.dtype) -> int:
     """Inject the LoRA into the frozen ``model`` as the planner counts it: its parameters in ``dtype`` (autocast
@@ -228,9 +265,7 @@ def _count(recipe: ModelRecipe, height: int, width: int, batch: int, text_len: i
     family, source = recipe.family, recipe.source
     key = repr(
         (
-            type(family),
-            sorted(vars(family).items()),
-            source,
+            _model_key(recipe),
             recipe.lora,
             recipe.gradient_checkpointing,
             recipe.checkpoint_every,
@@ -245,16 +280,14 @@ def _count(recipe: ModelRecipe, height: int, width: int, batch: int, text_len: i
     )
     if key in _COUNTED:
         return _COUNTED[key]
-    model = family.denoiser_skeleton(source)  # meta device: shapes only
-    model.requires_grad_(False)
+    with_lora, lora_params = _with_lora(recipe)
+    model = module_copy(with_lora)  # meta device: shapes only
     offloaded = offloaded_blocks(model, recipe.offload_blocks)
-    lora_params = add_counted_lora(model, family, recipe.lora, source.dtype)
     if recipe.gradient_checkpointing:
         # Only checkpointed blocks' inputs stay saved; in the backward one block's activations are recomputed at a
         # time (the calibration of TRANSIENT_BLOCKS was made with this measurement order).
         apply_gradient_checkpointing(model, recipe.checkpoint_every, recipe.offload_activations)
-    for block in offloaded:  # recomputed, as offload_blocks() makes them
-        ensure_recomputed(model, block)
+    ensure_recomputed(model, *offloaded)  # recomputed, as offload_blocks() makes them
     model.train()
     inputs = family.example_inputs(model, batch, height, width, text_len, device="meta", dtype=source.dtype)
     saved, largest, moved = saved_activation_bytes(  # moved: block inputs kept in CPU memory
@@ -292,8 +325,7 @@ def plan_training(
     """Predict the training peak of the model ``recipe`` describes, at this image size, batch and text length, on each
     GPU: ``shards`` > 1 is a base sharded over that many GPUs (``trainer.strategy: fsdp``, :func:`sharded_weight_bytes`;
     the LoRA, its gradients and optimizer state are sharded with it)."""
-    family, source = recipe.family, recipe.source
-    model = family.denoiser_skeleton(source)  # meta device: shapes only
+    model = denoiser_skeleton(recipe)  # meta device: shapes only
     weights = weight_bytes(model, recipe.precision)
     if shards > 1:  # a sharded base is never offloaded (parallel.check_strategy)
         resident, in_flight = sharded_weight_bytes(model, recipe.precision, shards)
@@ -364,7 +396,21 @@ def caching_peaks(
 ) -> tuple[float, float, float, list[str]]:
     """GiB of GPU memory while the cache encodes captions and images, host GiB while the text encoders load, and notes.
 
-    The caption peak is 0 with a note when the text encoders' architecture is not known here (an unknown hub id)."""
+    The caption peak is 0 with a note when the text encoders' architecture is not known here (an unknown hub id).
+    Planned once per process for the same model and arguments (the alternatives the planner tries share them)."""
+    key = repr((_model_key(recipe), text_quantization, encode_batch, side))
+    if key not in _CACHING:
+        _remember(_CACHING, key, _caching_peaks(recipe, text_quantization, encode_batch, side))
+    text, images, host, notes = _CACHING[key]
+    return text, images, host, list(notes)
+
+
+_CACHING: dict[str, tuple[float, float, float, list[str]]] = {}
+
+
+def _caching_peaks(
+    recipe: ModelRecipe, text_quantization: str, encode_batch: int, side: int
+) -> tuple[float, float, float, list[str]]:
     from lightning_lora.families.encoders import skeleton
 
     family, source = recipe.family, recipe.source
@@ -423,7 +469,7 @@ def plan_for(
     )
     plan.notes += notes
     # Loading passes the base's weights through CPU memory in its dtype; offloaded blocks stay there, pinned.
-    model = recipe.family.denoiser_skeleton(recipe.source)
+    model = denoiser_skeleton(recipe)
     base = weight_bytes(model, BF16(dtype=recipe.precision.dtype))
     sizes = recipe.precision.module_weight_bytes(model)
     pinned = sum(sizes[id(m)] for block in offloaded_blocks(model, recipe.offload_blocks) for m in block.modules())

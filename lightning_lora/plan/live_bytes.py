@@ -15,9 +15,13 @@ have held is counted as it runs:
   low-precision inputs to float32 and return float32. The casts are real ops, so their copies are counted. That is why
   a VAE decode under autocast holds three times its widest bf16 activation at a group norm: the bf16 input, its float32
   copy and the float32 output (``tests/plan/test_live_bytes.py``).
+* :class:`MetaOpCache` computes each op's output shapes once per process: on the meta device that computation is most
+  of the time (torch's shape functions are Python), and a model's repeated blocks, and the alternatives the planner
+  tries, run the same ops on the same shapes again; :func:`module_copy` copies a model to change and run in a fraction
+  of ``copy.deepcopy``'s time.
 
-:func:`peak_bytes` runs a function under both. Attention should run under :func:`flash_like_attention` (what the
-GPU's flash / memory-efficient kernels allocate: no score matrix).
+:func:`peak_bytes` runs a function under the first three. Attention should run under :func:`flash_like_attention`
+(what the GPU's flash / memory-efficient kernels allocate: no score matrix).
 
 :func:`saved_activation_bytes` counts the tensors autograd saves in a forward pass, as the GPU runs it: attention as
 its fused kernels keep it (:func:`flash_like_attention`), ``rms_norm`` as its fused kernel keeps it
@@ -27,6 +31,7 @@ are ops autograd records, as CUDA autocast's are).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -37,11 +42,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_map, tree_unflatten
 
 __all__ = [
     "LiveBytes",
     "MetaAutocast",
+    "MetaOpCache",
+    "OPS",
+    "module_copy",
     "flash_like_attention",
     "fused_like_rms_norm",
     "peak_bytes",
@@ -154,13 +162,116 @@ class MetaAutocast(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class _Uncacheable(Exception):
+    """An argument :class:`MetaOpCache` cannot key on (a real tensor, a tensor subclass, an unknown object)."""
+
+
+_SCALARS = (bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+def _key(x: Any) -> Any:
+    """What an op's output shapes can depend on in one argument: a meta tensor's metadata, a plain value."""
+    kind = type(x)
+    if kind is torch.Tensor or kind is nn.Parameter:
+        if not x.is_meta:
+            raise _Uncacheable
+        return (x.shape, x.stride(), x.dtype, x.storage_offset())
+    if kind is tuple or kind is list:
+        return (kind, tuple([_key(i) for i in x]))
+    if x is None or kind in _SCALARS:
+        return (kind, x)  # 1, 1.0 and True are equal keys otherwise
+    raise _Uncacheable  # a tensor subclass, an object
+
+
+def _fresh(func: Any) -> bool:
+    """Whether ``func`` returns only new tensors and writes none of its arguments (no alias annotation in its schema):
+    the ops whose outputs :class:`MetaOpCache` may make instead of running them."""
+    schema = getattr(func, "_schema", None)
+    if schema is None or not schema.returns:
+        return False
+    returns_tensors = all(str(r.type) in ("Tensor", "Tensor[]") and r.alias_info is None for r in schema.returns)
+    writes = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+    return returns_tensors and not writes
+
+
+_Made = tuple[torch.Size, tuple[int, ...], torch.dtype]
+_OUTPUTS: dict[Any, tuple[TreeSpec | None, list[_Made]] | None] = {}
+"""What ops made on the meta device, by op and arguments (:func:`_key`), for the whole process: the output's
+structure (None: one tensor) and each tensor's shape, strides and dtype; None for an op whose outputs cannot be made
+the same way."""
+_FRESH: dict[Any, bool] = {}
+
+OPS: collections.Counter[str] = collections.Counter()
+"""Ops on the meta device under :class:`MetaOpCache` in this process: ``computed`` (run) and ``remade``."""
+
+
+def _made(out: Any, inputs: set[int]) -> tuple[TreeSpec | None, list[_Made]] | None:
+    """The outputs of a fresh op as :class:`MetaOpCache` remakes them, or None where an output is not one
+    ``torch.empty_strided`` of its shape and strides would make (an offset, a storage larger than its strides span,
+    an output sharing a storage with another or with an input)."""
+    leaves, structure = tree_flatten(out)
+    spec = None if isinstance(out, torch.Tensor) else structure
+    made: list[_Made] = []
+    storages = set(inputs)
+    for t in leaves:
+        if type(t) is not torch.Tensor or t.device.type != "meta" or t.storage_offset() != 0:
+            return None
+        span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) if t.numel() else 0
+        storage = t.untyped_storage()
+        if storage.nbytes() != span * t.element_size() or storage._cdata in storages:
+            return None
+        storages.add(storage._cdata)
+        made.append((t.shape, t.stride(), t.dtype))
+    return spec, made
+
+
+class MetaOpCache(TorchDispatchMode):
+    """Run each meta-device op's shape computation once per process: on the ``meta`` device an op computes only its
+    outputs' shapes, strides and dtype, and in torch most of those are Python functions (hundreds of microseconds an
+    op, most of a full-size forward pass's time). A model's repeated blocks run the same ops on the same shapes, and
+    the planner runs the same model for each alternative it tries: the outputs of an op seen before with the same
+    arguments' metadata are made with ``torch.empty_strided``, new storages of the same bytes, as the op would have.
+
+    Only ops that return new tensors and write none of their arguments are remade (views, in-place ops and ops on real
+    tensors run as usual), and only those whose outputs ``torch.empty_strided`` makes exactly (:func:`_made`); the key
+    holds every argument's metadata and the default dtype. Enter it before :class:`LiveBytes`, which then counts the
+    remade outputs under the op's own name."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        fresh = _FRESH.get(func)
+        if fresh is None:
+            fresh = _FRESH[func] = _fresh(func)
+        if not fresh:
+            return func(*args, **kwargs)
+        try:
+            key = (func, torch.get_default_dtype(), _key(args), _key(tuple(sorted(kwargs.items()))))
+        except _Uncacheable:
+            return func(*args, **kwargs)
+        known = _OUTPUTS.get(key, ())
+        if known:
+            OPS["remade"] += 1
+            spec, made = known
+            outputs = [torch.empty_strided(shape, stride, dtype=dtype, device="meta") for shape, stride, dtype in made]
+            return outputs[0] if spec is None else tree_unflatten(outputs, spec)
+        out = func(*args, **kwargs)
+        if known is None:  # seen: not one to remake
+            return out
+        OPS["computed"] += 1
+        inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        if len(_OUTPUTS) > 100_000:
+            _OUTPUTS.clear()
+        _OUTPUTS[key] = _made(out, inputs)
+        return out
+
+
 def peak_bytes(run: Callable[[], Any], autocast: torch.dtype | None = None) -> tuple[int, str]:
     """The most bytes the tensors ``run()`` creates hold at once (its output included while it lives), under
     ``torch.no_grad`` and, with ``autocast``, :class:`MetaAutocast`; and the op at the peak. Run it on ``meta``
     tensors to measure a full-size computation without its memory."""
     tracker = LiveBytes()
     casting = MetaAutocast(autocast) if autocast is not None else contextlib.nullcontext()
-    with torch.no_grad(), tracker, casting:
+    with torch.no_grad(), MetaOpCache(), tracker, casting:
         out = run()
         del out
     return tracker.peak, tracker.peak_op
@@ -240,6 +351,29 @@ def fused_like_rms_norm() -> Iterator[None]:
         torch.nn.functional.rms_norm = rms
 
 
+_CONTAINERS = (dict, collections.OrderedDict, list, set)  # a module's children, hooks, lists (not its config)
+
+
+def module_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` to change and run, fast: each module a new object with its own attributes and copies of its
+    children, parameters and hooks (its forward, checkpointing flags, train mode and children can be set without
+    touching ``model``); the parameters, buffers, other objects and empty hook tables shared (what the planner's
+    checkpointing and forward passes on the ``meta`` device never change). A fraction of ``copy.deepcopy``'s time."""
+    copies: dict[int, nn.Module] = {}
+
+    def copy(module: nn.Module) -> nn.Module:
+        if id(module) not in copies:
+            clone = copies[id(module)] = type(module).__new__(type(module))
+            state = module.__dict__
+            clone.__dict__.update({k: v.copy() if type(v) in _CONTAINERS and v else v for k, v in state.items()})
+            for name, child in module._modules.items():
+                if child is not None:
+                    clone._modules[name] = copy(child)
+        return copies[id(module)]
+
+    return copy(model)
+
+
 def saved_activation_bytes(
     model: nn.Module,
     inputs: dict[str, Any],
@@ -286,6 +420,7 @@ def saved_activation_bytes(
     counted_norm = fused_like_rms_norm() if fused else contextlib.nullcontext()
     casting = MetaAutocast(autocast) if autocast is not None else contextlib.nullcontext()
     with (
+        MetaOpCache(),
         observed,
         counted_attention,
         counted_norm,

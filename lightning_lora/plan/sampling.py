@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from lightning_lora.model.recipe import ModelRecipe
-from lightning_lora.plan.live_bytes import flash_like_attention, peak_bytes
+from lightning_lora.plan.live_bytes import flash_like_attention, module_copy, peak_bytes
 
 __all__ = ["VAE_DECODE_WORKSPACE", "SamplingPieces", "autocast_dtype", "sampling_bytes", "sampling_pieces"]
 
@@ -71,8 +71,9 @@ def sampling_pieces(
     inputs = family.example_inputs(
         model, family.planning.sampling_batch, height, width, text_len, device="meta", dtype=source.dtype
     )
+    running = module_copy(model)  # a forward may fill a model's caches (RoPE tables): the next one counts them too
     with flash_like_attention():
-        denoiser, _ = peak_bytes(lambda: model(**inputs), autocast)
+        denoiser, _ = peak_bytes(lambda: running(**inputs), autocast)
     dtype = family.sampling_vae_dtype(config, source.dtype)
     vae: Any = build_from_config(getattr(diffusers, config["_class_name"]), config, dtype)
     latents = torch.empty(family.sampling_latent_shape(config, height, width), device="meta", dtype=dtype)

@@ -36,6 +36,7 @@ __all__ = [
     "larger_batches",
     "merged_batches",
     "smaller_batches",
+    "visible_card_memory",
 ]
 
 OFFLOAD_TRIES = (3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48)  # 1-2 save nothing: two are on the GPU at once
@@ -46,45 +47,59 @@ Changes = tuple[str, dict[str, Any], dict[str, Any]]
 ``resolution``)."""
 
 
+_MODEL_OPTIONS = ("gradient_checkpointing", "checkpoint_every", "offload_activations", "offload_blocks")
+"""The recipe fields a change may set (besides the base's format), in the order their options are written."""
+
+
+def _options(recipe: ModelRecipe, changes: dict[str, Any], data: dict[str, Any]) -> str:
+    """The command-line options that make ``changes`` (recipe fields) and ``data`` (data options) of ``recipe``: only
+    what differs from it (an option already at that value is left out); empty when nothing changes."""
+    flags = []
+    precision = changes.get("precision", recipe.precision)
+    if type(precision) is not type(recipe.precision):
+        flags.append(f"--trainer.plugins lightning_lora.precision.{type(precision).__name__}")
+    for name in _MODEL_OPTIONS:
+        value = changes.get(name, getattr(recipe, name))
+        if value != getattr(recipe, name):
+            flags.append(f"--model.{name} {str(value).lower()}")
+    flags += [f"--data.{name} {value}" for name, value in data.items()]
+    return " ".join(flags)
+
+
+def _changes(recipe: ModelRecipe, alternatives: list[tuple[dict[str, Any], dict[str, Any]]]) -> list[Changes]:
+    """The ``(recipe fields, data options)`` alternatives as :data:`Changes`, in order, without those that change
+    nothing and without repeats (two alternatives that write the same options)."""
+    tries: list[Changes] = []
+    for changes, data in alternatives:
+        flags = _options(recipe, changes, data)
+        if flags and all(flags != t[0] for t in tries):
+            tries.append((flags, changes, data))
+    return tries
+
+
 def _candidates(recipe: ModelRecipe, data: DataRecipe) -> list[Changes]:
     """Alternatives to try, fastest first (offloading, tried last, is :data:`OFFLOAD_TRIES`): ways to run the same
     training with less memory, then smaller batches and images (a different training: only when nothing else fits)."""
     checkpointing = {"gradient_checkpointing": True, "checkpoint_every": 1}
-    tries: list[Changes] = []
+    tries: list[tuple[dict[str, Any], dict[str, Any]]] = []
     if not recipe.gradient_checkpointing:
         # Fastest first: checkpointing one block in 3 or 2 recomputes less than checkpointing every block.
-        for every in (3, 2):
-            flag = f"--model.gradient_checkpointing true --model.checkpoint_every {every}"
-            tries.append((flag, {"gradient_checkpointing": True, "checkpoint_every": every}, {}))
-        tries.append(("--model.gradient_checkpointing true", checkpointing, {}))
-    elif recipe.checkpoint_every > 1:
-        tries.append(("--model.checkpoint_every 1", {"checkpoint_every": 1}, {}))
-    gc_flags = "--model.gradient_checkpointing true --model.checkpoint_every 1 "
-    needs_gc = not recipe.gradient_checkpointing or recipe.checkpoint_every > 1
-    if not recipe.offload_activations:
-        flag = (gc_flags if needs_gc else "") + "--model.offload_activations true"
-        tries.append((flag, {**checkpointing, "offload_activations": True}, {}))
-    smallest: tuple[str, dict[str, Any]] = ("", {})
+        tries += [({"gradient_checkpointing": True, "checkpoint_every": every}, {}) for every in (3, 2)]
+    tries.append((checkpointing, {}))
+    tries.append(({**checkpointing, "offload_activations": True}, {}))
+    smallest: dict[str, Any] = {}
     for fmt in (FP8, NF4):  # FP8Compute is an FP8: the same memory
         if not isinstance(recipe.precision, fmt):
-            base = {"precision": recipe.precision.as_format(fmt.__name__)}  # the same dtype: a plain replace
-            plugin = f"--trainer.plugins lightning_lora.precision.{fmt.__name__}"
-            tries.append((plugin, base, {}))
-            tries.append((f"{plugin} --model.gradient_checkpointing true", {**base, **checkpointing}, {}))
-            smallest = (f"{plugin} ", base)
+            smallest = {"precision": recipe.precision.as_format(fmt.__name__)}  # the same dtype: a plain replace
+            tries += [(smallest, {}), ({**smallest, **checkpointing}, {})]
     # The least memory without changing the training: the smallest base, every block checkpointed, inputs in CPU.
-    least_flags = smallest[0] + gc_flags + "--model.offload_activations true"
-    least = {**smallest[1], **checkpointing, "offload_activations": True}
-    if smallest[1] or not recipe.offload_activations:
-        tries.append((least_flags, least, {}))
+    least = {**smallest, **checkpointing, "offload_activations": True}
+    tries.append((least, {}))
     batch, side = data.batch_size, data.resolution
     if batch > 1:
-        tries.append((f"{least_flags} --data.batch_size 1", least, {"batch_size": 1}))
-    for smaller in (768, 512):
-        if smaller < side:
-            options = {"batch_size": 1, "resolution": smaller}
-            tries.append((f"{least_flags} --data.batch_size 1 --data.resolution {smaller}", least, options))
-    return tries
+        tries.append((least, {"batch_size": 1}))
+    tries += [(least, {"batch_size": 1, "resolution": smaller}) for smaller in (768, 512) if smaller < side]
+    return _changes(recipe, tries)
 
 
 def _faster(recipe: ModelRecipe) -> list[Changes]:
@@ -93,30 +108,16 @@ def _faster(recipe: ModelRecipe) -> list[Changes]:
     CPU memory (checkpointed inputs, offloaded blocks); then only without those copies. Empty when nothing is saving
     memory."""
     copies: dict[str, Any] = {}
-    flags: list[str] = []
     if recipe.offload_activations:
         copies["offload_activations"] = False
-        flags.append("--model.offload_activations false")
     if recipe.offload_blocks:
         copies["offload_blocks"] = 0
-        flags.append("--model.offload_blocks 0")
-    tries: list[Changes] = []
+    tries: list[dict[str, Any]] = []
     if recipe.gradient_checkpointing:
-        tries.append(
-            (
-                " ".join(["--model.gradient_checkpointing false", *flags]),
-                {"gradient_checkpointing": False, **copies},
-                {},
-            )
-        )
-        for every in (3, 2):
-            if every > recipe.checkpoint_every:
-                tries.append(
-                    (" ".join([f"--model.checkpoint_every {every}", *flags]), {"checkpoint_every": every, **copies}, {})
-                )
-    if copies:
-        tries.append((" ".join(flags), copies, {}))
-    return tries
+        tries.append({"gradient_checkpointing": False, **copies})
+        tries += [{"checkpoint_every": every, **copies} for every in (3, 2) if every > recipe.checkpoint_every]
+    tries.append(copies)
+    return _changes(recipe, [(changes, {}) for changes in tries])
 
 
 @dataclass(frozen=True)
@@ -183,7 +184,8 @@ class _Planner:
     def fits(self, vram: float, first: bool = False) -> list[Fit]:
         """The alternatives that fit in ``vram`` GiB (5% kept free), fastest first (only the fastest with ``first``);
         offloading with the fewest blocks that fit (it costs PCIe copies per block and step), before changes of the
-        data."""
+        data. One that needs as much memory as a faster one on the same base format (the same GiB, as printed) is left
+        out: it would only be slower (:func:`_without_ties`)."""
         limit = vram * HEADROOM
         found: list[Fit] = []
         if limit <= FIXED_OVERHEAD_GIB:  # not even the CUDA context fits
@@ -197,13 +199,14 @@ class _Planner:
                 if first:
                     return found
         for count in OFFLOAD_TRIES:
-            peak = self.peak(f"--model.offload_blocks {count}", {"offload_blocks": count})
+            flags = _options(self.recipe, {"offload_blocks": count}, {})
+            if not flags:  # as configured
+                continue
+            peak = self.peak(flags, {"offload_blocks": count})
             if peak is None:  # more blocks than the model has, or a setting offloading refuses (NF4, compile_blocks)
                 break
             if peak <= limit:
-                found.append(
-                    Fit(f"--model.offload_blocks {count}", peak, offload=True, changes={"offload_blocks": count})
-                )
+                found.append(Fit(flags, peak, offload=True, changes={"offload_blocks": count}))
                 if first:
                     return found
                 break
@@ -213,7 +216,21 @@ class _Planner:
                 if peak is not None and peak <= limit:
                     found.append(Fit(flags, peak, changes=changes, data=data))
                     break
-        return found
+        return _without_ties(found)
+
+
+def _without_ties(fits: list[Fit]) -> list[Fit]:
+    """The ``fits`` (fastest first) without those that need the same memory, as printed (0.1 GiB), as a faster one on
+    the same base format: more checkpointing or copies for nothing (where the sample images' peak sets the run's, say).
+    A different base format is another choice (of quality), kept."""
+    kept: list[Fit] = []
+    for fit in fits:
+        base = type(fit.changes.get("precision"))
+        if not any(
+            f"{k.peak_gib:.1f}" == f"{fit.peak_gib:.1f}" and type(k.changes.get("precision")) is base for k in kept
+        ):
+            kept.append(fit)
+    return kept
 
 
 OUTSIDE_ALLOCATOR_GIB = 0.67
@@ -324,6 +341,23 @@ def card_memory(name: str) -> float:
         f"--gpu: {name!r} is not a card lightning-lora knows ({', '.join(CARDS)}). Give --vram in GiB, or write the "
         "memory in the name (e.g. 'RTX 3060 12GB')."
     )
+
+
+def visible_card_memory() -> tuple[float, str]:
+    """GiB free on the visible GPU (CUDA or ROCm, through ``torch.cuda``: the current device, other processes' use
+    taken off, as ``model.memory: auto`` measures it) and the card's name: ``plan --vram auto``. A
+    :class:`ConfigError` naming ``--vram`` and ``--gpu`` where no GPU is visible."""
+    import torch
+
+    from lightning_lora.hardware import free_memory_gib
+
+    free = free_memory_gib("cuda")
+    if free is None:
+        raise ConfigError(
+            "--vram auto: no GPU is visible here (CUDA or ROCm); give the card's memory instead, e.g. --vram 24 or "
+            '--gpu "RTX 4090".'
+        )
+    return free, torch.cuda.get_device_name()
 
 
 def cards_table(

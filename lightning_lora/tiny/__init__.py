@@ -1,6 +1,6 @@
 """Tiny, randomly initialised diffusion pipelines, built offline and deterministically: one module per family
-(:mod:`.flux`, :mod:`.sdxl`, :mod:`.sd15`, :mod:`.zimage`, :mod:`.qwenimage`, :mod:`.flux2`) and the parts they share
-(:mod:`.shared`: the caption words, the tokenizers, seeded construction, the atomic save).
+(:mod:`.flux`, :mod:`.sdxl`, :mod:`.sd15`, :mod:`.zimage`, :mod:`.qwenimage`, :mod:`.flux2`, :mod:`.krea2`) and the
+parts they share (:mod:`.shared`: the caption words, the tokenizers, seeded construction, the atomic save).
 
 Why this exists
 ---------------

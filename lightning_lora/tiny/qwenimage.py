@@ -56,6 +56,7 @@ __all__ = [
     "make_qwen_tokenizer",
     "qwen_vocab_and_merges",
     "save_tiny_qwenimage",
+    "tiny_qwen_vae",
 ]
 
 #: The scheduler config of Qwen/Qwen-Image (``scheduler/scheduler_config.json``): a dynamic ("exponential") shift
@@ -113,6 +114,19 @@ def make_qwen_tokenizer() -> Qwen2Tokenizer:
     )
 
 
+def tiny_qwen_vae(seed: int = 0) -> AutoencoderKLQwenImage:
+    """The tiny ``AutoencoderKLQwenImage`` (see the module docstring): Qwen-Image's VAE, which Krea 2 uses too."""
+    return _build(seed, "vae", lambda: AutoencoderKLQwenImage(
+        base_dim=8,
+        z_dim=4,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],  # 3 downsamplings: scale factor 8, as the real VAE
+        latents_mean=_LATENTS_MEAN,
+        latents_std=_LATENTS_STD,
+    ))  # fmt: skip
+
+
 def build_tiny_qwenimage(seed: int = 0) -> QwenImagePipeline:
     """A Qwen-Image-shaped ``QwenImagePipeline`` with tiny random weights (fp32, every component in ``eval()``); see the
     module docstring. The same ``seed`` gives bit-identical weights in any process."""
@@ -129,15 +143,7 @@ def build_tiny_qwenimage(seed: int = 0) -> QwenImagePipeline:
         guidance_embeds=False,
         axes_dims_rope=(4, 6, 6),  # sums to attention_head_dim
     ))  # fmt: skip
-    vae = _build(seed, "vae", lambda: AutoencoderKLQwenImage(
-        base_dim=8,
-        z_dim=latent_channels,
-        dim_mult=[1, 1, 1, 1],
-        num_res_blocks=1,
-        temperal_downsample=[False, True, True],  # 3 downsamplings: scale factor 8, as the real VAE
-        latents_mean=_LATENTS_MEAN,
-        latents_std=_LATENTS_STD,
-    ))  # fmt: skip
+    vae = tiny_qwen_vae(seed)
     config = Qwen2_5_VLConfig(
         text_config={
             "vocab_size": len(tokenizer),

@@ -12,7 +12,8 @@ family's formats is applied by three witnesses:
   ``flux_to_diffusers``, each onto its row slice of the fused weight, ``norm_out.linear`` with the scale/shift swap;
   Z-Image diffusers names via ``z_image_to_diffusers``, q/k/v onto their rows of the original fused ``qkv``;
   Qwen-Image, built with diffusers' names, under ``transformer.``, ``lycoris_`` and no prefix; FLUX.2, built with
-  BFL's names, through the generic ``lora_unet_`` / ``diffusion_model.`` map only),
+  BFL's names, through the generic ``lora_unet_`` / ``diffusion_model.`` map only; Krea 2, built with Krea's names,
+  diffusers names via ``krea2_to_diffusers`` under four prefixes),
   the suffixes ``load_lora`` reads, and the deltas of ``comfy/weight_adapter/lora.py``, ``loha.py``, ``lokr.py`` and
   ``base.py`` ``weight_decompose`` (``alpha / mat2.shape[0]``, no alpha -> 1, LoKr's ``dim``, DoRA by axis);
 * kohya's sd-scripts: :func:`kohya_apply`, ``networks/lora.py`` / ``networks/lora_flux.py``
@@ -63,6 +64,7 @@ from lightning_lora.formats.bfl import (
 )
 from lightning_lora.formats.bfl import flux2_diffusers_to_bfl as flux2_to_bfl
 from lightning_lora.formats.clients import TOOLS
+from lightning_lora.formats.krea2 import diffusers_to_original as krea2_to_original
 from lightning_lora.formats.ldm import UNetLayout, diffusers_to_ldm
 from lightning_lora.formats.nextdit import diffusers_to_original
 from lightning_lora.lora import LoraOptions, parse_key, peft_config, resolve_targets
@@ -207,6 +209,51 @@ def _zimage_key_map(base: torch.nn.Module) -> dict[str, Any]:
     return key_map
 
 
+def _is_krea2(model: torch.nn.Module) -> bool:
+    return type(model).__name__ == "Krea2Transformer2DModel"
+
+
+def _krea2_key_map(base: torch.nn.Module) -> dict[str, Any]:
+    """ComfyUI's ``Krea2`` branch of ``model_lora_keys_unet``: the diffusers names ``comfy/utils.py``
+    ``krea2_to_diffusers`` lists (the blocks' and the 2 + 2 text-fusion blocks' attention and SwiGLU layers, and eight
+    layers around them), under four prefixes, each onto its weight in Krea's names."""
+    block = {
+        "attn.to_q": "attn.wq",
+        "attn.to_k": "attn.wk",
+        "attn.to_v": "attn.wv",
+        "attn.to_gate": "attn.gate",
+        "attn.to_out.0": "attn.wo",
+        "attn.to_out": "attn.wo",
+        "ff.gate": "mlp.gate",
+        "ff.up": "mlp.up",
+        "ff.down": "mlp.down",
+    }
+    entries = {}
+    blocks = [(f"transformer_blocks.{i}", f"blocks.{i}") for i in range(base.config.num_layers)]
+    blocks += [
+        (f"text_fusion.{k}_blocks.{i}", f"txtfusion.{k}_blocks.{i}") for k in ("layerwise", "refiner") for i in (0, 1)
+    ]
+    for to, origin in blocks:
+        entries.update({f"{to}.{d}": f"{origin}.{c}" for d, c in block.items()})
+    entries.update(
+        {
+            "img_in": "first",
+            "time_embed.linear_1": "tmlp.0",
+            "time_embed.linear_2": "tmlp.2",
+            "time_mod_proj": "tproj.1",
+            "txt_in.linear_1": "txtmlp.1",
+            "txt_in.linear_2": "txtmlp.3",
+            "text_fusion.projector": "txtfusion.projector",
+            "final_layer.linear": "last.linear",
+        }
+    )
+    key_map: dict[str, Any] = {}
+    for name, comfy in entries.items():
+        for key in (f"diffusion_model.{name}", f"transformer.{name}", "lycoris_" + name.replace(".", "_"), name):
+            key_map[key] = f"diffusion_model.{comfy}.weight"
+    return key_map
+
+
 def comfy_weights(base: torch.nn.Module) -> tuple[dict[str, torch.Tensor], Callable[[dict], dict]]:
     """The denoiser's weights as ComfyUI holds them (``diffusion_model.<original name>``: BFL for FLUX, LDM/SGM for
     the UNets) and the function back to diffusers names."""
@@ -220,6 +267,11 @@ def comfy_weights(base: torch.nn.Module) -> tuple[dict[str, torch.Tensor], Calla
 
         bfl2 = {f"diffusion_model.{k}": v for k, v in flux2_to_bfl(sd).items()}
         return bfl2, lambda s: back2({k.removeprefix("diffusion_model."): v for k, v in s.items()})
+    if _is_krea2(base):  # Krea's names; back through diffusers' own single-file converter
+        from diffusers.loaders.single_file_utils import convert_krea2_transformer_checkpoint_to_diffusers as krea2
+
+        krea = {f"diffusion_model.{k}": v for k, v in krea2_to_original(sd).items()}
+        return krea, lambda s: krea2({k.removeprefix("diffusion_model."): v for k, v in s.items()})
     if _is_zimage(base):  # the original names; back through diffusers' own single-file converter
         from diffusers.loaders.single_file_utils import convert_z_image_transformer_checkpoint_to_diffusers as back
 
@@ -244,6 +296,8 @@ def comfy_key_map(base: torch.nn.Module, model_sd: Mapping[str, torch.Tensor]) -
             key_map[k[: -len(".weight")]] = k
     if _is_zimage(base):
         return {**key_map, **_zimage_key_map(base)}
+    if _is_krea2(base):  # comfy/lora.py: isinstance(model, Krea2)
+        return {**key_map, **_krea2_key_map(base)}
     if _is_flux2(base):  # no diffusers-name rules known for FLUX.2: the generic map only
         return key_map
     if _is_qwenimage(base):  # comfy/lora.py: isinstance(model, QwenImage)
@@ -381,7 +435,7 @@ def kohya_apply(
     weights (diffusers names) and the unexpected keys. ``ss_network_module: lycoris.kohya`` loads through LyCORIS."""
     if not any(k.startswith("lora_unet_") for k in lora):  # sd-scripts reads lora_unet_ names only
         return base_weights(base), set(lora)
-    if _is_qwenimage(base) or _is_flux2(base):  # sd-scripts has no Qwen-Image or FLUX.2 network
+    if _is_qwenimage(base) or _is_flux2(base) or _is_krea2(base):  # sd-scripts has no network for these
         return base_weights(base), set(lora)
     model_sd, back = comfy_weights(base)  # sd-scripts builds the same modules: BFL, SGM; SD1.x in diffusers names
     flux = _is_flux(base)
@@ -885,10 +939,11 @@ def test_a_run_warns_before_training_about_layers_no_file_brings_to_a_tool(bases
     assert callback.loads_in == {"diffusers": ["diffusers"], "kohya": ["diffusers", "ComfyUI"]}
 
 
-@pytest.mark.parametrize("name", ["zimage", "qwenimage", "flux2"])
+@pytest.mark.parametrize("name", ["zimage", "qwenimage", "flux2", "krea2"])
 def test_a_tool_without_support_for_the_family_is_no_warning(bases: dict, tmp_path: Path, name: str, caplog) -> None:
-    """sd-scripts has no Z-Image, Qwen-Image or FLUX.2 network: every run would warn that it loads nothing. That is a
-    fact of the family (logged once), not a warning about the run; the written files still say where they load."""
+    """sd-scripts has no Z-Image, Qwen-Image, FLUX.2 or Krea 2 network: every run would warn that it loads nothing.
+    That is a fact of the family (logged once), not a warning about the run; the written files still say where they
+    load."""
     family, base = bases[name]
     model, options = adapted(family, base, "attention", "lora")
     trainer, module = _stub_run(tmp_path, family, model, options)

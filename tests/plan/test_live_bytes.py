@@ -54,3 +54,36 @@ def test_autocast_on_meta_casts_as_cuda_autocast_does() -> None:
         return F.conv2d(x32, w, padding=1)
 
     assert peak_bytes(conv, autocast=torch.bfloat16)[0] == 2 * n + 2 * n  # the bf16 copy and the bf16 output
+
+
+def test_an_op_seen_before_is_remade_as_it_would_run() -> None:
+    """:class:`MetaOpCache`: on the meta device the outputs of an op seen before with the same arguments' shapes are
+    remade, not computed: the same shapes, strides and dtypes, new storages of the same bytes, so what
+    :class:`LiveBytes` counts does not change; views stay views, in-place ops and ops on real tensors run as usual."""
+    from lightning_lora.plan.live_bytes import OPS, LiveBytes, MetaOpCache
+
+    x = torch.empty(4, 96, 48, device="meta").transpose(1, 2)  # a strided input: outputs follow its layout
+
+    def chain() -> torch.Tensor:
+        t = x
+        for _ in range(3):  # three blocks of the same ops on the same shapes
+            h = F.gelu(t * 2 + 1)
+            h.mul_(0.5)
+            t = h.transpose(1, 2).transpose(1, 2) + t.softmax(-1)  # views of h
+        return t
+
+    plain = LiveBytes()
+    with torch.no_grad(), plain:
+        expected = chain()
+    computed = OPS["computed"]
+    peak, op = peak_bytes(chain)
+    assert (peak, op) == (plain.peak, plain.peak_op)
+    assert OPS["computed"] - computed < 10  # the first block's ops
+    computed = OPS["computed"]
+    assert peak_bytes(chain) == (peak, op) and OPS["computed"] == computed  # all known now: nothing computed
+    with MetaOpCache():
+        remade = chain()
+    assert (remade.shape, remade.stride(), remade.dtype) == (expected.shape, expected.stride(), expected.dtype)
+    with MetaOpCache():
+        values = [torch.ones(3) * 2 for _ in range(2)]  # real tensors: computed each time
+    assert all(torch.equal(v, torch.full((3,), 2.0)) for v in values)

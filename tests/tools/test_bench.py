@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import Any
 
 import pytest
 from helpers import REPO
@@ -25,6 +26,7 @@ import bench_suite  # noqa: E402
         ("zimage", "lightning", 0, 0, "adamw"),
         ("qwenimage", "lightning", 0, 1, "adamw8bit"),
         ("flux2", "lightning", 0, 0, "adamw"),
+        ("krea2", "lightning", 0, 0, "adamw"),
     ],
 )
 def test_bench_runs_our_module_on_a_tiny_model(
@@ -56,7 +58,7 @@ def test_bench_runs_our_module_on_a_tiny_model(
         assert out["block_copies"] == 2 * (2 * offload - 1) - 1 and out["offloaded_GiB"] >= 0
 
 
-@pytest.mark.parametrize("family", ["zimage", "qwenimage"])
+@pytest.mark.parametrize("family", ["zimage", "qwenimage", "krea2"])
 def test_bench_batches_have_the_caches_layout(family: str) -> None:
     """The synthetic batches of the newer families hold what the latent cache stores for them: the tiny pipeline's
     ``encode_images`` / ``encode_prompts`` outputs, key for key and shape for shape (the bench's tiny transformer has
@@ -64,12 +66,12 @@ def test_bench_batches_have_the_caches_layout(family: str) -> None:
     import torch
 
     from lightning_lora.families import FAMILIES
+    from lightning_lora.tiny.krea2 import build_tiny_krea2
+    from lightning_lora.tiny.qwenimage import build_tiny_qwenimage
+    from lightning_lora.tiny.zimage import build_tiny_zimage
 
-    if family == "zimage":
-        from lightning_lora.tiny.zimage import build_tiny_zimage as build
-    else:
-        from lightning_lora.tiny.qwenimage import build_tiny_qwenimage as build
-    pipe = build()
+    build = {"zimage": build_tiny_zimage, "qwenimage": build_tiny_qwenimage, "krea2": build_tiny_krea2}[family]
+    pipe: Any = build()
     config = bench.CONFIGS[family][1]
     assert json.loads(json.dumps({k: pipe.transformer.config[k] for k in config if not k.startswith("_")})) == {
         k: v for k, v in config.items() if not k.startswith("_")
