@@ -291,10 +291,19 @@ def looks_local(pretrained: str) -> bool:
     return (os.sep in text or "/" in text) and not _HUB_ID.match(text)
 
 
-def _hub_offline() -> bool:
+def _hub_offline() -> str | None:
+    """The variables that keep huggingface_hub offline (``HF_HUB_OFFLINE``, or ``TRANSFORMERS_OFFLINE``, which it also
+    reads), as the message names them; ``None`` when it may download."""
     from huggingface_hub import constants
 
-    return bool(constants.HF_HUB_OFFLINE)
+    if not constants.HF_HUB_OFFLINE:
+        return None
+    names = [
+        n
+        for n in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+        if os.environ.get(n, "").upper() in constants.ENV_VARS_TRUE_VALUES
+    ]
+    return " and ".join(names or ["HF_HUB_OFFLINE"])
 
 
 def _causes(error: BaseException) -> list[BaseException]:
@@ -329,10 +338,10 @@ def source_problem(source: ModelSource, subfolder: str, error: BaseException) ->
             f"https://huggingface.co/{repo}, log in with hf auth login (or set HF_TOKEN), then run again."
         )
     gated = " A gated model (FLUX.1-dev is one) also needs its license accepted and hf auth login."
-    if _hub_offline():
+    if offline := _hub_offline():
         return (
-            f"model.pretrained: {repo} is not in the local Hugging Face cache, and HF_HUB_OFFLINE is set (nothing is "
-            f"downloaded). {download}, or unset HF_HUB_OFFLINE to download it now.{gated}"
+            f"model.pretrained: {repo} is not in the local Hugging Face cache, and the hub is offline ({offline} set: "
+            f"nothing is downloaded). {download}, or unset {offline} to download it now.{gated}"
         )
     if any(_UNREACHABLE.search(f"{type(e).__name__} {e}") for e in chain):
         return (

@@ -55,7 +55,8 @@ def test_a_hub_model_offline_says_how_to_get_it(
     gated model needs a login; huggingface_hub's warnings (two UserWarning lines) are not printed before it."""
     config = write_config(tmp_path, tiny_flux_dir, photos_dir, **{"model.pretrained": "black-forest-labs/FLUX.1-dev"})
     line = _error(capsys, ["cache", "--config", str(config)])
-    assert "black-forest-labs/FLUX.1-dev is not in the local Hugging Face cache, and HF_HUB_OFFLINE is set" in line
+    assert "black-forest-labs/FLUX.1-dev is not in the local Hugging Face cache, and the hub is offline" in line
+    assert "HF_HUB_OFFLINE" in line
     assert "hf download black-forest-labs/FLUX.1-dev" in line and "hf auth login" in line, line
     assert "huggingface-cli" not in line
 
@@ -77,9 +78,21 @@ def test_a_hub_model_that_cannot_be_downloaded(monkeypatch: pytest.MonkeyPatch) 
     source = ModelSource("black-forest-labs/FLUX.1-dev")
     gated = source_problem(source, "vae", _raised_from(GatedRepoError("401 Client Error")))
     assert "is a gated model" in gated and "hf auth login" in gated and "huggingface.co/black-forest-labs" in gated
-    monkeypatch.setattr(base, "_hub_offline", lambda: False)
+    monkeypatch.setattr(base, "_hub_offline", lambda: None)
     down = source_problem(source, "vae", _raised_from(ConnectionError("[Errno -2] Name or service not known")))
     assert "the hub could not be reached (no network?)" in down and "hf download black-forest-labs/FLUX.1-dev" in down
+
+
+def test_offline_names_the_variable_that_is_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    """huggingface_hub also stays offline for TRANSFORMERS_OFFLINE alone: the line names that one to unset."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    line = source_problem(ModelSource("black-forest-labs/FLUX.1-dev"), "vae", OSError("not in the cache"))
+    assert "the hub is offline (TRANSFORMERS_OFFLINE set" in line and "unset TRANSFORMERS_OFFLINE" in line, line
+    assert "HF_HUB_OFFLINE" not in line
 
 
 def test_a_local_path_is_told_from_a_hub_id(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
