@@ -50,10 +50,13 @@ NOT_VERBS: dict[str, str] = {
 
 def usage() -> str:
     """The top-level help: the verb table."""
+    import lightning_lora
+
     rows = "\n".join(f"  {verb:<8}{about}" for verb, about in ABOUT.items())
+    summary = " ".join((lightning_lora.__doc__ or "").split("\n\n")[0].split()).removeprefix("lightning-lora: ")
     return (
         "usage: lightning-lora <command> [options]\n\n"
-        "Train LoRA adapters for diffusion models (FLUX.1, FLUX.2, SDXL, SD1.5, Z-Image, Qwen-Image).\n\n"
+        f"{summary[:1].upper()}{summary[1:]}\n\n"
         f"commands:\n{rows}\n\n"
         "options:\n  -h, --help  this table; lightning-lora <command> --help: the command's options\n"
         "  --version   the installed version\n\n"

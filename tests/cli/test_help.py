@@ -28,6 +28,7 @@ def test_the_top_level_help_lists_our_verbs(capsys: pytest.CaptureFixture[str]) 
     assert verbs == ["fit", "plan", "cache", "export"]
     assert "validate" not in out and "{fit," not in out, out
     assert "Lightning Trainer command line tool" not in out
+    assert "LoRA adapters on diffusion models (FLUX.1, FLUX.2, SDXL, SD1.5, Z-Image, Qwen-Image, Krea 2)." in out
 
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:
