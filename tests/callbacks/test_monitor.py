@@ -3,6 +3,7 @@ step that compiled (it read 1:07:52 left of a run that ended 38 s later)."""
 
 from __future__ import annotations
 
+import io
 from types import SimpleNamespace
 from typing import Any
 
@@ -53,6 +54,34 @@ def test_the_bar_in_a_log_after_a_slow_first_step(
         "step 20/100  loss 0.2500  0.50 s/step  0:40 left",
     ]
     assert bar.shown == (20, 100) and bar.lines == 2
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_the_bar_on_a_terminal_and_a_line_printed_while_it_shows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a terminal the demo shows a tqdm bar on stdout; a line printed while it shows (the first-step line, a
+    warning) clears the bar and starts on its own line, and the bar is drawn again below it (a plain print would append
+    the line to the bar's)."""
+    screen = _Terminal()
+    monkeypatch.setattr(monitor.sys, "stdout", screen)
+    trainer: Any = SimpleNamespace(
+        max_steps=4, global_step=0, is_global_zero=True, progress_bar_metrics={"train/loss": 0.25}, optimizers=[]
+    )
+    bar = StepProgressBar()
+    bar.on_train_start(trainer, None)  # type: ignore[arg-type]
+    for step in range(1, 5):
+        trainer.global_step = step
+        bar.on_train_batch_end(trainer, None)  # type: ignore[arg-type]
+        if step == 2:
+            monitor.console_line("First optimizer step: 60.0 s (the next ones 0.50 s)")
+    bar.on_train_end(trainer, None)  # type: ignore[arg-type]
+    drawn = screen.getvalue().split("\r")
+    assert any(part.startswith("First optimizer step: 60.0 s (the next ones 0.50 s)\n") for part in drawn), drawn
+    assert drawn[-1].startswith("steps 4/4 100%|") and "loss=0.2500" in drawn[-1], drawn
+    assert bar.shown == (4, 4) and bar.lines == 0
 
 
 def test_the_hparams_are_the_options_the_config_sets() -> None:
