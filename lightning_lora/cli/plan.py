@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from typing import Any, ClassVar
 
 from lightning_lora.cli.fit import UNBUILT, LoraCLI, resolve_precision
 from lightning_lora.cli.help import plain_text
+from lightning_lora.cli.status import USER_ERROR, user_error
 from lightning_lora.data.datamodule import DataOptions
 from lightning_lora.data.recipe import DataRecipe
 from lightning_lora.errors import ConfigError
@@ -134,9 +136,8 @@ def main(argv: list[str]) -> int:
                 what = fit.line() if fit else "nothing fits: lower data.resolution or data.batch_size"
                 print(f"  {gib:>4} GiB  {names:<30} {what}")
     except ConfigError as e:
-        print(f"lightning-lora plan: error: {e}")
-        return 2
+        return user_error("lightning-lora plan", e)
     except NotImplementedError as e:
-        print(f"lightning-lora plan: {e}")
-        return 2
+        print(f"lightning-lora plan: {e}", file=sys.stderr)
+        return USER_ERROR
     return 0

@@ -106,6 +106,37 @@ def test_a_missing_option_and_a_refused_one_are_one_line(
     assert not (tmp_path / "run").exists()  # refused before anything is written
 
 
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (None, "no such file ("),
+        ("model:\n  lora: {rank: 4\n", "not valid YAML at line 3, column 1: expected ',' or '}'"),
+        ("model:\n  lora:\n    rank: 4\n   alpha: 3\n", "not valid YAML at line 4, column 4: expected <block end>"),
+        ("model:\n\tlora: 3\n", "not valid YAML at line 2, column 1: found character '\\t'"),
+        ("- model\n- data\n", "the file holds a list, not a config"),
+        ("", "the file holds nothing, not a config"),
+    ],
+)
+@pytest.mark.parametrize("verb", ["fit", "plan"])
+def test_a_config_file_the_parser_cannot_read_is_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str | None, expected: str, verb: str
+) -> None:
+    """The parser said ``Parser key "config": File does not exist`` or ``Problems parsing config: ... in "<unicode
+    string>"``: not which file, nor where in it."""
+    config = tmp_path / "my.yaml"
+    if text is not None:
+        config.write_text(text)
+    lines = _error(capsys, [verb, "--config", str(config)])
+    assert len(lines) == 1 and lines[0].startswith(f"lightning-lora{' plan' if verb == 'plan' else ''}: error: "), lines
+    assert f"--config {config}: {expected}" in lines[0], lines
+
+
+def test_a_config_given_inline_is_still_read(capsys: pytest.CaptureFixture[str]) -> None:
+    """A ``--config`` value that is not a file but a config (jsonargparse takes those) reaches the parser."""
+    (line,) = _error(capsys, ["fit", "--config", "{trainer: {max_steps: 3}}"])
+    assert "model.pretrained and data.images are required" in line, line
+
+
 @pytest.mark.parametrize("name", ["flux_4090.yaml", "sdxl_12gb.yaml", "tiny_cpu.yaml"])
 def test_print_config_skip_default(capsys: pytest.CaptureFixture[str], name: str) -> None:
     """jsonargparse built a parser of AdamW8bit's whole signature to find its defaults, and its ``params`` has no
