@@ -79,7 +79,14 @@ def _top_level(args: list[str]) -> int | None:
     if first in NOT_VERBS:
         print(f"lightning-lora: error: {first} is not a lightning-lora command: {NOT_VERBS[first]}.", file=sys.stderr)
         return 2
-    if not first.startswith("-") and first != "fit" and first not in VERBS:
+    if first.startswith("-"):
+        print(
+            f"lightning-lora: error: {first}: a command comes first, then its options (lightning-lora fit "
+            f"{' '.join(args)}); the commands are {', '.join(ABOUT)} (lightning-lora --help).",
+            file=sys.stderr,
+        )
+        return 2
+    if first != "fit" and first not in VERBS:
         import difflib
 
         close = difflib.get_close_matches(first, [*ABOUT], n=1)

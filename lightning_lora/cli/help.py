@@ -19,15 +19,25 @@ docstrings as help. Three things make that help ours:
 from __future__ import annotations
 
 import argparse
+import importlib
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from jsonargparse import DefaultHelpFormatter
 
 from lightning_lora.errors import ConfigError
 
-__all__ = ["FIT_DESCRIPTION", "HIDDEN", "OUR_HELP", "REFUSED", "HelpFormatter", "check_refused", "plain_text"]
+__all__ = [
+    "FIT_DESCRIPTION",
+    "HIDDEN",
+    "OUR_HELP",
+    "REFUSED",
+    "HelpFormatter",
+    "VerbParser",
+    "check_refused",
+    "plain_text",
+]
 
 FIT_DESCRIPTION = (
     "Train a LoRA adapter: lightning-lora fit --config configs/<card>.yaml [--section.option value ...]. Every "
@@ -156,21 +166,47 @@ def plain_text(text: str) -> str:
 
 _KNOWN = re.compile(r", known subclasses: ([^)]*)\)$", re.S)
 
+LISTED_PACKAGES = ("torch", "lightning", "lightning_lora")
+"""The packages whose classes the help lists after "known subclasses" (jsonargparse lists the subclasses defined so
+far): these are imported whenever the help is shown (lightning-lora's modules a config may name classes from by
+:func:`_import_listed`). An extra's classes (bitsandbytes' optimizers, prodigyopt's) would be listed only when
+something had imported it, 40 lines of bitsandbytes; the options' own texts name them."""
+
+
+def _import_listed() -> None:
+    """Import the modules of lightning-lora a config may name classes from (its optimizers and schedules are not
+    imported by the parser), so the help lists their classes every time."""
+    from lightning_lora.cli.class_paths import TRUSTED_MODULES
+
+    for module in TRUSTED_MODULES:
+        if module.split(".")[0] == "lightning_lora":
+            importlib.import_module(module)
+
 
 def _trusted_only(help_text: str) -> str:
-    """The help string with only the classes a config may name after "known subclasses" (none: the list is left out)."""
+    """The help string with only the classes a config may name after "known subclasses", of :data:`LISTED_PACKAGES`
+    (none: the list is left out)."""
     from lightning_lora.cli.class_paths import trusted
 
     match = _KNOWN.search(help_text)
     if match is None:
         return help_text
-    names = [n.strip() for n in match.group(1).split(",") if trusted(n.strip())]
+    names = [
+        n.strip()
+        for n in match.group(1).split(",")
+        if trusted(n.strip()) and n.split(".")[0].strip() in LISTED_PACKAGES
+    ]
     listed = f", known subclasses: {', '.join(names)}" if names else ""
     return help_text[: match.start()] + listed + ")"
 
 
 class HelpFormatter(DefaultHelpFormatter):
-    """jsonargparse's help, as plain text (:func:`plain_text`), with only trusted classes listed."""
+    """jsonargparse's help, as plain text (:func:`plain_text`), with only trusted classes listed, the same ones every
+    time (:data:`LISTED_PACKAGES`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _import_listed()
 
     def _get_help_string(self, action: argparse.Action) -> str:
         return _trusted_only(plain_text(super()._get_help_string(action)))
@@ -213,3 +249,38 @@ def _get(config: Any, option: str) -> Any:
         return config.get(option) if hasattr(config, "get") else None
     except (KeyError, AttributeError):
         return None
+
+
+class VerbParser(argparse.ArgumentParser):
+    """argparse's parser of a verb's own arguments (``plan``'s, ``export``'s), with its errors as one line
+    (``lightning-lora export: error: --fromat: no such option; did you mean --format?``) instead of the usage screen
+    and the error, as the config parser's (:class:`~lightning_lora.cli.parser.ConfigParser`); exit status 2."""
+
+    def close_option(self, name: str) -> str | None:
+        """The option of this parser closest to the unknown ``--name`` (a typo), or None."""
+        import difflib
+
+        options = [o.removeprefix("--") for o in self._option_string_actions if o.startswith("--")]
+        found = difflib.get_close_matches(name.removeprefix("--"), options, n=1, cutoff=0.6)
+        return f"--{found[0]}" if found else None
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> Any:
+        """argparse's, with an unknown option said first (argparse says a required option is missing first when it
+        is the typo: ``--fromat kohya`` read "the following arguments are required: --format")."""
+        for arg in [] if args is None else list(args):
+            name = str(arg).split("=", 1)[0]
+            if (
+                name.startswith("--")
+                and name != "--"
+                and not any(o.startswith(name) for o in self._option_string_actions)
+            ):
+                self.error(f"unrecognized arguments: {name}")
+        return super().parse_args(args, namespace)
+
+    def error(self, message: str) -> NoReturn:
+        unknown = re.match(r"unrecognized arguments: .*?(--[\w.-]+)", message)
+        if unknown:
+            name = unknown.group(1)
+            close = self.close_option(name)
+            message = f"{name}: no such option" + (f"; did you mean {close}?" if close else "")
+        self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help).\n")

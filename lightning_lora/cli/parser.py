@@ -72,8 +72,8 @@ def _unknown(key: str, known: list[str], where: str = "") -> str:
         ]
         leaf_match = _close(leaf, siblings)
         match = f"{parent}.{leaf_match}" if leaf_match else None
-    hint = f"did you mean {match}? " if match else ""
-    return f"{key}: no such option{where}; {hint}({HELP_HINT})."
+    hint = f"; did you mean {match}?" if match else ""
+    return f"{key}: no such option{where}{hint} ({HELP_HINT})."
 
 
 _PLAIN = {int: "an int", float: "a number", str: "text", bool: "true or false"}

@@ -48,6 +48,7 @@ def test_a_command_that_is_not_ours_is_one_line(capsys: pytest.CaptureFixture[st
 def test_fit_help_shows_the_options_of_a_lora_run_in_plain_text(capsys: pytest.CaptureFixture[str]) -> None:
     """The Trainer options a LoRA run does not use are hidden, --ckpt_path says what ``last`` means here, and no help
     string shows reST. Lightning's own help of fit was 824 lines (44 options more, reST throughout)."""
+    import transformers.optimization  # noqa: F401  # as lightning_lora.optimizers, another test or a config may
     status, out, _ = _run(capsys, ["fit", "--help"])
     assert status == 0
     for option in HIDDEN:
@@ -59,6 +60,9 @@ def test_fit_help_shows_the_options_of_a_lora_run_in_plain_text(capsys: pytest.C
     for kept in ("--trainer.max_steps", "--trainer.accumulate_grad_batches", "--model.lora.rank", "--data.images"):
         assert kept in out
     assert "accelerate.optimizer" not in out  # only classes a config may name are listed
+    # the same classes whatever was imported before (bitsandbytes' 40 optimizers were listed once it was imported)
+    assert "lightning_lora.schedules.CosineWithWarmup" in out and "lightning_lora.optimizers.Adafactor" in out
+    assert "transformers.Adafactor" not in out
     assert len(out.splitlines()) < 640
 
 

@@ -107,6 +107,34 @@ def test_a_missing_option_and_a_refused_one_are_one_line(
 
 
 @pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--config", "x.yaml"], "lightning-lora: error: --config: a command comes first, then its options"),
+        (["export"], "lightning-lora export: error: the following arguments are required: checkpoint, --format"),
+        (["export", "x.ckpt", "--fromat", "kohya", "--out", "y"], "--fromat: no such option; did you mean --format?"),
+        (["export", "x.ckpt", "--format", "comfy", "--out", "y"], "argument --format: invalid choice: 'comfy'"),
+        (["plan", "--vram", "lots"], "lightning-lora plan: error: argument --vram: 'lots' is not a size in GiB"),
+        (["plan", "--bogus"], "lightning-lora plan: error: bogus: no such option (lightning-lora fit --help"),
+    ],
+)
+def test_the_verbs_own_options_are_one_line(capsys: pytest.CaptureFixture[str], args: list[str], expected: str) -> None:
+    """argparse printed its usage (4 lines for export) before the error, and said a required option was missing
+    where the option was misspelt; no match, no "did you mean"."""
+    (line,) = _error(capsys, args)
+    assert expected in line, line
+
+
+def test_a_typo_of_plans_own_option(
+    tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = write_config(tmp_path, tiny_flux_dir, photos_dir)
+    (line,) = _error(capsys, ["plan", "--config", str(config), "--vrm", "24"])
+    assert (
+        line == "lightning-lora plan: error: --vrm: no such option; did you mean --vram? (lightning-lora plan --help)."
+    )
+
+
+@pytest.mark.parametrize(
     ("text", "expected"),
     [
         (None, "no such file ("),
