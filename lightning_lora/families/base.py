@@ -250,9 +250,18 @@ def check_source(source: ModelSource, pipeline_classes: tuple[str, ...]) -> None
                 f"expects one of {', '.join(pipeline_classes)}. Choose the matching model.family or another folder."
             )
     elif looks_local(source.pretrained):
+        from lightning_lora.cli.demo import DEMO_DIR
+
+        demo = Path(source.pretrained).parts[:1] == DEMO_DIR.parts
         raise ConfigError(
-            f"model.pretrained: folder {source.pretrained} does not exist (in {Path.cwd()}). Check the path: a local "
-            "model is a diffusers folder with model_index.json; a hub id looks like black-forest-labs/FLUX.1-dev."
+            f"model.pretrained: folder {source.pretrained} does not exist (in {Path.cwd()}). "
+            + (
+                "The demo's tiny models are written by make demo (or python -m lightning_lora.cli.demo), from the "
+                "repository's folder."
+                if demo
+                else "Check the path: a local model is a diffusers folder with model_index.json; a hub id looks like "
+                "black-forest-labs/FLUX.1-dev."
+            )
         )
     elif not _HUB_ID.match(source.pretrained):
         raise ConfigError(

@@ -48,6 +48,17 @@ def test_a_missing_local_model_folder_is_called_a_folder(
     assert "hub" not in line.split("Check the path")[0] and "download" not in line
 
 
+def test_the_demo_config_before_the_demo(
+    tmp_path: Path, photos_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """configs/tiny_cpu.yaml run before make demo wrote its model: the line says what writes it."""
+    monkeypatch.chdir(tmp_path)
+    config = write_config(tmp_path, tmp_path, photos_dir, **{"model.pretrained": ".demo/tiny-flux"})
+    line = _error(capsys, ["plan", "--config", str(config)])
+    assert "model.pretrained: folder .demo/tiny-flux does not exist" in line, line
+    assert "written by make demo (or python -m lightning_lora.cli.demo)" in line
+
+
 def test_a_hub_model_offline_says_how_to_get_it(
     tmp_path: Path, tiny_flux_dir: Path, photos_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -49,6 +49,7 @@ def test_fit_help_shows_the_options_of_a_lora_run_in_plain_text(capsys: pytest.C
     """The Trainer options a LoRA run does not use are hidden, --ckpt_path says what ``last`` means here, and no help
     string shows reST. Lightning's own help of fit was 824 lines (44 options more, reST throughout)."""
     import transformers.optimization  # noqa: F401  # as lightning_lora.optimizers, another test or a config may
+
     status, out, _ = _run(capsys, ["fit", "--help"])
     assert status == 0
     for option in HIDDEN:
