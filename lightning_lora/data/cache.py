@@ -54,6 +54,7 @@ import json
 import logging
 import os
 import re
+import sys
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
@@ -75,7 +76,16 @@ from lightning_lora.data.sources import Skip, display
 from lightning_lora.families.base import DiffusionFamily, ModelSource
 from lightning_lora.io import atomic_write_bytes, save_safetensors
 
-__all__ = ["EncodeResult", "ImageIndex", "LatentCache", "LatentJob", "TextResult", "decode_loader", "readable"]
+__all__ = [
+    "EncodeResult",
+    "ImageIndex",
+    "LatentCache",
+    "LatentJob",
+    "TextResult",
+    "decode_loader",
+    "progress_bar",
+    "readable",
+]
 
 log = logging.getLogger(__name__)
 
@@ -288,11 +298,13 @@ def _quiet_truncation(encoders: Any) -> Iterator[None]:
             logger.setLevel(level)
 
 
-def _progress(total: int, desc: str, enabled: bool) -> Any:
+def progress_bar(total: int, desc: str, enabled: bool) -> Any:
+    """The cache build's progress bar: on stdout with the command's other lines and the training's bar, shown when
+    stdout is a terminal (disable=None: silent in a log and in tests)."""
     from tqdm.auto import tqdm
 
-    # disable=None: shown on a terminal, silent in logs and tests.
-    return tqdm(total=total, desc=desc, unit="img" if "image" in desc else "text", disable=None if enabled else True)
+    unit = "img" if "image" in desc else "text"
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stdout, disable=None if enabled else True)
 
 
 def quantize_text_encoders(
@@ -393,7 +405,7 @@ class LatentCache:
         channels_last = device.type == "cuda" if channels_last is None else channels_last
         loader = decode_loader(jobs, batch_size, workers, background, pin_memory=device.type == "cuda")
         batches = iter(loader)  # forks the workers before any thread or model exists in this process
-        bar = _progress(len(jobs), "Encoding images", progress)
+        bar = progress_bar(len(jobs), "Encoding images", progress)
         pending: deque[Future] = deque()
         try:
             with ThreadPoolExecutor(max_workers=2, thread_name_prefix="cache-writer") as writer:
@@ -467,7 +479,7 @@ class LatentCache:
         encoders = encoders.to(device)
         limit = self.family.prompt_limit(encoders)
         result.limit = str(limit) if limit is not None else ""
-        bar = _progress(len(texts), "Encoding captions", progress)
+        bar = progress_bar(len(texts), "Encoding captions", progress)
         try:
             with _quiet_truncation(encoders):
                 for i in range(0, len(texts), batch_size):

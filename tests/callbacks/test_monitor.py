@@ -84,6 +84,24 @@ def test_the_bar_on_a_terminal_and_a_line_printed_while_it_shows(monkeypatch: py
     assert bar.shown == (4, 4) and bar.lines == 0
 
 
+def test_the_cache_builds_bar_is_on_stdout_too(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The cache build's bar was on stderr, the training's and every other line on stdout: one stream now; shown on a
+    terminal only."""
+    from lightning_lora.data.cache import progress_bar
+
+    screen = _Terminal()
+    monkeypatch.setattr(monitor.sys, "stdout", screen)
+    with progress_bar(2, "Encoding images", True) as bar:
+        bar.update(2)
+    assert "Encoding images: 100%" in screen.getvalue() and "2/2" in screen.getvalue()
+    monkeypatch.undo()
+    with progress_bar(2, "Encoding images", True) as bar:  # not a terminal: nothing
+        bar.update(2)
+    assert capsys.readouterr() == ("", "")
+
+
 def test_the_hparams_are_the_options_the_config_sets() -> None:
     from lightning_lora.callbacks.monitor import flat_options, run_hparams
 
