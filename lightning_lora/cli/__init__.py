@@ -18,6 +18,7 @@ console routing of :mod:`lightning_lora.cli.console` (library chatter off the sc
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import sys
 import warnings
@@ -101,7 +102,23 @@ def _top_level(args: list[str]) -> int | None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point of the ``lightning-lora`` command; exits with the verb's status."""
+    """Entry point of the ``lightning-lora`` command; exits with the verb's status. When the reader of its output
+    goes away (``lightning-lora fit --help | head``), it stops as other commands do: no traceback, exit status 141
+    (SIGPIPE's, :func:`~lightning_lora.cli.status.interrupted`)."""
+    try:
+        _main(argv)
+    except BrokenPipeError:
+        import os
+        import signal
+
+        from lightning_lora.cli.status import interrupted
+
+        with contextlib.suppress(OSError, ValueError):  # nothing more to write: Python's flush at exit would fail too
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(interrupted(signal.SIGPIPE)) from None
+
+
+def _main(argv: list[str] | None) -> None:
     args = sys.argv[1:] if argv is None else list(argv)
     settled = _top_level(args)
     if settled is not None:

@@ -80,3 +80,18 @@ def test_plain_text() -> None:
         "lightning_lora.plan and the CLI docs"
     )
     assert plain_text("see `the notes <https://x.org/a>`_ and **this**") == "see the notes (https://x.org/a) and this"
+
+
+@pytest.mark.subprocess
+def test_a_reader_that_goes_away_is_no_traceback() -> None:
+    """``lightning-lora --help | head -1``: the reader closes the pipe before the help is written; a BrokenPipeError
+    traceback was printed (exit status 1). Now: nothing on stderr, SIGPIPE's exit status."""
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "lightning_lora", "--help"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert process.stdout is not None and process.stderr is not None
+    process.stdout.close()  # before the interpreter has started: its first write finds no reader
+    err = process.stderr.read()
+    assert process.wait(timeout=60) == 141 and not err, err
