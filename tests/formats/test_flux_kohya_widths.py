@@ -4,10 +4,12 @@ said to load in diffusers and did not (``export demo-lora.kohya.safetensors --fo
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
-from lightning_lora.export import file_coverage
+from lightning_lora.export import convert_lora_file, file_coverage, write_lora
 from lightning_lora.families import Flux
 
 RANK = 2
@@ -31,3 +33,22 @@ def test_a_kohya_file_loads_in_diffusers_at_flux1_widths_only(inner: int, mlp: i
         (note,) = [line for line in kohya.notes("demo.kohya.safetensors") if line.startswith("diffusers")]
         assert "does not load 4 layer(s)" in note and "FLUX.1's widths (3072, 12288)" in note and "(64, 256)" in note
     assert "diffusers" in file_coverage(state, Flux(), "diffusers").loads_in  # its own layout: any width
+
+
+def test_converting_such_a_file_says_what_to_use_instead(tmp_path: Path) -> None:
+    """The demo's kohya file given to ``export --format diffusers``: diffusers' converter cannot read it (its widths),
+    and the line says so from the file's own header and names what to convert instead."""
+    kohya = write_lora(
+        _single_block_lora(64, 256),
+        tmp_path / "demo.kohya.safetensors",
+        format="kohya",
+        family=Flux(),
+        scale=1.0,
+        rank=RANK,
+        alpha=RANK,
+        info={},
+    )
+    with pytest.raises(ValueError, match="diffusers' converter could not read it") as error:
+        convert_lora_file(kohya, tmp_path / "demo.diffusers.safetensors", format="diffusers", family=Flux())
+    assert "loads in ComfyUI, kohya's sd-scripts, not diffusers: convert the run's checkpoint" in str(error.value)
+    assert not (tmp_path / "demo.diffusers.safetensors").exists()
