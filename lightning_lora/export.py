@@ -193,8 +193,8 @@ def write_lora(
     file made elsewhere, scale already folded: ``scale=1``) both write through here."""
     _check_format(state, format, family)
     title = str(info.get("title") or Path(path).name.removesuffix(".safetensors"))
-    variants = {m: a.variant for m, a in adapters_from_peft(state).items()}
-    kinds = sorted(set(variants.values()), key=["LoRA", "DoRA", "LoKr", "LoHa"].index)
+    adapters = adapters_from_peft(state)
+    kinds = sorted({a.variant for a in adapters.values()}, key=["LoRA", "DoRA", "LoKr", "LoHa"].index)
     metadata = {
         "format": "pt",
         "lightning_lora.version": __version__,
@@ -209,7 +209,7 @@ def write_lora(
     tensors, header = layout.write(state, FileFacts(scale, rank, alpha, title, init, dtype))
     metadata.update(header)
     metadata.update(modelspec(family, title, info))
-    metadata["lightning_lora.loads_in"] = json.dumps(family.lora_coverage(format, variants).loads_in)
+    metadata["lightning_lora.loads_in"] = json.dumps(family.file_coverage(format, adapters).loads_in)
     metadata.update({f"lightning_lora.{k}": v if isinstance(v, str) else json.dumps(v) for k, v in info.items()})
     return save_safetensors(tensors, path, metadata=metadata)
 
@@ -236,9 +236,8 @@ def modelspec(family: DiffusionFamily, title: str, info: Mapping[str, Any]) -> d
 
 def file_coverage(state: Mapping[str, torch.Tensor], family: DiffusionFamily, format: str) -> Coverage:
     """What diffusers, ComfyUI and kohya's sd-scripts make of a ``format`` file of ``state``
-    (:meth:`~lightning_lora.families.base.DiffusionFamily.lora_coverage`)."""
-    variants = {m: a.variant for m, a in adapters_from_peft(state).items()}
-    return family.lora_coverage(format, variants)
+    (:meth:`~lightning_lora.families.base.DiffusionFamily.file_coverage`)."""
+    return family.file_coverage(format, adapters_from_peft(state))
 
 
 def check_export(state: Mapping[str, torch.Tensor], family: DiffusionFamily, format: str) -> None:

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_lora.callbacks.ema import LoraEMA, lora_ema
@@ -333,9 +333,9 @@ class LoraExport(Callback):
         self._export_best(trainer, pl_module, end=True)
         self.final = self.export_weights(trainer, pl_module, self.name)
         files = "; ".join(f"{path} (loads in {self.describe(fmt)})" for fmt, path in self.last_files())
-        rank_zero_info(f"LoRA written at step {trainer.global_step}: {files}")
+        log.info("LoRA written at step %d: %s", trainer.global_step, files)  # the run summary lists them for the user
         if self.best_files:
-            rank_zero_info(f"Best LoRA (step {self.best_step}): {'; '.join(str(p) for _, p in self.best_files)}")
+            log.info("Best LoRA (step %s): %s", self.best_step, "; ".join(str(p) for _, p in self.best_files))
 
 
 def _evaluator(trainer: Trainer) -> FixedEvalLoss | None:

@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from lightning_lora.cli.help import VerbParser
 from lightning_lora.errors import ConfigError, first_line
 from lightning_lora.export import (
     FORMATS,
@@ -52,7 +53,7 @@ __all__ = ["main", "build_parser"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = VerbParser(
         prog="lightning-lora export",
         description="Write the LoRA of a lightning-lora checkpoint, or convert a LoRA file, as a diffusers or "
         "kohya/ComfyUI safetensors file.",

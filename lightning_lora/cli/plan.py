@@ -13,10 +13,14 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
+import sys
 from typing import Any, ClassVar
 
 from lightning_lora.callbacks.ema import LoraEMA, configured_ema
 from lightning_lora.cli.fit import UNBUILT, LoraCLI, resolve_precision
+from lightning_lora.cli.help import VerbParser, plain_text
+from lightning_lora.cli.status import USER_ERROR, user_error
 from lightning_lora.data.datamodule import DataOptions
 from lightning_lora.data.recipe import DataRecipe
 from lightning_lora.errors import ConfigError
@@ -91,9 +95,23 @@ def _gib_or_auto(text: str) -> float | str:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size in GiB (e.g. 24) or auto") from None
 
 
+def _plan_cli(parser: VerbParser, rest: list[str]) -> Any:
+    """The :class:`PlanCLI` of ``rest`` (what plan's own options left for the config parser); an option the config
+    parser does not know and finds nothing close to, but close to one of plan's own (``--vrm 24``), is one line naming
+    that one (did you mean --vram?)."""
+    try:
+        return PlanCLI(args=rest, run=False)
+    except ConfigError as e:
+        unknown = re.match(r"([\w.]+): no such option", str(e))
+        close = parser.close_option(f"--{unknown.group(1)}") if unknown and "did you mean" not in str(e) else None
+        if unknown is None or close is None:
+            raise
+        parser.error(f"--{unknown.group(1)}: no such option; did you mean {close}?")
+
+
 def main(argv: list[str]) -> int:
     """Run ``lightning-lora plan`` with ``argv`` (the arguments after ``plan``); return the exit status."""
-    parser = argparse.ArgumentParser(prog="lightning-lora plan", description=__doc__)
+    parser = VerbParser(prog="lightning-lora plan", description=plain_text(__doc__ or ""))
     size = parser.add_mutually_exclusive_group()
     size.add_argument(
         "--vram",
@@ -122,7 +140,7 @@ def main(argv: list[str]) -> int:
             args.vram = math.floor(free * 10) / 10  # as printed, never more than is free
             print(f"--vram auto: {args.vram:g} GiB free on {card}")
         vram = card_size(card_memory(args.gpu), f"--gpu {args.gpu!r}") if args.gpu else card_size(args.vram, "--vram")
-        cli: Any = PlanCLI(args=rest, run=False)
+        cli = _plan_cli(parser, rest)
         recipe, optimizer = cli.model.recipe, cli.model.optimizer_name
         trainer = cli.trainer_config
         shards = shard_count(trainer.get("strategy"), trainer.get("devices", "auto"), trainer.get("num_nodes", 1))
@@ -160,9 +178,8 @@ def main(argv: list[str]) -> int:
                 what = fit.line() if fit else "nothing fits: lower data.resolution or data.batch_size"
                 print(f"  {gib:>4} GiB  {names:<30} {what}")
     except ConfigError as e:
-        print(f"lightning-lora plan: error: {e}")
-        return 2
+        return user_error("lightning-lora plan", e)
     except NotImplementedError as e:
-        print(f"lightning-lora plan: {e}")
-        return 2
+        print(f"lightning-lora plan: {e}", file=sys.stderr)
+        return USER_ERROR
     return 0

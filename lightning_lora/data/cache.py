@@ -61,6 +61,7 @@ import json
 import logging
 import os
 import re
+import sys
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
@@ -90,6 +91,7 @@ __all__ = [
     "MaskJob",
     "TextResult",
     "decode_loader",
+    "progress_bar",
     "readable",
 ]
 
@@ -327,11 +329,13 @@ def _quiet_truncation(encoders: Any) -> Iterator[None]:
             logger.setLevel(level)
 
 
-def _progress(total: int, desc: str, enabled: bool) -> Any:
+def progress_bar(total: int, desc: str, enabled: bool) -> Any:
+    """The cache build's progress bar: on stdout with the command's other lines and the training's bar, shown when
+    stdout is a terminal (disable=None: silent in a log and in tests)."""
     from tqdm.auto import tqdm
 
-    # disable=None: shown on a terminal, silent in logs and tests.
-    return tqdm(total=total, desc=desc, unit="img" if "image" in desc else "text", disable=None if enabled else True)
+    unit = "img" if "image" in desc else "text"
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stdout, disable=None if enabled else True)
 
 
 def quantize_text_encoders(
@@ -440,7 +444,7 @@ class LatentCache:
         channels_last = device.type == "cuda" if channels_last is None else channels_last
         loader = decode_loader(jobs, batch_size, workers, background, pin_memory=device.type == "cuda")
         batches = iter(loader)  # forks the workers before any thread or model exists in this process
-        bar = _progress(len(jobs), "Encoding images", progress)
+        bar = progress_bar(len(jobs), "Encoding images", progress)
         pending: deque[Future] = deque()
         try:
             with ThreadPoolExecutor(max_workers=2, thread_name_prefix="cache-writer") as writer:
@@ -514,7 +518,7 @@ class LatentCache:
         encoders = encoders.to(device)
         limit = self.family.prompt_limit(encoders)
         result.limit = str(limit) if limit is not None else ""
-        bar = _progress(len(texts), "Encoding captions", progress)
+        bar = progress_bar(len(texts), "Encoding captions", progress)
         try:
             with _quiet_truncation(encoders):
                 for i in range(0, len(texts), batch_size):

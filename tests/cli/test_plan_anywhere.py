@@ -142,7 +142,7 @@ def test_the_shipped_architecture_plans_like_a_local_folder(tmp_path: Path, fami
 
 
 def test_an_unknown_hub_model_offline_says_what_to_download() -> None:
-    with pytest.raises(ConfigError, match=r"huggingface-cli download someone/my-flux --include '\*\.json'"):
+    with pytest.raises(ConfigError, match=r"hf download someone/my-flux --include '\*\.json'"):
         Flux().denoiser_skeleton(ModelSource("someone/my-flux"))
 
 
@@ -254,9 +254,9 @@ def test_vram_auto_without_a_gpu_is_one_line(tmp_path: Path, monkeypatch, capsys
     with pytest.raises(SystemExit) as exit_info:
         main(["plan", "--config", str(CONFIGS / "sd15_8gb.yaml"), "--vram", "auto"])
     out = capsys.readouterr()
-    assert exit_info.value.code == 2
-    assert out.out.count("\n") == 1 and "no GPU is visible" in out.out, out
-    assert "--vram 24" in out.out and '--gpu "RTX 4090"' in out.out and "Traceback" not in out.err
+    assert exit_info.value.code == 2 and not out.out  # the error alone, on stderr
+    assert out.err.count("\n") == 1 and "no GPU is visible" in out.err, out
+    assert "--vram 24" in out.err and '--gpu "RTX 4090"' in out.err and "Traceback" not in out.err
 
 
 def test_vram_auto_plans_for_the_memory_free_on_the_visible_card(tmp_path: Path, monkeypatch, capsys) -> None:
