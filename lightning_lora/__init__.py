@@ -25,6 +25,7 @@ _PUBLIC = {
     "SampleImages": "lightning_lora.callbacks",
     "FixedEvalLoss": "lightning_lora.callbacks",
     "LoraExport": "lightning_lora.callbacks",
+    "LoraEMA": "lightning_lora.callbacks",
     "VRAMMonitor": "lightning_lora.callbacks",
     "export_lora": "lightning_lora.export",
     "checkpoint_lora": "lightning_lora.export",

@@ -66,6 +66,7 @@ __all__ = [
     "CheckpointLora",
     "LoraFile",
     "check_export",
+    "checkpoint_ema",
     "checkpoint_lora",
     "convert_lora_file",
     "export_lora",
@@ -73,6 +74,7 @@ __all__ = [
     "read_lora_file",
     "read_metadata",
     "save_lora",
+    "training_precision",
     "write_lora",
 ]
 
@@ -92,6 +94,19 @@ def save_lora(
 
     state = get_peft_model_state_dict(denoiser, unwrap_compiled=True)
     return export_lora(state, path, format=format, lora=lora, family=family, info=info, dtype=dtype)
+
+
+def training_precision(spec: Mapping[str, Any] | None) -> str:
+    """The base format a LoRA trained on, as its files record it (``lightning_lora.training_precision``), from its
+    precision plugin's spec (``{"class_path": "lightning_lora.precision.NF4", "init_args": {...}}``, what checkpoints
+    keep as ``hyper_parameters["precision"]``): ``nf4``, ``fp8`` (FP8 and FP8Compute store the same float8 weights), or
+    the dtype of an unquantized base (``bf16``, ``fp16``, ``fp32``); empty when unknown."""
+    if not isinstance(spec, Mapping):
+        return ""
+    name = str(spec.get("class_path", "")).rsplit(".", 1)[-1]
+    init_args = spec.get("init_args")
+    dtype = str(init_args.get("dtype", "bf16")) if isinstance(init_args, Mapping) else "bf16"
+    return {"NF4": "nf4", "FP8": "fp8", "FP8Compute": "fp8", "BF16": dtype}.get(name, "")
 
 
 def read_metadata(path: str | Path) -> dict[str, str]:
@@ -178,8 +193,8 @@ def write_lora(
     file made elsewhere, scale already folded: ``scale=1``) both write through here."""
     _check_format(state, format, family)
     title = str(info.get("title") or Path(path).name.removesuffix(".safetensors"))
-    variants = {m: a.variant for m, a in adapters_from_peft(state).items()}
-    kinds = sorted(set(variants.values()), key=["LoRA", "DoRA", "LoKr", "LoHa"].index)
+    adapters = adapters_from_peft(state)
+    kinds = sorted({a.variant for a in adapters.values()}, key=["LoRA", "DoRA", "LoKr", "LoHa"].index)
     metadata = {
         "format": "pt",
         "lightning_lora.version": __version__,
@@ -194,7 +209,7 @@ def write_lora(
     tensors, header = layout.write(state, FileFacts(scale, rank, alpha, title, init, dtype))
     metadata.update(header)
     metadata.update(modelspec(family, title, info))
-    metadata["lightning_lora.loads_in"] = json.dumps(family.lora_coverage(format, variants).loads_in)
+    metadata["lightning_lora.loads_in"] = json.dumps(family.file_coverage(format, adapters).loads_in)
     metadata.update({f"lightning_lora.{k}": v if isinstance(v, str) else json.dumps(v) for k, v in info.items()})
     return save_safetensors(tensors, path, metadata=metadata)
 
@@ -221,9 +236,8 @@ def modelspec(family: DiffusionFamily, title: str, info: Mapping[str, Any]) -> d
 
 def file_coverage(state: Mapping[str, torch.Tensor], family: DiffusionFamily, format: str) -> Coverage:
     """What diffusers, ComfyUI and kohya's sd-scripts make of a ``format`` file of ``state``
-    (:meth:`~lightning_lora.families.base.DiffusionFamily.lora_coverage`)."""
-    variants = {m: a.variant for m, a in adapters_from_peft(state).items()}
-    return family.lora_coverage(format, variants)
+    (:meth:`~lightning_lora.families.base.DiffusionFamily.file_coverage`)."""
+    return family.file_coverage(format, adapters_from_peft(state))
 
 
 def check_export(state: Mapping[str, torch.Tensor], family: DiffusionFamily, format: str) -> None:
@@ -426,8 +440,10 @@ class CheckpointLora(NamedTuple):
     ``steps``, ``checkpoint``."""
 
 
-def checkpoint_lora(path: str | Path) -> CheckpointLora:
-    """The LoRA in a Lightning checkpoint of ``lightning-lora fit``, without loading the base model.
+def checkpoint_lora(path: str | Path, ema: bool = False, sigma_rel: float | None = None) -> CheckpointLora:
+    """The LoRA in a Lightning checkpoint of ``lightning-lora fit``, without loading the base model: the trained
+    weights, or with ``ema`` their EMA (a run with :class:`~lightning_lora.callbacks.ema.LoraEMA`), or with
+    ``sigma_rel`` the power-function EMA of that width reconstructed from the run's snapshots (:func:`checkpoint_ema`).
 
     The file is read by :func:`lightning_lora.checkpoint.read_checkpoint` (``weights_only=True``: a checkpoint cannot
     run code). Raises :class:`ConfigError` naming the file for a missing, corrupt or foreign one.
@@ -440,6 +456,10 @@ def checkpoint_lora(path: str | Path) -> CheckpointLora:
         option="checkpoint",
         fix="Pass a .ckpt written by `lightning-lora fit`, e.g. runs/lora/checkpoints/last.ckpt.",
     )
+    averaged = ""
+    if ema or sigma_rel is not None:
+        weights, averaged = checkpoint_ema(checkpoint, path, sigma_rel)
+        checkpoint["state_dict"] = {f"denoiser.{name}": tensor for name, tensor in weights.items()}
     state = adapter_state(checkpoint.get("state_dict") or {})  # every adapter tensor: the format accepts or refuses
     if not state:
         raise ConfigError(
@@ -461,7 +481,59 @@ def checkpoint_lora(path: str | Path) -> CheckpointLora:
         "steps": int(checkpoint.get("global_step", 0)),
         "checkpoint": path.name,
     }
+    precision = training_precision(hparams.get("precision"))
+    if precision:
+        info["training_precision"] = precision
+    if averaged:
+        info["ema"] = averaged
     return CheckpointLora(state, lora, family, info)
+
+
+def checkpoint_ema(
+    checkpoint: Mapping[str, Any], path: Path, sigma_rel: float | None = None
+) -> tuple[dict[str, torch.Tensor], str]:
+    """The EMA of the LoRA a checkpoint of a run with a :class:`~lightning_lora.callbacks.ema.LoraEMA` holds (by the
+    training model's parameter names), or with ``sigma_rel`` the power-function EMA of that width at the checkpoint's
+    step, reconstructed from the run's snapshot files (written until that step) and the averages in the checkpoint
+    (:func:`lightning_lora.ema.reconstruct`); and one line saying which. The snapshots are looked for where the run
+    wrote them, else in the folder of that name beside the checkpoint's folder (a run folder that moved)."""
+    from lightning_lora import ema
+    from lightning_lora.callbacks.ema import STATE_KEY
+
+    saved = (checkpoint.get("callbacks") or {}).get(STATE_KEY)
+    if not isinstance(saved, dict):
+        raise ConfigError(
+            f"{path}: holds no EMA of the LoRA (its run had no LoraEMA callback); export it without --ema and "
+            "--ema-sigma-rel."
+        )
+    step, updates = int(saved["step"]), int(saved["step"]) - int(saved["start"])
+    if sigma_rel is None:
+        return dict(saved["average"]), f"EMA of decay {saved['decay']} at step {step}"
+    ema.check_sigma_rel(sigma_rel, "--ema-sigma-rel")
+    widths = [float(s) for s in saved["sigma_rels"]]
+    if not widths or updates < 1:
+        raise ConfigError(
+            f"{path}: its run kept no power-function EMAs (LoraEMA.snapshot_every: 0) to reconstruct sigma_rel "
+            f"{sigma_rel:g} from; export its EMA with --ema instead."
+        )
+    profiles = [ema.Profile(updates, s, state) for s, state in zip(widths, saved["power"], strict=True)]
+    written = Path(str(saved["folder"]))
+    folder = written if written.is_dir() else path.parent.parent / written.name
+    for snapshot in (int(s) for s in saved["snapshots"]):
+        if snapshot >= step:  # the checkpoint holds that step's averages
+            continue
+        file = folder / ema.snapshot_name(snapshot)
+        if not file.is_file():
+            raise ConfigError(
+                f"--ema-sigma-rel: the run's EMA snapshot {file.name} is missing from {folder} (neither there nor "
+                f"in {written}); the reconstruction needs every snapshot up to step {step}."
+            )
+        try:
+            profiles += ema.read_snapshot(file)
+        except ValueError as e:
+            raise ConfigError(f"--ema-sigma-rel: {first_line(e)}") from None
+    state, line = ema.reconstruct(profiles, updates, sigma_rel)
+    return state, f"post-hoc EMA: {line}"
 
 
 _UNSAVED_FAMILY = "flux"

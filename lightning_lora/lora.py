@@ -57,6 +57,7 @@ __all__ = [
     "Variant",
     "AdapterKey",
     "LoraOptions",
+    "adapter_disabled",
     "adapter_state",
     "adapters_disabled",
     "inject_lora",
@@ -338,3 +339,25 @@ def set_lora_input_casts(denoiser: nn.Module, enabled: bool) -> int:
     for layer in layers:
         layer.cast_input_dtype_enabled = enabled
     return len(layers)
+
+
+@contextmanager
+def adapter_disabled(model: nn.Module) -> Iterator[None]:
+    """Inside the block ``model`` runs as its frozen base: every peft layer's adapter off (peft's
+    ``enable_adapters(False)``, what ``disable_adapter()`` does for a ``PeftModel``), the LoRA's values untouched. peft
+    clears the adapter's ``requires_grad`` when it turns it off and sets it on the active adapter when it turns it on
+    again: each parameter's flag is put back as it was, so a frozen adapter tensor stays frozen."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers: list[Any] = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    flags = [(p, p.requires_grad) for layer in layers for name, p in layer.named_parameters() if is_adapter_param(name)]
+    disabled = [layer for layer in layers if not layer.disable_adapters]
+    for layer in disabled:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in disabled:
+            layer.enable_adapters(True)
+        for p, flag in flags:
+            p.requires_grad_(flag)

@@ -320,16 +320,19 @@ class LoraModule(LightningModule):
         return Reference(prediction, index)
 
     @torch.no_grad()
-    def fixed_loss(self, batch: dict[str, torch.Tensor], generator: torch.Generator) -> torch.Tensor:
+    def fixed_loss(
+        self, batch: dict[str, torch.Tensor], generator: torch.Generator, denoiser: torch.nn.Module | None = None
+    ) -> torch.Tensor:
         """The per-sample loss at (timestep, noise) pairs drawn from ``generator``: comparable across steps and runs.
 
         Draws on the CPU so the pairs are the same on any device, and never touches the global RNG (a fixed
-        evaluation must not change the training run it observes).
+        evaluation must not change the training run it observes). ``denoiser``: another model with this LoRA (the
+        bf16 base of a quantized run); default the training model.
         """
         latents = batch["latents"]
         noise = torch.randn(latents.shape, generator=generator, dtype=torch.float32).to(latents.device)
         timesteps = self.family.sample_timesteps(latents, generator=generator).to(latents.device)
-        return self.family.loss(self._require_model(), batch, noise, timesteps)
+        return self.family.loss(denoiser if denoiser is not None else self._require_model(), batch, noise, timesteps)
 
     # -- optimization ------------------------------------------------------------------------------------------
     @override

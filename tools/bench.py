@@ -20,6 +20,10 @@ base sharded with FSDP2 over the N GPUs: ``trainer.strategy: fsdp``,
 
     python tools/bench.py --quant none --opt adamw --devices 2 --strategy fsdp
 
+``--ema 1`` adds the ``LoraEMA`` callback (the EMA of the LoRA and its two power-function EMAs, updated after every
+optimizer step; the config's options when it has one, as ``fit`` runs it): the cost of EMA against the same run without
+it, and the planner's count of its copies of the LoRA.
+
 Families (``--family``): ``flux`` (FLUX.1-dev), ``sdxl`` (SDXL base 1.0), ``sd15`` (Stable Diffusion 1.5),
 ``zimage`` (Z-Image-Turbo), ``qwenimage`` (Qwen-Image), ``flux2`` (FLUX.2 klein base 4B), ``krea2`` (Krea 2 Raw),
 ``chroma`` (Chroma1-HD), and the edit models ``flux_kontext`` (FLUX.1 Kontext [dev]), ``qwenimage_edit``
@@ -93,7 +97,7 @@ from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
 from lightning_lora import objectives
-from lightning_lora.callbacks import LoraExport, RNGState, RunFolder, SampleImages
+from lightning_lora.callbacks import LoraEMA, LoraExport, RNGState, RunFolder, SampleImages
 from lightning_lora.checkpoint import AtomicCheckpointIO
 from lightning_lora.cli.fit import default_checkpoint
 from lightning_lora.cli.peek import config_allocator
@@ -959,9 +963,10 @@ def output_callbacks(
 ) -> tuple[SampleImages | None, ModelCheckpoint | None, LoraExport]:
     """The config's callbacks that write a run's outputs, built from its class paths and ``init_args`` as ``fit``
     builds them (the first of each kind), with ``fit``'s defaults where the config has none (a ``ModelCheckpoint``
-    unless ``trainer.enable_checkpointing: false``, a ``LoraExport``). Every file goes under ``root``, never the
-    config's paths; ``--sample-steps`` / ``--sample-size`` replace the samples' steps and size (with ``--tiny``, a CPU
-    smoke run, they default to 2 steps at the training size: a tiny model's 30 steps at 1024 px take minutes)."""
+    unless ``trainer.enable_checkpointing: false``, a ``LoraExport``; its ``best`` files are left out: the
+    ``FixedEvalLoss`` that judges them is not run). Every file goes under ``root``, never the config's paths;
+    ``--sample-steps`` / ``--sample-size`` replace the samples' steps and size (with ``--tiny``, a CPU smoke run, they
+    default to 2 steps at the training size: a tiny model's 30 steps at 1024 px take minutes)."""
     built: dict[type, Any] = {}
     for path, init_args in getattr(a, "config_callbacks", []):
         cls = REPRODUCED_CALLBACKS.get(path)
@@ -985,7 +990,7 @@ def output_callbacks(
     if checkpoint is not None:
         checkpoint.dirpath = str(root / "checkpoints")
     exporter: LoraExport = built.get(LoraExport) or LoraExport()
-    exporter.dirname = "lora"
+    exporter.dirname, exporter.best = "lora", False
     return sampler, checkpoint, exporter
 
 
@@ -1150,12 +1155,14 @@ class Outputs(Callback):
         self.out["checkpoint_tensors"] = len(checkpoint["state_dict"])
 
     def _export(self, trainer: Trainer, pl_module: Any) -> None:
-        self.exporter.export(trainer, pl_module, self.exporter.name)
+        # as at the end of fit: the raw LoRA's files and, with --ema 1, the EMA's (LoraExport.weights)
+        self.exporter.final = self.exporter.export_weights(trainer, pl_module, self.exporter.name)
 
     def _exported(self, trainer: Trainer) -> None:
         if trainer.is_global_zero:
             files = [path for _, path in self.exporter.last_files()]
             self.out["export_formats"] = list(self.exporter.formats)
+            self.out["export_files"] = len(files)
             self.out["export_MB"] = round(sum(path.stat().st_size for path in files) / 2**20, 2)
 
 
@@ -1287,6 +1294,7 @@ def measure(a: argparse.Namespace, outputs: Path | None) -> dict[str, Any]:
             "variant": a.variant,
             "accumulate": a.accumulate,
             "clip": a.clip,
+            "ema": a.ema,
             "dop": a.dop,
             "masks": a.masks,
         }
@@ -1295,6 +1303,8 @@ def measure(a: argparse.Namespace, outputs: Path | None) -> dict[str, Any]:
     if given:
         out["quant_options"] = given
     precision = bench_precision(a.quant, {**getattr(a, "config_quantization", {}), **given})
+    if a.ema and a.loop == "bare":
+        raise ValueError("--ema 1 runs the LoraEMA callback in Lightning's loop: give --loop lightning")
     if a.strategy == "fsdp" and (a.quant != "none" or a.offload or a.loop == "bare"):
         raise ValueError("--strategy fsdp shards a bf16 base: give --quant none, --offload 0 and --loop lightning")
     module = LoraModule(
@@ -1365,6 +1375,7 @@ def measure(a: argparse.Namespace, outputs: Path | None) -> dict[str, Any]:
         os.environ["OMP_NUM_THREADS"] = str(torch.get_num_threads())
     elif a.loop == "bare":  # as LoraModule.on_train_start does in fit
         limit_host_threads(device)
+    ema = bench_ema(a)
     t0 = time.perf_counter()
     if a.loop == "bare":
         if a.accumulate != 1:
@@ -1380,6 +1391,8 @@ def measure(a: argparse.Namespace, outputs: Path | None) -> dict[str, Any]:
             callbacks.append(Profile(a.warm + a.steps if after else a.warm, a.profile_steps or a.steps, a.profile))
         if a.stacks:
             callbacks.append(Stacks(a.warm, a.steps, a.stacks))
+        if ema is not None:
+            callbacks.append(ema)
         plugins: list[Any] = [precision]
         if outputs is not None:  # as fit: atomic checkpoint writes, the random state and the save time in each
             callbacks += [Outputs(out, sampler, checkpoint, exporter, timer.result), RNGState(), RunFolder()]
@@ -1442,10 +1455,26 @@ def measure(a: argparse.Namespace, outputs: Path | None) -> dict[str, Any]:
             sample_size=sample_size,
             shards=shards,
             controls=a.controls,
+            ema_copies=ema.copies if ema is not None else 0,
         )
         out["planned_peak_GiB"] = round(plan.peak_gib, 2)
         out["planned"] = {k: round(v, 3) for k, v in vars(plan).items() if isinstance(v, float)}
     return out
+
+
+def bench_ema(a: argparse.Namespace) -> LoraEMA | None:
+    """``--ema 1``: the ``LoraEMA`` a run keeps, with the config's options (``--config``: its power-function EMAs only
+    where it keeps snapshots; without one in the config, the defaults and the two power-function EMAs), every average
+    updated after each optimizer step as in ``fit``; no snapshot is written while the steps are timed (they are disk
+    writes, not step time)."""
+    if not a.ema:
+        return None
+    configured = getattr(a, "config_ema", None)
+    options = dict(configured) if configured is not None else {"snapshot_every": 1}
+    steps = a.warm + a.steps + extra_steps(a)
+    if options.get("snapshot_every", 0):  # keep the power-function EMAs, write none
+        options["snapshot_every"] = steps + 1
+    return LoraEMA(**options)
 
 
 FAMILY_CLASSES = {
@@ -1586,6 +1615,9 @@ def config_defaults(path: str | Path) -> dict[str, Any]:
         for c in (sections if isinstance(sections, list) else [sections])
     ]
     out["config_checkpointing"] = trainer.get("enable_checkpointing") is not False
+    emas = [options for path, options in out["config_callbacks"] if path.rsplit(".", 1)[-1] == "LoraEMA"]
+    if emas:  # --ema 1 runs it
+        out["ema"], out["config_ema"] = 1, emas[0]
     out["not_reproduced"] = skipped
     return out
 
@@ -1595,6 +1627,8 @@ def not_reproduced(a: argparse.Namespace) -> list[str]:
     does not run: with ``--callbacks 1`` those :data:`REPRODUCED_CALLBACKS` does not build, else all of them."""
     notes = list(getattr(a, "not_reproduced", []))
     paths = [path for path, _ in getattr(a, "config_callbacks", [])]
+    if a.ema:  # run as --ema 1
+        paths = [path for path in paths if path.rsplit(".", 1)[-1] != "LoraEMA"]
     if runs_callbacks(a):
         names = [path.rsplit(".", 1)[-1] for path in paths if path not in REPRODUCED_CALLBACKS]
         why = "not run"
@@ -1811,6 +1845,14 @@ def parser() -> argparse.ArgumentParser:
         choices=[0, 1],
         default=None,
         help="SampleImages(compiled=...): 1 draws through the compiled blocks (default: the config's, else 0)",
+    )
+    p.add_argument(
+        "--ema",
+        type=int,
+        choices=[0, 1],
+        default=0,
+        help="a LoraEMA callback, updated after every optimizer step: the EMA of the LoRA and its two power-function "
+        "EMAs (default: 1 when the config has one, with its options: power-function EMAs only with snapshot_every)",
     )
     p.add_argument("--profile", default="", help="write a torch.profiler summary of the timed steps to this file")
     p.add_argument(

@@ -11,6 +11,13 @@ who knows nothing of layouts has a file their tool loads:
 * ``<name>.comfyui.safetensors`` -- ComfyUI's own layout (``diffusion_model.<module>``), which every ComfyUI release
   that runs the model maps (Z-Image, Chroma: :mod:`lightning_lora.formats.comfyui`).
 
+With a :class:`~lightning_lora.callbacks.ema.LoraEMA` the EMA of the LoRA is written too, as ``<name>.ema.safetensors``
+(``<name>.ema.kohya.safetensors``...; ``weights`` chooses). With ``best``, ``<name>.best.safetensors`` (in every layout)
+holds the LoRA of the step whose fixed evaluation was the best so far
+(:class:`~lightning_lora.callbacks.evaluation.FixedEvalLoss`'s ``monitor``), written when it is measured. Every file
+records the base format the LoRA trained on (``lightning_lora.training_precision``: ``bf16``, ``fp8``, ``nf4``...), so a
+loader can pick the matching base.
+
 Which tool applies every layer of which file is decided per file by the loaders' key rules
 (:mod:`lightning_lora.formats.clients`), printed when the files are written, and stored in each file
 (``lightning_lora.loads_in``). A layer that some tool loads from *none* of the written files (a custom target such as
@@ -24,18 +31,21 @@ warning if it came from the defaults. Only global rank 0 writes; writes are atom
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lightning_lora.callbacks.ema import LoraEMA, lora_ema
+from lightning_lora.callbacks.evaluation import FixedEvalLoss
 from lightning_lora.data.recipe import data_recipe
 from lightning_lora.errors import ConfigError, first_line
-from lightning_lora.export import check_export, export_lora, file_coverage
+from lightning_lora.export import check_export, export_lora, file_coverage, training_precision
 from lightning_lora.formats import VARIANTS, LoraFormat
 from lightning_lora.formats.clients import TOOL_NAMES, TOOLS
 from lightning_lora.precision import DTYPES
@@ -92,6 +102,11 @@ class LoraExport(Callback):
         dtype: tensor dtype in the file (``fp32`` keeps full precision; ``bf16`` halves the size).
         trigger: the trigger word, recorded in the file's metadata (``modelspec.trigger_phrase``).
         dirname: folder under the run folder.
+        weights: with a ``LoraEMA`` callback, which weights are written: ``raw`` (the trained LoRA,
+            ``<name>.safetensors``), ``ema`` (its EMA, ``<name>.ema.safetensors``) or ``both``. Without one, the trained
+            LoRA.
+        best: also write ``<name>.best.safetensors`` (every format): the LoRA of the step with the best fixed
+            evaluation so far (``FixedEvalLoss.monitor``), rewritten when a better one is measured.
     """
 
     def __init__(
@@ -102,6 +117,8 @@ class LoraExport(Callback):
         dtype: Literal["fp32", "bf16", "fp16"] = "fp32",
         trigger: str | None = None,
         dirname: str = "lora",
+        weights: Literal["raw", "ema", "both"] = "both",
+        best: bool = False,
     ) -> None:
         self.name = name
         self.every_n_steps = every_n_steps
@@ -110,8 +127,15 @@ class LoraExport(Callback):
         self.dtype = dtype
         self.trigger = trigger
         self.dirname = dirname
+        self.weights = weights
+        self.best = best
         self.last_path: Path | None = None
         self.written: list[Path] = []
+        self.final: list[tuple[str, Path]] = []
+        """(format, path) of each file written at the end of training (the raw and the EMA weights)."""
+        self.best_files: list[tuple[str, Path]] = []
+        self.best_step: int | None = None
+        """The step of the LoRA in the ``best`` files this run wrote."""
         self.loads_in: dict[str, list[str]] = {}
         """Format -> the tools that apply every layer of its file exactly (known once training starts)."""
 
@@ -145,6 +169,10 @@ class LoraExport(Callback):
                 f"model.lora.variant: no LoRA file format of the {family.name!r} family holds a {variant} adapter; "
                 "choose another variant."
             )
+        if self.weights == "ema" and not any(isinstance(cb, LoraEMA) for cb in trainer.callbacks):  # type: ignore[attr-defined]
+            raise ConfigError("LoraExport.weights: ema needs a LoraEMA callback in trainer.callbacks (or use raw).")
+        if self.best and _evaluator(trainer) is None:
+            raise ConfigError("LoraExport.best: the best LoRA is judged by a FixedEvalLoss callback; add one.")
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -196,17 +224,40 @@ class LoraExport(Callback):
         return ", ".join(TOOL_NAMES[t] for t in tools) if tools else fmt
 
     def last_files(self) -> list[tuple[str, Path]]:
-        """(format, path) of each file of the last export."""
+        """(format, path) of each file written at the end of training, else of the last export."""
+        if self.final:
+            return list(self.final)
         last = self.written[-len(self.formats) :] if self.written else []
         return list(zip(self.formats, last, strict=False))
 
     def summary_lines(self) -> list[str]:
-        """One line per file of the last export, ``LoRA file: <path>  (loads in <tools>)``, for the run summary."""
-        return [f"  {'LoRA file:':<26}{path}  (loads in {self.describe(fmt)})" for fmt, path in self.last_files()]
+        """One line per file of the last export, ``LoRA file: <path>  (loads in <tools>)``, and per best file, for the
+        run summary."""
+        lines = [f"  {'LoRA file:':<26}{path}  (loads in {self.describe(fmt)})" for fmt, path in self.last_files()]
+        best = f"best LoRA (step {self.best_step}):"
+        return lines + [f"  {best:<26}{path}  (loads in {self.describe(fmt)})" for fmt, path in self.best_files]
 
-    def export(self, trainer: Trainer, pl_module: LightningModule, stem: str) -> None:
+    def _stems(self, trainer: Trainer, stem: str) -> list[tuple[str, LoraEMA | None]]:
+        """The files of one export: ``stem`` with the raw weights and ``<stem>.ema`` with the EMA, as ``weights``
+        says (the raw ones only without a ``LoraEMA``)."""
+        ema = lora_ema(trainer)
+        if ema is None:
+            return [(stem, None)]
+        raw: list[tuple[str, LoraEMA | None]] = [(stem, None)] if self.weights != "ema" else []
+        return raw + ([(f"{stem}.ema", ema)] if self.weights != "raw" else [])
+
+    def export_weights(self, trainer: Trainer, pl_module: LightningModule, stem: str) -> list[tuple[str, Path]]:
+        """Write ``stem``'s files with the weights ``weights`` chooses (:meth:`_stems`); (format, path) of each."""
+        files: list[tuple[str, Path]] = []
+        for file_stem, ema in self._stems(trainer, stem):
+            with ema.applied() if ema is not None else contextlib.nullcontext():
+                files += self.export(trainer, pl_module, file_stem)
+        return files
+
+    def export(self, trainer: Trainer, pl_module: LightningModule, stem: str) -> list[tuple[str, Path]]:
         """Write the LoRA files of ``stem``: the LoRA is gathered whole on every rank (under ``trainer.strategy: fsdp``
-        each rank holds a shard of it: every rank takes part), and global rank 0 writes."""
+        each rank holds a shard of it: every rank takes part), and global rank 0 writes. Returns (format, path) of each
+        file."""
         from peft.utils import get_peft_model_state_dict
 
         from lightning_lora.model.sharding import full_state
@@ -229,6 +280,9 @@ class LoraExport(Callback):
                     Path(trainer.default_root_dir) / "config.yaml"
                 ),  # no log_dir: it broadcasts
             }
+            precision = getattr(getattr(module, "recipe", None), "precision", None)
+            if precision is not None:
+                info["training_precision"] = training_precision(precision.spec())
             for fmt, path in self.paths(trainer, stem).items():
                 export_lora(
                     state,
@@ -240,23 +294,53 @@ class LoraExport(Callback):
                     dtype=DTYPES[self.dtype],
                 )
                 self.written.append(path)
-                if fmt == self.formats[0]:
+                if fmt == self.formats[0] and not stem.endswith((".ema", ".best")):
                     self.last_path = path
         trainer.strategy.barrier("LoraExport")
+        return list(self.paths(trainer, stem).items())
+
+    def _export_best(self, trainer: Trainer, pl_module: LightningModule, end: bool = False) -> None:
+        """Write the ``best`` files when the fixed evaluation of this step is the best so far (and they do not hold
+        it yet): the EMA's weights when the monitored metric is an ``*_ema`` one."""
+        evaluator = _evaluator(trainer)
+        if not self.best or evaluator is None:
+            return
+        evaluator.evaluate_if_due(trainer, pl_module, end=end)
+        step = trainer.global_step
+        if evaluator.best_step != step or self.best_step == step:
+            return
+        ema = lora_ema(trainer) if evaluator.watched.endswith("_ema") else None
+        with ema.applied() if ema is not None else contextlib.nullcontext():
+            self.best_files = self.export(trainer, pl_module, f"{self.name}.best")
+        self.best_step = step
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.global_step == 0:  # the base itself may stay the best (a resumed run wrote its best already)
+            self._export_best(trainer, pl_module)
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
         step = trainer.global_step
         if self.every_n_steps > 0 and step > 0 and step % self.every_n_steps == 0:
             stem = f"{self.name}-step{step:06d}"
-            if not self.written or self.written[-1].name != next(iter(self.paths(trainer, stem).values())).name:
-                self.export(trainer, pl_module, stem)
+            if not self.written or all(path.name != f"{stem}{_SUFFIX[self.formats[0]]}" for path in self.written):
+                self.export_weights(trainer, pl_module, stem)
+        self._export_best(trainer, pl_module)
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.export(trainer, pl_module, self.name)
+        self._export_best(trainer, pl_module, end=True)
+        self.final = self.export_weights(trainer, pl_module, self.name)
         files = "; ".join(f"{path} (loads in {self.describe(fmt)})" for fmt, path in self.last_files())
-        rank_zero_info(f"LoRA written at step {trainer.global_step}: {files}")
+        log.info("LoRA written at step %d: %s", trainer.global_step, files)  # the run summary lists them for the user
+        if self.best_files:
+            log.info("Best LoRA (step %s): %s", self.best_step, "; ".join(str(p) for _, p in self.best_files))
+
+
+def _evaluator(trainer: Trainer) -> FixedEvalLoss | None:
+    """The trainer's fixed evaluation (which judges the best LoRA), or None."""
+    return next((cb for cb in trainer.callbacks if isinstance(cb, FixedEvalLoss)), None)  # type: ignore[attr-defined]
 
 
 def _config_hash(config: Path) -> str:

@@ -20,6 +20,9 @@ its target's bucket), then handed to the family's pipeline, which encodes it as 
 (:meth:`~lightning_lora.families.base.DiffusionFamily.control_inputs`). For a family whose prompt encoder sees the
 controls (Qwen-Image-Edit), each prompt and the empty prompt are encoded with its controls, through the text cache.
 
+With a :class:`~lightning_lora.callbacks.ema.LoraEMA`, every prompt is drawn a second time with the EMA of the LoRA
+(``step000500_00_ema.png``, TensorBoard tag ``samples_ema/...``), once the EMA differs from the raw weights.
+
 A sample never ends a run: running out of GPU memory while generating skips that step's images with a warning that
 says what to lower, frees what the attempt allocated, and training goes on. The generation's own peak GPU memory is
 logged as ``vram/sample_peak_GiB`` (and kept out of the training windows of :class:`VRAMMonitor`).
@@ -39,6 +42,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from PIL import Image
 from typing_extensions import override
 
+from lightning_lora.callbacks.ema import lora_ema
 from lightning_lora.data.buckets import cover
 from lightning_lora.data.cache import ControlImage, file_digest
 from lightning_lora.data.images import BadImage, probe
@@ -77,6 +81,7 @@ class SampleImages(Callback):
             for forwards without gradients at the samples' size before the first step (SDXL: 15 graphs, 54 s on an
             H200's host); on, each denoising step may be faster once they have compiled, for runs that draw many
             images often.
+        ema: with a ``LoraEMA`` callback, also draw every prompt with the EMA weights (``*_ema.png``).
     """
 
     def __init__(
@@ -93,6 +98,7 @@ class SampleImages(Callback):
         dirname: str = "samples",
         compiled: bool = False,
         controls: list[list[str]] | None = None,
+        ema: bool = True,
     ) -> None:
         if controls is not None and len(controls) != len(prompts):
             raise ConfigError(
@@ -111,6 +117,7 @@ class SampleImages(Callback):
         self.offload_vae = offload_vae
         self.dirname = dirname
         self.compiled = compiled
+        self.ema = ema
         self._embeddings: list[dict[str, torch.Tensor]] = []
         self._negatives: list[dict[str, torch.Tensor]] = []  # each prompt's empty prompt (seen with its controls)
         self._images: list[tuple[Any, ...]] = []  # each prompt's control images (PIL), placed at the sample's size
@@ -221,8 +228,12 @@ class SampleImages(Callback):
             cuda = pl_module.device.type == "cuda"
             if cuda:
                 torch.cuda.reset_peak_memory_stats(pl_module.device)
+            ema = lora_ema(trainer) if self.ema else None
             try:
                 images = self._generate(trainer, pl_module)
+                if ema is not None and ema.moved:
+                    with ema.applied():
+                        images += [(image, "_ema") for image, _ in self._generate(trainer, pl_module)]
             except torch.OutOfMemoryError as e:
                 images = []
                 self.skipped.append(trainer.global_step)
@@ -243,7 +254,8 @@ class SampleImages(Callback):
         trainer.strategy.barrier("SampleImages")
 
     @torch.no_grad()
-    def _generate(self, trainer: Trainer, pl_module: LightningModule) -> list[Any]:
+    def _generate(self, trainer: Trainer, pl_module: LightningModule) -> list[tuple[Any, str]]:
+        """Every prompt's image, each with the suffix of its file name ("" for the raw weights)."""
         module = lora_module(pl_module, "SampleImages")
         denoiser = module.denoiser
         assert self._vae is not None and denoiser is not None
@@ -259,7 +271,7 @@ class SampleImages(Callback):
                     settings = SampleSettings(
                         self.seed + i, height, width, self.steps, self.guidance_scale, controls=self._images[i]
                     )
-                    images.append(module.family.generate(pipe, emb, settings, negative=self._negatives[i]))
+                    images.append((module.family.generate(pipe, emb, settings, negative=self._negatives[i]), ""))
         finally:
             denoiser.train(was_training)
             if self.offload_vae:
@@ -268,17 +280,18 @@ class SampleImages(Callback):
                 torch.cuda.empty_cache()
         return images
 
-    def _publish(self, trainer: Trainer, images: list[Any]) -> None:
+    def _publish(self, trainer: Trainer, images: list[tuple[Any, str]]) -> None:
         step = trainer.global_step
         folder = self.folder(trainer)
-        for i, (prompt, image) in enumerate(zip(self.prompts, images, strict=True)):
-            path = folder / f"step{step:06d}_{i:02d}.png"
+        for j, (image, suffix) in enumerate(images):
+            i = j % len(self.prompts)  # the raw weights' images, then the EMA's
+            path = folder / f"step{step:06d}_{i:02d}{suffix}.png"
             atomic_write(path, functools.partial(_save_png, image))
             self.written.append(path)
             for logger in trainer.loggers:
                 if isinstance(logger, TensorBoardLogger):
                     chw = np.asarray(image.convert("RGB")).transpose(2, 0, 1)
-                    logger.experiment.add_image(f"samples/{i:02d} {prompt[:80]}", chw, step)
+                    logger.experiment.add_image(f"samples{suffix}/{i:02d} {self.prompts[i][:80]}", chw, step)
         log.info("wrote %d sample images for step %d to %s", len(images), step, folder)
 
 

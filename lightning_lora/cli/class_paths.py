@@ -36,18 +36,16 @@ import os
 import pkgutil
 import re
 from collections.abc import Iterator
-from typing import Any, NoReturn
-
-from lightning.pytorch.cli import LightningArgumentParser
+from typing import Any
 
 from lightning_lora.errors import ConfigError
 
 __all__ = [
     "ALLOW_ENV",
     "TRUSTED_MODULES",
-    "ConfigParser",
     "apply_import_policy",
     "check_class_paths",
+    "class_path_problem",
     "kinds",
     "trusted",
 ]
@@ -340,15 +338,3 @@ def class_path_problem(message: str) -> str | None:
             return untrusted_message(option, path)
         return f"{option}: {path} is not {_what(option)}."
     return None
-
-
-class ConfigParser(LightningArgumentParser):
-    """Lightning's parser, with a class path it refuses (:func:`class_path_problem`) reported as one line (a
-    :class:`ConfigError`) instead of the usage screen."""
-
-    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
-        # A parser of a class's init_args (exit_on_error False) raises for the enclosing parser, which reports it.
-        problem = class_path_problem(message) if self.exit_on_error else None
-        if problem is not None:
-            raise ConfigError(problem)
-        super().error(message, ex)

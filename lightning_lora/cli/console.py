@@ -1,5 +1,6 @@
-"""What the console shows during ``lightning-lora fit``: our lines, the progress bar and the warnings a user must act
-on. Everything else the libraries say goes to ``<run folder>/lightning-lora.log``.
+"""What the console shows while a ``lightning-lora`` command runs: our lines, the progress bar and the warnings a user
+must act on. Everything else the libraries say goes to ``<run folder>/lightning-lora.log`` (``fit``, ``cache``), or
+nowhere (``plan``, ``export``: no run folder).
 
 A plain run of the underlying libraries prints, before the first step: Lightning's "GPU available" / "TPU available"
 lines and its litlogger tip, "Seed set to", the model summary table, transformers' notes that torchvision is not
@@ -7,15 +8,21 @@ installed, bitsandbytes' "Failed to load CPU gemm_4bit_forward" (even without NF
 hint that the data loader has few workers (ours serves cached tensors), and a "checkpoint directory is not empty" note
 on every resume. None of it asks the user to do anything, and it buries what does. :class:`Console` routes it:
 
-* transformers' and diffusers' loggers lose their console handler and write to the run log;
+* transformers', diffusers' and huggingface_hub's loggers lose their console handler and write to the run log (the
+  hub's retries while the network is down too: the error that follows says what to do);
 * a record from any other library that logs with no handler of its own would reach Python's handler of last resort,
   which prints it: :class:`LastResort` takes that place (``logging.lastResort``) and writes it to the run log instead
   (bitsandbytes' CPU kernel note on a CPU with AVX-512 BF16, and the note of the ``kernels`` package that
-  transformers >= 5.25 installs, that it skips its publisher check offline). Our own warnings, and any library's
-  error, still print;
+  transformers >= 5.25 installs, that it skips its publisher check offline). Our own notes still print (on stdout),
+  and any library's error (on stderr);
 * Lightning's console handler drops its chatter lines (:data:`CHATTER`), which go to the run log;
-* a Python warning is shown when it comes from lightning-lora or from Lightning (minus :data:`WARNING_CHATTER`);
-  any other library's warning goes to the run log, and the run summary says how many there were.
+* a Python warning is shown when it comes from lightning-lora or from Lightning (minus :data:`WARNING_CHATTER`), as
+  one plain line (``warning: ...``; the run log keeps where it was raised); any other library's warning goes to the
+  run log, and the run summary says how many there were.
+
+One stream: the lines of lightning-lora and Lightning (the start summary, the cache summary, the evaluation losses,
+warnings) go to stdout, through the progress bar's ``write`` (:func:`~lightning_lora.callbacks.monitor.console_line`),
+so none is printed over the bar and ``2>/dev/null`` loses none of them; stderr carries errors only.
 
 Records that arrive before the run folder is known (imports, config parsing) wait in memory and are written when it
 is.
@@ -29,7 +36,7 @@ import re
 import warnings
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TextIO
+from typing import Any, ClassVar, TextIO
 
 __all__ = ["CHATTER", "LOG_NAME", "WARNING_CHATTER", "Console", "LastResort", "quiet_library_loggers"]
 
@@ -42,7 +49,7 @@ CHATTER = re.compile(
             r"^TPU available:",
             r"^HPU available:",
             r"^💡 Tip:",
-            r"^Seed set to",
+            r"^(\[rank: \d+\] )?Seed set to",
             r"^`Trainer\.fit` stopped:",
             r"^Restoring states from the checkpoint path",
             r"^Restored all states from the checkpoint",
@@ -67,6 +74,14 @@ _OURS = ("lightning_lora",)
 _SHOWN_PACKAGES = ("lightning_lora", "lightning", "lightning_fabric", "pytorch_lightning")
 
 
+def console_line(text: str) -> None:
+    """:func:`lightning_lora.callbacks.monitor.console_line`, imported when first used: importing this module must not
+    import the training stack (the demo sets the libraries' verbosity before they are imported)."""
+    from lightning_lora.callbacks.monitor import console_line as write
+
+    write(text)
+
+
 def _package_of(filename: str) -> str:
     parts = Path(filename).parts
     for name in _SHOWN_PACKAGES:
@@ -81,7 +96,8 @@ def _is_ours(name: str) -> bool:
 
 class LastResort(logging.Handler):
     """Python's handler of last resort while a command runs (``logging.lastResort``: it receives the records of every
-    logger that has no handler up its chain). lightning-lora's records, and any library's error, go to the handler it
+    logger that has no handler up its chain). lightning-lora's notes print on stdout with our other lines
+    (:func:`~lightning_lora.callbacks.monitor.console_line`); its errors, and any library's, go to the handler it
     replaced (which prints them on stderr); a library's other records go to ``target`` (the run log), or nowhere when
     ``target`` is None. ``restore()`` puts the previous handler back."""
 
@@ -100,21 +116,27 @@ class LastResort(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         ours = _is_ours(record.name)
-        if (ours or record.levelno >= logging.ERROR) and self.previous is not None:
+        if ours and record.levelno < logging.ERROR:
+            console_line(record.getMessage())  # our notes join our other lines on stdout
+        elif (ours or record.levelno >= logging.ERROR) and self.previous is not None:
             self.previous.handle(record)
         if not ours and self.target is not None:
             self.target.handle(record)
 
 
 def quiet_library_loggers() -> None:
-    """For the commands that keep no run log (``plan``, ``cache``, ``export``): a library that logs with no handler of
-    its own prints its errors only (:class:`LastResort`, for the rest of the process)."""
+    """For the verbs (``plan``, ``cache``, ``export``), which end their process after their :class:`Console` closes: a
+    library that logs with no handler of its own prints its errors only (:class:`LastResort`, for the rest of the
+    process)."""
     LastResort(target=None).install()
 
 
 class Console:
     """Routes library chatter to the run log (see the module docstring). ``install()`` at the start of the command,
     ``attach(run_folder)`` once the run folder is known, ``close()`` at the end."""
+
+    active: ClassVar[Console | None] = None
+    """The console of the command that runs now (installed and not yet closed), or None (code run from Python)."""
 
     def __init__(self) -> None:
         self.memory = logging.handlers.MemoryHandler(capacity=10**6, flushLevel=logging.CRITICAL + 10)
@@ -125,12 +147,16 @@ class Console:
         self._showwarning: Any = None
         self._filtered: list[logging.Handler] = []
         self._last_resort: LastResort | None = None
+        self._hub_handlers: list[logging.Handler] | None = None
 
     # -- setting up ---------------------------------------------------------------------------------------------
     def install(self) -> None:
+        import lightning.pytorch  # noqa: F401 - its console handlers exist once it is imported
+
+        Console.active = self
         self._showwarning = warnings.showwarning
         warnings.showwarning = self._show
-        for name in ("lightning.pytorch", "lightning.fabric"):
+        for name in ("lightning", "lightning.pytorch", "lightning.fabric"):  # whichever holds the console handler
             for handler in logging.getLogger(name).handlers:
                 handler.addFilter(self._lightning_line)
                 self._filtered.append(handler)
@@ -141,6 +167,9 @@ class Console:
                 continue
             module.disable_default_handler()
             module.add_handler(self.memory)
+        hub = logging.getLogger("huggingface_hub")  # its own console handler (huggingface_hub.utils.logging)
+        self._hub_handlers = list(hub.handlers)
+        hub.handlers = [self.memory]
         self._last_resort = LastResort(target=self.memory).install()
 
     def attach(self, folder: str | Path) -> None:
@@ -159,6 +188,8 @@ class Console:
         self.memory.flush()
 
     def close(self) -> None:
+        if Console.active is self:
+            Console.active = None
         if self._showwarning is not None:
             warnings.showwarning = self._showwarning
             self._showwarning = None
@@ -168,6 +199,9 @@ class Console:
         if self._last_resort is not None:
             self._last_resort.restore()
             self._last_resort = None
+        if self._hub_handlers is not None:
+            logging.getLogger("huggingface_hub").handlers = self._hub_handlers
+            self._hub_handlers = None
         self.memory.flush()
         if self.file is not None:
             self.file.close()
@@ -181,8 +215,14 @@ class Console:
 
     # -- routing -----------------------------------------------------------------------------------------------
     def _lightning_line(self, record: logging.LogRecord) -> bool:
-        if CHATTER.search(record.getMessage()):
+        """Chatter to the run log, information (ours and Lightning's) to stdout; what Lightning's handler still prints
+        (on stderr): its errors."""
+        message = record.getMessage()
+        if CHATTER.search(message):
             self.memory.handle(record)
+            return False
+        if record.levelno < logging.WARNING:
+            console_line(message)
             return False
         return True
 
@@ -197,14 +237,13 @@ class Console:
     ) -> None:
         text = str(message)
         package = _package_of(filename)
-        if package and not WARNING_CHATTER.search(text):
-            self._showwarning(message, category, filename, lineno, file, line)
-            return
-        if package not in _OURS:
-            self.library_warnings += 1
         record = logging.LogRecord("py.warnings", logging.WARNING, filename, lineno, text, None, None)
-        record.msg = f"{category.__name__}: {text}"
-        self.memory.handle(record)
+        record.msg = f"{category.__name__}: {text} ({filename}:{lineno})"
+        self.memory.handle(record)  # the run log says where each warning was raised
+        if package and not WARNING_CHATTER.search(text):
+            console_line(f"warning: {text}")
+        elif package not in _OURS:
+            self.library_warnings += 1
 
     def summary(self) -> str | None:
         """One line for the run summary: where the libraries' messages went."""

@@ -37,6 +37,11 @@ DEMO_FAMILY = "flux"
 """The family ``make demo`` trains (``configs/tiny_cpu.yaml``): its folder is the one the demo names first."""
 
 
+DEMO_DIR = Path(".demo")
+"""Where the demo writes its models and photos (``--out``; the Makefile's ``DEMO_DIR``): configs/tiny_cpu.yaml reads
+them there."""
+
+
 def tiny_models() -> dict[str, type[DiffusionFamily]]:
     """Folder name under the demo folder -> the family whose tiny pipeline it holds: every registered family."""
     from lightning_lora.families import FAMILIES
@@ -155,7 +160,7 @@ def _quiet() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path(".demo"), help="folder for the model and photos")
+    parser.add_argument("--out", type=Path, default=DEMO_DIR, help="folder for the model and photos")
     args = parser.parse_args()
     _quiet()
     model, photos = prepare(args.out)

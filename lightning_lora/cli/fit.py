@@ -43,12 +43,14 @@ from typing import Any, ClassVar, Optional
 
 import torch
 from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+from lightning_lora.callbacks.ema import ema_copies
 from lightning_lora.callbacks.evaluation import FixedEvalLoss
 from lightning_lora.callbacks.lora_export import LoraExport
 from lightning_lora.callbacks.monitor import ConfigSummary, StartSummary, StepProgressBar, Throughput, VRAMMonitor
@@ -62,9 +64,11 @@ from lightning_lora.checkpoint import (
     read_checkpoint,
     resolve_resume,
 )
-from lightning_lora.cli.class_paths import ConfigParser, apply_import_policy, check_class_paths
+from lightning_lora.cli.class_paths import apply_import_policy, check_class_paths
 from lightning_lora.cli.console import Console
-from lightning_lora.cli.peek import check_config_files, config_files, read_config_file
+from lightning_lora.cli.help import check_refused, tailor_fit_parser
+from lightning_lora.cli.parser import ConfigParser
+from lightning_lora.cli.peek import check_config_files, config_files, options_set, read_config_file
 from lightning_lora.cli.status import interrupted, user_error
 from lightning_lora.data.datamodule import LatentDataModule
 from lightning_lora.data.recipe import DataRecipe
@@ -77,8 +81,6 @@ from lightning_lora.precision import BasePrecision, check_trainer_precision, for
 __all__ = ["UNBUILT", "LoraCLI", "main", "run_summary"]
 
 DEFAULT_RUN_DIR = "runs/lora"
-CONSOLE: Console | None = None
-"""The command's console routing (:mod:`lightning_lora.cli.console`); None when LoraCLI runs inside Python (tests)."""
 MEMORY_ENV = "LIGHTNING_LORA_MEMORY_SETTINGS"
 """How the DDP ranks Lightning starts (as new processes of the same command) get rank 0's ``model.memory`` choice."""
 DEFAULT_CHECKPOINT_EVERY = 250
@@ -97,6 +99,8 @@ class LoraCLI(LightningCLI):
 
     def __init__(self, args: list[str] | None = None, run: bool = True) -> None:
         self._lock: RunLock | None = None
+        self.options_set: set[str] | None = None
+        """The options the config files and flags set (:func:`~lightning_lora.cli.peek.options_set`)."""
         apply_import_policy()  # a config names classes of trusted modules only (lightning_lora.cli.class_paths)
         super().__init__(
             LoraModule,
@@ -116,6 +120,19 @@ class LoraCLI(LightningCLI):
             args=args,
             run=run,
         )
+
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        """``fit`` only: Lightning's validate, test and predict loops do not apply to a LoRA run (``lightning-lora``
+        refuses them naming what to use, :mod:`lightning_lora.cli`)."""
+        return {"fit": LightningCLI.subcommands()["fit"]}
+
+    def _prepare_subcommand_parser(self, klass: type, subcommand: str, **kwargs: Any) -> Any:
+        """LightningCLI's parser of ``fit``, with only the options that mean something here shown, and our texts
+        (:func:`~lightning_lora.cli.help.tailor_fit_parser`)."""
+        parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)
+        tailor_fit_parser(parser)
+        return parser
 
     def add_arguments_to_parser(self, parser: Any) -> None:
         parser.add_argument(
@@ -140,9 +157,13 @@ class LoraCLI(LightningCLI):
     def parse_arguments(self, parser: Any, args: Any) -> None:
         """LightningCLI's parsing, after a one-line error for a config file that is not UTF-8 or has a bad folder entry
         (:func:`check_config_files`) or an option that moved (:func:`check_moved_options`)."""
-        check_config_files(sys.argv[1:] if args is None else args)
-        check_moved_options(sys.argv[1:] if args is None else args)
+        given = sys.argv[1:] if args is None else args
+        check_config_files(given)
+        check_moved_options(given)
+        self.options_set = options_set(given) if isinstance(given, list | tuple) else None
         super().parse_arguments(parser, args)
+        subcommand = self.config.get("subcommand")
+        check_refused(self.config.get(subcommand) if subcommand else self.config)
 
     def _parse_ckpt_path(self) -> None:
         """Nothing: LightningCLI would merge the checkpoint's hyper-parameters into the config here (see the module
@@ -173,12 +194,10 @@ class LoraCLI(LightningCLI):
         for required in (RNGState, RunFolder, GracefulStop, VRAMMonitor, Throughput, ConfigSummary, StartSummary):
             if not any(isinstance(c, required) for c in callbacks):
                 callbacks.append(required())
+        for cb in callbacks:
+            if isinstance(cb, ConfigSummary):
+                cb.options_set = self.options_set  # the HParams tab: the options the user set
         config["callbacks"] = callbacks
-        if config.get("use_distributed_sampler"):
-            raise ConfigError(
-                "trainer.use_distributed_sampler: true would replace lightning-lora's bucket sampler, which already "
-                "gives each GPU its share of every batch (one aspect-ratio bucket per step); leave it false."
-            )
         config["strategy"] = resolve_strategy(
             config.get("strategy", "auto"), config.get("devices", "auto"), config.get("num_nodes") or 1
         )
@@ -188,14 +207,17 @@ class LoraCLI(LightningCLI):
         if not any(isinstance(p, CheckpointIO) for p in plugins):
             plugins.append(AtomicCheckpointIO())
         config["plugins"] = plugins
-        trainer = super().instantiate_trainer(**kwargs)
+        try:
+            trainer = super().instantiate_trainer(**kwargs)
+        except MisconfigurationException as e:  # the devices asked for are not on this machine
+            raise ConfigError(device_problem(e, config.get("accelerator"), config.get("devices"))) from None
         # The base format joins the model's recipe now, before anything is cached (the text encoders load in its
         # dtype, and the `cache` verb builds no more than this), and a model option it cannot go with stops here.
         self.model.use_precision(precision_of(trainer))
         if self.subcommand == "fit":
             self._claim_run_folder(trainer, root)
-        if CONSOLE is not None:
-            CONSOLE.attach(root)  # after the claim: a fit refused the folder writes nothing into it
+        if Console.active is not None:  # the command's console routing (None when LoraCLI runs inside Python)
+            Console.active.attach(root)  # after the claim: a fit refused the folder writes nothing into it
         return trainer
 
     def _claim_run_folder(self, trainer: Trainer, root: Path) -> None:
@@ -296,8 +318,8 @@ class LoraCLI(LightningCLI):
                 rank_zero_info(f"model.memory: {model.memory}: {device} has no memory of its own; options as written.")
                 return
             where = f"{budget:.1f} GiB free on {device}" if model.memory == "auto" else f"{budget:g} GiB"
-            shards = shards_of(self.trainer)
-            fit = choose_for_memory(model.recipe, _data(datamodule), budget, model.optimizer_name, shards)
+            shards, copies = shards_of(self.trainer), ema_copies(self.trainer)
+            fit = choose_for_memory(model.recipe, _data(datamodule), budget, model.optimizer_name, shards, copies)
             if fit is None:
                 raise ConfigError(
                     f"model.memory: {model.memory}: no setting that keeps this training fits in {where}. Run "
@@ -332,7 +354,7 @@ class LoraCLI(LightningCLI):
     def after_fit(self) -> None:
         if self.trainer.is_global_zero:
             print(run_summary(self.trainer), flush=True)
-            line = CONSOLE.summary() if CONSOLE is not None else None
+            line = Console.active.summary() if Console.active is not None else None
             if line:
                 print(line, flush=True)
 
@@ -412,6 +434,26 @@ def with_precision_spec(plugins: Any, spec: dict[str, Any]) -> list[Any]:
     return [*kept, spec]
 
 
+_NO_DEVICE = ("No supported gpu backend", "accelerator is not available", "requested but none are available")
+
+
+def device_problem(error: Exception, accelerator: Any, devices: Any) -> str:
+    """The one line for Lightning's refusal of ``trainer.accelerator`` / ``trainer.devices`` (``error``): a GPU config
+    on a machine without a GPU names the option and what to do; any other refusal names both options."""
+    message = first_line(error)
+    if any(text in message for text in _NO_DEVICE):
+        build = torch.version.cuda or torch.version.hip
+        why = (
+            f"no GPU is visible to torch {torch.__version__}" if build else f"torch {torch.__version__} is a CPU build"
+        )
+        return (
+            f"trainer.accelerator: {accelerator}, but this machine has no GPU torch can use ({why}). Run on a GPU, or "
+            "try a tiny model on the CPU: --trainer.accelerator cpu with configs/tiny_*_cpu.yaml; `lightning-lora plan "
+            "--config ...` says what fits a card without one."
+        )
+    return f"trainer.accelerator: {accelerator}, trainer.devices: {devices}: {message}"
+
+
 def check_run_length(max_steps: Any) -> None:
     """``trainer.max_steps`` is a number of optimizer steps, or -1 (no limit: ``trainer.max_epochs`` ends the run)."""
     if max_steps is None or max_steps == -1:
@@ -473,7 +515,8 @@ def warn_if_too_big(model: LoraModule, datamodule: LatentDataModule, trainer: Tr
 
     device = trainer.strategy.root_device
     try:
-        plan = plan_for(model.recipe, datamodule.recipe, model.optimizer_name, shards=shards_of(trainer))
+        shards, copies = shards_of(trainer), ema_copies(trainer)
+        plan = plan_for(model.recipe, datamodule.recipe, model.optimizer_name, shards=shards, ema_copies=copies)
     except (ConfigError, NotImplementedError, OSError) as e:
         rank_zero_info(f"memory planner skipped: {e}")
         return None
@@ -564,15 +607,10 @@ _NOISE = (
 
 def main(argv: list[str] | None = None) -> int:
     """``lightning-lora fit ...`` (and LightningCLI's other subcommands and ``--help``); returns the exit status."""
-    global CONSOLE
     for pattern in _NOISE:
         warnings.filterwarnings("ignore", message=pattern)
-    CONSOLE = Console()
-    try:
-        with CONSOLE:
-            return _run(argv)
-    finally:
-        CONSOLE = None
+    with Console():
+        return _run(argv)
 
 
 def _run(argv: list[str] | None) -> int:

@@ -15,7 +15,15 @@ from typing import TYPE_CHECKING, Any, cast
 if TYPE_CHECKING:
     from lightning_lora.hardware import Allocator
 
-__all__ = ["check_config_files", "check_config_text", "config_allocator", "config_files", "read_config_file"]
+__all__ = [
+    "check_config_file",
+    "check_config_files",
+    "check_config_text",
+    "config_allocator",
+    "config_files",
+    "options_set",
+    "read_config_file",
+]
 
 _CONFIG_FLAGS = ("--config", "-c")
 
@@ -49,12 +57,60 @@ def check_config_files(args: Sequence[Any]) -> None:
     from lightning_lora.data.sources import as_folders
 
     for path in config_files(args):
-        check_config_text(path)
+        check_config_file(path)
         data = read_config_file(path).get("data")
         for name in ("images", "val_images"):
             value = data.get(name) if isinstance(data, dict) else None
             if isinstance(value, list | dict):
                 as_folders(value, f"data.{name}")  # type: ignore[arg-type]  # the mapping of a folder entry too
+
+
+def check_config_file(path: Path) -> None:
+    """A :class:`~lightning_lora.errors.ConfigError` naming the config file ``path`` when the parser could not read a
+    config from it, said with the fix: no such file (or a folder), not UTF-8 text (:func:`check_config_text`), not YAML
+    (the line and column, as the YAML reader found them), or YAML that is not a mapping of sections. The parser said
+    ``Parser key "config": File does not exist`` or ``Problems parsing config: ... in "<unicode string>"``, without
+    the file. A value that is a config itself (``--config '{trainer: {max_steps: 10}}'``, which the parser takes) is
+    left to the parser."""
+    import yaml
+
+    from lightning_lora.errors import ConfigError
+
+    where = f"--config {path}"
+    if not path.exists():
+        try:
+            inline = yaml.safe_load(str(path))
+        except yaml.YAMLError:
+            inline = None
+        if isinstance(inline, dict):
+            return
+        raise ConfigError(
+            f"{where}: no such file ({path.absolute()}). Give the path of a config file (configs/ has one per card "
+            "and family)."
+        )
+    if path.is_dir():
+        raise ConfigError(f"{where}: that is a folder; give one of its .yaml files (configs/ has one per card).")
+    check_config_text(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as e:
+        raise ConfigError(f"{where}: the file cannot be read ({e.strerror or e}).") from None
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        context = f" ({e.context} at line {e.context_mark.line + 1})" if e.context and e.context_mark else ""
+        raise ConfigError(
+            f"{where}: not valid YAML{at}: {e.problem}{context}. Fix that line: a config is sections (model:, data:, "
+            "trainer:) of option: value lines, indented by spaces."
+        ) from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{where}: not valid YAML: {' '.join(str(e).split())}.") from None
+    if not isinstance(data, dict):
+        holds = "nothing" if data is None else f"a {type(data).__name__}"
+        raise ConfigError(
+            f"{where}: the file holds {holds}, not a config: sections (model:, data:, trainer:) of option: value "
+            "lines; configs/ has one per card and family."
+        )
 
 
 def check_config_text(path: Path) -> None:
@@ -86,6 +142,22 @@ def read_config_file(path: Path) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError, yaml.YAMLError):
         return {}
     return data if isinstance(data, dict) else {}
+
+
+def options_set(args: Sequence[Any]) -> set[str]:
+    """The options the ``--config`` files and the flags of ``args`` set, named as
+    :func:`~lightning_lora.callbacks.monitor.flat_options` names them (``model.optimizer.lr``: a class's ``init_args``
+    are options of its section; a list of classes stops at the list); what the HParams tab shows of a run."""
+    from lightning_lora.callbacks.monitor import flat_options
+
+    found: set[str] = set()
+    for kind, value in _config_and_flags(args):
+        if kind == "config":
+            found.update(flat_options(read_config_file(Path(value))))
+        elif kind not in ("--print_config", "--allocator"):
+            name = kind[2:].rstrip("+")
+            found.add(".".join(part for part in name.split(".") if part not in ("init_args", "class_path")))
+    return found
 
 
 def config_allocator(args: Sequence[Any]) -> Allocator | None:

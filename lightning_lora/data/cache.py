@@ -66,6 +66,7 @@ import json
 import logging
 import os
 import re
+import sys
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
@@ -96,6 +97,7 @@ __all__ = [
     "MaskJob",
     "TextResult",
     "decode_loader",
+    "progress_bar",
     "readable",
 ]
 
@@ -363,11 +365,13 @@ def _quiet_truncation(encoders: Any) -> Iterator[None]:
             logger.setLevel(level)
 
 
-def _progress(total: int, desc: str, enabled: bool) -> Any:
+def progress_bar(total: int, desc: str, enabled: bool) -> Any:
+    """The cache build's progress bar: on stdout with the command's other lines and the training's bar, shown when
+    stdout is a terminal (disable=None: silent in a log and in tests)."""
     from tqdm.auto import tqdm
 
-    # disable=None: shown on a terminal, silent in logs and tests.
-    return tqdm(total=total, desc=desc, unit="img" if "image" in desc else "text", disable=None if enabled else True)
+    unit = "img" if "image" in desc else "text"
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stdout, disable=None if enabled else True)
 
 
 def quantize_text_encoders(
@@ -479,7 +483,7 @@ class LatentCache:
         channels_last = device.type == "cuda" if channels_last is None else channels_last
         loader = decode_loader(jobs, batch_size, workers, background, pin_memory=device.type == "cuda")
         batches = iter(loader)  # forks the workers before any thread or model exists in this process
-        bar = _progress(len(jobs), "Encoding images", progress)
+        bar = progress_bar(len(jobs), "Encoding images", progress)
         pending: deque[Future] = deque()
         try:
             with ThreadPoolExecutor(max_workers=2, thread_name_prefix="cache-writer") as writer:
@@ -562,7 +566,7 @@ class LatentCache:
         result = TextResult()
         if not texts:
             return result
-        bar = _progress(len(texts), "Encoding captions", progress)
+        bar = progress_bar(len(texts), "Encoding captions", progress)
         try:
             with self._text_encoders(device) as encoders:
                 limit = self.family.prompt_limit(encoders)
@@ -599,7 +603,7 @@ class LatentCache:
         result = TextResult()
         if not pairs:
             return result
-        bar = _progress(len(pairs), "Encoding captions with their controls", progress)
+        bar = progress_bar(len(pairs), "Encoding captions with their controls", progress)
         try:
             with self._text_encoders(device) as encoders:
                 from PIL import Image

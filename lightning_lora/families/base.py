@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
@@ -57,6 +58,7 @@ from lightning_lora.objectives import Prediction, Reference, masked_mse, per_sam
 
 if TYPE_CHECKING:
     from lightning_lora.formats import LoraLayout
+    from lightning_lora.formats.adapters import Adapter
     from lightning_lora.formats.clients import Coverage
 
 __all__ = [
@@ -72,6 +74,8 @@ __all__ = [
     "content_digest",
     "load_component",
     "load_weights",
+    "looks_local",
+    "source_problem",
     "FAMILIES",
 ]
 
@@ -259,6 +263,20 @@ def check_source(source: ModelSource, pipeline_classes: tuple[str, ...]) -> None
                 f"model.pretrained: {str(path)!r} holds a {class_name or 'unknown'} pipeline, but model.family "
                 f"expects one of {', '.join(pipeline_classes)}. Choose the matching model.family or another folder."
             )
+    elif looks_local(source.pretrained):
+        from lightning_lora.cli.demo import DEMO_DIR
+
+        demo = Path(source.pretrained).parts[:1] == DEMO_DIR.parts
+        raise ConfigError(
+            f"model.pretrained: folder {source.pretrained} does not exist (in {Path.cwd()}). "
+            + (
+                "The demo's tiny models are written by make demo (or python -m lightning_lora.cli.demo), from the "
+                "repository's folder."
+                if demo
+                else "Check the path: a local model is a diffusers folder with model_index.json; a hub id looks like "
+                "black-forest-labs/FLUX.1-dev."
+            )
+        )
     elif not _HUB_ID.match(source.pretrained):
         raise ConfigError(
             f"model.pretrained: {source.pretrained!r} does not exist as a local folder and is not a hub id "
@@ -289,15 +307,86 @@ def check_source(source: ModelSource, pipeline_classes: tuple[str, ...]) -> None
         )
 
 
+def looks_local(pretrained: str) -> bool:
+    """Whether ``model.pretrained`` names a local folder rather than a hub id (``owner/name``), whether or not it
+    exists: a path from the root, the working folder or home (``/``, ``./``, ``../``, ``~``), one whose parent folder
+    exists (``models/flux-dev`` beside a ``models/`` folder), or a path with more than one separator."""
+    text = pretrained.strip()
+    if text.startswith(("/", "./", "../", "~", ".\\", "..\\")) or Path(text).is_absolute():
+        return True
+    path = Path(text).expanduser()
+    if path.exists() or (path.parent != Path(".") and path.parent.is_dir()):
+        return True
+    return (os.sep in text or "/" in text) and not _HUB_ID.match(text)
+
+
+def _hub_offline() -> str | None:
+    """The variables that keep huggingface_hub offline (``HF_HUB_OFFLINE``, or ``TRANSFORMERS_OFFLINE``, which it also
+    reads), as the message names them; ``None`` when it may download."""
+    from huggingface_hub import constants
+
+    if not constants.HF_HUB_OFFLINE:
+        return None
+    names = [
+        n
+        for n in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+        if os.environ.get(n, "").upper() in constants.ENV_VARS_TRUE_VALUES
+    ]
+    return " and ".join(names or ["HF_HUB_OFFLINE"])
+
+
+def _causes(error: BaseException) -> list[BaseException]:
+    seen: list[BaseException] = []
+    current: BaseException | None = error
+    while current is not None and current not in seen:
+        seen.append(current)
+        current = current.__cause__ or current.__context__
+    return seen
+
+
+_UNREACHABLE = re.compile(
+    r"Name or service not known|Failed to resolve|Connection ?(refused|Error)|timed out|offline", re.I
+)
+
+
+def source_problem(source: ModelSource, subfolder: str, error: BaseException) -> str:
+    """The one line for a component of ``source`` that failed to load (``error``): a local folder's file problem; for a
+    hub id, why it is not here (offline: ``HF_HUB_OFFLINE`` set, or no network; a gated model; another error) and how
+    to download it (``hf download``) or log in (``hf auth login``)."""
+    if source.is_local:
+        return f"model.pretrained: could not load {subfolder!r} from the local folder {source.pretrained}: {error}"
+    repo = source.pretrained
+    chain = _causes(error)
+    download = (
+        f"Download it where there is a network: hf download {repo} (and point HF_HOME there, or give "
+        "model.pretrained the downloaded folder)"
+    )
+    if any(type(e).__name__ == "GatedRepoError" or "gated" in str(e).lower() for e in chain):
+        return (
+            f"model.pretrained: {repo} is a gated model on the Hugging Face hub: accept its license on "
+            f"https://huggingface.co/{repo}, log in with hf auth login (or set HF_TOKEN), then run again."
+        )
+    gated = " A gated model (FLUX.1-dev is one) also needs its license accepted and hf auth login."
+    if offline := _hub_offline():
+        return (
+            f"model.pretrained: {repo} is not in the local Hugging Face cache, and the hub is offline ({offline} set: "
+            f"nothing is downloaded). {download}, or unset {offline} to download it now.{gated}"
+        )
+    if any(_UNREACHABLE.search(f"{type(e).__name__} {e}") for e in chain):
+        return (
+            f"model.pretrained: {repo} is not in the local Hugging Face cache, and the hub could not be reached (no "
+            f"network?). {download}.{gated}"
+        )
+    return f"model.pretrained: could not load {subfolder!r} of the hub model {repo}: {first_line(error)}.{gated}"
+
+
 def load_component(load: Callable[..., T], source: ModelSource, subfolder: str, **kwargs: Any) -> T:
-    """Call a diffusers/transformers ``from_pretrained`` for one component and turn failures into a clear error."""
+    """Call a diffusers/transformers ``from_pretrained`` for one component and turn failures into a clear error
+    (:func:`source_problem`)."""
     try:
         return load(source.local_path, subfolder=subfolder, revision=source.revision, **kwargs)
     except (OSError, ValueError) as e:
-        where = "local folder" if source.is_local else "hub repository (is it downloaded, or are you offline?)"
-        raise ConfigError(
-            f"model.pretrained: could not load {subfolder!r} from {source.pretrained!r} ({where}): {e}"
-        ) from e
+        raise ConfigError(source_problem(source, subfolder, e)) from e
 
 
 def load_weights(load: Callable[..., T], source: ModelSource, subfolder: str, **kwargs: Any) -> T:
@@ -359,6 +448,16 @@ class DiffusionFamily(ABC):
     """The LoRA files the family writes and who loads them."""
     editing: ClassVar[Editing] = Editing()
     """The control / reference images the model takes beside the prompt (none for a text-to-image family)."""
+    drift_prompts: ClassVar[tuple[str, ...]] = (
+        "a photo of a man standing in a park",
+        "a photo of a woman reading a book in a cafe",
+        "a red car parked on a city street",
+        "a bowl of fruit on a wooden table",
+    )
+    """Prompts without any trigger, in the way the family's models are prompted: the fixed evaluation's default for
+    ``eval/drift``, how far the LoRA moves the model's predictions away from the base on what it was not trained on
+    (:class:`~lightning_lora.callbacks.evaluation.FixedEvalLoss`). People, a thing and a scene: where a subject or a
+    style bleeds first."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -587,6 +686,12 @@ class DiffusionFamily(ABC):
 
         return rules_unknown(self.name, format, variants)
 
+    def file_coverage(self, format: str, adapters: Mapping[str, Adapter]) -> Coverage:
+        """:meth:`lora_coverage` for the file of these ``adapters`` (diffusers names -> their tensors): by default what
+        their variants decide; a family whose loaders also depend on the layers' widths checks those too (FLUX's
+        kohya files in diffusers, :meth:`lightning_lora.families.Flux.file_coverage`)."""
+        return self.lora_coverage(format, {module: adapter.variant for module, adapter in adapters.items()})
+
     def format_refused(self, format: str) -> ConfigError:
         """The error for a LoRA file ``format`` this family does not write; it names the formats it does write."""
         instead = " or ".join(f"--format {f}" for f in self.lora_files.formats)
@@ -632,7 +737,7 @@ class DiffusionFamily(ABC):
                 raise
             raise ConfigError(
                 f"model.pretrained: the architecture of {source.pretrained!r} is not known offline, and its config "
-                "could not be read. Download its configs (a few KB, no weights): huggingface-cli download "
+                "could not be read. Download its configs (a few KB, no weights): hf download "
                 f"{source.pretrained} --include '*.json', or point model.pretrained at a local folder."
             ) from None
 

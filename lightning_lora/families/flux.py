@@ -47,7 +47,8 @@ from lightning_lora.families.base import (
 )
 from lightning_lora.families.encoders import CLIP_L, T5_XXL
 from lightning_lora.families.facts import Architecture, Compiling, LoraFiles, Planning
-from lightning_lora.formats.bfl import flux_lora_slices, flux_slices_of
+from lightning_lora.formats.adapters import Adapter
+from lightning_lora.formats.bfl import flux_lora_dims, flux_lora_slices, flux_slices_of
 from lightning_lora.formats.clients import COMFY_DORA, COMFY_PEFT_DORA, DIFFUSERS_DORA, Coverage
 from lightning_lora.formats.diffusers import DiffusersLayout
 from lightning_lora.formats.kohya import KohyaLayout, KohyaNetwork, flux_from_kohya, fused_to_kohya, separate_parts
@@ -68,6 +69,14 @@ _TEXT_ATTENTION = r"attn\.(add_q_proj|add_k_proj|add_v_proj|to_add_out)"
 _MLP = r"(ff|ff_context)\.net\.(0\.proj|2)"
 _SINGLE = r"(proj_mlp|proj_out)"
 # The modules outside the blocks (diffusers' kohya converter drops them; sd-scripts makes no LoRA modules there).
+DIFFUSERS_KOHYA_WIDTHS: tuple[int, int] | None = (3072, 12288)
+"""The widths (inner, MLP) at which diffusers' kohya FLUX converter (``_convert_kohya_flux_lora_to_diffusers``) splits a
+single block's fused ``linear1`` LoRA: it hard-codes FLUX.1's, and asserts they add up to the file's rows (None: any
+widths, as tests make it read them: ``tests/helpers/diffusers_quirks.py``)."""
+
+_LINEAR1_PART = re.compile(r"single_transformer_blocks\.\d+\.(attn\.to_[qkv]|proj_mlp)$")
+"""The parts of a single block's fused ``linear1``."""
+
 _OUTSIDE_BLOCKS = re.compile(r"^(x_embedder|context_embedder|time_text_embed\..+|proj_out|norm_out\.linear)$")
 # The joint attention's layers of a diffusers file (Qwen-Image's blocks name theirs alike).
 _JOINT_ATTENTION = re.compile(
@@ -377,6 +386,25 @@ class Flux(DiffusionFamily):
         plain = [m for m in outside if variants[m] == "LoRA"]  # DoRA/LoKr/LoHa load through LyCORIS: every module
         c.skip("kohya", plain, "networks/lora_flux.py makes LoRA modules inside the double/single blocks only")
         return c
+
+    @override
+    def file_coverage(self, format: str, adapters: Mapping[str, Adapter]) -> Coverage:
+        """:meth:`lora_coverage`, and for a kohya file with layers of the single blocks' fused ``linear1`` (q, k, v,
+        MLP) the widths diffusers' converter takes (:data:`DIFFUSERS_KOHYA_WIDTHS`): at other widths (a tiny test
+        model's) it refuses the whole file, so the file is not said to load there."""
+        coverage = super().file_coverage(format, adapters)
+        widths = DIFFUSERS_KOHYA_WIDTHS
+        if format != "kohya" or widths is None or not any(_LINEAR1_PART.search(m) for m in adapters):
+            return coverage
+        dims = flux_lora_dims(adapters)
+        if (dims.inner_dim, dims.mlp_hidden_dim) != widths:
+            why = (
+                f"diffusers' kohya FLUX converter splits single_blocks' linear1 at FLUX.1's widths {widths}, and "
+                f"this model's are ({dims.inner_dim}, {dims.mlp_hidden_dim}): it refuses the file"
+            )
+            coverage.skipped["diffusers"] = dict.fromkeys(adapters, why)
+            coverage.approximate["diffusers"] = {}
+        return coverage
 
     @classmethod
     @override

@@ -610,6 +610,7 @@ class KohyaLayout:
         except (ValueError, KeyError, AssertionError) as e:
             raise ValueError(
                 f"diffusers' converter could not read it as a kohya LoRA of this family ({first_line(e)})."
+                + _not_for_diffusers(metadata)
             ) from None
 
 
@@ -622,4 +623,23 @@ def with_base_model_version(layouts: tuple[Any, ...], version: str) -> tuple[Any
         if isinstance(layout, KohyaLayout)
         else layout
         for layout in layouts
+    )
+
+
+def _not_for_diffusers(metadata: Mapping[str, str]) -> str:
+    """What to use instead, for a kohya file whose header (``lightning_lora.loads_in``, written by lightning-lora)
+    says diffusers does not load it (a FLUX kohya file at other widths than FLUX.1's); "" for another file."""
+    try:
+        loads_in = json.loads(metadata.get("lightning_lora.loads_in", "null"))
+    except ValueError:
+        return ""
+    if not isinstance(loads_in, list) or "diffusers" in loads_in:
+        return ""
+    from lightning_lora.formats.clients import TOOL_NAMES
+
+    tools = ", ".join(TOOL_NAMES.get(str(tool), str(tool)) for tool in loads_in)
+    return (
+        f" Its header says it loads in {tools}, not diffusers: convert the run's checkpoint "
+        "instead (lightning-lora export .../checkpoints/last.ckpt --format diffusers), or use the diffusers file "
+        "written beside it."
     )

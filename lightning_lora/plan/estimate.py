@@ -5,8 +5,9 @@ The peak of a LoRA step is the sum of
 
 * **static** memory: the frozen weights in their storage format (bf16: 2 bytes per weight; FP8: 1 byte plus a scale
   per row; NF4: half a byte plus one absmax per 64 weights, itself 8-bit with double quantization), the LoRA
-  parameters (float32), their gradients (float32) and the optimizer state (AdamW: two float32 moments; AdamW8bit: two
-  8-bit moments; Adafactor: factored second moments, a few percent);
+  parameters (float32), their gradients (float32), the optimizer state (AdamW: two float32 moments; AdamW8bit: two
+  8-bit moments; Adafactor: factored second moments, a few percent) and, with a ``LoraEMA`` callback, its float32
+  copies of the LoRA (the EMA, and one per power-function EMA it snapshots; the snapshots go to disk);
 * **saved activations**: what the forward pass keeps for the backward. They are *counted*, not estimated: the real
   model is built on PyTorch's ``meta`` device (shapes, no memory, no weights) with the real LoRA injected and the
   real checkpointing setting, and one forward pass at the configured resolution, batch and text length runs under a
@@ -102,6 +103,8 @@ class MemoryPlan:
     activations: float
     transient: float
     overhead: float = FIXED_OVERHEAD_GIB
+    ema: float = 0.0
+    """The float32 copies of the LoRA a ``LoraEMA`` callback keeps on the GPU (0 without one)."""
     sampling_peak: float = 0.0
     caching_text: float = 0.0
     """Peak while the cache encodes captions (the text encoders, once, before training); 0 when unknown."""
@@ -116,7 +119,7 @@ class MemoryPlan:
 
     @property
     def static(self) -> float:
-        return self.weights + self.lora + self.gradients + self.optimizer
+        return self.weights + self.lora + self.gradients + self.optimizer + self.ema
 
     @property
     def peak_gib(self) -> float:
@@ -143,6 +146,7 @@ class MemoryPlan:
             ("LoRA parameters (fp32)", self.lora),
             ("LoRA gradients (fp32)", self.gradients),
             ("optimizer state", self.optimizer),
+            *([("EMA of the LoRA (fp32)", self.ema)] if self.ema else []),
             ("saved activations", self.activations),
             ("backward transient", self.transient),
             ("CUDA context / allocator", self.overhead),
@@ -332,11 +336,13 @@ def plan_training(
     sample_size: tuple[int, int] | None = None,
     shards: int = 1,
     controls: int = 0,
+    ema_copies: int = 0,
 ) -> MemoryPlan:
     """Predict the training peak of the model ``recipe`` describes, at this image size, batch and text length, on each
     GPU: ``shards`` > 1 is a base sharded over that many GPUs (``trainer.strategy: fsdp``, :func:`sharded_weight_bytes`;
     the LoRA, its gradients and optimizer state are sharded with it). ``controls``: control images of the target's size
-    per sample (edit training: their tokens join the image's, as the family's loss appends them)."""
+    per sample (edit training: their tokens join the image's, as the family's loss appends them). ``ema_copies``: the
+    float32 copies of the LoRA a ``LoraEMA`` keeps (:attr:`~lightning_lora.callbacks.ema.LoraEMA.copies`)."""
     model = denoiser_skeleton(recipe)  # meta device: shapes only
     weights = weight_bytes(model, recipe.precision)
     if shards > 1:  # a sharded base is never offloaded (parallel.check_strategy)
@@ -370,6 +376,7 @@ def plan_training(
         optimizer=lora_params * optimizer_bytes_per_param(optimizer) / GIB,
         activations=saved / GIB,
         transient=(transient + largest) / GIB,
+        ema=ema_copies * lora_params * 4 / GIB,
     )
     if recipe.offload_blocks:
         plan.notes.append(
@@ -394,9 +401,10 @@ def plan_training(
         )
     sh, sw = sample_size or (height, width)
     # Samples drawn during training: the optimizer's state stays on the GPU beside the model (the LoRA's gradients are
-    # freed after each optimizer step).
+    # freed after each optimizer step), and the EMA's copies, one more while the EMA's samples keep the raw LoRA aside.
     sampling = sampling_bytes(recipe, model, sh, sw, text_len, controls) / GIB
-    plan.sampling_peak = resident / GIB + plan.lora + plan.optimizer + sampling + plan.overhead
+    aside = plan.lora if ema_copies else 0.0
+    plan.sampling_peak = resident / GIB + plan.lora + plan.optimizer + plan.ema + aside + sampling + plan.overhead
     return plan
 
 
@@ -474,10 +482,12 @@ def plan_for(
     optimizer: str = "AdamW",
     sample_size: tuple[int, int] | None = None,
     shards: int = 1,
+    ema_copies: int = 0,
 ) -> MemoryPlan:
     """The plan of a run: ``recipe`` at the data's largest resolution and batch size, the family's text length, the
     most control images a target of the data has (edit training), on each GPU (``shards``: :func:`plan_training`;
-    :func:`~lightning_lora.model.parallel.shard_count` of a trainer or a config)."""
+    :func:`~lightning_lora.model.parallel.shard_count` of a trainer or a config; ``ema_copies``: a ``LoraEMA``'s copies
+    of the LoRA)."""
     side = data.resolution
     text_len = recipe.family.text_tokens
     plan = plan_training(
@@ -490,6 +500,7 @@ def plan_for(
         sample_size=sample_size,
         shards=shards,
         controls=data.controls,
+        ema_copies=ema_copies,
     )
     if data.controls:
         plan.notes.append(

@@ -145,10 +145,14 @@ def _with_data_options(data: DataRecipe, options: dict[str, Any]) -> DataRecipe:
 
 
 class _Planner:
-    """Plans of a recipe and its alternatives for one data recipe, each planned once."""
+    """Plans of a recipe and its alternatives for one data recipe, each planned once (``shards``, ``ema_copies``:
+    :func:`~lightning_lora.plan.estimate.plan_training`'s)."""
 
-    def __init__(self, recipe: ModelRecipe, data: DataRecipe, optimizer: str, shards: int = 1) -> None:
+    def __init__(
+        self, recipe: ModelRecipe, data: DataRecipe, optimizer: str, shards: int = 1, ema_copies: int = 0
+    ) -> None:
         self.recipe, self.data, self.optimizer, self.shards = recipe, data, optimizer, shards
+        self.ema_copies = ema_copies
         self._peaks: dict[str, float | None] = {}
         # A sharded run takes only what its strategy takes (a bf16 base, not offloaded): the strategy's own check.
         self._strategy = LoraFSDPStrategy() if shards > 1 else None
@@ -160,7 +164,8 @@ class _Planner:
                 changed = self.recipe.replace(**changes)
                 if self._strategy is not None:
                     check_strategy(self._strategy, changed)
-                plan = plan_for(changed, _with_data_options(self.data, data or {}), self.optimizer, shards=self.shards)
+                data_recipe = _with_data_options(self.data, data or {})
+                plan = plan_for(changed, data_recipe, self.optimizer, shards=self.shards, ema_copies=self.ema_copies)
                 self._peaks[flags] = plan.run_peak  # the samples must fit too
             except ConfigError:  # a change the other settings refuse (e.g. NF4 with model.offload_blocks): not a fix
                 self._peaks[flags] = None
@@ -260,7 +265,13 @@ def merged_batches(batch_size: int, accumulate: int) -> tuple[int, int] | None:
 
 
 def larger_batches(
-    recipe: ModelRecipe, data: DataRecipe, vram: float, accumulate: int, optimizer: str = "AdamW", shards: int = 1
+    recipe: ModelRecipe,
+    data: DataRecipe,
+    vram: float,
+    accumulate: int,
+    optimizer: str = "AdamW",
+    shards: int = 1,
+    ema_copies: int = 0,
 ) -> Fit | None:
     """The same images per optimizer step as fewer, larger batches (:func:`merged_batches`), when that fits ``vram``
     GiB with :data:`OUTSIDE_ALLOCATOR_GIB` kept for the process and 5% of the rest free; None otherwise. A step that
@@ -273,29 +284,29 @@ def larger_batches(
         return None
     batch, steps = merged
     flags = f"--data.batch_size {batch} --trainer.accumulate_grad_batches {steps}"
-    peak = _Planner(recipe, data, optimizer, shards).peak(flags, {}, {"batch_size": batch})
+    peak = _Planner(recipe, data, optimizer, shards, ema_copies).peak(flags, {}, {"batch_size": batch})
     if peak is None or peak > (vram - OUTSIDE_ALLOCATOR_GIB) * HEADROOM:
         return None
     return Fit(flags, peak, data={"batch_size": batch})
 
 
 def choose_for_memory(
-    recipe: ModelRecipe, data: DataRecipe, vram: float, optimizer: str = "AdamW", shards: int = 1
+    recipe: ModelRecipe, data: DataRecipe, vram: float, optimizer: str = "AdamW", shards: int = 1, ema_copies: int = 0
 ) -> Fit | None:
     """The fastest way to run the same training in ``vram`` GiB (``model.memory``, :meth:`_Planner.fastest`): less
     checkpointing or offloading than configured when that fits, as configured when it fits, else the first
-    alternative that fits without changing the data (batch, resolution); None when none does. ``shards``:
-    :func:`~lightning_lora.plan.estimate.plan_training`'s (a sharded base takes no quantized or offloaded
-    alternative)."""
-    return _Planner(recipe, data, optimizer, shards).fastest(vram)
+    alternative that fits without changing the data (batch, resolution); None when none does. ``shards``,
+    ``ema_copies``: :func:`~lightning_lora.plan.estimate.plan_training`'s (a sharded base takes no quantized or
+    offloaded alternative; a ``LoraEMA``'s copies of the LoRA)."""
+    return _Planner(recipe, data, optimizer, shards, ema_copies).fastest(vram)
 
 
 def fitting_changes(
-    recipe: ModelRecipe, data: DataRecipe, vram: float, optimizer: str = "AdamW", shards: int = 1
+    recipe: ModelRecipe, data: DataRecipe, vram: float, optimizer: str = "AdamW", shards: int = 1, ema_copies: int = 0
 ) -> list[str]:
     """Changes (as command-line options, with the planned peak) that bring the plan under ``vram`` GiB, fastest first;
     each is tried as a new recipe (``recipe.replace``), so a combination the recipe refuses is never suggested."""
-    return [fit.line() for fit in _Planner(recipe, data, optimizer, shards).fits(vram)]
+    return [fit.line() for fit in _Planner(recipe, data, optimizer, shards, ema_copies).fits(vram)]
 
 
 CARDS: dict[str, float] = {
@@ -366,11 +377,12 @@ def cards_table(
     optimizer: str = "AdamW",
     sizes: tuple[int, ...] = CARD_SIZES,
     shards: int = 1,
+    ema_copies: int = 0,
 ) -> list[tuple[int, Fit | None]]:
     """For each card size (GiB): the fastest way to run the same training that fits (:meth:`_Planner.fastest`: less
     checkpointing than configured on a larger card, as configured, or a memory-saving change), else the first change
     of the data that fits, or None; with ``shards`` > 1, on each of that many cards of the size."""
-    planner = _Planner(recipe, data, optimizer, shards)
+    planner = _Planner(recipe, data, optimizer, shards, ema_copies)
     rows: list[tuple[int, Fit | None]] = []
     for size in sizes:
         fit = planner.fastest(size)

@@ -23,7 +23,7 @@ def _command(marker: Path) -> dict[str, Any]:
 
 
 def _run(capsys: pytest.CaptureFixture[str], args: list[str]) -> tuple[int, list[str]]:
-    """The exit status and the non-empty lines printed (``plan`` prints its error on stdout, the others on stderr)."""
+    """The exit status and the non-empty lines printed."""
     with pytest.raises(SystemExit) as exit_info:
         main(args)
     captured = capsys.readouterr()

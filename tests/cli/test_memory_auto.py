@@ -43,7 +43,7 @@ def _fake_device(monkeypatch: pytest.MonkeyPatch, free_gib: float) -> None:
     monkeypatch.setattr(
         search,
         "plan_for",
-        lambda recipe, data, optimizer="AdamW", shards=1: SimpleNamespace(
+        lambda recipe, data, optimizer="AdamW", shards=1, ema_copies=0: SimpleNamespace(
             run_peak=18.0 if recipe.gradient_checkpointing else 30.0
         ),
     )

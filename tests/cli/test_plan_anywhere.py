@@ -142,7 +142,7 @@ def test_the_shipped_architecture_plans_like_a_local_folder(tmp_path: Path, fami
 
 
 def test_an_unknown_hub_model_offline_says_what_to_download() -> None:
-    with pytest.raises(ConfigError, match=r"huggingface-cli download someone/my-flux --include '\*\.json'"):
+    with pytest.raises(ConfigError, match=r"hf download someone/my-flux --include '\*\.json'"):
         Flux().denoiser_skeleton(ModelSource("someone/my-flux"))
 
 
@@ -171,7 +171,9 @@ def test_the_cards_table_gives_the_fastest_fit_per_size(tiny_flux_dir: Path, mon
     nothing that keeps the training the same fits."""
     from lightning_lora.plan import search
 
-    def fake_plan(recipe: ModelRecipe, datamodule, optimizer: str = "AdamW", shards: int = 1) -> SimpleNamespace:
+    def fake_plan(
+        recipe: ModelRecipe, datamodule, optimizer: str = "AdamW", shards: int = 1, ema_copies: int = 0
+    ) -> SimpleNamespace:
         peak = 40.0 if datamodule.batch_size == 2 else 28.0
         if recipe.gradient_checkpointing:
             peak -= 10.0
@@ -197,7 +199,9 @@ def test_a_larger_card_is_told_to_checkpoint_less(tiny_flux_dir: Path, monkeypat
     first (no checkpointing, then one block in 3, in 2), and the configured settings only where nothing faster fits."""
     from lightning_lora.plan import choose_for_memory, search
 
-    def fake_plan(recipe: ModelRecipe, datamodule, optimizer: str = "AdamW", shards: int = 1) -> SimpleNamespace:
+    def fake_plan(
+        recipe: ModelRecipe, datamodule, optimizer: str = "AdamW", shards: int = 1, ema_copies: int = 0
+    ) -> SimpleNamespace:
         if not recipe.gradient_checkpointing:
             peak = 30.0
         else:
@@ -250,9 +254,9 @@ def test_vram_auto_without_a_gpu_is_one_line(tmp_path: Path, monkeypatch, capsys
     with pytest.raises(SystemExit) as exit_info:
         main(["plan", "--config", str(CONFIGS / "sd15_8gb.yaml"), "--vram", "auto"])
     out = capsys.readouterr()
-    assert exit_info.value.code == 2
-    assert out.out.count("\n") == 1 and "no GPU is visible" in out.out, out
-    assert "--vram 24" in out.out and '--gpu "RTX 4090"' in out.out and "Traceback" not in out.err
+    assert exit_info.value.code == 2 and not out.out  # the error alone, on stderr
+    assert out.err.count("\n") == 1 and "no GPU is visible" in out.err, out
+    assert "--vram 24" in out.err and '--gpu "RTX 4090"' in out.err and "Traceback" not in out.err
 
 
 def test_vram_auto_plans_for_the_memory_free_on_the_visible_card(tmp_path: Path, monkeypatch, capsys) -> None:
@@ -307,7 +311,7 @@ def test_plan_names_larger_batches_where_a_card_has_room_for_them(tmp_path: Path
     monkeypatch.setattr(
         search,
         "plan_for",
-        lambda recipe, data, optimizer="AdamW", shards=1: SimpleNamespace(
+        lambda recipe, data, optimizer="AdamW", shards=1, ema_copies=0: SimpleNamespace(
             run_peak=7.26 if data.batch_size == 2 else 6.68
         ),
     )

@@ -408,6 +408,35 @@ def test_each_preset_adapts_exactly_the_layers_it_names(family: DiffusionFamily,
 _ADAPTABLE = (torch.nn.Linear, torch.nn.Conv2d)
 
 
+def test_the_drift_compares_the_adapted_and_the_adapter_off_prediction(
+    family: DiffusionFamily, model_dir: Path, batch: dict[str, torch.Tensor]
+) -> None:
+    """``eval/drift``'s pieces (:mod:`lightning_lora.callbacks.evaluation`) on the family's own batch with one of its
+    drift prompts for both samples: the prediction of its loss's one forward, per sample; with the adapter off it is
+    the base's (the model without any LoRA), and a non-zero LoRA moves it."""
+    from lightning_lora.callbacks.evaluation import denoiser_prediction, with_prompt
+    from lightning_lora.lora import adapter_disabled
+
+    assert family.drift_prompts and not any("sks" in p for p in family.drift_prompts)
+    text = {k: v[:1] for k, v in batch.items() if k != "latents"}  # the first prompt, as the text cache gives one
+    drifted = with_prompt(batch, text)
+    assert all(torch.equal(drifted[k][1], batch[k][0]) for k in text)
+    x0 = batch["latents"]
+    g = torch.Generator().manual_seed(0)
+    noise, timesteps = family.sample_noise(x0, g), family.sample_timesteps(x0, g)
+    model = lora_model(family, model_dir)
+    with torch.no_grad():
+        adapted = denoiser_prediction(family, model, drifted, noise, timesteps)
+        with adapter_disabled(model):
+            base = denoiser_prediction(family, model, drifted, noise, timesteps)
+        plain = family.load_denoiser(ModelSource(str(model_dir), dtype=torch.float32)).eval()
+        reference = denoiser_prediction(family, plain, drifted, noise, timesteps)
+    assert adapted.shape[0] == 2 and adapted.shape == base.shape
+    torch.testing.assert_close(base, reference)
+    assert (adapted - base).square().reshape(2, -1).mean(dim=1).min() > 0
+    assert all(p.requires_grad for n, p in model.named_parameters() if ".lora_" in n)  # the adapter trains again
+
+
 # NF4's relative error grows with the padded positions the cache keeps: FLUX.2 klein's 512 (its default) give 0.30.
 @pytest.mark.parametrize(("mode", "tolerance"), [("fp8", 0.1), ("nf4", 0.35)])
 def test_the_text_encoders_in_fp8_and_nf4_for_caching(

@@ -63,8 +63,13 @@ def _linear1_widths(state: Mapping[str, torch.Tensor], name: str) -> list[int]:
 
 
 def diffusers_kohya_reads_flux_widths(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Let ``load_lora_weights`` convert a kohya FLUX LoRA of any width (see the module docstring)."""
+    """Let ``load_lora_weights`` convert a kohya FLUX LoRA of any width (see the module docstring), and say so where
+    lightning-lora decides which tools load a file (``families.flux.DIFFUSERS_KOHYA_WIDTHS``: any)."""
     from diffusers.loaders import lora_conversion_utils, lora_pipeline
+
+    from lightning_lora.families import flux
+
+    monkeypatch.setattr(flux, "DIFFUSERS_KOHYA_WIDTHS", None)
 
     original = lora_conversion_utils._convert_kohya_flux_lora_to_diffusers
     source = inspect.getsource(original)

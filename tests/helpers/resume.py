@@ -28,11 +28,19 @@ DDP_RUN_LAYOUT: dict[str, Any] = {
 
 
 def resume_config(
-    tmp_path: Path, model_dir: Path, photos: Path, name: str, accumulate: int = 1, steps: int = STEPS, **extra: Any
+    tmp_path: Path,
+    model_dir: Path,
+    photos: Path,
+    name: str,
+    accumulate: int = 1,
+    steps: int = STEPS,
+    cache: Path | None = None,
+    **extra: Any,
 ) -> Path:
     """:func:`~helpers.cli.write_config` in ``tmp_path / name`` for ``steps`` steps: a checkpoint every step
     (``stepNNNN.ckpt`` and ``last.ckpt``), LoRA dropout 0.1 (the RNG is drawn in every step: a lost RNG state would
-    show), a cosine schedule with warmup, and one cache shared by every run under ``tmp_path``.
+    show), a cosine schedule with warmup, and one cache shared by every run under ``tmp_path`` (or ``cache``: another
+    run's, whose entries it reuses).
 
     ``extra`` are more dotted overrides; ``callbacks=[...]`` adds callbacks after the checkpoint.
     """
@@ -64,7 +72,7 @@ def resume_config(
     }
     config = write_config(folder, model_dir, photos, **overrides)
     data = yaml.safe_load(config.read_text())
-    data["data"]["cache_dir"] = str(tmp_path / "cache")  # one shared cache: encoding is not what is tested
+    data["data"]["cache_dir"] = str(cache or tmp_path / "cache")  # one shared cache: encoding is not what is tested
     config.write_text(yaml.safe_dump(data))
     return config
 

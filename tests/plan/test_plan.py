@@ -126,7 +126,9 @@ def test_suggestions_try_partial_checkpointing_first(tiny_flux_dir: Path, monkey
     from lightning_lora.model.recipe import ModelRecipe
     from lightning_lora.plan import search
 
-    def fake_plan(recipe: ModelRecipe, datamodule: object, optimizer: str, shards: int = 1) -> SimpleNamespace:
+    def fake_plan(
+        recipe: ModelRecipe, datamodule: object, optimizer: str, shards: int = 1, ema_copies: int = 0
+    ) -> SimpleNamespace:
         if not recipe.gradient_checkpointing:
             peak = 30.0
         else:
@@ -224,7 +226,9 @@ def test_a_slower_way_to_the_same_gib_is_not_suggested(tiny_flux_dir: Path, monk
     from lightning_lora.model.recipe import ModelRecipe
     from lightning_lora.plan import search
 
-    def fake_plan(recipe: ModelRecipe, datamodule: object, optimizer: str, shards: int = 1) -> MemoryPlan:
+    def fake_plan(
+        recipe: ModelRecipe, datamodule: object, optimizer: str, shards: int = 1, ema_copies: int = 0
+    ) -> MemoryPlan:
         weights = {"BF16": 12.0, "FP8": 6.0, "NF4": 3.5}[type(recipe.precision).__name__]
         activations = 8.0 if not recipe.gradient_checkpointing else 2.0 - 1.5 * recipe.offload_activations
         # overhead 0: the samples need weights + 3.5 GiB, more than the checkpointed steps (weights + 2 or + 0.5)
@@ -253,7 +257,9 @@ def test_the_sample_images_must_fit_too(tiny_flux_dir: Path, monkeypatch: pytest
     from lightning_lora.model.recipe import ModelRecipe
     from lightning_lora.plan import search
 
-    def fake_plan(recipe: ModelRecipe, datamodule: object, optimizer: str, shards: int = 1) -> MemoryPlan:
+    def fake_plan(
+        recipe: ModelRecipe, datamodule: object, optimizer: str, shards: int = 1, ema_copies: int = 0
+    ) -> MemoryPlan:
         weights = 12.0 if type(recipe.precision).__name__ == "BF16" else 6.0
         # overhead 0: the steps need weights + 2 GiB, the samples weights + 3.5 (BF16: 14 and 15.5 GiB)
         return MemoryPlan(weights, 0.0, 0.0, 0.0, 2.0, 0.0, overhead=0.0, sampling_peak=weights + 3.5)

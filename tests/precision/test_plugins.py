@@ -160,7 +160,7 @@ def test_memory_auto_switches_the_trainers_plugin_and_the_written_config(
     from lightning_lora.plan import search
 
     monkeypatch.setattr(hardware, "free_memory_gib", lambda device: 24.0)
-    fits = lambda recipe, data, optimizer="AdamW", shards=1: SimpleNamespace(  # noqa: E731
+    fits = lambda recipe, data, optimizer="AdamW", shards=1, ema_copies=0: SimpleNamespace(  # noqa: E731
         run_peak=18.0 if isinstance(recipe.precision, FP8) else 30.0
     )
     monkeypatch.setattr(search, "plan_for", fits)

@@ -661,6 +661,51 @@ def test_profile_steps_profile_after_the_timed_steps_and_leave_their_timing_alon
             bench.parse_args(["--tiny", *bad])
 
 
+def test_bench_runs_the_ema_callback_and_takes_it_from_a_config(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A config with a ``LoraEMA`` turns ``--ema 1`` on with its options, and it is no longer listed as not run:
+    kept as ``fit`` keeps it (the power-function EMAs only with snapshots; none written while timed), its copies in
+    the planned peak, the EMA's LoRA files written beside the raw ones; the config's best LoRA is left out (its
+    ``FixedEvalLoss`` is not run)."""
+    import yaml
+
+    import lightning_lora.plan
+
+    planned: list[Any] = []
+    plan_training = lightning_lora.plan.plan_training
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        planned.append(plan_training(*args, **kwargs))
+        return planned[-1]
+
+    monkeypatch.setattr(lightning_lora.plan, "plan_training", recorded)
+    config = yaml.safe_load((REPO / "configs" / "flux_4090.yaml").read_text())
+    ema = {"class_path": "lightning_lora.callbacks.LoraEMA", "init_args": {"decay": 0.95}}
+    config["trainer"]["callbacks"].append(ema)
+    path = tmp_path / "flux_4090_ema.yaml"
+    path.write_text(yaml.safe_dump(config))
+    a = bench.parse_args(["--config", str(path)])
+    assert a.ema == 1 and a.config_ema == {"decay": 0.95}
+    configured = bench.bench_ema(a)  # as fit runs it: the config keeps no snapshots, so no power-function EMAs
+    assert configured is not None and configured.decay == 0.95 and configured.copies == 1
+    assert "LoraEMA" not in bench.header(a)["not_reproduced"][-1]
+    assert bench.parse_args(["--config", str(REPO / "configs" / "flux_4090.yaml")]).ema == 0
+    ema["init_args"]["snapshot_every"] = 1  # with snapshots: the power-function EMAs, none written while timed
+    path.write_text(yaml.safe_dump(config))
+    argv = ["--tiny", "--config", str(path), "--steps", "1", "--warm", "1", "--h", "64", "--w", "64", "--tlen", "16"]
+    argv += ["--compile", "0", "--sample-steps", "1"]
+    timed = bench.parse_args(argv)
+    with_snapshots = bench.bench_ema(timed)
+    assert with_snapshots is not None and with_snapshots.copies == 3
+    assert with_snapshots.snapshot_every > timed.warm + timed.steps
+    with pytest.warns(UserWarning, match="FP8Compute needs FP8 matrix units"):
+        out = bench.run(bench.parse_args(argv))
+    assert "error" not in out and out["ema"] == 1 and out["s_per_step"] > 0 and "ema" in out["planned"]
+    assert planned[-1].ema == pytest.approx(3 * planned[-1].lora) and planned[-1].lora > 0
+    assert out["export_files"] == 2 * len(out["export_formats"])  # the raw LoRA's files and the EMA's, as fit writes
+    with pytest.raises(ValueError, match="--ema 1 runs the LoraEMA callback in Lightning's loop"):
+        bench.run(bench.parse_args([*argv, "--loop", "bare", "--callbacks", "0"]))
+
+
 def test_bench_dop_and_masks_train_the_module_with_their_batches(tmp_path) -> None:
     """``--dop 1``: every sample a preservation sample, so the step runs DOP's adapter-off forward first; a fresh LoRA
     (a zero update) then predicts what the base does: the loss is exactly 0, masked (``--masks 1``) or not. A config
