@@ -136,6 +136,11 @@ class FixedEvalLoss(Callback):
         module = lora_module(pl_module, "FixedEvalLoss")
         datamodule = trainer.datamodule  # type: ignore[attr-defined]
         prompts = self.drift_prompts if self.drift_prompts is not None else list(module.family.drift_prompts)
+        if prompts and module.family.editing.prompt_sees_controls:
+            raise ConfigError(
+                f"FixedEvalLoss drift_prompts: the {module.family.name} family reads a prompt only with its control "
+                "images, so eval/drift has no trigger-free prompt to read; set drift_prompts: []."
+            )
         self._base_predictions = None
         if isinstance(datamodule, LatentDataModule) and prompts:
             self._drift_texts = _encode(trainer, datamodule, prompts)

@@ -158,6 +158,8 @@ class QwenImageEdit(QwenImage):
         markers=("Qwen-Image-Edit/", "qwen_image_edit"),  # musubi-tuner's ModelSpec, our ss_base_model_version
     )
     editing: ClassVar[Editing] = Editing(max_controls=1, needs_controls=True, prompt_sees_controls=True)
+    drift_prompts: ClassVar[tuple[str, ...]] = ()
+    """None: a prompt is read only with its control images, so ``eval/drift`` has no trigger-free prompt to read."""
 
     # -- loading -----------------------------------------------------------------------------------------------
     @override

@@ -277,3 +277,22 @@ def test_batches_hold_one_number_of_controls_mirrored_with_their_target(tmp_path
         else:
             assert keys == [] and "controls" not in dataset[(0, index)]
     assert 0 < flipped < 4  # both kinds seen (seeded)
+
+
+def test_eval_drift_has_no_prompt_for_a_family_that_reads_prompts_with_controls() -> None:
+    """Qwen-Image-Edit reads a prompt only with its control images: no trigger-free drift prompts by default (the run's
+    FixedEvalLoss measures eval/loss alone), and drift prompts given anyway are refused in one line naming the fix."""
+    from types import SimpleNamespace
+    from typing import Any
+
+    from lightning_lora.callbacks import FixedEvalLoss
+    from lightning_lora.families import QwenImageEditPlus
+    from lightning_lora.module import LoraModule
+
+    module = LoraModule(pretrained="Qwen/Qwen-Image-Edit-2511", family=QwenImageEditPlus())  # nothing loaded
+    trainer: Any = SimpleNamespace(datamodule=None, callbacks=[])
+    default = FixedEvalLoss()
+    default.setup(trainer, module, "fit")
+    assert default.watched == "eval/loss" and not QwenImageEditPlus.drift_prompts
+    with pytest.raises(ConfigError, match=r"drift_prompts: the qwenimage_edit_plus family .* set drift_prompts: \[\]"):
+        FixedEvalLoss(drift_prompts=["a photo of a man in a park"]).setup(trainer, module, "fit")
