@@ -27,11 +27,19 @@ DDP_RUN_LAYOUT: dict[str, Any] = {
 
 
 def resume_config(
-    tmp_path: Path, model_dir: Path, photos: Path, name: str, accumulate: int = 1, steps: int = STEPS, **extra: Any
+    tmp_path: Path,
+    model_dir: Path,
+    photos: Path,
+    name: str,
+    accumulate: int = 1,
+    steps: int = STEPS,
+    every: int = 1,
+    **extra: Any,
 ) -> Path:
-    """:func:`~helpers.cli.write_config` in ``tmp_path / name`` for ``steps`` steps: a checkpoint every step
-    (``stepNNNN.ckpt`` and ``last.ckpt``), LoRA dropout 0.1 (the RNG is drawn in every step: a lost RNG state would
-    show), a cosine schedule with warmup, and one cache shared by every run under ``tmp_path``.
+    """:func:`~helpers.cli.write_config` in ``tmp_path / name`` for ``steps`` steps: a checkpoint every ``every`` steps
+    (``stepNNNN.ckpt`` and ``last.ckpt``; the pair costs about as much as a tiny step: a run that resumes from one step
+    only checkpoints there), LoRA dropout 0.1 (the RNG is drawn in every step: a lost RNG state would show), a cosine
+    schedule with warmup, and one cache shared by every run under ``tmp_path``.
 
     ``extra`` are more dotted overrides; ``callbacks=[...]`` adds callbacks after the checkpoint.
     """
@@ -43,7 +51,7 @@ def resume_config(
             "init_args": {
                 "filename": "step{step:04d}",
                 "auto_insert_metric_name": False,
-                "every_n_train_steps": 1,
+                "every_n_train_steps": every,
                 "save_last": True,
                 "save_top_k": -1,
             },
@@ -106,9 +114,9 @@ def check_exact_resume(root: Path, model_dir: Path, photos: Path, family: str, i
         "model.family": {"class_path": f"lightning_lora.families.{family}", "init_args": init_args},
         "model.lora.targets": "locon",
     }
-    a = resume_config(root, model_dir, photos, "a", steps=6, **options)
+    a = resume_config(root, model_dir, photos, "a", steps=6, every=3, **options)
     assert run_cli(["fit", "--config", str(a)]).trainer.global_step == 6
-    b = resume_config(root, model_dir, photos, "b", steps=6, **options)
+    b = resume_config(root, model_dir, photos, "b", steps=6, every=3, **options)
     run_cli(["fit", "--config", str(b), "--trainer.max_steps", "3"])
     cli = run_cli(["fit", "--config", str(b), "--ckpt_path", "last"])
     assert cli.trainer.global_step == 6
