@@ -48,6 +48,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from typing_extensions import override
 
 from lightning_lora.callbacks.evaluation import FixedEvalLoss
 from lightning_lora.callbacks.lora_export import LoraExport
@@ -97,6 +98,8 @@ class LoraCLI(LightningCLI):
 
     def __init__(self, args: list[str] | None = None, run: bool = True) -> None:
         self._lock: RunLock | None = None
+        given = sys.argv[1:] if args is None else args
+        self._only: str | None = given[0] if given and given[0] in LightningCLI.subcommands() else None
         apply_import_policy()  # a config names classes of trusted modules only (lightning_lora.cli.class_paths)
         super().__init__(
             LoraModule,
@@ -116,6 +119,14 @@ class LoraCLI(LightningCLI):
             args=args,
             run=run,
         )
+
+    @override
+    def subcommands(self) -> dict[str, set[str]]:  # type: ignore[override]  # LightningCLI's is static; called on self
+        """The subcommand named first on the command line alone (``fit``, ``validate``...), else all of them: its parser
+        is the only one used, and each of the others cost as much to build (about 0.15 s of CPU, a quarter of a tiny
+        fit's). ``lightning-lora --help`` and a first argument that is no subcommand build them all, as before."""
+        every = LightningCLI.subcommands()
+        return {self._only: every[self._only]} if self._only else every
 
     def add_arguments_to_parser(self, parser: Any) -> None:
         parser.add_argument(

@@ -268,6 +268,28 @@ def test_help_lists_our_options(capsys) -> None:
         assert option in out
 
 
+def test_a_subcommand_builds_its_own_parser_alone(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """``fit`` builds fit's parser and no other (each costs ~0.15 s of CPU, every command and in-process test pays it),
+    ``validate`` its own; ``--help`` without a subcommand builds and lists all four."""
+    from lightning.pytorch.cli import LightningCLI
+
+    built: list[str] = []
+    prepare = LightningCLI._prepare_subcommand_parser
+
+    def recorded(self: LightningCLI, klass: type, subcommand: str, **kwargs: object) -> object:
+        built.append(subcommand)
+        return prepare(self, klass, subcommand, **kwargs)
+
+    monkeypatch.setattr(LightningCLI, "_prepare_subcommand_parser", recorded)
+    for args in (["fit", "--help"], ["validate", "--help"], ["--help"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main(args)
+        assert exit_info.value.code == 0, args
+    assert built == ["fit", "validate", "fit", "validate", "test", "predict"]
+    out = capsys.readouterr().out
+    assert "--data.images" in out and "{fit,validate,test,predict}" in out
+
+
 OUR_LINES = re.compile(
     "|".join(
         (
