@@ -35,12 +35,14 @@ def resume_config(
     accumulate: int = 1,
     steps: int = STEPS,
     cache: Path | None = None,
+    every: int = 1,
     **extra: Any,
 ) -> Path:
-    """:func:`~helpers.cli.write_config` in ``tmp_path / name`` for ``steps`` steps: a checkpoint every step
-    (``stepNNNN.ckpt`` and ``last.ckpt``), LoRA dropout 0.1 (the RNG is drawn in every step: a lost RNG state would
-    show), a cosine schedule with warmup, and one cache shared by every run under ``tmp_path`` (or ``cache``: another
-    run's, whose entries it reuses).
+    """:func:`~helpers.cli.write_config` in ``tmp_path / name`` for ``steps`` steps: a checkpoint every ``every`` steps
+    (``stepNNNN.ckpt`` and ``last.ckpt``; the pair costs about as much as a tiny step: a run that resumes from one step
+    only checkpoints there), LoRA dropout 0.1 (the RNG is drawn in every step: a lost RNG state would show), a cosine
+    schedule with warmup, and one cache shared by every run under ``tmp_path`` (or ``cache``: another run's, whose
+    entries it reuses).
 
     ``extra`` are more dotted overrides; ``callbacks=[...]`` adds callbacks after the checkpoint.
     """
@@ -52,7 +54,7 @@ def resume_config(
             "init_args": {
                 "filename": "step{step:04d}",
                 "auto_insert_metric_name": False,
-                "every_n_train_steps": 1,
+                "every_n_train_steps": every,
                 "save_last": True,
                 "save_top_k": -1,
             },
@@ -178,5 +180,5 @@ def check_exact_resume(root: Path, model_dir: Path, photos: Path, family: str, i
         "model.family": {"class_path": f"lightning_lora.families.{family}", "init_args": init_args},
         "model.lora.targets": "locon",
     }
-    lora = check_same_run_after_resume(root, model_dir, photos, 6, 3, **options)
+    lora = check_same_run_after_resume(root, model_dir, photos, 6, 3, every=3, **options)
     assert any(v.ndim == 4 for v in lora.values())  # conv LoRA included
