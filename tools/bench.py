@@ -24,15 +24,14 @@ base sharded with FSDP2 over the N GPUs: ``trainer.strategy: fsdp``,
 optimizer step; the config's options when it has one, as ``fit`` runs it): the cost of EMA against the same run without
 it, and the planner's count of its copies of the LoRA.
 
-Families (``--family``): ``flux`` (FLUX.1-dev), ``sdxl`` (SDXL base 1.0), ``sd15`` (Stable Diffusion 1.5),
-``zimage`` (Z-Image-Turbo), ``qwenimage`` (Qwen-Image), ``flux2`` (FLUX.2 klein base 4B), ``krea2`` (Krea 2 Raw),
-``chroma`` (Chroma1-HD), and the edit models ``flux_kontext`` (FLUX.1 Kontext [dev]), ``qwenimage_edit``
-(Qwen-Image-Edit) and ``qwenimage_edit_plus`` (Qwen-Image-Edit-2511). ``--controls N``: N control / reference images of
-the target's size per sample (an edit config's ``data.images[].controls`` by default; FLUX.2 takes references too),
-their cached latents in the batch as the cache serves them, the planner counting their tokens, and the samples drawn
-from N random control images of the samples' size. Each is the real family class (:func:`random_family`) with its
-denoiser built from the family's ``known_denoisers`` config, or a tiny config with ``--tiny``; the batches have exactly
-the keys and shapes its ``loss`` reads from the cache, as the family describes them (:func:`cached_item`).
+Families (``--family``): every family of the registry (``lightning_lora.families.FAMILIES``), each the real family class
+(:func:`random_family`) with its denoiser built at the size of the released model its ``random_models()`` names
+(FLUX.1-dev for ``flux``, Qwen-Image-Edit-2511 for ``qwenimage_edit_plus``: :func:`denoiser_config`), or a tiny config
+with ``--tiny``; the batches have exactly the keys and shapes its ``loss`` reads from the cache, as the family describes
+them (:func:`cached_item`). ``--controls N``: N control / reference images of the target's size per sample (an edit
+config's ``data.images[].controls`` by default; FLUX.2 takes references too), their cached latents in the batch as the
+cache serves them, the planner counting their tokens, and the samples drawn from N random control images of the samples'
+size.
 
 Preservation and masks (their cost against the same row without them): ``--dop 1`` trains with
 ``model.preservation.mode: dop`` and every sample a preservation sample, so every step runs DOP's forward without
@@ -55,11 +54,11 @@ does not fit its card ends as an out-of-memory error row:
 
 A ``--config`` run also writes what the config's callbacks write during a run (``--callbacks 1``, the default with
 ``--config``; :class:`Outputs`), once, after the timed steps and under the same memory limit: the config's
-``SampleImages`` (its prompts, size and steps; ``--sample-steps`` / ``--sample-size`` replace them, and ``--tiny``
-draws 2 steps at the training size), one checkpoint save (``trainer.save_checkpoint``, as its ``ModelCheckpoint``
-calls it, through ``fit``'s atomic writer) and its ``LoraExport``, each built from the YAML with the callbacks' own
-code. The prompts' embeddings are random, of the text cache's shapes; the VAE has random weights of the family's real
-config (:data:`VAES`) and the pipeline the released scheduler (:func:`write_sampling_files`). Each reports its seconds
+``SampleImages`` (its prompts, size and steps; ``--sample-steps`` / ``--sample-size`` replace them, and ``--tiny`` draws
+2 steps at the training size), one checkpoint save (``trainer.save_checkpoint``, as its ``ModelCheckpoint`` calls it,
+through ``fit``'s atomic writer) and its ``LoraExport``, each built from the YAML with the callbacks' own code. The
+prompts' embeddings are random, of the text cache's shapes; the VAE has random weights of the family's real config
+(:func:`vae_config`) and the pipeline the released scheduler (:func:`write_sampling_files`). Each reports its seconds
 and, on a GPU, its peak allocated memory (``sample_s`` / ``sample_peak_GiB`` beside ``planned["sampling_peak"]``,
 planned at the samples' size; ``checkpoint_s`` / ``checkpoint_peak_GiB``, with ``checkpoint_MB`` and
 ``checkpoint_tensors`` read back as ``--ckpt_path`` reads it; ``export_s`` / ``export_peak_GiB``); ``wall_s`` includes
@@ -104,26 +103,8 @@ from lightning_lora.cli.peek import config_allocator
 from lightning_lora.data.recipe import DataRecipe
 from lightning_lora.data.sources import as_folders
 from lightning_lora.errors import ConfigError
-from lightning_lora.families import (
-    SD15,
-    SDXL,
-    Chroma,
-    DiffusionFamily,
-    Flux,
-    Flux2,
-    FluxKontext,
-    Krea2,
-    QwenImage,
-    QwenImageEdit,
-    QwenImageEditPlus,
-    ZImage,
-)
+from lightning_lora.families import FAMILIES, DiffusionFamily
 from lightning_lora.families.base import ModelSource, build_from_config
-from lightning_lora.families.flux import FLUX1_VAE
-from lightning_lora.families.flux2 import FLUX2_VAE
-from lightning_lora.families.qwenimage import QWEN_IMAGE_VAE
-from lightning_lora.families.sd15 import SD15_VAE
-from lightning_lora.families.sdxl import SDXL_VAE
 from lightning_lora.families.unet import NoiseSchedule, UNetFamily
 from lightning_lora.hardware import ALLOCATOR_VARIABLES, limit_host_threads, set_allocator_defaults
 from lightning_lora.hardware import ALLOCATORS as ALLOCATOR_CHOICES
@@ -135,130 +116,23 @@ from lightning_lora.objectives import Preservation
 from lightning_lora.precision import FP8, PRECISIONS, BasePrecision
 from lightning_lora.precision.layers import linear_layers
 
-FLUX_DEV = dict(Flux.planning.known_denoisers["black-forest-labs/FLUX.1-dev"])
-FLUX_TINY = dict(
-    FLUX_DEV,
-    num_layers=1,
-    num_single_layers=1,
-    attention_head_dim=32,
-    num_attention_heads=2,
-    joint_attention_dim=64,
-    pooled_projection_dim=64,
-    axes_dims_rope=(8, 12, 12),
-)
-SDXL_BASE = dict(SDXL.planning.known_denoisers["stabilityai/stable-diffusion-xl-base-1.0"])
-SDXL_TINY = dict(
-    SDXL_BASE,
-    block_out_channels=(32, 64, 64),
-    transformer_layers_per_block=(1, 1, 1),
-    attention_head_dim=(2, 4, 4),
-    cross_attention_dim=64,
-    addition_time_embed_dim=32,
-    projection_class_embeddings_input_dim=64 + 6 * 32,
-)
-SD15_BASE = dict(SD15.planning.known_denoisers["stable-diffusion-v1-5/stable-diffusion-v1-5"])
-SD15_TINY = dict(SD15_BASE, block_out_channels=(32, 32, 64, 64), layers_per_block=1, attention_head_dim=2)
-SD15_TINY.update(cross_attention_dim=64, sample_size=8)
-ZIMAGE_TURBO = dict(ZImage.planning.known_denoisers["Tongyi-MAI/Z-Image-Turbo"])
-ZIMAGE_TINY = dict(  # lightning_lora.tiny.zimage's transformer: 1 + 1 refiners, 2 main layers, 2 heads of 32
-    ZIMAGE_TURBO,
-    dim=64,
-    n_layers=2,
-    n_refiner_layers=1,
-    n_heads=2,
-    n_kv_heads=2,
-    cap_feat_dim=64,
-    axes_dims=[8, 12, 12],
-)
-QWEN_IMAGE = dict(QwenImage.planning.known_denoisers["Qwen/Qwen-Image"])
-QWEN_IMAGE_TINY = dict(  # lightning_lora.tiny.qwenimage's transformer: 2 blocks, 2 heads of 16, 4 latent channels
-    QWEN_IMAGE,
-    in_channels=16,
-    out_channels=4,
-    num_layers=2,
-    attention_head_dim=16,
-    num_attention_heads=2,
-    joint_attention_dim=64,
-    axes_dims_rope=[4, 6, 6],
-)
-FLUX2_KLEIN = dict(Flux2.planning.known_denoisers["black-forest-labs/FLUX.2-klein-base-4B"])
-FLUX2_TINY = dict(  # lightning_lora.tiny.flux2's transformer: 2 double + 2 single blocks, 2 heads of 32
-    FLUX2_KLEIN,
-    in_channels=64,
-    num_layers=2,
-    num_single_layers=2,
-    attention_head_dim=32,
-    num_attention_heads=2,
-    joint_attention_dim=192,
-    axes_dims_rope=[8, 8, 8, 8],
-)
-KREA2_RAW = dict(Krea2.planning.known_denoisers["krea/Krea-2-Raw"])
-KREA2_TINY = dict(  # lightning_lora.tiny.krea2's transformer: 2 blocks, 4 heads of 16 (2 key/value), 4 latent channels
-    KREA2_RAW,
-    in_channels=16,
-    num_layers=2,
-    attention_head_dim=16,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=128,
-    timestep_embed_dim=32,
-    text_hidden_dim=64,
-    text_num_attention_heads=2,
-    text_num_key_value_heads=2,
-    text_intermediate_size=128,
-    axes_dims_rope=[4, 6, 6],
-)
-KONTEXT_DEV = dict(FluxKontext.planning.known_denoisers["black-forest-labs/FLUX.1-Kontext-dev"])  # FLUX.1-dev's
-QWEN_IMAGE_EDIT = dict(QwenImageEdit.planning.known_denoisers["Qwen/Qwen-Image-Edit"])  # Qwen-Image's
-QWEN_IMAGE_EDIT_2511 = dict(QwenImageEditPlus.planning.known_denoisers["Qwen/Qwen-Image-Edit-2511"])  # zero_cond_t
-CHROMA = dict(Chroma.planning.known_denoisers["lodestones/Chroma1-HD"])
-CHROMA_TINY = dict(  # lightning_lora.tiny.chroma's transformer: 2 double + 2 single blocks, 2 heads of 16
-    CHROMA,
-    num_layers=2,
-    num_single_layers=2,
-    attention_head_dim=16,
-    num_attention_heads=2,
-    joint_attention_dim=64,
-    axes_dims_rope=[4, 4, 8],
-    approximator_num_channels=16,
-    approximator_hidden_dim=32,
-    approximator_layers=2,
-)
-CONFIGS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
-    "flux": (FLUX_DEV, FLUX_TINY),  # FLUX.1-dev, 11.9 B
-    "sdxl": (SDXL_BASE, SDXL_TINY),  # SDXL base 1.0's UNet, 2.6 B
-    "sd15": (SD15_BASE, SD15_TINY),  # Stable Diffusion 1.5's UNet, 0.86 B
-    "zimage": (ZIMAGE_TURBO, ZIMAGE_TINY),  # Z-Image-Turbo, 6.15 B
-    "qwenimage": (QWEN_IMAGE, QWEN_IMAGE_TINY),  # Qwen-Image, 20.4 B
-    "flux2": (FLUX2_KLEIN, FLUX2_TINY),  # FLUX.2 klein base 4B, 3.9 B
-    "krea2": (KREA2_RAW, KREA2_TINY),  # Krea 2 Raw, 12.8 B
-    "flux_kontext": (KONTEXT_DEV, FLUX_TINY),  # FLUX.1 Kontext [dev]: FLUX.1-dev's transformer, 11.9 B
-    "qwenimage_edit": (QWEN_IMAGE_EDIT, QWEN_IMAGE_TINY),  # Qwen-Image-Edit, 20.4 B
-    "qwenimage_edit_plus": (QWEN_IMAGE_EDIT_2511, dict(QWEN_IMAGE_TINY, zero_cond_t=True)),  # -2511, 20.4 B
-    "chroma": (CHROMA, CHROMA_TINY),  # Chroma1-HD, 8.9 B
-}
-"""The denoiser configs by family: the real one (the family's ``known_denoisers``) and a tiny one for CPU runs."""
 
-SMALL = {"block_out_channels": [8, 8, 8, 8], "layers_per_block": 1, "norm_num_groups": 4, "sample_size": 64}
-QWEN_TINY_VAE = dict(QWEN_IMAGE_VAE, base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1) | {
-    "latents_mean": [-0.7571, -0.7089, -0.9113, 0.1075],
-    "latents_std": [2.8184, 1.4541, 2.3275, 2.6558],
-}  # the tiny transformers' 4 latent channels (lightning_lora.tiny.qwenimage's VAE)
-VAES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
-    "flux": (FLUX1_VAE, dict(FLUX1_VAE, **SMALL)),
-    "sdxl": (SDXL_VAE, dict(SDXL_VAE, **SMALL)),
-    "sd15": (SD15_VAE, dict(SD15_VAE, **SMALL)),
-    "zimage": (FLUX1_VAE, dict(FLUX1_VAE, **SMALL)),  # Z-Image decodes with FLUX.1's VAE
-    "qwenimage": (QWEN_IMAGE_VAE, QWEN_TINY_VAE),
-    "flux2": (FLUX2_VAE, dict(FLUX2_VAE, **SMALL, latent_channels=16)),  # the tiny transformer's 64 = 16 x 2 x 2
-    "krea2": (QWEN_IMAGE_VAE, QWEN_TINY_VAE),  # Krea 2 decodes with Qwen-Image's VAE
-    "flux_kontext": (FLUX1_VAE, dict(FLUX1_VAE, **SMALL)),
-    "qwenimage_edit": (QWEN_IMAGE_VAE, QWEN_TINY_VAE),
-    "qwenimage_edit_plus": (QWEN_IMAGE_VAE, QWEN_TINY_VAE),
-    "chroma": (FLUX1_VAE, dict(FLUX1_VAE, **SMALL)),  # Chroma decodes with FLUX.1's VAE
-}
-"""The VAE configs by family (real, tiny), for sample generation: the tiny ones have the tiny denoisers' latent
-channels. Only the decoder runs while sampling."""
+def denoiser_config(family: str, tiny: bool = False, denoiser: str | None = None) -> dict[str, Any]:
+    """The denoiser config the benchmark builds for ``family`` (its ``random_models()``,
+    :class:`~lightning_lora.families.facts.RandomModels`): the default hub id's ``known_denoisers`` config, another
+    known ``denoiser``'s (a shipped config's ``model.pretrained``), or with ``tiny`` the tiny one for CPU runs."""
+    cls = FAMILIES[family]
+    models = cls.random_models()
+    config = dict(cls.planning.known_denoisers[denoiser if denoiser and not tiny else models.denoiser])
+    return dict(config, **models.tiny_denoiser) if tiny else config
+
+
+def vae_config(family: str, tiny: bool = False) -> dict[str, Any]:
+    """The VAE config the benchmark builds for ``family``'s samples: its ``planning.vae_architecture``, or with
+    ``tiny`` the tiny one of the tiny denoiser's latent channels. Only the decoder runs while sampling."""
+    cls = FAMILIES[family]
+    config = dict(cls.planning.vae_architecture or {})
+    return dict(config, **cls.random_models().tiny_vae) if tiny else config
 
 
 class RandomWeights:
@@ -308,67 +182,14 @@ class RandomWeights:
         return super().pipeline(denoiser, vae, ModelSource(self.sampling_folder, dtype=source.dtype))  # type: ignore[misc]
 
 
-# Module-level classes, so that Lightning can pickle the family into the module's hyperparameters.
-class RandomFlux(RandomWeights, Flux):
-    pass
-
-
-class RandomSDXL(RandomWeights, SDXL):
-    pass
-
-
-class RandomSD15(RandomWeights, SD15):
-    pass
-
-
-class RandomZImage(RandomWeights, ZImage):
-    pass
-
-
-class RandomQwenImage(RandomWeights, QwenImage):
-    pass
-
-
-class RandomFlux2(RandomWeights, Flux2):
-    pass
-
-
-class RandomKrea2(RandomWeights, Krea2):
-    pass
-
-
-class RandomFluxKontext(RandomWeights, FluxKontext):
-    pass
-
-
-class RandomQwenImageEdit(RandomWeights, QwenImageEdit):
-    pass
-
-
-class RandomQwenImageEditPlus(RandomWeights, QwenImageEditPlus):
-    pass
-
-
-class RandomChroma(RandomWeights, Chroma):
-    pass
-
-
+# Module-level classes, one per registered family, so that Lightning can pickle the family into the module's
+# hyperparameters: RandomFlux, RandomSDXL, ...
 RANDOM: dict[str, type[DiffusionFamily]] = {
-    cls.name: cls
-    for cls in (
-        RandomFlux,
-        RandomSDXL,
-        RandomSD15,
-        RandomZImage,
-        RandomQwenImage,
-        RandomFlux2,
-        RandomKrea2,
-        RandomFluxKontext,
-        RandomQwenImageEdit,
-        RandomQwenImageEditPlus,
-        RandomChroma,
-    )
+    name: type(f"Random{cls.__name__}", (RandomWeights, cls), {"__module__": __name__})
+    for name, cls in FAMILIES.items()
 }
+"""``--family`` -> its family class with :class:`RandomWeights` mixed in."""
+globals().update({cls.__name__: cls for cls in RANDOM.values()})
 
 
 def random_family(name: str, config: dict[str, Any], device: str, **options: Any) -> DiffusionFamily:
@@ -901,39 +722,23 @@ class MemoryLimit(Callback):
             self.out["memory_fraction"] = round(fraction, 4)
 
 
-SCHEDULERS = {  # family -> the scheduler class and its config, as lightning_lora's tiny pipelines copy the real one
-    "flux": ("FlowMatchEulerDiscreteScheduler", "lightning_lora.tiny.flux", "FLUX_DEV_SCHEDULER_CONFIG"),
-    "sdxl": ("EulerDiscreteScheduler", "lightning_lora.tiny.sdxl", "SDXL_SCHEDULER_CONFIG"),
-    "sd15": ("PNDMScheduler", "lightning_lora.tiny.sd15", "SD15_SCHEDULER_CONFIG"),
-    "zimage": ("FlowMatchEulerDiscreteScheduler", "lightning_lora.tiny.zimage", "ZIMAGE_TURBO_SCHEDULER_CONFIG"),
-    "qwenimage": ("FlowMatchEulerDiscreteScheduler", "lightning_lora.tiny.qwenimage", "QWEN_IMAGE_SCHEDULER_CONFIG"),
-    "flux2": ("FlowMatchEulerDiscreteScheduler", "lightning_lora.tiny.flux2", "FLUX2_SCHEDULER_CONFIG"),
-    "krea2": ("FlowMatchEulerDiscreteScheduler", "lightning_lora.tiny.krea2", "KREA2_SCHEDULER_CONFIG"),
-    "flux_kontext": ("FlowMatchEulerDiscreteScheduler", "lightning_lora.tiny.flux", "FLUX_DEV_SCHEDULER_CONFIG"),
-    "chroma": ("FlowMatchEulerDiscreteScheduler", "lightning_lora.tiny.flux", "FLUX_DEV_SCHEDULER_CONFIG"),
-}
-SCHEDULERS["qwenimage_edit"] = SCHEDULERS["qwenimage_edit_plus"] = SCHEDULERS["qwenimage"]  # as tiny.qwenimage_edit
-
-
 def write_sampling_files(family: DiffusionFamily, denoiser: str | None, folder: Path) -> str:
     """A local model folder of what the family's ``pipeline`` reads besides weights, written into ``folder``:
-    ``scheduler/`` (the released model's scheduler config, :data:`SCHEDULERS`) and ``model_index.json`` (SDXL base's
-    ``force_zeros_for_empty_prompt``; FLUX.2 klein's and Krea 2's ``is_distilled``, of the ``denoiser`` hub id). Returns
-    its path."""
-    import importlib
+    ``scheduler/`` (the released model's scheduler config: the family's ``random_models()``) and ``model_index.json``
+    (SDXL base's ``force_zeros_for_empty_prompt``; ``is_distilled``, of the ``denoiser`` hub id, where the pipeline
+    records it: FLUX.2 klein's, Krea 2's). Returns its path."""
+    import inspect
 
     import diffusers
 
-    scheduler, module, name = SCHEDULERS[family.name]
-    config = getattr(importlib.import_module(module), name)
-    getattr(diffusers, scheduler)(**config).save_pretrained(folder / "scheduler")
+    models = family.random_models()
+    records = "is_distilled" in inspect.signature(getattr(diffusers, family.pipeline_class).__init__).parameters
+    getattr(diffusers, models.scheduler)(**models.scheduler_config).save_pretrained(folder / "scheduler")
     index = {
-        "_class_name": family.architecture.pipeline_classes[0],
+        "_class_name": family.pipeline_class,
         "force_zeros_for_empty_prompt": True,
-        # klein's and Krea 2's step-distilled ids (a known hub id: answered without the hub); every other: not distilled
-        "is_distilled": bool(
-            isinstance(family, (Flux2, Krea2)) and denoiser and family.is_distilled(ModelSource(denoiser))
-        ),
+        # a step-distilled id (a known hub id: answered without the hub); a pipeline that records none: not distilled
+        "is_distilled": bool(records and denoiser and family.is_distilled(ModelSource(denoiser))),
     }
     (folder / "model_index.json").write_text(json.dumps(index))
     return str(folder)
@@ -1256,9 +1061,7 @@ def measure(a: argparse.Namespace, outputs: Path | None) -> dict[str, Any]:
     """The timed steps of ``a``'s settings; with an ``outputs`` folder, then the config's outputs (:class:`Outputs`)
     written there."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    config = CONFIGS[a.family][1 if a.tiny else 0]
-    if a.denoiser and not a.tiny:  # another known denoiser of the family (a shipped config's model.pretrained)
-        config = dict(RANDOM[a.family].planning.known_denoisers[a.denoiser])
+    config = denoiser_config(a.family, a.tiny, a.denoiser)
     config_family, config_family_args = getattr(a, "config_family", (None, {}))
     family_args = dict(config_family_args) if config_family == a.family else {}
     text_options, _ = RANDOM[a.family].text_length_options(a.tlen)  # the family's options for prompts of a.tlen tokens
@@ -1349,7 +1152,7 @@ def measure(a: argparse.Namespace, outputs: Path | None) -> dict[str, Any]:
     sample_size = None
     if outputs is not None:  # the config's samples, checkpoint and LoRA files (Outputs), under outputs
         sampler, checkpoint, exporter = output_callbacks(a, outputs)
-        family_any.vae_config = VAES[a.family][1 if a.tiny else 0]
+        family_any.vae_config = vae_config(a.family, a.tiny)
         family_any.sampling_folder = write_sampling_files(family, a.denoiser, outputs / "model")
         if sampler is not None:
             sample_size = (sampler.height or data.recipe.resolution, sampler.width or data.recipe.resolution)
@@ -1477,19 +1280,7 @@ def bench_ema(a: argparse.Namespace) -> LoraEMA | None:
     return LoraEMA(**options)
 
 
-FAMILY_CLASSES = {
-    "lightning_lora.families.Flux": "flux",
-    "lightning_lora.families.SDXL": "sdxl",
-    "lightning_lora.families.SD15": "sd15",
-    "lightning_lora.families.ZImage": "zimage",
-    "lightning_lora.families.QwenImage": "qwenimage",
-    "lightning_lora.families.Flux2": "flux2",
-    "lightning_lora.families.Krea2": "krea2",
-    "lightning_lora.families.FluxKontext": "flux_kontext",
-    "lightning_lora.families.QwenImageEdit": "qwenimage_edit",
-    "lightning_lora.families.QwenImageEditPlus": "qwenimage_edit_plus",
-    "lightning_lora.families.Chroma": "chroma",
-}
+FAMILY_CLASSES = {f"lightning_lora.families.{cls.__name__}": name for name, cls in FAMILIES.items()}
 """``model.family.class_path`` -> ``--family`` (also the classes' module paths, e.g. ``...families.flux.Flux``)."""
 
 MODEL_FLAGS = {  # model.<key> -> (bench option, conversion)
@@ -1538,7 +1329,7 @@ def config_defaults(path: str | Path) -> dict[str, Any]:
     family_args = dict(family_section.get("init_args") or {}) if isinstance(family_section, dict) else {}
     out["family"] = family
     out["config_family"] = (family, {k: v for k, v in family_args.items() if k != "max_sequence_length"})
-    if family in ("sdxl", "sd15"):
+    if issubclass(FAMILIES[family], UNetFamily):  # CLIP's 77 tokens
         out["tlen"] = 77
     else:  # the family's own default when the config leaves it out (512 for all three)
         default = getattr(RANDOM[family], "max_sequence_length", 512)
@@ -1697,7 +1488,7 @@ def sample_size(text: str) -> tuple[int, int]:
 def parser() -> argparse.ArgumentParser:
     """The command line; ``parser().parse_args([...])`` gives every option its default."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--family", default="flux", choices=list(CONFIGS))
+    p.add_argument("--family", default="flux", choices=list(FAMILIES))
     p.add_argument(
         "--denoiser", default=None, help="a hub id the family knows the config of (default: the family's first row)"
     )

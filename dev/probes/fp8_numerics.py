@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))  # tools/bench.py builds the model and the batch
 
-from bench import FLUX_DEV, FLUX_TINY, Synthetic, random_family  # noqa: E402
+from bench import Synthetic, denoiser_config, random_family  # noqa: E402
 
 from lightning_lora.lora import LoraOptions, set_lora_input_casts  # noqa: E402
 from lightning_lora.module import LoraModule  # noqa: E402
@@ -31,7 +31,7 @@ from lightning_lora.precision import PRECISIONS  # noqa: E402
 
 def lora_gradients(mode: str, a: argparse.Namespace, device: str) -> dict[str, torch.Tensor]:
     """The LoRA gradients of one step on a base stored in ``mode`` (float32, on the CPU, by parameter name)."""
-    config = FLUX_TINY if a.tiny else FLUX_DEV
+    config = denoiser_config("flux", a.tiny)
     torch.manual_seed(0)  # the same random base for every mode
     family = random_family("flux", config, device, max_sequence_length=a.tlen)
     module = LoraModule(

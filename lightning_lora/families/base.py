@@ -53,7 +53,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from lightning_lora.errors import ConfigError, first_line
-from lightning_lora.families.facts import Architecture, Compiling, Editing, LoraFiles, Planning
+from lightning_lora.families.facts import Architecture, Compiling, Editing, LoraFiles, Planning, RandomModels
 from lightning_lora.objectives import Prediction, Reference, masked_mse, per_sample_mse, preserved_target
 
 if TYPE_CHECKING:
@@ -722,6 +722,13 @@ class DiffusionFamily(ABC):
         it: what the CPU demo trains and what the family contract test (tests/families/test_contract.py) runs every
         registered family on. See :mod:`lightning_lora.tiny`."""
         raise NotImplementedError(f"the {cls.name} family has no tiny pipeline for tests yet")
+
+    @classmethod
+    def random_models(cls) -> RandomModels:
+        """What the benchmark (``tools/bench.py``) builds for this family with random weights, at the real size and
+        tiny (:class:`~lightning_lora.families.facts.RandomModels`, kept beside the family's tiny pipeline in
+        :mod:`lightning_lora.tiny`). The family contract test asks every registered family for it."""
+        raise NotImplementedError(f"the {cls.name} family has no random models for the benchmark yet")
 
     # -- memory planning (lightning_lora.plan) -------------------------------------------------------------------
     def denoiser_config(self, source: ModelSource, load_config: Callable[..., Any]) -> dict[str, Any]:

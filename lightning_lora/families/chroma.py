@@ -65,7 +65,7 @@ from lightning_lora.families.base import (
     load_weights,
 )
 from lightning_lora.families.encoders import T5_XXL
-from lightning_lora.families.facts import Architecture, Compiling, LoraFiles, Planning
+from lightning_lora.families.facts import Architecture, Compiling, LoraFiles, Planning, RandomModels
 from lightning_lora.families.flux import FLUX1_VAE, Flux, flux_vae_latents, latent_image_ids, pack_latents
 from lightning_lora.formats.bfl import FluxDims
 from lightning_lora.formats.chroma import chroma_lora_slices, chroma_slice
@@ -228,6 +228,13 @@ class Chroma(DiffusionFamily):
             max_sequence_length=self.max_sequence_length,
         )
         return {"prompt_embeds": embeds, "prompt_mask": mask.bool()}
+
+    @classmethod
+    @override
+    def random_models(cls) -> RandomModels:
+        from lightning_lora.tiny.chroma import RANDOM_CHROMA
+
+        return RANDOM_CHROMA
 
     @torch.no_grad()
     def encode_images(self, vae: DiffusersModel, pixels: torch.Tensor) -> torch.Tensor:

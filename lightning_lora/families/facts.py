@@ -17,7 +17,9 @@ one per part of lightning-lora that reads them (and an edit family a fifth, :cla
 * :class:`LoraFiles`: the LoRA files the family writes (the layouts of :mod:`lightning_lora.formats` it serves, bound to
   its names), who loads them, and how a file made elsewhere names the family (:mod:`lightning_lora.export`);
 * :class:`Editing`: whether the model takes control / reference images beside the prompt (FLUX.1 Kontext, FLUX.2,
-  Qwen-Image-Edit), how many, and whether its prompt encoder sees them: the data, the cache and the samples.
+  Qwen-Image-Edit), how many, and whether its prompt encoder sees them: the data, the cache and the samples;
+* :class:`RandomModels`: what the benchmark (``tools/bench.py``) builds with random weights, at the real size and tiny
+  (``DiffusionFamily.random_models``, beside the family's tiny pipeline in :mod:`lightning_lora.tiny`).
 
 A subclass that shares most of its parent's facts replaces what differs (``dataclasses.replace(UNetFamily.compiling,
 stream_sources=...)``). This module imports nothing heavy.
@@ -32,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from lightning_lora.formats import LoraFormat, LoraLayout
 
-__all__ = ["Architecture", "Compiling", "Editing", "LoraFiles", "Planning"]
+__all__ = ["Architecture", "Compiling", "Editing", "LoraFiles", "Planning", "RandomModels"]
 
 
 @dataclass(frozen=True)
@@ -168,3 +170,21 @@ class Editing:
     @property
     def takes_controls(self) -> bool:
         return self.max_controls is None or self.max_controls > 0
+
+
+@dataclass(frozen=True)
+class RandomModels:
+    """What the benchmark (``tools/bench.py``) builds for the family with random weights, without a download: the
+    denoiser of a released model's size (or a tiny one for CPU runs), and for its sample images a VAE and the released
+    scheduler. The real VAE is ``planning.vae_architecture``."""
+
+    denoiser: str
+    """The hub id in ``planning.known_denoisers`` whose config the benchmark builds by default."""
+    tiny_denoiser: Mapping[str, Any]
+    """What the tiny denoiser (``--tiny``) changes in that config: a few blocks of a few narrow heads."""
+    tiny_vae: Mapping[str, Any]
+    """What the tiny VAE changes in ``planning.vae_architecture``: its latent channels are the tiny denoiser's."""
+    scheduler: str
+    """The released model's scheduler, by diffusers class name (``FlowMatchEulerDiscreteScheduler``)."""
+    scheduler_config: Mapping[str, Any]
+    """Its ``scheduler/scheduler_config.json`` (the tiny pipeline's copy of it)."""

@@ -46,7 +46,7 @@ from lightning_lora.families.base import (
     load_weights,
 )
 from lightning_lora.families.encoders import CLIP_L, T5_XXL
-from lightning_lora.families.facts import Architecture, Compiling, LoraFiles, Planning
+from lightning_lora.families.facts import Architecture, Compiling, LoraFiles, Planning, RandomModels
 from lightning_lora.formats.adapters import Adapter
 from lightning_lora.formats.bfl import flux_lora_dims, flux_lora_slices, flux_slices_of
 from lightning_lora.formats.clients import COMFY_DORA, COMFY_PEFT_DORA, DIFFUSERS_DORA, Coverage
@@ -276,6 +276,13 @@ class Flux(DiffusionFamily):
             prompt=prompts, prompt_2=prompts, device=device, max_sequence_length=self.max_sequence_length
         )
         return {"prompt_embeds": prompt_embeds, "pooled_prompt_embeds": pooled}
+
+    @classmethod
+    @override
+    def random_models(cls) -> RandomModels:
+        from lightning_lora.tiny.flux import RANDOM_FLUX
+
+        return RANDOM_FLUX
 
     @torch.no_grad()
     def encode_images(self, vae: DiffusersModel, pixels: torch.Tensor) -> torch.Tensor:

@@ -100,7 +100,7 @@ from lightning_lora.families.base import (
     load_weights,
 )
 from lightning_lora.families.encoders import MISTRAL_SMALL_31, QWEN3_4B_LM, QWEN3_8B_LM
-from lightning_lora.families.facts import Architecture, Compiling, Editing, LoraFiles, Planning
+from lightning_lora.families.facts import Architecture, Compiling, Editing, LoraFiles, Planning, RandomModels
 from lightning_lora.families.flux import with_control_tokens
 from lightning_lora.formats.bfl import flux2_lora_slices, flux2_slices_of, flux_slices_of
 from lightning_lora.formats.clients import COMFY_PEFT_DORA, Coverage
@@ -502,6 +502,13 @@ class Flux2(DiffusionFamily):
             text_encoder_out_layers=layers,
         )
         return {"prompt_embeds": embeds}
+
+    @classmethod
+    @override
+    def random_models(cls) -> RandomModels:
+        from lightning_lora.tiny.flux2 import RANDOM_FLUX2
+
+        return RANDOM_FLUX2
 
     @torch.no_grad()
     def encode_images(self, vae: DiffusersModel, pixels: torch.Tensor) -> torch.Tensor:

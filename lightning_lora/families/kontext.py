@@ -41,7 +41,7 @@ from typing_extensions import override
 
 from lightning_lora.families.base import DiffusersModel, SampleSettings, SampleText
 from lightning_lora.families.encoders import CLIP_L, T5_XXL
-from lightning_lora.families.facts import Architecture, Editing, LoraFiles, Planning
+from lightning_lora.families.facts import Architecture, Editing, LoraFiles, Planning, RandomModels
 from lightning_lora.families.flux import FLUX1_TRANSFORMER, Flux, latent_image_ids, pack_latents, with_control_tokens
 from lightning_lora.formats.kohya import with_base_model_version
 
@@ -135,3 +135,10 @@ class FluxKontext(Flux):
         from lightning_lora.tiny.kontext import save_tiny_kontext
 
         return save_tiny_kontext(folder, seed=seed)
+
+    @classmethod
+    @override
+    def random_models(cls) -> RandomModels:
+        from lightning_lora.tiny.kontext import RANDOM_KONTEXT
+
+        return RANDOM_KONTEXT

@@ -91,7 +91,7 @@ from lightning_lora.families.base import (
     load_weights,
 )
 from lightning_lora.families.encoders import QWEN3_VL_4B
-from lightning_lora.families.facts import Architecture, Compiling, LoraFiles, Planning
+from lightning_lora.families.facts import Architecture, Compiling, LoraFiles, Planning, RandomModels
 from lightning_lora.families.flux import pack_latents
 from lightning_lora.families.qwenimage import QWEN_IMAGE_VAE, QwenImage, trim_text
 from lightning_lora.formats.clients import COMFY_PEFT_DORA, Coverage
@@ -337,6 +337,13 @@ class Krea2(DiffusionFamily):
         )
         embeds, mask = compact_text(embeds, mask)
         return {"prompt_embeds": embeds, "prompt_mask": mask}
+
+    @classmethod
+    @override
+    def random_models(cls) -> RandomModels:
+        from lightning_lora.tiny.krea2 import RANDOM_KREA2
+
+        return RANDOM_KREA2
 
     @torch.no_grad()
     def encode_images(self, vae: DiffusersModel, pixels: torch.Tensor) -> torch.Tensor:

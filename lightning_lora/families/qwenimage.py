@@ -80,7 +80,7 @@ from lightning_lora.families.base import (
     load_weights,
 )
 from lightning_lora.families.encoders import QWEN25_VL_7B
-from lightning_lora.families.facts import Architecture, Compiling, LoraFiles, Planning
+from lightning_lora.families.facts import Architecture, Compiling, LoraFiles, Planning, RandomModels
 from lightning_lora.families.flux import pack_latents, unpack_latents
 from lightning_lora.formats.clients import COMFY_DORA, DIFFUSERS_DORA, Coverage
 from lightning_lora.formats.diffusers import DiffusersLayout
@@ -349,6 +349,13 @@ class QwenImage(DiffusionFamily):
         full = torch.zeros(b, self.max_sequence_length, dtype=torch.long, device=embeds.device)
         full[:, :n] = mask
         return {"prompt_embeds": padded, "prompt_embeds_mask": full}
+
+    @classmethod
+    @override
+    def random_models(cls) -> RandomModels:
+        from lightning_lora.tiny.qwenimage import RANDOM_QWENIMAGE
+
+        return RANDOM_QWENIMAGE
 
     @torch.no_grad()
     def encode_images(self, vae: DiffusersModel, pixels: torch.Tensor) -> torch.Tensor:

@@ -57,7 +57,7 @@ from typing_extensions import override
 from lightning_lora.errors import ConfigError
 from lightning_lora.families.base import DiffusersModel, ModelSource, PromptLimit, load_component, load_weights
 from lightning_lora.families.encoders import QWEN25_VL_7B
-from lightning_lora.families.facts import Architecture, Editing, LoraFiles, Planning
+from lightning_lora.families.facts import Architecture, Editing, LoraFiles, Planning, RandomModels
 from lightning_lora.families.qwenimage import QWEN_IMAGE_TRANSFORMER, QwenImage, pack_latents
 from lightning_lora.formats.kohya import with_base_model_version
 
@@ -204,6 +204,13 @@ class QwenImageEdit(QwenImage):
             width, height = module.calculate_dimensions(area, image.size[0] / image.size[1])[:2]
             resized.append(encoders.image_processor.resize(image, height, width))
         return resized[0] if self.editing.max_controls == 1 else resized
+
+    @classmethod
+    @override
+    def random_models(cls) -> RandomModels:
+        from lightning_lora.tiny.qwenimage_edit import RANDOM_QWENIMAGE_EDIT, RANDOM_QWENIMAGE_EDIT_PLUS
+
+        return RANDOM_QWENIMAGE_EDIT if cls.editing.max_controls == 1 else RANDOM_QWENIMAGE_EDIT_PLUS
 
     @torch.no_grad()
     @override

@@ -21,7 +21,7 @@ from typing_extensions import override
 
 from lightning_lora.families.base import ModelSource, SampleSettings, SampleText, load_component, load_weights
 from lightning_lora.families.encoders import CLIP_L
-from lightning_lora.families.facts import Architecture, Compiling, LoraFiles, Planning
+from lightning_lora.families.facts import Architecture, Compiling, LoraFiles, Planning, RandomModels
 from lightning_lora.families.sdxl import SDXL_VAE
 from lightning_lora.families.unet import UNetFamily, cross_attention_widths
 from lightning_lora.formats.diffusers import DiffusersLayout
@@ -131,6 +131,13 @@ class SD15(UNetFamily):
         hidden = te(ids.input_ids.to(te.device), output_hidden_states=True).hidden_states[-(self.clip_skip + 1)]
         final_layer_norm = getattr(te, "text_model", te).final_layer_norm
         return {"prompt_embeds": final_layer_norm(hidden).to(te.dtype)}
+
+    @classmethod
+    @override
+    def random_models(cls) -> RandomModels:
+        from lightning_lora.tiny.sd15 import RANDOM_SD15
+
+        return RANDOM_SD15
 
     def text_cache_tag(self) -> str:
         return f"sd15-{self._clip_tag()}"

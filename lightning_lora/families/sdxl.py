@@ -32,7 +32,7 @@ from typing_extensions import override
 
 from lightning_lora.families.base import ModelSource, SampleSettings, SampleText, load_component, load_weights
 from lightning_lora.families.encoders import CLIP_L, OPENCLIP_BIGG
-from lightning_lora.families.facts import Architecture, Compiling, LoraFiles, Planning
+from lightning_lora.families.facts import Architecture, Compiling, LoraFiles, Planning, RandomModels
 from lightning_lora.families.flux import FLUX1_VAE
 from lightning_lora.families.unet import UNetFamily, cross_attention_widths
 from lightning_lora.formats.diffusers import DiffusersLayout
@@ -171,6 +171,13 @@ class SDXL(UNetFamily):
             clip_skip=self.clip_skip,
         )
         return {"prompt_embeds": prompt_embeds, "pooled_prompt_embeds": pooled}
+
+    @classmethod
+    @override
+    def random_models(cls) -> RandomModels:
+        from lightning_lora.tiny.sdxl import RANDOM_SDXL
+
+        return RANDOM_SDXL
 
     def text_cache_tag(self) -> str:
         return f"sdxl-{self._clip_tag()}"

@@ -68,7 +68,7 @@ from lightning_lora.families.base import (
     load_weights,
 )
 from lightning_lora.families.encoders import QWEN3_4B
-from lightning_lora.families.facts import Architecture, Compiling, LoraFiles, Planning
+from lightning_lora.families.facts import Architecture, Compiling, LoraFiles, Planning, RandomModels
 from lightning_lora.families.flux import FLUX1_VAE, flux_vae_latents
 from lightning_lora.formats.clients import COMFY_DORA, DIFFUSERS_DORA, Coverage, rules_unknown
 from lightning_lora.formats.comfyui import ComfyLayout
@@ -240,6 +240,13 @@ class ZImage(DiffusionFamily):
             embeds[i, : len(caption)] = caption
             mask[i, : len(caption)] = True
         return {"prompt_embeds": embeds, "prompt_mask": mask}
+
+    @classmethod
+    @override
+    def random_models(cls) -> RandomModels:
+        from lightning_lora.tiny.zimage import RANDOM_ZIMAGE
+
+        return RANDOM_ZIMAGE
 
     @torch.no_grad()
     def encode_images(self, vae: DiffusersModel, pixels: torch.Tensor) -> torch.Tensor:

@@ -22,10 +22,11 @@ from pathlib import Path
 from diffusers import ChromaPipeline, ChromaTransformer2DModel, FlowMatchEulerDiscreteScheduler
 from transformers import T5Config, T5EncoderModel
 
+from lightning_lora.families.facts import RandomModels
 from lightning_lora.tiny.flux import FLUX_DEV_SCHEDULER_CONFIG, tiny_flux_vae
-from lightning_lora.tiny.shared import _build, _save_tiny, make_t5_tokenizer
+from lightning_lora.tiny.shared import SMALL_VAE, _build, _save_tiny, make_t5_tokenizer
 
-__all__ = ["TINY_CHROMA_TRANSFORMER", "build_tiny_chroma", "save_tiny_chroma"]
+__all__ = ["RANDOM_CHROMA", "TINY_CHROMA_TRANSFORMER", "build_tiny_chroma", "save_tiny_chroma"]
 
 TINY_CHROMA_TRANSFORMER = {
     "patch_size": 1,
@@ -35,7 +36,7 @@ TINY_CHROMA_TRANSFORMER = {
     "attention_head_dim": 16,
     "num_attention_heads": 2,
     "joint_attention_dim": 64,
-    "axes_dims_rope": (4, 4, 8),  # sums to the head width
+    "axes_dims_rope": [4, 4, 8],  # sums to the head width
     "approximator_num_channels": 16,  # its input: timestep, guidance (0) and block index embeddings, 4 channels each
     "approximator_hidden_dim": 32,
     "approximator_layers": 2,
@@ -77,3 +78,13 @@ def save_tiny_chroma(folder: Path, seed: int = 0) -> Path:
     """Build the tiny Chroma pipeline and save it to ``folder`` (atomically, idempotent; see
     :func:`lightning_lora.tiny.flux.save_tiny_flux`); ``ChromaPipeline.from_pretrained(folder)`` loads it back."""
     return _save_tiny(Path(folder), {"family": "chroma", "seed": seed}, lambda: build_tiny_chroma(seed=seed), "Chroma")
+
+
+RANDOM_CHROMA = RandomModels(
+    denoiser="lodestones/Chroma1-HD",
+    tiny_denoiser=TINY_CHROMA_TRANSFORMER,
+    tiny_vae=SMALL_VAE,  # Chroma decodes with FLUX.1's VAE
+    scheduler="FlowMatchEulerDiscreteScheduler",
+    scheduler_config=FLUX_DEV_SCHEDULER_CONFIG,
+)
+"""What the benchmark builds for Chroma with random weights (:meth:`lightning_lora.families.Chroma.random_models`)."""

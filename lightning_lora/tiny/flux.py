@@ -22,9 +22,17 @@ from typing import Any
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
-from lightning_lora.tiny.shared import CLIP_MAX_LENGTH, _build, _save_tiny, make_clip_tokenizer, make_t5_tokenizer
+from lightning_lora.families.facts import RandomModels
+from lightning_lora.tiny.shared import (
+    CLIP_MAX_LENGTH,
+    SMALL_VAE,
+    _build,
+    _save_tiny,
+    make_clip_tokenizer,
+    make_t5_tokenizer,
+)
 
-__all__ = ["FLUX_DEV_SCHEDULER_CONFIG", "build_tiny_flux", "save_tiny_flux", "tiny_flux_vae"]
+__all__ = ["FLUX_DEV_SCHEDULER_CONFIG", "RANDOM_FLUX", "build_tiny_flux", "save_tiny_flux", "tiny_flux_vae"]
 
 #: The scheduler config of black-forest-labs/FLUX.1-dev (``scheduler/scheduler_config.json``).
 FLUX_DEV_SCHEDULER_CONFIG: dict[str, Any] = {
@@ -140,3 +148,21 @@ def save_tiny_flux(folder: Path, seed: int = 0, dim64: bool = False) -> Path:
     """
     wanted = {"seed": seed, "dim64": dim64, "guidance_embeds": True}
     return _save_tiny(Path(folder), wanted, lambda: build_tiny_flux(seed=seed, dim64=dim64), "FLUX")
+
+
+RANDOM_FLUX = RandomModels(
+    denoiser="black-forest-labs/FLUX.1-dev",
+    tiny_denoiser={  # 1 double + 1 single block, 2 heads of 32
+        "num_layers": 1,
+        "num_single_layers": 1,
+        "attention_head_dim": 32,
+        "num_attention_heads": 2,
+        "joint_attention_dim": 64,
+        "pooled_projection_dim": 64,
+        "axes_dims_rope": (8, 12, 12),
+    },
+    tiny_vae=SMALL_VAE,
+    scheduler="FlowMatchEulerDiscreteScheduler",
+    scheduler_config=FLUX_DEV_SCHEDULER_CONFIG,
+)
+"""What the benchmark builds for FLUX.1 with random weights (:meth:`lightning_lora.families.Flux.random_models`)."""

@@ -75,13 +75,15 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from lightning_lora.tiny.shared import CAPTION_WORDS, _build, _save_tiny
+from lightning_lora.families.facts import RandomModels
+from lightning_lora.tiny.shared import CAPTION_WORDS, SMALL_VAE, _build, _save_tiny
 from lightning_lora.tiny.zimage import QWEN_SPECIALS, make_qwen_tokenizer, qwen_vocab_and_merges
 
 __all__ = [
     "FLUX2_SCHEDULER_CONFIG",
     "MISTRAL_CHAT_TEMPLATE",
     "MISTRAL_SPECIALS",
+    "RANDOM_FLUX2",
     "build_tiny_flux2",
     "build_tiny_flux2_dev",
     "make_mistral_tokenizer",
@@ -286,3 +288,21 @@ def save_tiny_flux2_dev(folder: Path, seed: int = 0) -> Path:
     :func:`lightning_lora.tiny.flux.save_tiny_flux`); ``Flux2Pipeline.from_pretrained(folder)`` loads it back."""
     wanted = {"family": "flux2", "variant": "dev", "seed": seed}
     return _save_tiny(Path(folder), wanted, lambda: build_tiny_flux2_dev(seed), "FLUX.2 dev")
+
+
+RANDOM_FLUX2 = RandomModels(
+    denoiser="black-forest-labs/FLUX.2-klein-base-4B",
+    tiny_denoiser={  # the tiny pipeline's transformer: 2 double + 2 single blocks, 2 heads of 32
+        "in_channels": 4 * _LATENT_CHANNELS,
+        "num_layers": 2,
+        "num_single_layers": 2,
+        "attention_head_dim": 32,
+        "num_attention_heads": 2,
+        "joint_attention_dim": 3 * _TEXT_WIDTH,
+        "axes_dims_rope": [8, 8, 8, 8],
+    },
+    tiny_vae={**SMALL_VAE, "latent_channels": _LATENT_CHANNELS},  # the tiny transformer's 64 = 16 x 2 x 2
+    scheduler="FlowMatchEulerDiscreteScheduler",
+    scheduler_config=FLUX2_SCHEDULER_CONFIG,
+)
+"""What the benchmark builds for FLUX.2 with random weights (:meth:`lightning_lora.families.Flux2.random_models`)."""

@@ -5,14 +5,15 @@ beside the image's."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from diffusers import FluxKontextPipeline
 
-from lightning_lora.tiny.flux import build_tiny_flux
+from lightning_lora.tiny.flux import RANDOM_FLUX, build_tiny_flux
 from lightning_lora.tiny.shared import _save_tiny
 
-__all__ = ["build_tiny_kontext", "save_tiny_kontext"]
+__all__ = ["RANDOM_KONTEXT", "build_tiny_kontext", "save_tiny_kontext"]
 
 
 def build_tiny_kontext(seed: int = 0) -> FluxKontextPipeline:
@@ -28,3 +29,7 @@ def save_tiny_kontext(folder: Path, seed: int = 0) -> Path:
     :func:`lightning_lora.tiny.flux.save_tiny_flux`)."""
     wanted = {"family": "flux_kontext", "seed": seed}
     return _save_tiny(Path(folder), wanted, lambda: build_tiny_kontext(seed), "FLUX.1 Kontext")
+
+
+RANDOM_KONTEXT = dataclasses.replace(RANDOM_FLUX, denoiser="black-forest-labs/FLUX.1-Kontext-dev")
+"""What the benchmark builds for FLUX.1 Kontext with random weights: FLUX.1-dev's transformer and scheduler."""

@@ -31,10 +31,11 @@ from typing import Any
 from diffusers import FlowMatchEulerDiscreteScheduler, Krea2Pipeline, Krea2Transformer2DModel
 from transformers import Qwen3VLConfig, Qwen3VLModel
 
-from lightning_lora.tiny.qwenimage import make_qwen_tokenizer, tiny_qwen_vae
+from lightning_lora.families.facts import RandomModels
+from lightning_lora.tiny.qwenimage import TINY_QWEN_VAE, make_qwen_tokenizer, tiny_qwen_vae
 from lightning_lora.tiny.shared import _build, _save_tiny
 
-__all__ = ["KREA2_SCHEDULER_CONFIG", "build_tiny_krea2", "save_tiny_krea2"]
+__all__ = ["KREA2_SCHEDULER_CONFIG", "RANDOM_KREA2", "build_tiny_krea2", "save_tiny_krea2"]
 
 #: Krea 2's scheduler config, as ``Krea2Pipeline``'s docstring gives it (diffusers 0.42.1): a dynamic ("exponential")
 #: shift ``exp(mu)``, ``mu`` linear in the packed image tokens from 0.5 at 256 (256x256 pixels) to 1.15 at 6400
@@ -113,3 +114,26 @@ def save_tiny_krea2(folder: Path, seed: int = 0) -> Path:
     :func:`lightning_lora.tiny.flux.save_tiny_flux`); ``Krea2Pipeline.from_pretrained(folder)`` loads it back."""
     wanted = {"family": "krea2", "seed": seed}
     return _save_tiny(Path(folder), wanted, lambda: build_tiny_krea2(seed=seed), "Krea 2")
+
+
+RANDOM_KREA2 = RandomModels(
+    denoiser="krea/Krea-2-Raw",
+    tiny_denoiser={  # the tiny pipeline's transformer: 2 blocks, 4 heads of 16 (2 key/value), 4 latent channels
+        "in_channels": 16,
+        "num_layers": 2,
+        "attention_head_dim": 16,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 128,
+        "timestep_embed_dim": 32,
+        "text_hidden_dim": 64,
+        "text_num_attention_heads": 2,
+        "text_num_key_value_heads": 2,
+        "text_intermediate_size": 128,
+        "axes_dims_rope": [4, 6, 6],
+    },
+    tiny_vae=TINY_QWEN_VAE,  # Krea 2 decodes with Qwen-Image's VAE
+    scheduler="FlowMatchEulerDiscreteScheduler",
+    scheduler_config=KREA2_SCHEDULER_CONFIG,
+)
+"""What the benchmark builds for Krea 2 with random weights (:meth:`lightning_lora.families.Krea2.random_models`)."""

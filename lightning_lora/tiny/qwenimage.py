@@ -47,10 +47,12 @@ from diffusers import (
 )
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
+from lightning_lora.families.facts import RandomModels
 from lightning_lora.tiny.shared import CAPTION_WORDS, _build, _save_tiny, byte_level_bpe
 
 __all__ = [
     "QWEN_IMAGE_SCHEDULER_CONFIG",
+    "RANDOM_QWENIMAGE",
     "TEMPLATE_WORDS",
     "build_tiny_qwenimage",
     "make_qwen_tokenizer",
@@ -198,3 +200,32 @@ def save_tiny_qwenimage(folder: Path, seed: int = 0) -> Path:
     :func:`lightning_lora.tiny.flux.save_tiny_flux`)."""
     wanted = {"family": "qwenimage", "seed": seed}
     return _save_tiny(Path(folder), wanted, lambda: build_tiny_qwenimage(seed), "Qwen-Image")
+
+
+TINY_QWEN_VAE: dict[str, Any] = {
+    "base_dim": 8,
+    "z_dim": _LATENT_CHANNELS,
+    "dim_mult": [1, 1, 1, 1],
+    "num_res_blocks": 1,
+    "latents_mean": _LATENTS_MEAN,
+    "latents_std": _LATENTS_STD,
+}
+"""What the benchmark's tiny ``AutoencoderKLQwenImage`` changes in the real one: the tiny transformers' 4 latent
+channels (Krea 2 decodes with it too)."""
+
+RANDOM_QWENIMAGE = RandomModels(
+    denoiser="Qwen/Qwen-Image",
+    tiny_denoiser={  # the tiny pipeline's transformer: 2 blocks, 2 heads of 16, 4 latent channels
+        "in_channels": 4 * _LATENT_CHANNELS,
+        "out_channels": _LATENT_CHANNELS,
+        "num_layers": 2,
+        "attention_head_dim": 16,
+        "num_attention_heads": 2,
+        "joint_attention_dim": _TEXT_WIDTH,
+        "axes_dims_rope": [4, 6, 6],
+    },
+    tiny_vae=TINY_QWEN_VAE,
+    scheduler="FlowMatchEulerDiscreteScheduler",
+    scheduler_config=QWEN_IMAGE_SCHEDULER_CONFIG,
+)
+"""What the benchmark builds for Qwen-Image with random weights (``QwenImage.random_models``)."""

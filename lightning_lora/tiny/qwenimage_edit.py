@@ -23,6 +23,7 @@ torchvision here as there (the tests load it through ``helpers.diffusers_quirks.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 from lightning_lora.families.qwenimage_edit import images_processor_class
 from lightning_lora.tiny.qwenimage import (
     QWEN_IMAGE_SCHEDULER_CONFIG,
+    RANDOM_QWENIMAGE,
     TEMPLATE_WORDS,
     make_qwen_tokenizer,
     tiny_qwen_transformer,
@@ -42,7 +44,14 @@ from lightning_lora.tiny.qwenimage import (
 )
 from lightning_lora.tiny.shared import CAPTION_WORDS, _save_tiny
 
-__all__ = ["EDIT_TEMPLATE_WORDS", "build_tiny_qwenimage_edit", "make_edit_tokenizer", "save_tiny_qwenimage_edit"]
+__all__ = [
+    "EDIT_TEMPLATE_WORDS",
+    "RANDOM_QWENIMAGE_EDIT",
+    "RANDOM_QWENIMAGE_EDIT_PLUS",
+    "build_tiny_qwenimage_edit",
+    "make_edit_tokenizer",
+    "save_tiny_qwenimage_edit",
+]
 
 #: The words and punctuation of the edit pipelines' templates beyond Qwen-Image's (each one token, as in the real
 #: tokenizer), and Edit-Plus's ``Picture <n>:`` labels.
@@ -109,3 +118,13 @@ def save_tiny_qwenimage_edit(folder: Path, seed: int = 0, plus: bool = True) -> 
     wanted = {"family": "qwenimage_edit_plus" if plus else "qwenimage_edit", "seed": seed}
     build = lambda: _Saved(build_tiny_qwenimage_edit(seed, plus))  # noqa: E731
     return _save_tiny(Path(folder), wanted, build, "Qwen-Image-Edit")
+
+
+RANDOM_QWENIMAGE_EDIT = dataclasses.replace(RANDOM_QWENIMAGE, denoiser="Qwen/Qwen-Image-Edit")
+"""What the benchmark builds for Qwen-Image-Edit with random weights: Qwen-Image's transformer and scheduler."""
+RANDOM_QWENIMAGE_EDIT_PLUS = dataclasses.replace(
+    RANDOM_QWENIMAGE,
+    denoiser="Qwen/Qwen-Image-Edit-2511",
+    tiny_denoiser={**RANDOM_QWENIMAGE.tiny_denoiser, "zero_cond_t": True},
+)
+"""The same for Qwen-Image-Edit-2511, whose transformer conditions the reference images at timestep zero."""

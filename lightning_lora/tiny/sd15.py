@@ -13,9 +13,11 @@ from typing import Any
 from diffusers import PNDMScheduler, StableDiffusionPipeline, UNet2DConditionModel
 from transformers import CLIPTextModel
 
+from lightning_lora.families.facts import RandomModels
+from lightning_lora.tiny import shared
 from lightning_lora.tiny.shared import _build, _save_tiny, _tiny_clip_config, _tiny_sd_vae, make_clip_tokenizer
 
-__all__ = ["SD15_SCHEDULER_CONFIG", "build_tiny_sd15", "save_tiny_sd15"]
+__all__ = ["RANDOM_SD15", "SD15_SCHEDULER_CONFIG", "build_tiny_sd15", "save_tiny_sd15"]
 
 #: The scheduler config of the SD1.5 release (``scheduler/scheduler_config.json``: PNDM, scaled-linear betas).
 SD15_SCHEDULER_CONFIG: dict[str, Any] = {
@@ -69,3 +71,19 @@ def save_tiny_sd15(folder: Path, seed: int = 0, prediction_type: str = "epsilon"
     """Build the tiny SD1.5 pipeline and save it to ``folder`` (atomically, idempotent; see :func:`save_tiny_flux`)."""
     wanted = {"family": "sd15", "seed": seed, "prediction_type": prediction_type}
     return _save_tiny(Path(folder), wanted, lambda: build_tiny_sd15(seed, prediction_type), "SD1.5")
+
+
+RANDOM_SD15 = RandomModels(
+    denoiser="stable-diffusion-v1-5/stable-diffusion-v1-5",
+    tiny_denoiser={
+        "block_out_channels": (32, 32, 64, 64),
+        "layers_per_block": 1,
+        "attention_head_dim": 2,
+        "cross_attention_dim": 64,
+        "sample_size": 8,
+    },
+    tiny_vae=shared.SMALL_VAE,
+    scheduler="PNDMScheduler",
+    scheduler_config=SD15_SCHEDULER_CONFIG,
+)
+"""What the benchmark builds for SD1.5 with random weights (:meth:`lightning_lora.families.SD15.random_models`)."""

@@ -14,9 +14,17 @@ from typing import Any
 from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
 from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
-from lightning_lora.tiny.shared import _build, _save_tiny, _tiny_clip_config, _tiny_sd_vae, make_clip_tokenizer
+from lightning_lora.families.facts import RandomModels
+from lightning_lora.tiny.shared import (
+    SMALL_VAE,
+    _build,
+    _save_tiny,
+    _tiny_clip_config,
+    _tiny_sd_vae,
+    make_clip_tokenizer,
+)
 
-__all__ = ["SDXL_SCHEDULER_CONFIG", "build_tiny_sdxl", "save_tiny_sdxl"]
+__all__ = ["RANDOM_SDXL", "SDXL_SCHEDULER_CONFIG", "build_tiny_sdxl", "save_tiny_sdxl"]
 
 #: The scheduler config of stabilityai/stable-diffusion-xl-base-1.0 (``scheduler/scheduler_config.json``).
 SDXL_SCHEDULER_CONFIG: dict[str, Any] = {
@@ -80,3 +88,20 @@ def build_tiny_sdxl(seed: int = 0) -> StableDiffusionXLPipeline:
 def save_tiny_sdxl(folder: Path, seed: int = 0) -> Path:
     """Build the tiny SDXL pipeline and save it to ``folder`` (atomically, idempotent; see :func:`save_tiny_flux`)."""
     return _save_tiny(Path(folder), {"family": "sdxl", "seed": seed}, lambda: build_tiny_sdxl(seed=seed), "SDXL")
+
+
+RANDOM_SDXL = RandomModels(
+    denoiser="stabilityai/stable-diffusion-xl-base-1.0",
+    tiny_denoiser={
+        "block_out_channels": (32, 64, 64),
+        "transformer_layers_per_block": (1, 1, 1),
+        "attention_head_dim": (2, 4, 4),
+        "cross_attention_dim": 64,
+        "addition_time_embed_dim": 32,
+        "projection_class_embeddings_input_dim": 64 + 6 * 32,
+    },
+    tiny_vae=SMALL_VAE,
+    scheduler="EulerDiscreteScheduler",
+    scheduler_config=SDXL_SCHEDULER_CONFIG,
+)
+"""What the benchmark builds for SDXL with random weights (:meth:`lightning_lora.families.SDXL.random_models`)."""

@@ -41,6 +41,7 @@ from transformers import (  # type: ignore[attr-defined]  # T5TokenizerFast: a l
 
 __all__ = [
     "CAPTION_WORDS",
+    "SMALL_VAE",
     "build_clip_tokenizer",
     "build_t5_tokenizer",
     "clip_vocab_and_merges",
@@ -286,3 +287,13 @@ def _tiny_clip_config(tokenizer: CLIPTokenizer, width: int, **extra: Any) -> CLI
         pad_token_id=tokenizer.pad_token_id,
         **extra,
     )
+
+
+SMALL_VAE: dict[str, Any] = {
+    "block_out_channels": [8, 8, 8, 8],
+    "layers_per_block": 1,
+    "norm_num_groups": 4,
+    "sample_size": 64,
+}
+"""What the benchmark's tiny ``AutoencoderKL`` changes in a real one (``RandomModels.tiny_vae``): four blocks of eight
+channels, the tiny pipelines' VAE widths."""

@@ -45,12 +45,14 @@ from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTra
 from tokenizers import AddedToken
 from transformers import Qwen2Tokenizer, Qwen3Config, Qwen3Model
 
+from lightning_lora.families.facts import RandomModels
 from lightning_lora.tiny.flux import tiny_flux_vae
-from lightning_lora.tiny.shared import CAPTION_WORDS, _build, _save_tiny, byte_level_bpe
+from lightning_lora.tiny.shared import CAPTION_WORDS, SMALL_VAE, _build, _save_tiny, byte_level_bpe
 
 __all__ = [
     "CHAT_TEMPLATE",
     "QWEN_SPECIALS",
+    "RANDOM_ZIMAGE",
     "ZIMAGE_TURBO_SCHEDULER_CONFIG",
     "build_tiny_zimage",
     "make_qwen_tokenizer",
@@ -160,3 +162,21 @@ def save_tiny_zimage(folder: Path, seed: int = 0) -> Path:
     :func:`lightning_lora.tiny.flux.save_tiny_flux`); ``ZImagePipeline.from_pretrained(folder)`` loads it back."""
     wanted = {"family": "zimage", "seed": seed}
     return _save_tiny(Path(folder), wanted, lambda: build_tiny_zimage(seed=seed), "Z-Image")
+
+
+RANDOM_ZIMAGE = RandomModels(
+    denoiser="Tongyi-MAI/Z-Image-Turbo",
+    tiny_denoiser={  # the tiny pipeline's transformer: 1 + 1 refiners, 2 main layers, 2 heads of 32
+        "dim": 64,
+        "n_layers": 2,
+        "n_refiner_layers": 1,
+        "n_heads": 2,
+        "n_kv_heads": 2,
+        "cap_feat_dim": 64,
+        "axes_dims": [8, 12, 12],
+    },
+    tiny_vae=SMALL_VAE,  # Z-Image decodes with FLUX.1's VAE
+    scheduler="FlowMatchEulerDiscreteScheduler",
+    scheduler_config=ZIMAGE_TURBO_SCHEDULER_CONFIG,
+)
+"""What the benchmark builds for Z-Image with random weights (:meth:`lightning_lora.families.ZImage.random_models`)."""

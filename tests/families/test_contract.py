@@ -38,6 +38,8 @@ For each family:
     latents are exactly where the weights are 0, and the prediction there gets exactly zero gradient;
 (k) DOP's target is the adapter-off prediction (the same model with a zero update), computed without gradients, the
     adapter trainable again afterwards, and a loss against it trains the LoRA.
+(l) the benchmark (tools/bench.py) can build it with random weights (``random_models()``): a denoiser it knows, tiny
+    denoiser and VAE configs that build, the released scheduler.
 
 An edit family (one whose ``editing`` takes control images: FLUX.1 Kontext, FLUX.2, Qwen-Image-Edit) runs all of this
 on edit pairs (:func:`lightning_lora.cli.demo.write_edits`: each photo's negative, its control the photo), beside the
@@ -82,6 +84,7 @@ from PIL import Image
 from lightning_lora.cli.fit import LoraCLI
 from lightning_lora.errors import ConfigError
 from lightning_lora.families import FAMILIES, DiffusionFamily, ModelSource
+from lightning_lora.families.base import build_from_config
 
 STEPS, STOP = 8, 3  # 4 photos in batches of 2: the stop is inside the second epoch
 PROMPT = "a photo of sks cat"
@@ -202,6 +205,21 @@ def test_a_cases_tests_go_to_one_process_together(request: pytest.FixtureRequest
 def test_the_registry_holds_the_families() -> None:
     """The tests below are parametrized over the registry: an empty one would pass by running nothing."""
     assert FAMILIES and all(FAMILIES[name].name == name for name in FAMILIES)
+
+
+def test_the_benchmark_can_build_it_with_random_weights(family: DiffusionFamily) -> None:
+    """``random_models()``, what tools/bench.py builds for the family without a download: a denoiser the family knows,
+    a tiny one (a few of that config's fields changed) and a tiny VAE that both build, and the released scheduler."""
+    import diffusers
+
+    models = family.random_models()
+    real = family.planning.known_denoisers[models.denoiser]
+    vae = family.planning.vae_architecture
+    assert vae is not None and set(models.tiny_denoiser) <= set(real), set(models.tiny_denoiser) - set(real)
+    for config in (dict(real, **models.tiny_denoiser), dict(vae, **models.tiny_vae)):
+        built = build_from_config(getattr(diffusers, config["_class_name"]), config, torch.float32, "meta")
+        assert 0 < sum(p.numel() for p in built.parameters()) < 10_000_000, config["_class_name"]
+    assert getattr(diffusers, models.scheduler).from_config(models.scheduler_config).config.num_train_timesteps == 1000
 
 
 @pytest.fixture(scope="module")

@@ -75,5 +75,5 @@ def test_bench_builds_the_families_vaes() -> None:
     sys.path.insert(0, str(REPO / "tools"))
     import bench
 
-    assert bench.VAES["flux2"][0] is FLUX2_VAE
-    assert bench.VAES["qwenimage"][0] is QWEN_IMAGE_VAE
+    assert bench.vae_config("flux2") == FLUX2_VAE
+    assert bench.vae_config("qwenimage") == QWEN_IMAGE_VAE

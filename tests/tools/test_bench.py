@@ -61,6 +61,20 @@ def test_bench_runs_our_module_on_a_tiny_model(
         assert out["block_copies"] == 2 * (2 * offload - 1) - 1 and out["offloaded_GiB"] >= 0
 
 
+@pytest.mark.parametrize("name", sorted(families.FAMILIES))
+def test_bench_builds_every_registered_family(name: str) -> None:
+    """Every family of the registry is a ``--family`` (the benchmark asks the registry, it keeps no table of its own),
+    its random-weights class one that Lightning can pickle into the module's hyperparameters."""
+    import pickle
+
+    assert bench.parser().parse_args(["--family", name]).family == name
+    assert bench.FAMILY_CLASSES[f"lightning_lora.families.{families.FAMILIES[name].__name__}"] == name
+    random = bench.random_family(name, bench.denoiser_config(name, tiny=True), "cpu")
+    copy = pickle.loads(pickle.dumps(random))
+    assert isinstance(copy, families.FAMILIES[name]) and type(copy) is bench.RANDOM[name]
+    assert copy.config == random.config != bench.denoiser_config(name)  # type: ignore[attr-defined]
+
+
 @pytest.mark.parametrize("family", ["zimage", "qwenimage", "krea2", "chroma"])
 def test_bench_batches_have_the_caches_layout(family: str) -> None:
     """The synthetic batches of the newer families hold what the latent cache stores for them: the tiny pipeline's
@@ -81,7 +95,7 @@ def test_bench_batches_have_the_caches_layout(family: str) -> None:
         "chroma": build_tiny_chroma,
     }[family]
     pipe: Any = build()
-    config = bench.CONFIGS[family][1]
+    config = bench.denoiser_config(family, tiny=True)
     assert json.loads(json.dumps({k: pipe.transformer.config[k] for k in config if not k.startswith("_")})) == {
         k: v for k, v in config.items() if not k.startswith("_")
     }
@@ -172,10 +186,11 @@ def test_bench_trains_an_edit_config_on_pairs(config: str, family: str) -> None:
     path = str(REPO / "configs" / f"{config}.yaml")
     a = bench.parse_args(["--tiny", "--config", path, "--controls", "2" if family == "flux2" else "1"])
     assert a.family == family and a.controls == (2 if family == "flux2" else 1)
-    random = bench.random_family(family, bench.CONFIGS[family][1], "cpu")
-    item = bench.Synthetic(family, bench.CONFIGS[family][1], 64, 96, 16, family_obj=random, controls=a.controls)[0]
+    tiny = bench.denoiser_config(family, tiny=True)
+    random = bench.random_family(family, tiny, "cpu")
+    item = bench.Synthetic(family, tiny, 64, 96, 16, family_obj=random, controls=a.controls)[0]
     assert item["controls"].shape == (a.controls, *item["latents"].shape)
-    assert "controls" not in bench.Synthetic(family, bench.CONFIGS[family][1], 64, 96, 16, family_obj=random)[0]
+    assert "controls" not in bench.Synthetic(family, tiny, 64, 96, 16, family_obj=random)[0]
 
 
 @pytest.mark.parametrize(
@@ -428,7 +443,7 @@ def test_bench_reports_an_out_of_memory_in_the_outputs_naming_the_phase(capsys, 
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
     if phase == "sample":
-        monkeypatch.setattr(bench.RandomFlux, "generate", out_of_memory)
+        monkeypatch.setattr(bench.RANDOM["flux"], "generate", out_of_memory)
     else:
         monkeypatch.setattr(Trainer, "save_checkpoint", out_of_memory)
     argv = ["--tiny", "--config", str(REPO / "configs" / "flux_4090.yaml"), "--steps", "1", "--warm", "1"]
@@ -508,7 +523,9 @@ def test_bench_builds_the_denoiser_a_config_names() -> None:
     dev = bench.parse_args(["--config", str(REPO / "configs" / "flux2_dev_24gb.yaml")])
     assert dev.denoiser == "black-forest-labs/FLUX.2-dev" and bench.header(dev)["denoiser"] == dev.denoiser
     assert not any(s.startswith("model.pretrained") for s in dev.not_reproduced)
-    assert Flux2.planning.known_denoisers[dev.denoiser] != bench.CONFIGS["flux2"][0]  # a different (32 B) transformer
+    default = bench.denoiser_config("flux2")
+    assert bench.denoiser_config("flux2", denoiser=dev.denoiser) == Flux2.planning.known_denoisers[dev.denoiser]
+    assert Flux2.planning.known_denoisers[dev.denoiser] != default  # a different (32 B) transformer
     assert bench.parse_args(["--family", "flux2"]).denoiser is None  # flags alone: the family's default
 
 
@@ -552,7 +569,7 @@ def test_bench_loader_takes_the_workers_start_method_and_pinning(workers: int, s
     where there are workers (torch refuses a context without them), pinning as given or, unset, where CUDA is."""
     import torch
 
-    dataset = bench.Synthetic("flux", bench.CONFIGS["flux"][1], 64, 64, 16, n=4)
+    dataset = bench.Synthetic("flux", bench.denoiser_config("flux", tiny=True), 64, 64, 16, n=4)
     data = bench.SyntheticData(dataset, 1, workers=workers, pin_memory=pin, worker_start=start)
     loader = data.train_dataloader()
     assert loader.num_workers == workers and loader.persistent_workers == (workers > 0)
@@ -565,7 +582,8 @@ def test_bench_buckets_change_the_shape_from_one_batch_to_the_next() -> None:
     """``--buckets``: the batches cycle through the sizes, every batch one size, as the bucket sampler serves them."""
     args = bench.parser().parse_args(["--h", "64", "--w", "64", "--buckets", "64x96,96x64", "--batch", "2"])
     assert args.buckets == [(64, 96), (96, 64)]
-    dataset = bench.Synthetic("sdxl", bench.CONFIGS["sdxl"][1], 64, 64, 77, n=12, buckets=args.buckets, batch=2)
+    config = bench.denoiser_config("sdxl", tiny=True)
+    dataset = bench.Synthetic("sdxl", config, 64, 64, 77, n=12, buckets=args.buckets, batch=2)
     loader = bench.SyntheticData(dataset, 2).train_dataloader()
     shapes = [(tuple(b["latents"].shape[-2:]), b["target_size"].tolist()) for b in loader]
     assert shapes == [((8, 8), [[64, 64]] * 2), ((8, 12), [[64, 96]] * 2), ((12, 8), [[96, 64]] * 2)] * 2
@@ -717,7 +735,7 @@ def test_bench_dop_and_masks_train_the_module_with_their_batches(tmp_path) -> No
         out = bench.run(bench.parser().parse_args([*argv, "--tiny", "--dop", "1", "--masks", "1", "--loop", loop]))
         assert (out["dop"], out["masks"], out["loss"]) == (1, 1, 0.0), out
     assert "preservation" in out["planned"]
-    dataset = bench.Synthetic("flux", bench.CONFIGS["flux"][1], 64, 64, 16, masks=True, dop=True)
+    dataset = bench.Synthetic("flux", bench.denoiser_config("flux", tiny=True), 64, 64, 16, masks=True, dop=True)
     item = dataset[0]
     assert item["role"] == "preservation" and item["loss_mask"].shape == (1, *item["latents"].shape[-2:])
     assert item["loss_mask"].sum() == item["loss_mask"].numel() / 2
