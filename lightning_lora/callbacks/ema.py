@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -44,7 +44,9 @@ from lightning_lora.errors import ConfigError
 from lightning_lora.model.parallel import runs_forward_on_every_rank
 from lightning_lora.module import lora_module
 
-__all__ = ["STATE_KEY", "LoraEMA", "configured_ema", "ema_copies", "lora_ema"]
+__all__ = ["STATE_KEY", "LoraEMA", "configured", "configured_ema", "ema_copies", "lora_ema"]
+
+_C = TypeVar("_C")
 
 STATE_KEY = "LoraEMA"
 """Where a checkpoint keeps the callback's state (``checkpoint["callbacks"][STATE_KEY]``): ``lightning-lora export``
@@ -263,9 +265,15 @@ def ema_copies(trainer: Trainer) -> int:
 
 
 def configured_ema(entries: Any) -> LoraEMA | None:
-    """The :class:`LoraEMA` a config's ``trainer.callbacks`` entries name, built from its ``init_args`` (cheap: no
-    model), or None: what ``lightning-lora plan`` counts without building the callbacks. The class paths were checked
-    before (:func:`lightning_lora.cli.class_paths.check_class_paths`); an entry that does not import is skipped."""
+    """The :class:`LoraEMA` a config's ``trainer.callbacks`` entries name (:func:`configured`), or None: what
+    ``lightning-lora plan`` counts without building the callbacks."""
+    return configured(entries, LoraEMA)
+
+
+def configured(entries: Any, kind: type[_C]) -> _C | None:
+    """The first callback of ``kind`` a config's ``trainer.callbacks`` entries name, built from its ``init_args``
+    (for callbacks whose construction is cheap: no model), or None. The class paths were checked before
+    (:func:`lightning_lora.cli.class_paths.check_class_paths`); an entry that does not import is skipped."""
     import importlib
 
     for entry in entries if isinstance(entries, list) else [entries]:
@@ -277,7 +285,7 @@ def configured_ema(entries: Any) -> LoraEMA | None:
             cls = getattr(importlib.import_module(module), name)
         except (ImportError, AttributeError):
             continue
-        if isinstance(cls, type) and issubclass(cls, LoraEMA):
+        if isinstance(cls, type) and issubclass(cls, kind):
             init_args = _field(entry, "init_args") or {}
             return cls(**(init_args.as_dict() if hasattr(init_args, "as_dict") else dict(init_args)))
     return None

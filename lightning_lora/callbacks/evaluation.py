@@ -53,7 +53,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
-from lightning_lora.callbacks.ema import LoraEMA, lora_ema
+from lightning_lora.callbacks.ema import LoraEMA, configured, lora_ema
 from lightning_lora.data.datamodule import LatentDataModule
 from lightning_lora.data.recipe import DEFAULT_RESOLUTION, data_recipe
 from lightning_lora.errors import ConfigError, first_line
@@ -63,7 +63,7 @@ from lightning_lora.model.assembly import uncompiled
 from lightning_lora.model.recipe import ModelRecipe
 from lightning_lora.module import LoraModule, lora_module
 
-__all__ = ["FixedEvalLoss", "Monitor", "denoiser_prediction", "fixed_evaluation", "with_prompt"]
+__all__ = ["FixedEvalLoss", "Monitor", "denoiser_prediction", "drift_prompts", "fixed_evaluation", "with_prompt"]
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ class FixedEvalLoss(Callback):
             return
         module = lora_module(pl_module, "FixedEvalLoss")
         datamodule = trainer.datamodule  # type: ignore[attr-defined]
-        prompts = self.drift_prompts if self.drift_prompts is not None else list(module.family.drift_prompts)
+        prompts = self.prompts_for(module.family)
         if prompts and module.family.editing.prompt_sees_controls:
             raise ConfigError(
                 f"FixedEvalLoss drift_prompts: the {module.family.name} family reads a prompt only with its control "
@@ -147,6 +147,10 @@ class FixedEvalLoss(Callback):
         has_val = isinstance(datamodule, LatentDataModule) and bool(datamodule.val_entries)
         has_ema = any(isinstance(cb, LoraEMA) for cb in trainer.callbacks)  # type: ignore[attr-defined]
         self.watched = self._resolve_monitor(has_val, has_ema)
+
+    def prompts_for(self, family: DiffusionFamily) -> list[str]:
+        """The drift prompts of a run of ``family``: this callback's, or the family's when unset."""
+        return list(self.drift_prompts) if self.drift_prompts is not None else list(family.drift_prompts)
 
     def _resolve_monitor(self, has_val: bool, has_ema: bool) -> str:
         if self.monitor == "auto":
@@ -437,6 +441,14 @@ def fixed_evaluation(trainer: Trainer, denoiser: nn.Module) -> Iterator[None]:
 
 def _on(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
     return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+def drift_prompts(entries: Any, family: DiffusionFamily) -> list[str]:
+    """The drift prompts a config's ``trainer.callbacks`` entries make ``fit`` encode at its start (its
+    :class:`FixedEvalLoss`, or the one ``fit`` adds), none for a family that reads a prompt only with its controls:
+    what ``lightning-lora cache`` caches beside the images so that ``fit`` reads only the cache."""
+    evaluator = (configured(entries, FixedEvalLoss) if entries else None) or FixedEvalLoss()
+    return [] if family.editing.prompt_sees_controls else evaluator.prompts_for(family)
 
 
 def _encode(trainer: Trainer, datamodule: LatentDataModule, prompts: list[str]) -> list[dict[str, torch.Tensor]]:

@@ -42,6 +42,7 @@ def main(argv: list[str]) -> int:
     if not args or args[0] in ("-h", "--help"):
         print(_USAGE)
         return 0 if args else 2
+    from lightning_lora.callbacks.evaluation import drift_prompts
     from lightning_lora.cli.fit import UNBUILT, LoraCLI
     from lightning_lora.cli.status import interrupted, user_error
     from lightning_lora.errors import ConfigError
@@ -51,17 +52,27 @@ def main(argv: list[str]) -> int:
         without the config's callbacks, logger or profiler."""
 
         unbuilt = UNBUILT
+        callback_entries: Any = None
+
+        def before_instantiate_classes(self) -> None:
+            config = self.config[self.subcommand] if self.subcommand else self.config
+            self.callback_entries = config.get("trainer.callbacks")
+            super().before_instantiate_classes()
 
     try:
         cli = CacheCLI(args=args, run=False)
+        device = _device(cli.trainer)
         report = cli.datamodule.build_cache(
             cli.model.family,
             cli.model.source,
-            _device(cli.trainer),
+            device,
             preservation=cli.model.preservation,
             default_root_dir=cli.trainer.default_root_dir,
             progress=True,
         )
+        prompts = drift_prompts(cli.callback_entries, cli.model.family)
+        if prompts:  # what fit's FixedEvalLoss reads at its start: cached here, fit loads no text encoder for them
+            cli.datamodule.cache().text_embeddings(prompts, device)
     except (ConfigError, OSError) as e:
         return user_error("lightning-lora cache", e)
     except KeyboardInterrupt:

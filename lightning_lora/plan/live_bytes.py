@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
@@ -374,6 +375,16 @@ def module_copy(model: nn.Module) -> nn.Module:
     return copy(model)
 
 
+def _tensors(inputs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors of a forward's keyword ``inputs``, one level into lists and tuples."""
+    found: list[torch.Tensor] = []
+    for value in inputs.values():
+        for item in value if isinstance(value, list | tuple) else (value,):
+            if isinstance(item, torch.Tensor):
+                found.append(item)
+    return found
+
+
 def saved_activation_bytes(
     model: nn.Module,
     inputs: dict[str, Any],
@@ -419,8 +430,11 @@ def saved_activation_bytes(
     fused = attention == "flash_like" and fused_rms_norm
     counted_norm = fused_like_rms_norm() if fused else contextlib.nullcontext()
     casting = MetaAutocast(autocast) if autocast is not None else contextlib.nullcontext()
+    # The op cache serves meta tensors only; over real ones (a compiled region measured on a device) it would be a
+    # dispatch mode torch.compile refuses to trace under, for nothing.
+    on_meta = any(t.is_meta for t in itertools.chain(model.parameters(), _tensors(inputs)))
     with (
-        MetaOpCache(),
+        MetaOpCache() if on_meta else contextlib.nullcontext(),
         observed,
         counted_attention,
         counted_norm,

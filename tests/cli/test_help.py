@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+import lightning_lora
 from lightning_lora.cli import main
 from lightning_lora.cli.help import HIDDEN, plain_text
 
@@ -28,7 +29,8 @@ def test_the_top_level_help_lists_our_verbs(capsys: pytest.CaptureFixture[str]) 
     assert verbs == ["fit", "plan", "cache", "export"]
     assert "validate" not in out and "{fit," not in out, out
     assert "Lightning Trainer command line tool" not in out
-    assert "LoRA adapters on diffusion models (FLUX.1, FLUX.2, SDXL, SD1.5, Z-Image, Qwen-Image, Krea 2)." in out
+    described = " ".join(str(lightning_lora.__doc__).split("\n\n")[0].split())  # the package's own first paragraph
+    assert described.removeprefix("lightning-lora: a ") in " ".join(out.split()), out
 
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:
@@ -64,7 +66,7 @@ def test_fit_help_shows_the_options_of_a_lora_run_in_plain_text(capsys: pytest.C
     # the same classes whatever was imported before (bitsandbytes' 40 optimizers were listed once it was imported)
     assert "lightning_lora.schedules.CosineWithWarmup" in out and "lightning_lora.optimizers.Adafactor" in out
     assert "transformers.Adafactor" not in out
-    assert len(out.splitlines()) < 640
+    assert len(out.splitlines()) < 720  # 824 with Lightning's; our own options (preservation, EMA...) add lines
 
 
 @pytest.mark.parametrize("verb", ["plan", "cache", "export"])
