@@ -81,7 +81,7 @@ def _raised_from(cause: BaseException) -> OSError:
 
 def test_a_hub_model_that_cannot_be_downloaded(monkeypatch: pytest.MonkeyPatch) -> None:
     """Gated, or the network down (HF_HUB_OFFLINE not set): each says what to do."""
-    import lightning_lora.families.base as base
+    import lightning_lora.families.source as model_source
 
     class GatedRepoError(Exception):  # huggingface_hub.errors' name; its constructor needs an HTTP response
         pass
@@ -89,7 +89,7 @@ def test_a_hub_model_that_cannot_be_downloaded(monkeypatch: pytest.MonkeyPatch) 
     source = ModelSource("black-forest-labs/FLUX.1-dev")
     gated = source_problem(source, "vae", _raised_from(GatedRepoError("401 Client Error")))
     assert "is a gated model" in gated and "hf auth login" in gated and "huggingface.co/black-forest-labs" in gated
-    monkeypatch.setattr(base, "_hub_offline", lambda: None)
+    monkeypatch.setattr(model_source, "_hub_offline", lambda: None)
     down = source_problem(source, "vae", _raised_from(ConnectionError("[Errno -2] Name or service not known")))
     assert "the hub could not be reached (no network?)" in down and "hf download black-forest-labs/FLUX.1-dev" in down
 
